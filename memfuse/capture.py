@@ -1,0 +1,440 @@
+"""capture: trace a function's joint forward+backward graph and lower it to memfuse's IR.
+
+AOTAutograd (`aot_export_joint_simple`) traces on fake tensors whose leading dims are size
+symbols and whose last dim is static, so every constant that depends on the batch or sequence
+size stays symbolic (a SYMBOL node) instead of being baked in. The aten graph, decomposed to
+primitives, is then lowered node by node; random ops become RAND nodes fed by one seed.
+Anything the kernels cannot take becomes an EXTERN node with the reason recorded.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import sympy
+import torch
+from torch._decomp import core_aten_decompositions, get_decompositions
+from torch._functorch.aot_autograd import aot_export_joint_simple
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+from .ir import (Cast, Constant, Extern, Graph, Index, Kind, Node, Op, Reduce, Seeded, Symbol, Value,
+                 ValueRef, fits, verify)
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+
+def decomposition_table() -> dict:
+    """core ATen plus the composites memfuse wants as primitives (norms, dropout, activations)."""
+    table = dict(core_aten_decompositions())
+    table.update(get_decompositions([
+        aten.native_layer_norm, aten.native_layer_norm_backward, aten.native_dropout,
+        aten.native_dropout_backward, aten._softmax, aten._softmax_backward_data,
+        aten._log_softmax, aten._log_softmax_backward_data, aten.gelu, aten.gelu_backward,
+        aten.silu, aten.silu_backward, aten.sigmoid_backward, aten.tanh_backward,
+        aten.threshold_backward, aten.rms_norm,
+    ]))
+    return table
+
+
+@dataclass
+class Captured:
+    """The joint graph in memfuse IR, with what the later stages need to know about it."""
+    joint: Graph                       # inputs: primals, [seed], tangents
+    num_primals: int
+    num_tangents: int
+    num_fwd_outputs: int
+    symbols: dict                      # sympy.Symbol -> (primal index, dim): read per call
+    hints: dict                        # sympy.Symbol -> traced size
+    has_seed: bool
+    fallbacks: list = field(default_factory=list)   # (node name, target, reason)
+    specialized: Optional[str] = None  # why leading shapes became part of the compile key
+    differentiable_outputs: list = field(default_factory=list)   # forward outputs with a tangent
+    aten_graph: Optional[torch.fx.GraphModule] = None
+
+
+def capture(fn: Callable, args: Sequence[torch.Tensor], *, trace_joint: bool,
+            static_inputs: Sequence[bool] = ()) -> Captured:
+    """Trace `fn(*args)` (tensor args only) and lower it. `static_inputs[i]`: keep all dims of
+    input i static (parameters)."""
+    shape_env = ShapeEnv()
+    fake_mode = FakeTensorMode(shape_env=shape_env)
+    fakes = [_fake_input(fake_mode, t, static=i < len(static_inputs) and static_inputs[i])
+             for i, t in enumerate(args)]
+    gm = aot_export_joint_simple(fn, tuple(fakes), trace_joint=trace_joint,
+                                 decompositions=decomposition_table())
+    symbols, hints = _symbol_sources(fakes)
+    captured = _Lowering(gm, symbols, hints).run(num_primals=len(args), trace_joint=trace_joint)
+    captured.specialized = _unsupported_guards(shape_env)
+    captured.aten_graph = gm
+    captured.differentiable_outputs = _differentiable_outputs(captured, [t.requires_grad for t in args])
+    return captured
+
+
+def _differentiable_outputs(captured: "Captured", requires_grad: list) -> list:
+    """Forward outputs that receive a tangent: floating values that depend on an input that
+    requires grad (the outputs AOTAutograd made tangents for, in order)."""
+    if captured.num_tangents == 0:
+        return []
+    graph = captured.joint
+    tracked = {name for name, rg in zip(graph.inputs, requires_grad) if rg}
+    for name, node in graph.nodes.items():
+        if any(i in tracked for i in node.inputs):
+            tracked.add(name)
+    outputs = graph.outputs[:captured.num_fwd_outputs]
+    chosen = [i for i, o in enumerate(outputs) if o in tracked and graph[o].value.is_floating]
+    if len(chosen) != captured.num_tangents:
+        raise RuntimeError(f"memfuse: found {len(chosen)} differentiable outputs but the trace has "
+                           f"{captured.num_tangents} tangents")
+    return chosen
+
+
+def _fake_input(mode: FakeTensorMode, t: torch.Tensor, static: bool) -> torch.Tensor:
+    dims = [DimDynamic.STATIC if static or i == t.dim() - 1 else DimDynamic.DYNAMIC
+            for i in range(t.dim())]
+    return mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(dynamic_sizes=dims))
+
+
+def _symbol_sources(fakes) -> tuple[dict, dict]:
+    symbols, hints = {}, {}
+    for i, fake in enumerate(fakes):
+        for d, size in enumerate(fake.shape):
+            if isinstance(size, torch.SymInt):
+                expr = size.node.expr
+                if isinstance(expr, sympy.Symbol) and expr not in symbols:
+                    symbols[expr] = (i, d)
+                    hints[expr] = size.node.hint
+    return symbols, hints
+
+
+def _unsupported_guards(shape_env: ShapeEnv) -> Optional[str]:
+    """Guards other than `s_a == s_b` are not implied by the compile key: specialize then."""
+    for guard in shape_env.guards:
+        expr = guard.expr
+        if isinstance(expr, sympy.Eq) and all(isinstance(a, sympy.Symbol) for a in expr.args):
+            continue
+        return f"the trace guards on {expr}"
+    return None
+
+
+def to_expr(size) -> sympy.Expr:
+    if isinstance(size, (torch.SymInt, torch.SymFloat)):
+        return size.node.expr
+    return sympy.Integer(size) if isinstance(size, int) else sympy.Float(size)
+
+
+def classify(fake) -> Value:
+    """Place a traced tensor in the [M, D] space (module docstring of ir.py)."""
+    if not isinstance(fake, torch.Tensor):
+        return Value(None, Kind.TENSOR)
+    shape = tuple(to_expr(s) for s in fake.shape)
+    dtype = fake.dtype
+    if len(shape) == 0 or all(s == 1 for s in shape):
+        return Value(dtype, Kind.SCALAR, shape)
+    last = shape[-1]
+    lead = shape[:-1]
+    m = sympy.Mul(*lead) if lead else sympy.Integer(1)
+    if not last.is_number:
+        return Value(dtype, Kind.ROW, shape, m=sympy.Mul(*shape))
+    if last == 1:
+        return Value(dtype, Kind.ROW, shape, m=m)
+    if all(s == 1 for s in lead):
+        return Value(dtype, Kind.COL, shape, d=int(last))
+    return Value(dtype, Kind.FULL, shape, m=m, d=int(last))
+
+
+POINTWISE_ATEN = {
+    aten.add.Tensor: Op.ADD, aten.add.Scalar: Op.ADD, aten.sub.Tensor: Op.SUB,
+    aten.sub.Scalar: Op.SUB, aten.mul.Tensor: Op.MUL, aten.mul.Scalar: Op.MUL,
+    aten.div.Tensor: Op.DIV, aten.div.Scalar: Op.DIV, aten.neg.default: Op.NEG,
+    aten.abs.default: Op.ABS, aten.exp.default: Op.EXP, aten.log.default: Op.LOG,
+    aten.sqrt.default: Op.SQRT, aten.rsqrt.default: Op.RSQRT, aten.sigmoid.default: Op.SIGMOID,
+    aten.tanh.default: Op.TANH, aten.erf.default: Op.ERF, aten.reciprocal.default: Op.RECIPROCAL,
+    aten.maximum.default: Op.MAXIMUM, aten.minimum.default: Op.MINIMUM,
+    aten.eq.Tensor: Op.EQ, aten.eq.Scalar: Op.EQ, aten.ne.Tensor: Op.NE, aten.ne.Scalar: Op.NE,
+    aten.lt.Tensor: Op.LT, aten.lt.Scalar: Op.LT, aten.le.Tensor: Op.LE, aten.le.Scalar: Op.LE,
+    aten.gt.Tensor: Op.GT, aten.gt.Scalar: Op.GT, aten.ge.Tensor: Op.GE, aten.ge.Scalar: Op.GE,
+    aten.logical_not.default: Op.LOGICAL_NOT, aten.logical_and.default: Op.LOGICAL_AND,
+    aten.logical_or.default: Op.LOGICAL_OR, aten.where.self: Op.WHERE,
+    prims.add.default: Op.ADD, prims.sub.default: Op.SUB, prims.mul.default: Op.MUL,
+    prims.div.default: Op.DIV, prims.neg.default: Op.NEG, prims.rsqrt.default: Op.RSQRT,
+    prims.sqrt.default: Op.SQRT, prims.exp.default: Op.EXP,
+}
+VIEW_ATEN = {aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+             aten.expand.default, aten.clone.default, aten.alias.default, aten.detach.default,
+             aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.unsqueeze.default,
+             prims.broadcast_in_dim.default}
+CAST_ATEN = {aten._to_copy.default, prims.convert_element_type.default}
+RAND_ATEN = {aten.rand_like.default, aten.rand.default}
+REDUCE_ATEN = {aten.sum.dim_IntList: Op.SUM, aten.amax.default: Op.MAX, aten.amin.default: Op.MIN,
+               prims.sum.default: Op.SUM}
+POW_SPECIAL = {2: "square", 0.5: Op.SQRT, -0.5: Op.RSQRT, 1: Op.VIEW, -1: Op.RECIPROCAL}
+
+
+class NotFusible(Exception):
+    """Raised inside a lowering rule: the node becomes an EXTERN, with this reason."""
+
+
+class _Lowering:
+    def __init__(self, gm: torch.fx.GraphModule, symbols: dict, hints: dict):
+        self.gm = gm
+        self.symbols = symbols
+        self.hints = hints
+        self.graph = Graph()
+        self.env: dict = {}            # fx node -> value name (or tuple of names)
+        self.constants: dict = {}
+        self.fallbacks: list = []
+        self.rng_streams = 0
+
+    def run(self, num_primals: int, trace_joint: bool) -> Captured:
+        placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        for node in placeholders:
+            self.env[node] = self.graph.add(Node(node.name, Op.INPUT, (), classify(node.meta["val"])))
+            self.graph.inputs.append(node.name)
+        for node in self.gm.graph.nodes:
+            if node.op == "call_function":
+                self.env[node] = self.lower(node)
+            elif node.op == "output":
+                outs = node.args[0]
+                self.graph.outputs = [self.env[o] if o is not None else None for o in outs]
+        has_seed = self.rng_streams > 0
+        if has_seed:   # the seed sits between primals and tangents in the call order
+            self.graph.inputs.insert(num_primals, "seed")
+        num_tangents = len(placeholders) - num_primals
+        verify(self.graph)
+        return Captured(self.graph, num_primals, num_tangents,
+                        len(self.graph.outputs) - (num_primals if trace_joint else 0),
+                        self.symbols, self.hints, has_seed, self.fallbacks)
+
+    # -- helpers ---------------------------------------------------------------------
+    def add(self, op: Op, inputs, value: Value, attr=None, name: Optional[str] = None) -> str:
+        base = name or op.value
+        unique, k = base, 0
+        while unique in self.graph.nodes:
+            k += 1
+            unique = f"{base}_{k}"
+        return self.graph.add(Node(unique, op, tuple(inputs), value, attr))
+
+    def const(self, value) -> str:
+        key = (type(value), value)
+        if key not in self.constants:
+            dtype = torch.bool if isinstance(value, bool) else torch.int64 if isinstance(value, int) \
+                else torch.float32
+            self.constants[key] = self.add(Op.CONSTANT, (), Value(dtype, Kind.SCALAR), Constant(value),
+                                           name="const")
+        return self.constants[key]
+
+    def operand(self, arg) -> str:
+        """The value name of an fx argument: a traced value, a Python number, or a size."""
+        if isinstance(arg, torch.fx.Node):
+            return self.env[arg]
+        if isinstance(arg, (bool, int, float)):
+            return self.const(arg)
+        raise NotFusible(f"argument {arg!r} is not a tensor or number")
+
+    def seed(self) -> str:
+        if "seed" not in self.graph.nodes:
+            self.graph.add(Node("seed", Op.SEED, (), Value(torch.int64, Kind.SCALAR)))
+        return "seed"
+
+    def check_fits(self, op: Op, inputs, value: Value) -> None:
+        for inp in inputs:
+            if not fits(self.graph[inp].value, value, op):
+                raise NotFusible(f"{self.graph[inp].value.kind.value} input {inp} does not fit a "
+                                 f"{value.kind.value} result in one [M, D] space")
+
+    # -- lowering rules ----------------------------------------------------------------
+    def lower(self, node: torch.fx.Node):
+        val = node.meta.get("val")
+        if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)):
+            return self.lower_symbol(node, val)
+        try:
+            return self.lower_tensor_op(node, val)
+        except NotFusible as reason:
+            return self.lower_extern(node, val, str(reason))
+
+    def lower_symbol(self, node, val) -> str:
+        expr = to_expr(val) if not isinstance(val, (torch.SymBool, bool)) else None
+        if expr is None:
+            raise NotImplementedError(f"memfuse: boolean size expression {node.format_node()}")
+        if expr.free_symbols:
+            dtype = torch.float32 if isinstance(val, (torch.SymFloat, float)) else torch.int64
+            return self.add(Op.SYMBOL, (), Value(dtype, Kind.SCALAR), Symbol(expr), name=node.name)
+        number = float(expr) if isinstance(val, (torch.SymFloat, float)) else int(expr)
+        return self.const(number)
+
+    def lower_tensor_op(self, node, val):
+        target = node.target
+        if target is operator.getitem:
+            source = self.env[node.args[0]]
+            if isinstance(source, tuple):
+                return source[node.args[1]]
+            return self.add(Op.GETITEM, (source,), classify(val), Index(node.args[1]), name=node.name)
+        if target in (aten.var_mean.correction, aten.var.correction):
+            return self.lower_var_mean(node, val)
+        if not isinstance(val, torch.Tensor):
+            raise NotFusible("produces a tuple")
+        value = classify(val)
+        if value.kind is Kind.TENSOR:
+            raise NotFusible(f"shape {tuple(val.shape)} is outside the [M, D] space")
+        if target in POINTWISE_ATEN:
+            return self.lower_pointwise(node, POINTWISE_ATEN[target], value)
+        if target is aten.relu.default:
+            return self.pointwise(Op.MAXIMUM, [self.operand(node.args[0]), self.const(0.0)], value, node.name)
+        if target in (aten.clamp_min.default, aten.clamp_max.default, aten.clamp.default):
+            return self.lower_clamp(node, value)
+        if target is aten.pow.Tensor_Scalar:
+            return self.lower_pow(node, value)
+        if target in VIEW_ATEN:
+            return self.pointwise(Op.VIEW, [self.operand(node.args[0])], value, node.name)
+        if target in CAST_ATEN:
+            return self.lower_cast(node, value)
+        if target in RAND_ATEN:
+            return self.lower_rand(node, value)
+        if target in REDUCE_ATEN:
+            return self.lower_reduction(node, REDUCE_ATEN[target], value)
+        if target is aten.mean.dim:
+            return self.lower_mean(node, value)
+        raise NotFusible(f"no lowering for {target}")
+
+    def pointwise(self, op: Op, inputs, value: Value, name: str) -> str:
+        self.check_fits(op, inputs, value)
+        return self.add(op, inputs, value, name=name)
+
+    def lower_pointwise(self, node, op: Op, value: Value) -> str:
+        args = [self.operand(a) for a in node.args]
+        if node.kwargs.get("rounding_mode") is not None:
+            raise NotFusible(f"rounding_mode={node.kwargs['rounding_mode']}")
+        alpha = node.kwargs.get("alpha", 1)
+        if alpha != 1:
+            scaled = self.graph[args[1]].value
+            args[1] = self.pointwise(Op.MUL, [args[1], self.operand(alpha)], scaled, f"{node.name}_alpha")
+        return self.pointwise(op, args, value, node.name)
+
+    def lower_clamp(self, node, value: Value) -> str:
+        x = self.operand(node.args[0])
+        if node.target is aten.clamp.default:
+            low, high = (list(node.args[1:]) + [None, None])[:2]
+            low, high = node.kwargs.get("min", low), node.kwargs.get("max", high)
+        elif node.target is aten.clamp_min.default:
+            low, high = node.args[1], None
+        else:
+            low, high = None, node.args[1]
+        if low is not None:
+            x = self.pointwise(Op.MAXIMUM, [x, self.operand(low)], value, f"{node.name}_min")
+        if high is not None:
+            x = self.pointwise(Op.MINIMUM, [x, self.operand(high)], value, f"{node.name}_max")
+        return x
+
+    def lower_pow(self, node, value: Value) -> str:
+        x, exponent = self.operand(node.args[0]), node.args[1]
+        special = POW_SPECIAL.get(exponent)
+        if special is None:
+            raise NotFusible(f"pow with exponent {exponent}")
+        if special == "square":
+            return self.pointwise(Op.MUL, [x, x], value, node.name)
+        return self.pointwise(special, [x], value, node.name)
+
+    def lower_cast(self, node, value: Value) -> str:
+        source = node.args[0]
+        device = node.kwargs.get("device")
+        if device is not None and device != source.meta["val"].device:
+            raise NotFusible(f"copies to device {device}")
+        x = self.operand(source)
+        op = Op.VIEW if self.graph[x].value.dtype == value.dtype else Op.CAST
+        self.check_fits(op, [x], value)
+        return self.add(op, [x], value, Cast(value.dtype) if op is Op.CAST else None, name=node.name)
+
+    def lower_rand(self, node, value: Value) -> str:
+        if value.kind is not Kind.FULL or not value.is_floating:
+            raise NotFusible("random values outside a FULL float [M, D] tensor")
+        stream = self.rng_streams
+        self.rng_streams += 1
+        return self.add(Op.RAND, [self.seed()], value, Seeded(stream), name=node.name)
+
+    def reduction_axis(self, node, source: Value) -> Kind:
+        dims = node.args[1] if len(node.args) > 1 else None
+        rank = len(source.shape)
+        if source.kind is not Kind.FULL or dims is None:
+            raise NotFusible("reduction over a non-[M, D] tensor or over every dim")
+        dims = sorted(d % rank for d in dims)
+        if dims == [rank - 1]:
+            return Kind.ROW
+        if dims == list(range(rank - 1)):
+            return Kind.COL
+        raise NotFusible(f"reduction over dims {dims} of a rank-{rank} tensor")
+
+    def lower_reduction(self, node, op: Op, value: Value) -> str:
+        x = self.operand(node.args[0])
+        axis = self.reduction_axis(node, self.graph[x].value)
+        if node.kwargs.get("dtype") not in (None, value.dtype):
+            raise NotFusible("reduction with a dtype argument")
+        self.check_fits(op, [x], value)
+        return self.add(op, [x], value, Reduce(axis), name=node.name)
+
+    def count_reduced(self, source: Value, axis: Kind) -> str:
+        """1 / (number of elements reduced): a constant over D, a SYMBOL over M."""
+        count = sympy.Integer(source.d) if axis is Kind.ROW else source.m
+        inverse = 1 / count
+        if inverse.free_symbols:
+            return self.add(Op.SYMBOL, (), Value(torch.float32, Kind.SCALAR), Symbol(inverse), name="inv_count")
+        return self.const(float(inverse))
+
+    def lower_mean(self, node, value: Value) -> str:
+        x = self.operand(node.args[0])
+        source = self.graph[x].value
+        axis = self.reduction_axis(node, source)
+        total = self.add(Op.SUM, [x], value, Reduce(axis), name=f"{node.name}_sum")
+        return self.pointwise(Op.MUL, [total, self.count_reduced(source, axis)], value, node.name)
+
+    def lower_var_mean(self, node, val):
+        """Two passes over the row in registers: mean, then the sum of squared deviations."""
+        x = self.operand(node.args[0])
+        source = self.graph[x].value
+        axis = self.reduction_axis(node, source)
+        if axis is not Kind.ROW:
+            raise NotFusible("variance over the leading dims")
+        correction = node.kwargs.get("correction", 1)
+        correction = 1 if correction is None else correction
+        var_fake = val[0] if isinstance(val, (tuple, list)) else val
+        stat = classify(var_fake)
+        full = Value(torch.float32 if source.dtype != torch.float64 else source.dtype, Kind.FULL,
+                     source.shape, source.m, source.d)
+        total = self.add(Op.SUM, [x], stat, Reduce(Kind.ROW), name=f"{node.name}_sum")
+        mean = self.add(Op.MUL, [total, self.const(1.0 / source.d)], stat, name=f"{node.name}_mean")
+        diff = self.add(Op.SUB, [x, mean], full, name=f"{node.name}_diff")
+        square = self.add(Op.MUL, [diff, diff], full, name=f"{node.name}_sq")
+        squares = self.add(Op.SUM, [square], stat, Reduce(Kind.ROW), name=f"{node.name}_sqsum")
+        var = self.add(Op.MUL, [squares, self.const(1.0 / max(source.d - correction, 0) if source.d > correction
+                                                    else float("nan"))], stat, name=f"{node.name}_var")
+        return (var, mean) if node.target is aten.var_mean.correction else var
+
+    def lower_extern(self, node, val, reason: str) -> str:
+        def ref(arg):
+            if isinstance(arg, torch.fx.Node):
+                name = self.env[arg]
+                if isinstance(name, tuple):
+                    raise NotImplementedError(f"memfuse: extern {node.target} reads a lowered tuple")
+                return ValueRef(name)
+            if isinstance(arg, (list, tuple)):
+                return type(arg)(ref(a) for a in arg)
+            return arg
+        args = tuple(ref(a) for a in node.args)
+        kwargs = tuple((k, ref(v)) for k, v in node.kwargs.items())
+        inputs = _refs(args) + _refs(tuple(v for _, v in kwargs))
+        value = classify(val) if isinstance(val, torch.Tensor) else Value(None, Kind.TENSOR)
+        self.fallbacks.append((node.name, str(node.target), reason))
+        return self.add(Op.EXTERN, list(dict.fromkeys(inputs)), value, Extern(node.target, args, kwargs),
+                        name=node.name)
+
+
+def _refs(args) -> list:
+    out = []
+    for a in args:
+        if isinstance(a, ValueRef):
+            out.append(a.name)
+        elif isinstance(a, (list, tuple)):
+            out.extend(_refs(a))
+    return out

@@ -1,0 +1,27 @@
+"""codegen: Triton source for each kernel group, written to the cache and imported."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import Config
+from ..ir import Graph
+from ..schedule import KernelGroup
+from .cache import kernel_path, load_kernel
+from .row_kernel import Arg, KernelSource, write_row_kernel
+
+
+@dataclass
+class CompiledKernel:
+    source: KernelSource
+    fn: Any                      # the @triton.jit function
+    path: str
+
+
+def generate(graph: Graph, group: KernelGroup, config: Config) -> CompiledKernel:
+    source = write_row_kernel(graph, group, config.tile_elements)
+    fn = load_kernel(config.cache_dir, source.name, source.source)
+    return CompiledKernel(source, fn, str(kernel_path(config.cache_dir, source.name, source.source)))
+
+
+__all__ = ["Arg", "CompiledKernel", "KernelSource", "generate"]

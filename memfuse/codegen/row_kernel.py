@@ -1,0 +1,345 @@
+"""Emit one Triton kernel for a KernelGroup: rows of an [M, D] space, each row whole in registers.
+
+The kernel walks tiles of BLOCK_M rows x BLOCK_D columns. Column vectors (weights) and scalars
+are loaded once per program, before the rows. Reductions over D are `tl.sum(..., axis=1)` in
+registers; reductions over M accumulate fp32 partial sums per program in registers, written
+once at the end to a [programs, n, D] buffer that the runtime finishes with one small sum.
+Kernels with such partials loop over tiles (a persistent grid); the others take one tile per
+program. Every float is computed in fp32 and rounded once, at the store.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from ..ir import Graph, Kind, Node, Op, Value
+from ..ops import OPS, REDUCERS, TRITON_DTYPES, compute_dtype
+from ..schedule import KernelGroup
+
+RESERVED = {"pid", "num_programs", "cols", "col_mask", "rows", "row_mask", "mask", "offsets",
+            "tile", "step", "tl", "triton", "M", "D", "BLOCK_M", "BLOCK_D", "seed", "tiles_per_program",
+            "float", "range", "int", "partials", "partials_max", "partials_min"}
+
+
+@dataclass(frozen=True)
+class Arg:
+    """One kernel argument, in launch order."""
+    name: str                 # parameter name in the kernel
+    role: str                 # "read", "write", "scalar", "partials", "rows", "tiles"
+    value: Optional[str] = None   # the graph value it carries (tensor or scalar args)
+
+
+@dataclass
+class KernelSource:
+    name: str
+    source: str
+    args: list                                    # Arg, in order (constexprs excluded)
+    constexprs: dict                              # D, BLOCK_M, BLOCK_D
+    persistent: bool                              # loops over tiles with a fixed grid
+    column_sums: dict = field(default_factory=dict)   # reducer op -> [value names] in partial order
+    bytes_per_row: int = 0                        # bytes moved per row (both directions)
+
+
+class _Lines:
+    def __init__(self):
+        self.lines, self.depth = [], 0
+
+    def __call__(self, text: str = ""):
+        self.lines.append("    " * self.depth + text if text else "")
+
+    def indent(self):
+        self.depth += 1
+
+    def dedent(self):
+        self.depth -= 1
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _literal(value) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, float):
+        if value != value:
+            return "float('nan')"
+        if value in (float("inf"), float("-inf")):
+            return "float('inf')" if value > 0 else "float('-inf')"
+        return repr(value)
+    return str(value)
+
+
+class RowKernelWriter:
+    def __init__(self, graph: Graph, group: KernelGroup, tile_elements: int):
+        self.graph = graph
+        self.group = group
+        self.d = group.space.d
+        self.has_rows = group.space.m is not None
+        self.block_d = _next_pow2(self.d) if self.d else 1
+        self.block_m = max(1, tile_elements // self.block_d) if self.has_rows else 1
+        self.members = set(group.nodes)
+        self.names: dict = {}
+        self.kinds: dict = {}     # value name -> Kind of its register value
+        self.sums = {op: [n for n in group.column_sums if graph[n].op is op] for op in REDUCERS}
+        self.persistent = bool(group.column_sums)
+
+    # -- names and shapes ----------------------------------------------------------------
+    def reg(self, name: str) -> str:
+        if name not in self.names:
+            self.names[name] = f"{name}_v" if name in RESERVED else name
+        return self.names[name]
+
+    def operand(self, name: str, want: Kind, cast_to: Optional[torch.dtype]) -> str:
+        """The register expression of `name`, broadcast to `want` and cast to `cast_to`."""
+        node = self.graph[name]
+        if node.op is Op.CONSTANT:
+            text = _literal(node.attr.value)
+            if cast_to is not None and cast_to.is_floating_point and not isinstance(node.attr.value, float):
+                text = f"{float(node.attr.value)!r}"
+            return text
+        text = self.reg(name)
+        kind = self.kinds[name]
+        if want is Kind.FULL and kind is Kind.ROW:
+            text = f"{text}[:, None]"
+        elif want is Kind.FULL and kind is Kind.COL:
+            text = f"{text}[None, :]"
+        have = compute_dtype(node.value.dtype) if node.value.dtype is not None else None
+        if cast_to is not None and have is not None and have != cast_to:
+            text = f"{text}.to({TRITON_DTYPES[cast_to]})"
+        return text
+
+    # -- the kernel ----------------------------------------------------------------------
+    def write(self) -> KernelSource:
+        g = self.group
+        args = self.signature_args()
+        out = _Lines()
+        out("import triton")
+        out("import triton.language as tl")
+        out()
+        out()
+        self.header(out)
+        scalars = [a.name for a in args if a.role in ("scalar", "rows", "tiles")]
+        out(f"@triton.jit(do_not_specialize={scalars!r})")
+        out(f"def {g.name}(")
+        out.indent()
+        for a in args:
+            out(f"{a.name},{self.describe(a)}")
+        out("D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,")
+        out.dedent()
+        out("):")
+        out.indent()
+        self.body(out)
+        constexprs = {"D": self.d or 1, "BLOCK_M": self.block_m, "BLOCK_D": self.block_d}
+        return KernelSource(g.name, "\n".join(out.lines) + "\n", args, constexprs, self.persistent,
+                            {op: names for op, names in self.sums.items() if names}, self.bytes_per_row())
+
+    def signature_args(self) -> list:
+        args = []
+        for name in self.group.inputs:
+            node = self.graph[name]
+            if node.op is Op.CONSTANT:
+                continue
+            if node.op in (Op.SYMBOL, Op.SEED):
+                args.append(Arg(self.reg(name), "scalar", name))
+            else:
+                args.append(Arg(f"{name}_ptr", "read", name))
+        for name in self.group.outputs:
+            args.append(Arg(f"{name}_ptr", "write", name))
+        for op, names in self.sums.items():
+            if names:
+                args.append(Arg(f"partials_{op.value}_ptr", "partials", op.value))
+        if self.has_rows:
+            args.append(Arg("M", "rows"))
+            if self.persistent:
+                args.append(Arg("tiles_per_program", "tiles"))
+        return args
+
+    def describe(self, arg: Arg) -> str:
+        if arg.role in ("read", "write"):
+            v = self.graph[arg.value].value
+            shape = {Kind.FULL: "[M, D]", Kind.ROW: "[M]", Kind.COL: "[D]", Kind.SCALAR: "[1]"}[v.kind]
+            what = "input" if arg.role == "read" else "output"
+            return f"  # {shape} {str(v.dtype).replace('torch.', '')} {what}"
+        if arg.role == "partials":
+            return f"  # [programs, n, D] fp32 partial {arg.value}s over M, finished by the runtime"
+        if arg.role == "scalar":
+            return "  # per-call scalar"
+        if arg.role == "rows":
+            return "  # rows: a runtime value, so one kernel serves every batch size"
+        return "  # tiles each program walks"
+
+    def bytes_per_row(self) -> int:
+        total = 0
+        for name in self.group.inputs + self.group.outputs:
+            v = self.graph[name].value
+            if v.dtype is None or self.graph[name].op in (Op.CONSTANT, Op.SYMBOL, Op.SEED):
+                continue
+            per_row = {Kind.FULL: self.d or 1, Kind.ROW: 1}.get(v.kind, 0)
+            total += per_row * v.dtype.itemsize
+        return total
+
+    def header(self, out: _Lines) -> None:
+        g = self.group
+        out(f"# {g.name}: {len(g.nodes)} ops over [M, D={self.d}] "
+            f"({'persistent grid, ' if self.persistent else ''}{self.block_m} rows x {self.block_d} columns a tile)")
+        out(f"# moves {self.bytes_per_row()} bytes per row (reads + writes of [M, D] and [M] tensors)")
+        out(f"# ops: {', '.join(self.graph[n].op.value for n in g.nodes)}")
+
+    def body(self, out: _Lines) -> None:
+        g = self.group
+        out("pid = tl.program_id(0)")
+        if self.d:
+            out("cols = tl.arange(0, BLOCK_D)")
+            out("col_mask = cols < D")
+        before = [n for n in g.inputs if self.graph[n].value.kind in (Kind.COL, Kind.SCALAR)]
+        row_nodes = [n for n in g.nodes if self.graph[n].value.kind in (Kind.FULL, Kind.ROW)
+                     or n in g.column_sums]
+        col_nodes = [n for n in g.nodes if n not in row_nodes]
+        out("# column vectors and scalars: loaded once per program")
+        for name in before:
+            self.load(out, name)
+        for name in col_nodes:
+            self.compute(out, name)
+            if name in g.outputs:
+                self.store(out, name)
+        if not self.has_rows:
+            return
+        for op, names in self.sums.items():
+            for name in names:
+                out(f"{self.reg(name)}_acc = tl.full([BLOCK_D], {REDUCERS[op][1]}, tl.float32)")
+        if self.persistent:
+            out("num_programs = tl.num_programs(0)")
+            out("for step in range(0, tiles_per_program):")
+            out.indent()
+            out("tile = pid + step * num_programs")
+        else:
+            out("tile = pid")
+        out("rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)")
+        out("row_mask = rows < M")
+        if self.d:
+            out("mask = row_mask[:, None] & col_mask[None, :]")
+            out("offsets = rows.to(tl.int64)[:, None] * D + cols[None, :]")
+        out("# rows: load, compute, store")
+        for name in g.inputs:
+            if self.graph[name].value.kind in (Kind.FULL, Kind.ROW):
+                self.load(out, name)
+        for name in row_nodes:
+            self.compute(out, name)
+            if name in g.outputs:
+                self.store(out, name)
+        if self.persistent:
+            out.dedent()
+            out("# partials over M: one row of D per program and reduction")
+            for op, names in self.sums.items():
+                for j, name in enumerate(names):
+                    out(f"tl.store(partials_{op.value}_ptr + (pid * {len(names)} + {j}) * D + cols, "
+                        f"{self.reg(name)}_acc, mask=col_mask)")
+
+    def load(self, out: _Lines, name: str) -> None:
+        node = self.graph[name]
+        kind = node.value.kind
+        self.kinds[name] = kind
+        if node.op in (Op.CONSTANT, Op.SYMBOL, Op.SEED):
+            return
+        cast = compute_dtype(node.value.dtype)
+        to = "" if node.value.dtype == torch.bool else f".to({TRITON_DTYPES[cast]})"
+        ptr = f"{name}_ptr"
+        if kind is Kind.FULL:
+            out(f"{self.reg(name)} = tl.load({ptr} + offsets, mask=mask, other=0){to}")
+        elif kind is Kind.ROW:
+            out(f"{self.reg(name)} = tl.load({ptr} + rows, mask=row_mask, other=0){to}")
+        elif kind is Kind.COL:
+            out(f"{self.reg(name)} = tl.load({ptr} + cols, mask=col_mask, other=0){to}")
+        else:
+            out(f"{self.reg(name)} = tl.load({ptr}){to}")
+
+    def compute(self, out: _Lines, name: str) -> None:
+        node = self.graph[name]
+        target = self.reg(name)
+        out_dtype = compute_dtype(node.value.dtype)
+        shape = _register_kind([self.kinds[i] for i in node.inputs if i in self.kinds])
+        if node.op is Op.VIEW:
+            out(f"{target} = {self.operand(node.inputs[0], shape, out_dtype)}")
+        elif node.op is Op.CAST:
+            out(f"{target} = {self.cast(node, shape)}")
+        elif node.op is Op.RAND:
+            shape = Kind.FULL
+            out(f"{target} = tl.rand({self.reg(node.inputs[0])} + {node.attr.stream}, offsets)"
+                f"{self.round_to(node.value.dtype)}")
+        elif node.op in REDUCERS:
+            shape = node.attr.axis
+            self.reduce(out, node)
+        elif node.op is Op.WHERE:
+            condition = self.operand(node.inputs[0], shape, None)
+            branches = [self.operand(i, shape, out_dtype) for i in node.inputs[1:]]
+            out(f"{target} = {OPS[node.op].triton.format(condition, *branches)}")
+        else:
+            cast_to = out_dtype if out_dtype.is_floating_point else None
+            operands = [self.operand(i, shape, cast_to) for i in node.inputs]
+            out(f"{target} = {OPS[node.op].triton.format(*operands)}")
+        self.kinds[name] = shape
+
+    def cast(self, node: Node, shape: Kind) -> str:
+        src = node.inputs[0]
+        target = node.attr.dtype
+        text = self.operand(src, shape, None)
+        if target == torch.bool:
+            return f"({text} != 0)"
+        if target in (torch.float16, torch.bfloat16):
+            return f"{text}.to({TRITON_DTYPES[target]}).to(tl.float32)"
+        return f"{text}.to({TRITON_DTYPES[compute_dtype(target)]})"
+
+    @staticmethod
+    def round_to(dtype: torch.dtype) -> str:
+        if dtype in (torch.float16, torch.bfloat16):
+            return f".to({TRITON_DTYPES[dtype]}).to(tl.float32)"
+        return ""
+
+    def reduce(self, out: _Lines, node: Node) -> None:
+        reducer, neutral, _ = REDUCERS[node.op]
+        source = self.operand(node.inputs[0], Kind.FULL, torch.float32)
+        masked = f"tl.where(mask, {source}, {neutral})"
+        if node.attr.axis is Kind.ROW:
+            out(f"{self.reg(node.name)} = {reducer}({masked}, axis=1)")
+            return
+        acc = f"{self.reg(node.name)}_acc"
+        if node.op is Op.SUM:
+            out(f"{acc} += tl.sum({masked}, axis=0)")
+        else:
+            combine = "tl.maximum" if node.op is Op.MAX else "tl.minimum"
+            out(f"{acc} = {combine}({acc}, {reducer}({masked}, axis=0))")
+
+    def store(self, out: _Lines, name: str) -> None:
+        node = self.graph[name]
+        kind = node.value.kind
+        value = self.reg(name)
+        value = f"({value} != 0)" if node.value.dtype == torch.bool else f"{value}.to({TRITON_DTYPES[node.value.dtype]})"
+        if self.kinds[name] is not kind:   # a broadcast (expand) that was never materialized
+            block = {Kind.FULL: "[BLOCK_M, BLOCK_D]", Kind.ROW: "[BLOCK_M]", Kind.COL: "[BLOCK_D]"}[kind]
+            value = f"tl.broadcast_to({self.operand(name, kind, None)}, {block}).to({TRITON_DTYPES[node.value.dtype]})"
+        ptr = f"{name}_ptr"
+        if kind is Kind.FULL:
+            out(f"tl.store({ptr} + offsets, {value}, mask=mask)")
+        elif kind is Kind.ROW:
+            out(f"tl.store({ptr} + rows, {value}, mask=row_mask)")
+        elif kind is Kind.COL:
+            out(f"tl.store({ptr} + cols, {value}, mask=col_mask & (pid == 0))")
+        else:
+            out(f"tl.store({ptr}, {value}, mask=pid == 0)")
+
+
+def _register_kind(kinds) -> Kind:
+    """The shape of an elementwise result: FULL if any operand is, or ROW meets COL."""
+    present = {k for k in kinds if k is not Kind.SCALAR}
+    if not present:
+        return Kind.SCALAR
+    if len(present) == 1:
+        return present.pop()
+    return Kind.FULL
+
+
+def write_row_kernel(graph: Graph, group: KernelGroup, tile_elements: int) -> KernelSource:
+    return RowKernelWriter(graph, group, tile_elements).write()

@@ -1,0 +1,32 @@
+"""Named policies and thresholds: every knob of the pipeline, documented in one place."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("MEMFUSE_CACHE_DIR", Path.home() / ".cache" / "memfuse"))
+
+
+@dataclass(frozen=True)
+class Config:
+    # Longest row (D) kept whole in registers by a persistent kernel; longer rows run via aten.
+    max_row_length: int = 16384
+    # Elements of one [BLOCK_M, BLOCK_D] tile: BLOCK_M = max(1, tile_elements // BLOCK_D).
+    tile_elements: int = 4096
+    # Programs per SM for kernels with reductions over M (each keeps fp32 column partials).
+    programs_per_sm: int = 4
+    # Programs for such kernels when there is no GPU (the interpreter runs programs one by one).
+    cpu_programs: int = 2
+    # Turn every extern (aten) fallback into an error naming the op (MEMFUSE_STRICT=1).
+    strict: bool = field(default_factory=lambda: _env_flag("MEMFUSE_STRICT"))
+    # Where generated kernels are written, one content-addressed file each.
+    cache_dir: Path = field(default_factory=default_cache_dir)
+    # Run the IR verifier after every stage (tests turn it on; MEMFUSE_CHECK=1).
+    check: bool = field(default_factory=lambda: _env_flag("MEMFUSE_CHECK"))

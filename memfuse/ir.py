@@ -1,0 +1,221 @@
+"""memfuse's IR: a small typed graph over the [M, D] iteration space.
+
+Every value is placed in the iteration space of DESIGN.md: a FULL value is [M, D] (M rows of
+D elements), a ROW value has one element per row ([M]: mean, rstd), a COL value one per column
+([D]: weight, bias and their gradients), a SCALAR one element. Values of any other shape are
+TENSOR: only extern (aten) steps touch them. M is a sympy expression over the size symbols of
+the inputs' leading dims, so one compiled program serves every batch and sequence size; D is
+a plain int, part of the compile key.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import sympy
+import torch
+
+
+class Kind(enum.Enum):
+    FULL = "full"
+    ROW = "row"
+    COL = "col"
+    SCALAR = "scalar"
+    TENSOR = "tensor"
+
+
+class Op(enum.Enum):
+    INPUT = "input"
+    SEED = "seed"            # the per-call random seed: all that dropout needs to regenerate
+    CONSTANT = "constant"
+    SYMBOL = "symbol"        # a size-derived scalar, evaluated from the input shapes per call
+    VIEW = "view"            # reshape/expand/clone that keeps the [M, D] element order
+    CAST = "cast"
+    NEG = "neg"; ABS = "abs"; EXP = "exp"; LOG = "log"; SQRT = "sqrt"; RSQRT = "rsqrt"
+    SIGMOID = "sigmoid"; TANH = "tanh"; ERF = "erf"; RECIPROCAL = "reciprocal"
+    LOGICAL_NOT = "logical_not"
+    ADD = "add"; SUB = "sub"; MUL = "mul"; DIV = "div"
+    MAXIMUM = "maximum"; MINIMUM = "minimum"
+    EQ = "eq"; NE = "ne"; LT = "lt"; LE = "le"; GT = "gt"; GE = "ge"
+    LOGICAL_AND = "logical_and"; LOGICAL_OR = "logical_or"
+    WHERE = "where"
+    RAND = "rand"            # uniform [0, 1) from philox(seed, element index)
+    SUM = "sum"; MAX = "max"; MIN = "min"   # over D (ROW result) or over M (COL result)
+    EXTERN = "extern"        # an aten call the code generator does not take
+    GETITEM = "getitem"      # one element of an extern's tuple result
+
+
+UNARY = {Op.NEG, Op.ABS, Op.EXP, Op.LOG, Op.SQRT, Op.RSQRT, Op.SIGMOID, Op.TANH, Op.ERF,
+         Op.RECIPROCAL, Op.LOGICAL_NOT, Op.CAST}
+BINARY = {Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.MAXIMUM, Op.MINIMUM, Op.EQ, Op.NE,
+          Op.LT, Op.LE, Op.GT, Op.GE, Op.LOGICAL_AND, Op.LOGICAL_OR}
+POINTWISE = UNARY | BINARY | {Op.WHERE, Op.VIEW}
+REDUCTION = {Op.SUM, Op.MAX, Op.MIN}
+RANDOM = {Op.RAND}
+LEAF = {Op.INPUT, Op.SEED, Op.CONSTANT, Op.SYMBOL}
+EXTERNAL = {Op.EXTERN, Op.GETITEM}
+FUSIBLE = POINTWISE | REDUCTION | RANDOM
+
+
+@dataclass(frozen=True)
+class Value:
+    """What a node produces: dtype, place in the iteration space, and its traced shape."""
+    dtype: Optional[torch.dtype]
+    kind: Kind
+    shape: tuple = ()                   # sympy expressions / ints; for allocation and views
+    m: Optional[sympy.Expr] = None      # rows, for FULL and ROW
+    d: Optional[int] = None             # columns, for FULL and COL
+
+    @property
+    def is_floating(self) -> bool:
+        return self.dtype is not None and self.dtype.is_floating_point
+
+
+@dataclass(frozen=True)
+class Cast:
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class Constant:
+    value: Union[float, int, bool]
+
+
+@dataclass(frozen=True)
+class Symbol:
+    expr: sympy.Expr
+
+
+@dataclass(frozen=True)
+class Seeded:
+    stream: int                         # which random op of the graph: seed + stream
+
+
+@dataclass(frozen=True)
+class Reduce:
+    axis: Kind                          # Kind.ROW: over D; Kind.COL: over M
+
+
+@dataclass(frozen=True)
+class Extern:
+    target: Any                         # an OpOverload or operator.getitem
+    args: tuple                         # with ValueRef in place of graph values
+    kwargs: tuple                       # ((key, value), ...)
+
+
+@dataclass(frozen=True)
+class Index:
+    index: int
+
+
+@dataclass(frozen=True)
+class ValueRef:
+    name: str
+
+
+Attr = Union[None, Cast, Constant, Symbol, Seeded, Reduce, Extern, Index]
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    op: Op
+    inputs: tuple
+    value: Value
+    attr: Attr = None
+
+
+@dataclass
+class Graph:
+    """Nodes in topological order; `outputs` may hold None for a gradient nobody needs."""
+    nodes: dict = field(default_factory=dict)        # name -> Node
+    inputs: list = field(default_factory=list)       # names of INPUT / SEED nodes, in call order
+    outputs: list = field(default_factory=list)      # names (or None)
+
+    def add(self, node: Node) -> str:
+        assert node.name not in self.nodes, node.name
+        self.nodes[node.name] = node
+        return node.name
+
+    def users(self) -> dict:
+        users = {name: [] for name in self.nodes}
+        for node in self.nodes.values():
+            for inp in node.inputs:
+                users[inp].append(node.name)
+        return users
+
+    def __getitem__(self, name: str) -> Node:
+        return self.nodes[name]
+
+
+def value_bytes(value: Value, hints: dict) -> int:
+    """Bytes a value occupies when materialized, with size symbols at their hinted values."""
+    if value.dtype is None:
+        return 0
+    numel = 1
+    for size in value.shape:
+        numel *= int(sympy.sympify(size).subs(hints)) if not isinstance(size, int) else size
+    return numel * value.dtype.itemsize
+
+
+def format_graph(graph: Graph) -> str:
+    """One line per node: `name: kind[dtype] = op(inputs) attr`."""
+    lines = []
+    for node in graph.nodes.values():
+        v = node.value
+        dtype = str(v.dtype).replace("torch.", "") if v.dtype is not None else "-"
+        attr = "" if node.attr is None else f"  {_format_attr(node.attr)}"
+        lines.append(f"  {node.name}: {v.kind.value}[{dtype}] = {node.op.value}({', '.join(node.inputs)}){attr}")
+    lines.append(f"  outputs: {', '.join(str(o) for o in graph.outputs)}")
+    return "\n".join(lines)
+
+
+def _format_attr(attr) -> str:
+    if isinstance(attr, Extern):
+        return f"{attr.target}"
+    return repr(attr)
+
+
+class GraphError(AssertionError):
+    pass
+
+
+def verify(graph: Graph) -> None:
+    """Check topological order and the [M, D] rules every fusible node obeys."""
+    seen = set()
+    for node in graph.nodes.values():
+        for inp in node.inputs:
+            if inp not in seen:
+                raise GraphError(f"memfuse IR: {node.name} reads {inp} before it is defined\n{format_graph(graph)}")
+        if node.op in FUSIBLE:
+            for inp in node.inputs:
+                if not fits(graph[inp].value, node.value, node.op):
+                    raise GraphError(f"memfuse IR: {node.name} ({node.op.value}, {node.value.kind.value}) "
+                                     f"cannot read {inp} ({graph[inp].value.kind.value}) in one [M, D] space")
+        seen.add(node.name)
+    for out in graph.outputs:
+        if out is not None and out not in graph.nodes:
+            raise GraphError(f"memfuse IR: output {out} is not a node")
+
+
+def fits(src: Value, dst: Value, op: Op) -> bool:
+    """Whether `src` can be read by a fusible node producing `dst` inside one kernel."""
+    if src.kind is Kind.TENSOR or dst.kind is Kind.TENSOR:
+        return False
+    if src.kind is Kind.SCALAR:
+        return True
+    if op in REDUCTION:
+        return src.kind is Kind.FULL and dst.kind in (Kind.ROW, Kind.COL) and \
+            ((dst.kind is Kind.ROW and dst.m == src.m) or (dst.kind is Kind.COL and dst.d == src.d))
+    if dst.kind is Kind.FULL:
+        if src.kind is Kind.FULL:
+            return src.m == dst.m and src.d == dst.d
+        if src.kind is Kind.ROW:
+            return src.m == dst.m
+        return src.d == dst.d
+    if dst.kind is Kind.ROW:
+        return src.kind is Kind.ROW and src.m == dst.m
+    if dst.kind is Kind.COL:
+        return src.kind is Kind.COL and src.d == dst.d
+    return False

@@ -1,0 +1,192 @@
+"""schedule: group a graph's nodes into kernels over [M, D], and everything else into extern steps.
+
+Each fusible node gets a stage: the largest stage of its inputs, plus one across anything a
+kernel cannot read in the same pass (an extern result, a reduction over M, a value from a group
+of another space). A node joins the groups of its inputs at its own stage when their spaces
+agree (merging them), else any compatible group of its stage (horizontal fusion: the column
+sums of a backward land in its main kernel), else starts a new one. Every edge between groups
+then runs from a lower stage to a higher one, so the steps, ordered by stage, never wait on a
+later step. Why two nodes did not share a kernel is recorded for `explain()`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import sympy
+
+from .config import Config
+from .ops import TRITON_DTYPES
+from .ir import EXTERNAL, FUSIBLE, LEAF, Graph, Kind, Op, Reduce, Value
+
+
+@dataclass(frozen=True)
+class Space:
+    """A group's iteration space; None where no node of the group fixes it yet."""
+    m: Optional[sympy.Expr]
+    d: Optional[int]
+
+    @staticmethod
+    def of(value: Value) -> "Space":
+        if value.kind is Kind.FULL:
+            return Space(value.m, value.d)
+        if value.kind is Kind.ROW:
+            return Space(value.m, None)
+        if value.kind is Kind.COL:
+            return Space(None, value.d)
+        return Space(None, None)
+
+    def agrees(self, other: "Space") -> bool:
+        return (self.m is None or other.m is None or self.m == other.m) and \
+            (self.d is None or other.d is None or self.d == other.d)
+
+    def join(self, other: "Space") -> "Space":
+        return Space(self.m if self.m is not None else other.m, self.d if self.d is not None else other.d)
+
+
+@dataclass
+class KernelGroup:
+    name: str
+    stage: int
+    space: Space
+    nodes: list = field(default_factory=list)          # fusible node names, topological
+    inputs: list = field(default_factory=list)         # values read from memory or passed as scalars
+    outputs: list = field(default_factory=list)        # values written for later steps
+    column_sums: list = field(default_factory=list)    # reductions over M: partials per program
+    aten_reason: Optional[str] = None                  # set when the group runs through aten
+
+
+@dataclass(frozen=True)
+class ExternStep:
+    name: str
+    stage: int
+
+
+@dataclass
+class Schedule:
+    graph: Graph
+    steps: list                                        # KernelGroup | ExternStep, in run order
+    not_fused: list = field(default_factory=list)      # (node, input, reason)
+
+    @property
+    def kernels(self) -> list:
+        return [s for s in self.steps if isinstance(s, KernelGroup)]
+
+
+def schedule(graph: Graph, config: Config, kind: str) -> Schedule:
+    """`kind` names the graph ("forward", "backward") in kernel names."""
+    stage: dict = {}
+    group_of: dict = {}
+    groups: list = []
+    externs: list = []
+    not_fused: list = []
+    for name, node in graph.nodes.items():
+        if node.op in LEAF:
+            stage[name] = 0
+            continue
+        if node.op in EXTERNAL or (node.op is Op.VIEW and _barrier(graph, node.inputs[0])):
+            # a view of a finished reduction over M is a reshape by the runtime, not a kernel
+            stage[name] = max((stage[i] for i in node.inputs), default=0) + (node.op is Op.VIEW)
+            externs.append(ExternStep(name, stage[name]))
+            continue
+        assert node.op in FUSIBLE, node.op
+        space = Space.of(node.value)
+        here = 0
+        for inp in node.inputs:
+            here = max(here, _input_stage(graph, inp, stage, group_of, space, not_fused, name))
+        stage[name] = here
+        joinable = [group_of[i] for i in node.inputs if i in group_of and group_of[i].stage == here
+                    and group_of[i].space.agrees(space) and _barrier(graph, i) is None]
+        if not joinable:
+            joinable = [g for g in groups if g.stage == here and g.space.agrees(space)][:1]
+        if joinable:
+            group = _merge(joinable, groups, group_of)
+        else:
+            group = KernelGroup("", here, space)
+            groups.append(group)
+        group.space = group.space.join(space)
+        group.nodes.append(name)
+        group_of[name] = group
+    steps = _order(graph, groups, externs, kind)
+    for group in steps:
+        if isinstance(group, KernelGroup):
+            _fill_io(graph, group, group_of)
+            group.aten_reason = _codegen_limit(graph, group, config)
+    return Schedule(graph, steps, not_fused)
+
+
+def _barrier(graph: Graph, name: str) -> Optional[str]:
+    node = graph[name]
+    if node.op in EXTERNAL or (node.op is Op.VIEW and _barrier(graph, node.inputs[0])):
+        return f"{name} is an extern call"
+    if node.op in (Op.SUM, Op.MAX, Op.MIN) and isinstance(node.attr, Reduce) and node.attr.axis is Kind.COL:
+        return f"{name} reduces over every row (M): its result exists only after the whole pass"
+    return None
+
+
+def _input_stage(graph, inp, stage, group_of, space, not_fused, name) -> int:
+    barrier = _barrier(graph, inp)
+    if barrier is not None:
+        not_fused.append((name, inp, barrier))
+        return stage[inp] + 1
+    if inp in group_of and not group_of[inp].space.agrees(space):
+        not_fused.append((name, inp, f"iteration spaces differ: {group_of[inp].space} vs {space}"))
+        return stage[inp] + 1
+    return stage[inp]
+
+
+def _merge(joinable, groups, group_of) -> KernelGroup:
+    target = joinable[0]
+    for other in joinable[1:]:
+        if other is target or other not in groups:
+            continue
+        target.space = target.space.join(other.space)
+        target.nodes.extend(other.nodes)
+        for n in other.nodes:
+            group_of[n] = target
+        groups.remove(other)
+    return target
+
+
+def _order(graph: Graph, groups: list, externs: list, kind: str) -> list:
+    position = {name: i for i, name in enumerate(graph.nodes)}
+    for g in groups:
+        g.nodes.sort(key=position.__getitem__)
+    # At one stage, kernels run before externs (an extern of stage s reads kernels of stage s).
+    keyed = [((g.stage, 0, position[g.nodes[0]]), g) for g in groups] + \
+            [((e.stage, 1, position[e.name]), e) for e in externs]
+    steps = [step for _, step in sorted(keyed, key=lambda kv: kv[0])]
+    for i, g in enumerate(s for s in steps if isinstance(s, KernelGroup)):
+        g.name = f"memfuse_{kind}_{i}"
+    return steps
+
+
+def _fill_io(graph: Graph, group: KernelGroup, group_of: dict) -> None:
+    members = set(group.nodes)
+    users = graph.users()
+    outputs = set(o for o in graph.outputs if o is not None)
+    inputs = []
+    for name in group.nodes:
+        for inp in graph[name].inputs:
+            if inp not in members and inp not in inputs:
+                inputs.append(inp)
+    group.inputs = inputs
+    for name in group.nodes:
+        node = graph[name]
+        if _barrier(graph, name) is not None:
+            group.column_sums.append(name)
+        elif name in outputs or any(u not in members for u in users[name]):
+            group.outputs.append(name)
+
+
+def _codegen_limit(graph: Graph, group: KernelGroup, config: Config) -> Optional[str]:
+    """Why this group cannot be one persistent kernel (None when it can)."""
+    d = group.space.d
+    if d is not None and d > config.max_row_length:
+        return (f"row length D={d} exceeds the persistent limit {config.max_row_length} "
+                f"(Config.max_row_length); looped kernels are not generated yet, so this group runs through aten")
+    for name in group.nodes + group.inputs:
+        dtype = graph[name].value.dtype
+        if dtype is not None and dtype not in TRITON_DTYPES:
+            return f"{name} has dtype {dtype}, which the kernels do not handle"
+    return None
