@@ -56,7 +56,7 @@ class ExternCall:
     args: tuple
     kwargs: dict
     getitem: Optional[int] = None
-    reshape: Optional[Callable] = None   # symbol values -> shape, for a view of a finished value
+    reshape: Optional[Callable] = None   # symbol values -> shape, for a view/cast of a finished value
 
 
 class Program:
@@ -85,8 +85,8 @@ class Program:
             node = g[step.name]
             if node.op is Op.GETITEM:
                 return ExternCall(step.name, None, (node.inputs[0],), {}, getitem=node.attr.index)
-            if node.op is Op.VIEW:
-                return ExternCall(step.name, None, (node.inputs[0],), {}, reshape=self._shape_fn(step.name))
+            if node.op in (Op.VIEW, Op.CAST):
+                return ExternCall(step.name, node.value.dtype, (node.inputs[0],), {}, reshape=self._shape_fn(step.name))
             return ExternCall(step.name, node.attr.target, node.attr.args, dict(node.attr.kwargs))
         if step.aten_reason is not None:
             log.info("memfuse: %s runs through aten: %s", step.name, step.aten_reason)
@@ -162,8 +162,8 @@ class Program:
         if step.getitem is not None:
             env[step.name] = env[step.args[0]][step.getitem]
             return
-        if step.reshape is not None:
-            env[step.name] = env[step.args[0]].reshape(step.reshape(*symbol_values))
+        if step.reshape is not None:   # step.target holds the dtype
+            env[step.name] = env[step.args[0]].reshape(step.reshape(*symbol_values)).to(step.target)
             return
         args = _resolve(step.args, env)
         kwargs = {k: _resolve(v, env) for k, v in step.kwargs.items()}

@@ -84,9 +84,9 @@ def schedule(graph: Graph, config: Config, kind: str) -> Schedule:
         if node.op in LEAF:
             stage[name] = 0
             continue
-        if node.op in EXTERNAL or (node.op is Op.VIEW and _barrier(graph, node.inputs[0])):
-            # a view of a finished reduction over M is a reshape by the runtime, not a kernel
-            stage[name] = max((stage[i] for i in node.inputs), default=0) + (node.op is Op.VIEW)
+        if node.op in EXTERNAL or _finishing(graph, node):
+            # a view or cast of a finished reduction over M: a reshape by the runtime, not a kernel
+            stage[name] = max((stage[i] for i in node.inputs), default=0) + _finishing(graph, node)
             externs.append(ExternStep(name, stage[name]))
             continue
         assert node.op in FUSIBLE, node.op
@@ -115,9 +115,15 @@ def schedule(graph: Graph, config: Config, kind: str) -> Schedule:
     return Schedule(graph, steps, not_fused)
 
 
+def _finishing(graph: Graph, node) -> bool:
+    """A view or cast of a finished reduction over M (D elements): done by the runtime."""
+    return node.op in (Op.VIEW, Op.CAST) and node.value.kind in (Kind.COL, Kind.SCALAR) \
+        and _barrier(graph, node.inputs[0]) is not None
+
+
 def _barrier(graph: Graph, name: str) -> Optional[str]:
     node = graph[name]
-    if node.op in EXTERNAL or (node.op is Op.VIEW and _barrier(graph, node.inputs[0])):
+    if node.op in EXTERNAL or _finishing(graph, node):
         return f"{name} is an extern call"
     if node.op in (Op.SUM, Op.MAX, Op.MIN) and isinstance(node.attr, Reduce) and node.attr.axis is Kind.COL:
         return f"{name} reduces over every row (M): its result exists only after the whole pass"
