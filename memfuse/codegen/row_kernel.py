@@ -267,8 +267,7 @@ class RowKernelWriter:
             out(f"{target} = {self.cast(node, shape)}")
         elif node.op is Op.RAND:
             shape = Kind.FULL
-            out(f"{target} = tl.rand({self.reg(node.inputs[0])} + {node.attr.stream}, offsets)"
-                f"{self.round_to(node.value.dtype)}")
+            out(f"{target} = tl.rand({self.reg(node.inputs[0])} + {node.attr.stream}, offsets)")
         elif node.op in REDUCERS:
             shape = node.attr.axis
             self.reduce(out, node)
@@ -288,15 +287,10 @@ class RowKernelWriter:
         text = self.operand(src, shape, None)
         if target == torch.bool:
             return f"({text} != 0)"
-        if target in (torch.float16, torch.bfloat16):
+        exact = self.graph[src].value.dtype == torch.bool   # 0 and 1 need no rounding
+        if target in (torch.float16, torch.bfloat16) and not exact:
             return f"{text}.to({TRITON_DTYPES[target]}).to(tl.float32)"
         return f"{text}.to({TRITON_DTYPES[compute_dtype(target)]})"
-
-    @staticmethod
-    def round_to(dtype: torch.dtype) -> str:
-        if dtype in (torch.float16, torch.bfloat16):
-            return f".to({TRITON_DTYPES[dtype]}).to(tl.float32)"
-        return ""
 
     def reduce(self, out: _Lines, node: Node) -> None:
         reducer, neutral, _ = REDUCERS[node.op]
