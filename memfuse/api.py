@@ -41,6 +41,7 @@ class FusedFunction:
         self.config = config
         self.cache: dict = {}
         self.shape_specialized: set = set()   # keys whose traces guard on the leading sizes
+        self.recipes: dict = {}               # (n positional, keywords) -> binding recipe
         try:
             self.signature = inspect.signature(fn)
         except (TypeError, ValueError):
@@ -75,23 +76,35 @@ class FusedFunction:
         return getattr(self.fn, "__qualname__", type(self.fn).__name__)
 
     def _bind(self, args, kwargs) -> list:
+        """Arguments in parameter order, defaults filled in. The recipe for a given number of
+        positional arguments and set of keywords is worked out once, with `Signature.bind`."""
         if not kwargs and not self.binds:
             return list(args)
+        recipe = self.recipes.get((len(args), tuple(kwargs)))
+        if recipe is None:
+            recipe = self._recipe(len(args), tuple(kwargs))
+            self.recipes[(len(args), tuple(kwargs))] = recipe
+        return [args[i] if source == "arg" else kwargs[i] if source == "kw" else i for source, i in recipe]
+
+    def _recipe(self, n_args: int, keywords: tuple) -> list:
+        if self.signature is None:
+            raise TypeError(f"memfuse: {self._name()} has no signature to bind keyword arguments to")
         try:
-            bound = self.signature.bind(*args, **kwargs)
+            bound = self.signature.bind(*[_Slot("arg", i) for i in range(n_args)],
+                                        **{k: _Slot("kw", k) for k in keywords})
         except TypeError as e:
             raise TypeError(f"memfuse: {self._name()}{self.signature}: {e}") from e
         bound.apply_defaults()
-        values = []
+        recipe = []
         for param, value in bound.arguments.items():
             kind = self.signature.parameters[param].kind
-            if kind is inspect.Parameter.VAR_POSITIONAL:
-                values.extend(value)
-            elif kind is inspect.Parameter.VAR_KEYWORD:
-                raise TypeError(f"memfuse: {self._name()}: **{param} arguments are not supported")
-            else:
-                values.append(value)
-        return values
+            if kind is inspect.Parameter.VAR_KEYWORD:
+                if value:
+                    raise TypeError(f"memfuse: {self._name()}: **{param} arguments are not supported")
+                continue
+            for item in (value if kind is inspect.Parameter.VAR_POSITIONAL else (value,)):
+                recipe.append((item.source, item.index) if isinstance(item, _Slot) else ("default", item))
+        return recipe
 
     def _key(self, values: list) -> tuple:
         grad = torch.is_grad_enabled() and any(isinstance(v, torch.Tensor) and v.requires_grad for v in values)
@@ -164,6 +177,12 @@ class FusedFunction:
         log.info("memfuse: compiled %s in %.3f s: saves %d bytes beyond the inputs", self._name(),
                  time.perf_counter() - start, the_plan.saved_bytes)
         return _CacheEntry(function, single[0] if single else False, captured, the_plan)
+
+
+class _Slot:
+    """A placeholder bound in place of a real argument, to learn where each one goes."""
+    def __init__(self, source: str, index):
+        self.source, self.index = source, index
 
 
 class _CacheEntry:

@@ -18,11 +18,9 @@ def default_cache_dir() -> Path:
 class Config:
     # Longest row (D) kept whole in registers by a persistent kernel; longer rows run via aten.
     max_row_length: int = 16384
-    # Elements of one [BLOCK_M, BLOCK_D] tile: BLOCK_M = max(1, tile_elements // BLOCK_D).
+    # Without a GPU (Triton's interpreter): elements of one [BLOCK_M, BLOCK_D] tile, and the
+    # grid of kernels with reductions over M. GPU launches use memfuse.tuning's configurations.
     tile_elements: int = 4096
-    # Programs per SM for kernels with reductions over M (each keeps fp32 column partials).
-    programs_per_sm: int = 4
-    # Programs for such kernels when there is no GPU (the interpreter runs programs one by one).
     cpu_programs: int = 2
     # Turn every extern (aten) fallback into an error naming the op (MEMFUSE_STRICT=1).
     strict: bool = field(default_factory=lambda: _env_flag("MEMFUSE_STRICT"))

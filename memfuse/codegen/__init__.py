@@ -19,7 +19,7 @@ class CompiledKernel:
 
 
 def generate(graph: Graph, group: KernelGroup, config: Config) -> CompiledKernel:
-    source = write_row_kernel(graph, group, config.tile_elements)
+    source = write_row_kernel(graph, group)
     fn = load_kernel(config.cache_dir, source.name, source.source)
     return CompiledKernel(source, fn, str(kernel_path(config.cache_dir, source.name, source.source)))
 

@@ -36,7 +36,7 @@ class KernelSource:
     name: str
     source: str
     args: list                                    # Arg, in order (constexprs excluded)
-    constexprs: dict                              # D, BLOCK_M, BLOCK_D
+    constexprs: dict                              # D, BLOCK_D (BLOCK_M comes with the launch)
     persistent: bool                              # loops over tiles with a fixed grid
     column_sums: dict = field(default_factory=dict)   # reducer op -> [value names] in partial order
     bytes_per_row: int = 0                        # bytes moved per row (both directions)
@@ -73,13 +73,12 @@ def _literal(value) -> str:
 
 
 class RowKernelWriter:
-    def __init__(self, graph: Graph, group: KernelGroup, tile_elements: int):
+    def __init__(self, graph: Graph, group: KernelGroup):
         self.graph = graph
         self.group = group
         self.d = group.space.d
         self.has_rows = group.space.m is not None
         self.block_d = _next_pow2(self.d) if self.d else 1
-        self.block_m = max(1, tile_elements // self.block_d) if self.has_rows else 1
         self.members = set(group.nodes)
         self.names: dict = {}
         self.kinds: dict = {}     # value name -> Kind of its register value
@@ -132,7 +131,7 @@ class RowKernelWriter:
         out("):")
         out.indent()
         self.body(out)
-        constexprs = {"D": self.d or 1, "BLOCK_M": self.block_m, "BLOCK_D": self.block_d}
+        constexprs = {"D": self.d or 1, "BLOCK_D": self.block_d}   # BLOCK_M: the launch config's
         return KernelSource(g.name, "\n".join(out.lines) + "\n", args, constexprs, self.persistent,
                             {op: names for op, names in self.sums.items() if names}, self.bytes_per_row())
 
@@ -184,7 +183,7 @@ class RowKernelWriter:
     def header(self, out: _Lines) -> None:
         g = self.group
         out(f"# {g.name}: {len(g.nodes)} ops over [M, D={self.d}] "
-            f"({'persistent grid, ' if self.persistent else ''}{self.block_m} rows x {self.block_d} columns a tile)")
+            f"({'persistent grid, ' if self.persistent else ''}tiles of BLOCK_M rows x {self.block_d} columns)")
         out(f"# moves {self.bytes_per_row()} bytes per row (reads + writes of [M, D] and [M] tensors)")
         out(f"# ops: {', '.join(self.graph[n].op.value for n in g.nodes)}")
 
@@ -335,5 +334,5 @@ def _register_kind(kinds) -> Kind:
     return Kind.FULL
 
 
-def write_row_kernel(graph: Graph, group: KernelGroup, tile_elements: int) -> KernelSource:
-    return RowKernelWriter(graph, group, tile_elements).write()
+def write_row_kernel(graph: Graph, group: KernelGroup) -> KernelSource:
+    return RowKernelWriter(graph, group).write()

@@ -1,0 +1,76 @@
+"""Launch configurations: rows per tile, warps, and programs per SM for persistent kernels.
+
+A choice depends on the row length bucket (BLOCK_D), the element size and whether the kernel is
+persistent (it carries column partial sums) — never on M, so it holds for every batch size.
+`default_config` is a table measured on an H200 (benchmarks/tune.py); a sweep's results are
+cached on disk per device and kernel, and win over the table when present.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    block_m: int              # rows per tile
+    num_warps: int
+    programs_per_sm: int      # persistent kernels only: the grid is SMs x this
+
+
+# (BLOCK_D upper bound, persistent) -> elements per tile and warps, measured on an H200.
+# Filled in from benchmarks/tune.py; rows are tried in order, the first that fits wins.
+TABLE = [
+    # block_d <=, persistent, tile elements, warps, programs per SM
+    (256, False, 4096, 4, 0),
+    (256, True, 4096, 4, 4),
+    (2048, False, 4096, 8, 0),
+    (2048, True, 4096, 8, 4),
+    (8192, False, 8192, 16, 0),
+    (8192, True, 8192, 16, 2),
+    (1 << 30, False, 16384, 16, 0),
+    (1 << 30, True, 16384, 16, 1),
+]
+
+
+def default_config(block_d: int, persistent: bool) -> LaunchConfig:
+    for bound, is_persistent, tile, warps, per_sm in TABLE:
+        if block_d <= bound and persistent == is_persistent:
+            return LaunchConfig(max(1, tile // block_d), warps, per_sm)
+    raise AssertionError("the table's last rows cover every block_d")
+
+
+def cpu_config(block_d: int, tile_elements: int) -> LaunchConfig:
+    """The interpreter runs programs one by one: fewer, larger tiles are faster there."""
+    return LaunchConfig(max(1, tile_elements // block_d), 4, 0)
+
+
+class TuningCache:
+    """`tuning.json` in the cache directory: {device name: {kernel file stem: LaunchConfig}}."""
+
+    def __init__(self, cache_dir: Path):
+        self.path = Path(cache_dir) / "tuning.json"
+        self._data: Optional[dict] = None
+
+    def _load(self) -> dict:
+        if self._data is None:
+            try:
+                self._data = json.loads(self.path.read_text())
+            except (OSError, ValueError):
+                self._data = {}
+        return self._data
+
+    def get(self, device: str, kernel: str) -> Optional[LaunchConfig]:
+        entry = self._load().get(device, {}).get(kernel)
+        return LaunchConfig(**entry) if entry else None
+
+    def put(self, device: str, kernel: str, config: LaunchConfig) -> None:
+        data = self._load()
+        data.setdefault(device, {})[kernel] = asdict(config)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        os.replace(tmp, self.path)

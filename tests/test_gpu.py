@@ -1,0 +1,105 @@
+"""GPU checks at real sizes: the seed's blocks on CUDA against eager, kernel counts, dropout,
+bf16 at the large shape, and a tensor past 2**31 elements (int64 offsets)."""
+import pytest
+import torch
+
+import memfuse
+from benchmarks.workloads import layer_norm_block, primitive_layer_norm_block, rms_norm_block
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+BLOCKS = {
+    "layer_norm": (layer_norm_block, dict(normalization_axis=2), 3),
+    "primitive_layer_norm": (primitive_layer_norm_block, dict(normalization_axis=2, keepdim=True), 3),
+    "rms_norm": (rms_norm_block, dict(normalization_axis=2, keepdim=True), 2),
+}
+
+
+def make_inputs(shape, dtype, n_params, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(*shape, device="cuda", dtype=dtype, generator=g).requires_grad_()
+    r = torch.rand(*shape, device="cuda", dtype=dtype, generator=g).requires_grad_()
+    params = [torch.nn.Parameter(torch.randn(shape[-1], device="cuda", dtype=dtype, generator=g))
+              for _ in range(n_params)]
+    return [x, r, *params]
+
+
+def relative_error(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("name", BLOCKS)
+def test_seed_blocks_match_eager_fp32(name):
+    fn, kwargs, n_params = BLOCKS[name]
+    inputs = make_inputs([64, 128, 1024], torch.float32, n_params)
+    fused = memfuse.memory_efficient_fusion(fn)
+    grad = torch.randn(64, 128, 1024, device="cuda")
+    fused(*inputs, dropout_prob=0.0, **kwargs).backward(grad)   # compile outside the count
+    ours_grads = [t.grad.clone() for t in inputs]
+    for t in inputs:
+        t.grad = None
+    before = memfuse.stats()
+    out = fused(*inputs, dropout_prob=0.0, **kwargs)
+    out.backward(grad)
+    after = memfuse.stats()
+    ours_grads = [t.grad for t in inputs]
+    ref_inputs = [t.detach().clone().requires_grad_() for t in inputs]
+    ref = fn(*ref_inputs, dropout_prob=0.0, **kwargs)
+    ref.backward(grad)
+    assert relative_error(out, ref) < 1e-5
+    for ours, theirs in zip(ours_grads, [t.grad for t in ref_inputs]):
+        assert relative_error(ours, theirs) < 1e-5
+    assert after["kernels_launched"] - before["kernels_launched"] == 2   # one forward, one backward
+    assert after["extern_calls"] == before["extern_calls"]
+
+
+def test_dropout_one_mask_forward_and_backward():
+    def bias_dropout(x, b):
+        return torch.nn.functional.dropout(x + b, 0.1, training=True)
+    x = torch.randn(64, 128, 1024, device="cuda", requires_grad=True)
+    b = torch.zeros(1024, device="cuda", requires_grad=True)
+    fused = memfuse.memory_efficient_fusion(bias_dropout)
+    out = fused(x, b)
+    kept = out != 0
+    assert abs(kept.float().mean().item() - 0.9) < 0.005
+    torch.testing.assert_close(out[kept], x[kept] / 0.9)
+    out.backward(torch.ones_like(out))
+    assert torch.equal(x.grad != 0, kept)
+    second = fused(x, b)
+    assert not torch.equal(second != 0, kept)
+
+
+def test_rms_norm_bf16_large_shape():
+    inputs = make_inputs([256, 512, 4096], torch.bfloat16, 2)
+    fused = memfuse.memory_efficient_fusion(rms_norm_block)
+    kwargs = dict(normalization_axis=2, dropout_prob=0.0, keepdim=True)
+    grad = torch.randn(256, 512, 4096, device="cuda", dtype=torch.bfloat16)
+    out = fused(*inputs, **kwargs)
+    out.backward(grad)
+    ref_inputs = [t.detach().float().requires_grad_() for t in inputs]
+    ref = rms_norm_block(*ref_inputs, **kwargs)
+    ref.backward(grad.float())
+    assert relative_error(out, ref) < 1e-2
+    for ours, theirs in zip([t.grad for t in inputs], [t.grad for t in ref_inputs]):
+        assert relative_error(ours, theirs) < 1e-2
+
+
+def test_more_than_2_31_elements():
+    rows, d = 2 ** 21 + 3, 1024                  # 2**31 + 3072 elements
+    x = torch.randn(rows, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(d, device="cuda", dtype=torch.bfloat16))
+
+    def rms(x, w):
+        return w * x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype)
+
+    fused = memfuse.memory_efficient_fusion(rms)
+    out = fused(x, w)
+    grad = torch.ones_like(out)
+    out.backward(grad)
+    tail = slice(rows - 5, rows)                 # rows whose offsets are past 2**31
+    x_tail = x[tail].detach().clone().requires_grad_()
+    ref = rms(x_tail, w.detach())
+    ref.backward(grad[tail])
+    assert relative_error(out[tail], ref) < 1e-2
+    assert relative_error(x.grad[tail], x_tail.grad) < 1e-2
