@@ -1,7 +1,8 @@
 """Sweep launch configurations for each memfuse kernel of the benchmark workloads (GPU only).
 
-For every kernel: rows per tile x warps (and, for persistent kernels, programs per SM), each
-timed alone with torch.profiler over a few steps. Prints the best per kernel next to the
+For every kernel: rows per tile x warps, then (persistent kernels) programs per SM at the best
+of those, each kernel timed alone with `triton.testing.do_bench` on the arguments of a recorded
+step. Prints the best per kernel next to the
 default table's choice, writes the winners to memfuse's tuning cache (so later runs on this
 device use them) and to `tune.json` in --out.
 
@@ -11,46 +12,36 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from triton.testing import do_bench
 
 import memfuse
 from benchmarks.workloads import registry
 from memfuse.runtime import KernelLaunch
 from memfuse.tuning import LaunchConfig, TuningCache, default_config
 
-STEPS = 10
+
+def kernel_time(program, launch: KernelLaunch) -> float:
+    """Median microseconds of one launch of `launch` (its finishing column sum included)."""
+    env, symbol_values, device = program.last_env
+    return 1000 * do_bench(lambda: program.launch(launch, dict(env), symbol_values, device),
+                           warmup=10, rep=40, return_mode="median")
 
 
-def kernel_times(step, inputs) -> dict:
-    """Mean device time (us) per kernel name over STEPS steps."""
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(STEPS):
-            step(inputs)
-        torch.cuda.synchronize()
-    times: dict = {}
-    for event in prof.events():
-        if event.name.startswith("memfuse_"):
-            times.setdefault(event.name, []).append(event.device_time)
-    return {name: statistics.mean(values) for name, values in times.items()}
+def tile_candidates(block_d: int, per_sm: int) -> list:
+    return [LaunchConfig(block_m, warps, per_sm)
+            for block_m in (1, 2, 4, 8, 16, 32) if 1024 <= block_m * block_d <= 16384
+            for warps in (2, 4, 8, 16) if warps * 32 <= block_m * block_d // 4]
 
 
-def candidates(launch: KernelLaunch) -> list:
-    block_d = launch.kernel.source.constexprs["BLOCK_D"]
-    persistent = launch.kernel.source.persistent
-    out = []
-    for block_m in (1, 2, 4, 8, 16, 32):
-        if not 512 <= block_m * block_d <= 32768:
-            continue
-        for warps in (2, 4, 8, 16):
-            if warps * 32 * 4 > block_m * block_d * 2:
-                continue
-            for per_sm in ((1, 2, 4, 8) if persistent else (0,)):
-                out.append(LaunchConfig(block_m, warps, per_sm))
-    return out
+def best_of(program, launch: KernelLaunch, configs: list, device) -> list:
+    timed = []
+    for config in configs:
+        launch.configs[device] = config
+        timed.append((kernel_time(program, launch), config))
+    return sorted(timed, key=lambda tc: tc[0])
 
 
 def tune_workload(workload, results: list, cache: TuningCache, device_name: str) -> None:
@@ -65,29 +56,34 @@ def tune_workload(workload, results: list, cache: TuningCache, device_name: str)
 
     step(inputs)
     entry = next(iter(fused.cache.values()))
-    launches = [s for p in (entry.function.forward, entry.function.backward) for s in p.steps
-                if isinstance(s, KernelLaunch)]
+    programs = [entry.function.forward, entry.function.backward]
+    for program in programs:
+        program.record_env = True
+    step(inputs)
     device = inputs.tensors[0].device
     rows = inputs.tensors[0].numel() // inputs.tensors[0].shape[-1]
-    for launch in launches:
-        name = launch.kernel.source.name
-        block_d = launch.kernel.source.constexprs["BLOCK_D"]
-        default = default_config(block_d, launch.kernel.source.persistent)
-        timed = []
-        for config in [default] + candidates(launch):
-            launch.configs[device] = config
-            step(inputs)                      # compile this variant outside the timing
-            step(inputs)
-            timed.append((kernel_times(step, inputs).get(name, float("inf")), config))
-        best_time, best = min(timed, key=lambda tc: tc[0])
-        launch.configs[device] = best
-        cache.put(device_name, Path(launch.kernel.path).stem, best)
-        gbps = launch.kernel.source.bytes_per_row * rows / (best_time * 1e-6) / 1e9
-        results.append(dict(workload=workload.name, kernel=name, block_d=block_d,
-                            persistent=launch.kernel.source.persistent, default=vars(default),
-                            default_us=timed[0][0], best=vars(best), best_us=best_time, best_gbps=gbps))
-        print(f"{workload.name:44s} {name:20s} default {timed[0][0]:8.1f} us  best {best_time:8.1f} us "
-              f"{vars(best)}  {gbps:7.0f} GB/s", flush=True)
+    for program in programs:
+        for launch in [s for s in program.steps if isinstance(s, KernelLaunch)]:
+            source = launch.kernel.source
+            block_d = source.constexprs["BLOCK_D"]
+            default = default_config(block_d, source.persistent)
+            default_us = best_of(program, launch, [default], device)[0][0]
+            ranked = best_of(program, launch, tile_candidates(block_d, 2 if source.persistent else 0), device)
+            if source.persistent:
+                tile = ranked[0][1]
+                ranked = best_of(program, launch, [LaunchConfig(tile.block_m, tile.num_warps, per_sm)
+                                                   for per_sm in (1, 2, 4, 8)], device)
+            best_us, best = ranked[0]
+            if default_us <= best_us:
+                best_us, best = default_us, default
+            launch.configs[device] = best
+            cache.put(device_name, Path(launch.kernel.path).stem, best)
+            gbps = source.bytes_per_row * rows / (best_us * 1e-6) / 1e9
+            results.append(dict(workload=workload.name, kernel=source.name, block_d=block_d,
+                                persistent=source.persistent, default=vars(default), default_us=default_us,
+                                best=vars(best), best_us=best_us, best_gbps=gbps))
+            print(f"{workload.name:44s} {source.name:20s} default {default_us:8.1f} us  best {best_us:8.1f} us "
+                  f"{vars(best)}  {gbps:7.0f} GB/s", flush=True)
 
 
 def main() -> None:

@@ -147,6 +147,8 @@ class Program:
         self.size_scalars = [(n, _size_fn(node.attr.expr, symbols), node.value.dtype)
                              for n, node in g.nodes.items() if node.op is Op.SYMBOL]
         self.steps = [self._prepare(step) for step in schedule.steps]
+        self.last_env = None             # filled when record_env is set (benchmarks/tune.py)
+        self.record_env = False
 
     def _shape_fn(self, name: str) -> Callable:
         return _size_fn(self.graph[name].value.shape, self.symbols)
@@ -189,7 +191,13 @@ class Program:
                 self._extern(step, env, symbol_values)
             else:
                 _run_aten_group(self.graph, step, env, symbol_values)
+        if self.record_env:
+            self.last_env = (dict(env), symbol_values, device)
         return [env[o] if o is not None else None for o in self.graph.outputs]
+
+    def launch(self, step: KernelLaunch, env: dict, symbol_values: tuple, device) -> None:
+        """Run one kernel step on a recorded environment (for tuning and timing)."""
+        self._launch(step, env, symbol_values, device)
 
     def _launch(self, step: KernelLaunch, env: dict, symbol_values: tuple, device) -> None:
         source = step.kernel.source

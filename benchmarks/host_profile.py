@@ -1,0 +1,48 @@
+"""Where the host time of a memfuse step goes (GPU): cProfile over many seed-shape steps.
+
+    python -m benchmarks.host_profile [--workload layer_norm_block] [--steps 2000]
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import time
+
+import torch
+
+import memfuse
+from benchmarks.workloads import registry
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", default="layer_norm_block[64x128x1024]")
+    parser.add_argument("--steps", type=int, default=2000)
+    args = parser.parse_args()
+    workload = next(w for w in registry() if w.name.startswith(args.workload))
+    inputs = workload.make_inputs("cuda")
+    fused = memfuse.memory_efficient_fusion(workload.fn)
+
+    def steps(n):
+        for _ in range(n):
+            out = fused(*inputs.tensors, **inputs.consts)
+            out.backward(inputs.grad_output)
+            for t in inputs.tensors:
+                t.grad = None
+        torch.cuda.synchronize()
+
+    steps(20)
+    start = time.perf_counter()
+    steps(args.steps)
+    per_step = (time.perf_counter() - start) / args.steps
+    print(f"{workload.name}: {per_step * 1e6:.1f} us per step ({1 / per_step:.0f} it/s)")
+    profiler = cProfile.Profile()
+    profiler.enable()
+    steps(args.steps // 4)
+    profiler.disable()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+
+
+if __name__ == "__main__":
+    main()
