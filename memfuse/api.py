@@ -90,7 +90,8 @@ class FusedFunction:
             cache_log.info("memfuse: %s: cache miss (first call), compiling", self._name())
             return False
         change = describe_key_change(self.cache, key, self._arg_name)
-        cache_log.info("memfuse: %s: cache miss, recompiling: %s", self._name(), change)
+        cache_log.info("memfuse: %s: cache miss on a new key (%d programs compiled), compiling", self._name(),
+                       len(self.cache))
         recompile_log.info("memfuse: %s: recompile #%d of this function: %s", self._name(), len(self.cache), change)
         return True
 
