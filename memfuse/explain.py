@@ -75,6 +75,8 @@ class KernelRow:
     bytes: int                         # tensors read + written at the example sizes
     path: Optional[str] = None         # the generated source file (in the kernel cache)
     aten_reason: Optional[str] = None  # why this group runs through aten instead
+    tile: Optional[tuple] = None       # (BLOCK_M, BLOCK_D): rows and columns one program holds
+    persistent: bool = False           # a fixed grid whose programs loop over tiles
 
     @property
     def is_kernel(self) -> bool:
@@ -211,7 +213,9 @@ def _kernel_row(program_name: str, graph: Graph, group: KernelGroup, kernel, hin
                      tuple(group.outputs), tuple(group.column_sums), rows, group.space.d,
                      source.bytes_per_row if source is not None else 0,
                      sum(value_bytes(graph[n].value, hints) for n in moved),
-                     kernel.path if kernel is not None else None, group.aten_reason)
+                     kernel.path if kernel is not None else None, group.aten_reason,
+                     (source.constexprs["BLOCK_M"], source.constexprs["BLOCK_D"]) if source is not None else None,
+                     source.persistent if source is not None else False)
 
 
 def _extern_target(graph: Graph, name: str) -> str:
@@ -223,8 +227,12 @@ def _extern_target(graph: Graph, name: str) -> str:
     return f"{node.op.value} of a finished column sum (a reshape in the runtime)"
 
 
-def _example_int(expr, hints: dict) -> int:
-    return int(expr) if isinstance(expr, int) else int(sympy.sympify(expr).subs(hints))
+def _example_int(expr, hints: dict):
+    """The size at the example arguments; the expression itself if it is not theirs to fix."""
+    if isinstance(expr, int):
+        return expr
+    value = sympy.sympify(expr).subs(hints)
+    return int(value) if value.is_number else str(value)
 
 
 def _example_shape(shape: tuple, hints: dict) -> tuple:
@@ -321,6 +329,8 @@ def _one_kernel(k: KernelRow) -> list:
     if k.column_sums:
         lines.append(f"      column sums (over M): {', '.join(k.column_sums)}")
     if k.is_kernel:
+        grid = "a persistent grid looping over tiles" if k.persistent else "one tile per program"
+        lines.append(f"      tile:   {k.tile[0]} rows x {k.tile[1]} columns, {grid}")
         partials = " (+ fp32 column partials per program)" if k.column_sums else ""
         lines.append(f"      moves {k.bytes_per_row} B per row, {human_bytes(k.bytes)} at the example sizes{partials}")
         lines.append(f"      source: {k.path}")

@@ -67,6 +67,8 @@ def test_layer_norm_one_kernel_each_way(layer_norm):
     assert len(forward) == 1 and len(backward) == 1
     assert report.fallbacks == [] and all(k.is_kernel for k in report.kernels)
     assert len(backward[0].column_sums) == 3          # dweight, dbias1, dbias2 over M
+    assert backward[0].persistent and not forward[0].persistent   # column partials need a fixed grid
+    assert forward[0].tile[1] == 32                   # the whole row of D=32 in one tile
     rows, d = SMOKE_SHAPE[0] * SMOKE_SHAPE[1], SMOKE_SHAPE[2]
     assert forward[0].rows == rows and forward[0].d == d
     # reads input1 and input2, writes the output: three fp32 rows of D
