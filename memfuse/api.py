@@ -17,13 +17,15 @@ import torch
 
 from .capture import capture
 from .config import Config
-from .debug import STATS, dump
-from .ir import format_graph, verify
+from .debug import STATS, describe_key_change, on_compile, topic_log
+from .ir import verify
 from .plan import plan
 from .runtime import CompiledFunction
 from .schedule import schedule
 
 log = logging.getLogger("memfuse")
+cache_log = topic_log("cache")
+recompile_log = topic_log("recompiles")
 CONSTANT_TYPES = (bool, int, float, type(None), str, torch.dtype)
 
 
@@ -52,7 +54,16 @@ class FusedFunction:
         functools.update_wrapper(self, fn, updated=())
 
     def __call__(self, *args, **kwargs):
-        values = self._bind(args, kwargs)
+        compiled, tensors = self._lookup(self._bind(args, kwargs))
+        outputs = compiled.function(tensors)
+        return outputs[0] if compiled.single_output else tuple(outputs)
+
+    def compiled_for(self, *args, **kwargs) -> "_CacheEntry":
+        """The compiled program (cache entry) these arguments select, compiled if it is not
+        cached yet; nothing runs. `memfuse.explain` reads its records."""
+        return self._lookup(self._bind(args, kwargs))[0]
+
+    def _lookup(self, values: list):
         tensors = [v for v in values if isinstance(v, torch.Tensor)]
         if not tensors:
             raise TypeError(f"memfuse: {self._name()} got no tensor arguments; nothing to compile")
@@ -61,15 +72,29 @@ class FusedFunction:
             key = key + (tuple(t.shape for t in tensors),)
         compiled = self.cache.get(key)
         if compiled is None:
+            recompile = self._log_miss(key)
             compiled = self._compile(values, key)
+            STATS["recompiles"] += recompile
             if compiled.captured.specialized:
                 self.shape_specialized.add(key)
                 key = key + (tuple(t.shape for t in tensors),)
             self.cache[key] = compiled
         else:
             STATS["cache_hits"] += 1
-        outputs = compiled.function(tensors)
-        return outputs[0] if compiled.single_output else tuple(outputs)
+            if cache_log.isEnabledFor(logging.DEBUG):
+                cache_log.debug("memfuse: %s: cache hit (%d compiled programs)", self._name(), len(self.cache))
+        return compiled, tensors
+
+    def _log_miss(self, key: tuple) -> bool:
+        """A miss on a function with compiled programs is a recompile: say which key part changed."""
+        if not self.cache:
+            cache_log.info("memfuse: %s: cache miss (first call), compiling", self._name())
+            return False
+        change = describe_key_change(self.cache, key, self._arg_name)
+        cache_log.info("memfuse: %s: cache miss on a new key (%d programs compiled), compiling", self._name(),
+                       len(self.cache))
+        recompile_log.info("memfuse: %s: recompile #%d of this function: %s", self._name(), len(self.cache), change)
+        return True
 
     # -- binding and the compile key ------------------------------------------------------
     def _name(self) -> str:
@@ -155,28 +180,40 @@ class FusedFunction:
         static = [isinstance(t, torch.nn.Parameter) for t in tensors]
         captured = capture(traced, tensors, trace_joint=grad, static_inputs=static)
         if captured.specialized:
-            log.info("memfuse: %s: leading sizes join the compile key: %s", self._name(), captured.specialized)
+            recompile_log.info("memfuse: %s: leading sizes join the compile key: %s", self._name(),
+                               captured.specialized)
         the_plan = plan(captured)
         config = self.config
         if config.check:
             verify(the_plan.forward)
             if the_plan.backward is not None:
                 verify(the_plan.backward)
-        dump(f"{self._name()}.joint.txt", format_graph(captured.joint))
-        dump(f"{self._name()}.forward.txt", format_graph(the_plan.forward))
-        if the_plan.backward is not None:
-            dump(f"{self._name()}.backward.txt", format_graph(the_plan.backward))
         for name, target, reason in captured.fallbacks:
-            message = f"memfuse: {name} ({target}) runs through aten: {reason}"
             if config.strict:
-                raise NotImplementedError(message + " (strict mode: MEMFUSE_STRICT=1 / Config.strict)")
-            log.info(message)
-        function = CompiledFunction(the_plan, captured, config,
-                                    lambda graph, kind: schedule(graph, config, kind))
+                raise NotImplementedError(f"memfuse: {name} ({target}) runs through aten: {reason}"
+                                          " (strict mode: MEMFUSE_STRICT=1 / Config.strict)")
+        STATS["fallbacks"] += len(captured.fallbacks)
+        function = CompiledFunction(the_plan, captured, config, lambda graph, kind: _scheduled(graph, config, kind))
         STATS["compiles"] += 1
-        log.info("memfuse: compiled %s in %.3f s: saves %d bytes beyond the inputs", self._name(),
-                 time.perf_counter() - start, the_plan.saved_bytes)
-        return _CacheEntry(function, single[0] if single else False, captured, the_plan)
+        cache_log.info("memfuse: compiled %s in %.3f s: saves %d bytes beyond the inputs", self._name(),
+                       time.perf_counter() - start, the_plan.saved_bytes)
+        names = list(self.signature.parameters) if self.signature is not None else []
+        entry = _CacheEntry(function, single[0] if single else False, captured, the_plan,
+                            input_names=[names[i] if i < len(names) else f"arg{i}" for i in positions])
+        on_compile(self._name(), entry)
+        return entry
+
+
+def _scheduled(graph, config: Config, kind: str):
+    """The schedule; in strict mode a group the code generator declines is an error too."""
+    result = schedule(graph, config, kind)
+    if config.strict:
+        for group in result.kernels:
+            if group.aten_reason is not None:
+                ops = ", ".join(graph[n].op.value for n in group.nodes)
+                raise NotImplementedError(f"memfuse: {group.name} ({ops}) runs through aten: {group.aten_reason} "
+                                          "(strict mode: MEMFUSE_STRICT=1 / Config.strict)")
+    return result
 
 
 class _Slot:
@@ -186,8 +223,9 @@ class _Slot:
 
 
 class _CacheEntry:
-    def __init__(self, function: CompiledFunction, single_output: bool, captured, plan):
+    def __init__(self, function: CompiledFunction, single_output: bool, captured, plan, input_names=None):
         self.function = function
         self.single_output = single_output
         self.captured = captured
         self.plan = plan
+        self.input_names = input_names or []   # the user's name of each tensor argument, in order

@@ -1,42 +1,190 @@
-"""Observability: counters, the MEMFUSE_LOG switch and MEMFUSE_DUMP_DIR dumps."""
+"""Observability switches: counters, the MEMFUSE_LOG topics, MEMFUSE_DUMP_DIR dumps, and what
+a recompile changed. docs/debugging.md is the user's guide to all of them.
+
+MEMFUSE_LOG picks what memfuse tells you on stderr, one logger per topic ("memfuse.<topic>"):
+    MEMFUSE_LOG=1 (or info)     every topic, one summary line per graph, plan, kernel, miss
+    MEMFUSE_LOG=debug (or all)  every topic in full: graph texts, every decision, every cache hit
+    MEMFUSE_LOG=plan,recompiles the listed topics only, in full
+"""
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from collections import Counter
 from pathlib import Path
+from typing import Callable, Optional
 
 STATS: Counter = Counter()
 log = logging.getLogger("memfuse")
 
+# What each counter counts, and where (docs/debugging.md repeats this table).
+COUNTERS = {
+    "compiles": "programs compiled (api.FusedFunction._compile), recompiles included",
+    "recompiles": "compiles of a function that already had a compiled program (a cache miss on a new key)",
+    "cache_hits": "calls that found their compiled program in the cache",
+    "kernels_generated": "Triton kernels generated and loaded (runtime.Program, once per compile)",
+    "kernels_launched": "Triton kernel launches (runtime.Program._launch, every call)",
+    "extern_calls": "aten calls made at run time for extern steps (matmul, ...)",
+    "fallbacks": "ops (capture) and kernel groups (schedule) sent to aten, counted once per compile",
+}
+
+TOPICS = ("graphs", "plan", "kernels", "cache", "recompiles", "fallbacks")
+_HANDLER_MARK = "_memfuse_handler"
+
+# The fields of one tensor argument's part of the compile key, in the order api.FusedFunction._key
+# builds it: ("T", dtype, device, rank, D, leading-size pattern, requires_grad, contiguous, parameter).
+TENSOR_KEY_FIELDS = ("tensor", "dtype", "device", "rank", "D (last dim)", "leading-size pattern",
+                     "requires_grad", "contiguity", "nn.Parameter")
+
 
 def stats() -> dict:
-    """Counters since the process started (or the last reset): compiles, cache hits, kernels
-    generated and launched, extern calls, groups run through aten."""
-    keys = ("compiles", "cache_hits", "kernels_generated", "kernels_launched", "extern_calls", "fallbacks")
-    return {k: STATS[k] for k in keys}
+    """Counters since the process started (or the last `reset_stats()`); see COUNTERS."""
+    return {k: STATS[k] for k in COUNTERS}
 
 
 def reset_stats() -> None:
     STATS.clear()
 
 
-def configure_logging() -> None:
-    """MEMFUSE_LOG=1 (or info/debug) sends memfuse's log to stderr."""
-    level = os.environ.get("MEMFUSE_LOG", "").strip().lower()
-    if level in ("", "0", "off", "false"):
+def topic_log(topic: str) -> logging.Logger:
+    assert topic in TOPICS, topic
+    return logging.getLogger(f"memfuse.{topic}")
+
+
+def configure_logging(spec: Optional[str] = None) -> None:
+    """Apply MEMFUSE_LOG (or `spec`, same syntax): called once at import; call again after
+    changing the variable. An empty value or 0 turns memfuse's log off."""
+    spec = (os.environ.get("MEMFUSE_LOG", "") if spec is None else spec).strip().lower()
+    for topic in TOPICS:
+        topic_log(topic).setLevel(logging.NOTSET)
+    if spec in ("", "0", "off", "false", "no"):
+        log.setLevel(logging.NOTSET)
         return
-    log.setLevel(logging.DEBUG if level == "debug" else logging.INFO)
-    if not log.handlers:
+    if spec in ("1", "info", "on", "true", "yes"):
+        log.setLevel(logging.INFO)
+    elif spec in ("2", "debug", "all"):
+        log.setLevel(logging.DEBUG)
+    else:
+        topics = [t.strip() for t in spec.split(",") if t.strip()]
+        unknown = [t for t in topics if t not in TOPICS]
+        if unknown:
+            raise ValueError(f"memfuse: MEMFUSE_LOG={spec!r}: unknown topic(s) {unknown}; "
+                             f"use 1, debug, or a comma-separated list of {', '.join(TOPICS)}")
+        log.setLevel(logging.WARNING)
+        for topic in topics:
+            topic_log(topic).setLevel(logging.DEBUG)
+    if not any(getattr(h, _HANDLER_MARK, False) for h in log.handlers):
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("[memfuse] %(message)s"))
+        setattr(handler, _HANDLER_MARK, True)
         log.addHandler(handler)
+
+
+# -- dumps --------------------------------------------------------------------------------------
+def dump_dir() -> Optional[Path]:
+    folder = os.environ.get("MEMFUSE_DUMP_DIR", "").strip()
+    return Path(folder) if folder else None
 
 
 def dump(name: str, text: str) -> None:
     """Write `text` to $MEMFUSE_DUMP_DIR/name when the switch is set."""
-    folder = os.environ.get("MEMFUSE_DUMP_DIR")
+    folder = dump_dir()
     if folder:
-        path = Path(folder) / name
+        path = folder / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
+
+
+_dump_numbers: dict = {}
+
+
+def _next_dump_folder(name: str) -> str:
+    """`<name>.<k>`: k counts this process's compiles of functions with that name, so a
+    recompile gets its own folder instead of overwriting the first."""
+    counter = _dump_numbers.setdefault(name, itertools.count())
+    return f"{_safe(name)}.{next(counter)}"
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
+
+
+# -- the compile hook -----------------------------------------------------------------------------
+def _logging_on() -> bool:
+    return any(topic_log(t).isEnabledFor(logging.INFO) for t in TOPICS)
+
+
+def on_compile(name: str, entry) -> Optional[Path]:
+    """After a compile: log the graphs, plan and kernels, and dump them when MEMFUSE_DUMP_DIR is
+    set. Returns the dump folder (None without dumps). Costs nothing while both switches are off."""
+    folder = dump_dir()
+    if folder is None and not _logging_on():
+        return None
+    from .explain import build_report, log_report, write_dump   # explain reads the records
+    report = build_report(entry, name)
+    log_report(report)
+    if folder is None:
+        return None
+    return write_dump(report, folder / _next_dump_folder(name))
+
+
+# -- recompiles -----------------------------------------------------------------------------------
+def describe_key_change(old_keys, new_key: tuple, arg_name: Callable[[int], str]) -> str:
+    """Which parts of the compile key differ between `new_key` and the closest key in `old_keys`
+    (the fewest differing parts), e.g. "argument 'x' (position 0): dtype float32 -> float16"."""
+    best = None
+    for old in old_keys:
+        changes = _key_changes(old, new_key, arg_name)
+        if best is None or len(changes) < len(best):
+            best = changes
+    if not best:
+        return "no earlier key to compare with"
+    return "; ".join(best)
+
+
+def _key_changes(old: tuple, new: tuple, arg_name: Callable[[int], str]) -> list:
+    changes = []
+    if old[0] != new[0]:
+        needed = {True: "needed", False: "not needed"}
+        changes.append(f"gradients {needed[old[0]]} -> {needed[new[0]]} "
+                       f"(grad mode, or which inputs require grad)")
+    old_args, new_args = _split_key(old), _split_key(new)
+    if len(old_args) != len(new_args):
+        changes.append(f"number of arguments {len(old_args)} -> {len(new_args)}")
+    for position, (a, b) in enumerate(zip(old_args, new_args)):
+        if a == b:
+            continue
+        where = f"argument {arg_name(position)}"
+        if a[0] != b[0]:
+            what = {"T": "a tensor", "C": "a constant"}
+            changes.append(f"{where}: {what[a[0]]} -> {what[b[0]]}")
+        elif a[0] == "C":
+            field_ = "constant value" if a[1] == b[1] else "constant type"
+            changes.append(f"{where}: {field_} {a[2]!r} -> {b[2]!r}")
+        else:
+            fields = [f"{label} {_short(x)} -> {_short(y)}"
+                      for label, x, y in zip(TENSOR_KEY_FIELDS[1:], a[1:], b[1:]) if x != y]
+            changes.append(f"{where}: {', '.join(fields)}")
+    old_shapes, new_shapes = _shapes_part(old), _shapes_part(new)
+    if old_shapes != new_shapes and new_shapes is not None:
+        changes.append(f"leading sizes {_format_shapes(old_shapes)} -> {_format_shapes(new_shapes)} "
+                       f"(this function's trace specializes on them)")
+    return changes
+
+
+def _split_key(key: tuple) -> list:
+    return [p for p in key[1:] if isinstance(p, tuple) and p and p[0] in ("T", "C")]
+
+
+def _shapes_part(key: tuple):
+    last = key[-1]
+    return last if isinstance(last, tuple) and (not last or not isinstance(last[0], str)) else None
+
+
+def _format_shapes(shapes) -> str:
+    return "(none)" if shapes is None else ", ".join(str(list(s)) for s in shapes)
+
+
+def _short(value) -> str:
+    return str(value).replace("torch.", "")

@@ -166,7 +166,7 @@ class Program:
                 return ExternCall(step.name, node.value.dtype, (node.inputs[0],), {}, reshape=self._shape_fn(step.name))
             return ExternCall(step.name, node.attr.target, node.attr.args, dict(node.attr.kwargs))
         if step.aten_reason is not None:
-            log.info("memfuse: %s runs through aten: %s", step.name, step.aten_reason)
+            logging.getLogger("memfuse.fallbacks").info("memfuse: %s runs through aten: %s", step.name, step.aten_reason)
             STATS["fallbacks"] += 1
             shapes = {n: self._shape_fn(n) for n in step.outputs + step.column_sums}
             return AtenGroup(step, self._rows_fn(step), shapes)

@@ -1,0 +1,37 @@
+"""Test setup: the Triton interpreter and a throwaway kernel cache.
+
+TRITON_INTERPRET is read when `@triton.jit` decorates a function, so it is set here, before
+anything imports triton or memfuse.
+"""
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+_CACHE_DIR = tempfile.mkdtemp(prefix="memfuse-test-cache-")
+os.environ["MEMFUSE_CACHE_DIR"] = _CACHE_DIR          # never write into ~/.cache
+for _switch in ("MEMFUSE_LOG", "MEMFUSE_DUMP_DIR", "MEMFUSE_STRICT"):
+    os.environ.pop(_switch, None)                     # tests turn these on themselves
+
+_ROOT = Path(__file__).resolve().parent.parent
+if str(_ROOT) not in sys.path:                        # benchmarks.workloads
+    sys.path.insert(0, str(_ROOT))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import memfuse  # noqa: E402
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(_CACHE_DIR, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_state():
+    """Every test starts from counters at zero and a fixed RNG state."""
+    memfuse.reset_stats()
+    torch.manual_seed(0)
+    yield
