@@ -199,11 +199,13 @@ def _read_program(program_name: str, program, hints: dict, kernels: list, extern
         if isinstance(step, ExternStep):
             externs.append(ExternRow(program_name, step.name, _extern_target(graph, step.name)))
         elif isinstance(step, KernelGroup):
-            kernels.append(_kernel_row(program_name, graph, step, getattr(prepared, "kernel", None), hints))
+            kernels.append(_kernel_row(program_name, graph, step, getattr(prepared, "kernel", None), hints,
+                                       next(iter(getattr(prepared, "configs", {}).values()), None)))
     not_fused.extend(NotFusedRow(program_name, *row) for row in program.schedule.not_fused)
 
 
-def _kernel_row(program_name: str, graph: Graph, group: KernelGroup, kernel, hints: dict) -> KernelRow:
+def _kernel_row(program_name: str, graph: Graph, group: KernelGroup, kernel, hints: dict, config) -> KernelRow:
+    """`config`: the launch configuration the kernel last ran with (None if it never ran)."""
     moved = [n for n in group.inputs + group.outputs + group.column_sums
              if graph[n].op not in (Op.CONSTANT, Op.SYMBOL, Op.SEED)]
     rows = None if group.space.m is None else _example_int(group.space.m, hints)
@@ -214,7 +216,8 @@ def _kernel_row(program_name: str, graph: Graph, group: KernelGroup, kernel, hin
                      source.bytes_per_row if source is not None else 0,
                      sum(value_bytes(graph[n].value, hints) for n in moved),
                      kernel.path if kernel is not None else None, group.aten_reason,
-                     (source.constexprs["BLOCK_M"], source.constexprs["BLOCK_D"]) if source is not None else None,
+                     (config.block_m if config is not None else None, source.constexprs["BLOCK_D"])
+                     if source is not None else None,
                      source.persistent if source is not None else False)
 
 

@@ -1,7 +1,7 @@
-"""Test setup: the Triton interpreter and a throwaway kernel cache.
+"""Test setup: the Triton interpreter (without a GPU) and a throwaway kernel cache.
 
 TRITON_INTERPRET is read when `@triton.jit` decorates a function, so it is set here, before
-anything imports triton or memfuse.
+anything imports triton or memfuse. On a machine with CUDA the kernels run for real.
 """
 import os
 import shutil
@@ -9,7 +9,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 _CACHE_DIR = tempfile.mkdtemp(prefix="memfuse-test-cache-")
 os.environ["MEMFUSE_CACHE_DIR"] = _CACHE_DIR          # never write into ~/.cache
 for _switch in ("MEMFUSE_LOG", "MEMFUSE_DUMP_DIR", "MEMFUSE_STRICT"):
@@ -20,7 +23,6 @@ if str(_ROOT) not in sys.path:                        # benchmarks.workloads
     sys.path.insert(0, str(_ROOT))
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 import memfuse  # noqa: E402
 
