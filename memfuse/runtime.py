@@ -105,7 +105,7 @@ class Launcher:
             named = ({"D": d, "BLOCK_M": config.block_m, "BLOCK_D": block_d}, (d, config.block_m, block_d))
             self.constexprs[config] = named
         keywords, positional = named
-        if device.type != "cuda" or knobs.runtime.launch_enter_hook is not None:
+        if device.type != "cuda" or _launch_hooks_installed():
             self.fn[(programs,)](*args, **keywords, num_warps=config.num_warps)
             return
         key = (device.index, config, tuple(a.data_ptr() % 16 == 0 for a in args if isinstance(a, torch.Tensor)))
@@ -252,6 +252,13 @@ class Program:
 
 
 _SM_COUNTS: dict = {}
+
+
+def _launch_hooks_installed() -> bool:
+    """Whether a profiler asked Triton for launch hooks (a HookChain in newer Triton, else None)."""
+    hook = knobs.runtime.launch_enter_hook
+    return hook is not None and bool(getattr(hook, "calls", True))
+
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 

@@ -21,18 +21,22 @@ class LaunchConfig:
     programs_per_sm: int      # persistent kernels only: the grid is SMs x this
 
 
-# (BLOCK_D upper bound, persistent) -> elements per tile and warps, measured on an H200.
-# Filled in from benchmarks/tune.py; rows are tried in order, the first that fits wins.
+# (BLOCK_D upper bound, persistent) -> elements per tile, warps, programs per SM. Measured on an
+# H200 with benchmarks/tune.py (2026-11-21): one row per program with few warps for forwards
+# (many small programs hide latency best); 4-8 rows and 8-16 warps, 1-2 programs per SM for
+# backwards, whose programs also carry the fp32 column partials. Rows are tried in order.
 TABLE = [
     # block_d <=, persistent, tile elements, warps, programs per SM
-    (256, False, 4096, 4, 0),
-    (256, True, 4096, 4, 4),
-    (2048, False, 4096, 8, 0),
-    (2048, True, 4096, 8, 4),
-    (8192, False, 8192, 16, 0),
-    (8192, True, 8192, 16, 2),
-    (1 << 30, False, 16384, 16, 0),
-    (1 << 30, True, 16384, 16, 1),
+    (512, False, 2048, 4, 0),
+    (512, True, 4096, 4, 4),
+    (1024, False, 1024, 2, 0),
+    (1024, True, 4096, 8, 2),
+    (2048, False, 2048, 4, 0),
+    (2048, True, 8192, 8, 2),
+    (4096, False, 4096, 4, 0),
+    (4096, True, 8192, 16, 1),
+    (1 << 30, False, 1, 16, 0),       # one row per tile
+    (1 << 30, True, 1, 16, 1),
 ]
 
 

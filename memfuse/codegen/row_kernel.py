@@ -266,7 +266,7 @@ class RowKernelWriter:
             out(f"{target} = {self.cast(node, shape)}")
         elif node.op is Op.RAND:
             shape = Kind.FULL
-            out(f"{target} = tl.rand({self.reg(node.inputs[0])} + {node.attr.stream}, offsets)")
+            self.rand(out, node)
         elif node.op in REDUCERS:
             shape = node.attr.axis
             self.reduce(out, node)
@@ -279,6 +279,21 @@ class RowKernelWriter:
             operands = [self.operand(i, shape, cast_to) for i in node.inputs]
             out(f"{target} = {OPS[node.op].triton.format(*operands)}")
         self.kinds[name] = shape
+
+    def rand(self, out: _Lines, node: Node) -> None:
+        """Uniform [0, 1) per element, a pure function of (seed, row * D + col): the backward
+        regenerates exactly the forward's values. Philox yields four numbers per call, so each
+        call serves four neighbouring columns when D allows (a quarter of the arithmetic)."""
+        target = self.reg(node.name)
+        seed = f"{self.reg(node.inputs[0])} + {node.attr.stream}"
+        if self.d % 4 or self.block_d < 4:
+            out(f"{target} = tl.rand({seed}, offsets)")
+            return
+        out("# one philox call per 4 neighbouring elements")
+        out(f"{target}_quads = rows.to(tl.int64)[:, None] * (D // 4) + tl.arange(0, BLOCK_D // 4)[None, :]")
+        out(f"{target}_0, {target}_1, {target}_2, {target}_3 = tl.rand4x({seed}, {target}_quads)")
+        out(f"{target} = tl.reshape(tl.join(tl.join({target}_0, {target}_1), tl.join({target}_2, {target}_3)), "
+            f"[BLOCK_M, BLOCK_D])")
 
     def cast(self, node: Node, shape: Kind) -> str:
         src = node.inputs[0]
