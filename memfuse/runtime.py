@@ -173,7 +173,8 @@ class Program:
         kernel = generate(g, step, self.config)
         STATS["kernels_generated"] += 1
         alloc = [(n, g[n].value.dtype, self._shape_fn(n)) for n in step.outputs]
-        finish = [(op, [(n, g[n].value.dtype, self._shape_fn(n)) for n in names])
+        finish = [(op, [(n, g[n].value.dtype, None if g[n].value.shape == (step.space.d,) else self._shape_fn(n))
+                        for n in names])
                   for op, names in kernel.source.column_sums.items()]
         return KernelLaunch(step, kernel, self._rows_fn(step), alloc, finish)
 
@@ -231,7 +232,10 @@ class Program:
             else:
                 totals = torch.full((len(outputs), source.constexprs["D"]), NEUTRAL[op], device=device)
             for j, (name, dtype, shape) in enumerate(outputs):
-                env[name] = totals[j].to(dtype).reshape(shape(*symbol_values))
+                total = totals[j]
+                if dtype != torch.float32:
+                    total = total.to(dtype)
+                env[name] = total if shape is None else total.reshape(shape(*symbol_values))
 
     def _max_programs(self, device: torch.device, config: LaunchConfig) -> int:
         if device.type == "cuda":

@@ -54,20 +54,45 @@ def test_seed_blocks_match_eager_fp32(name):
     assert after["extern_calls"] == before["extern_calls"]
 
 
+def bias_dropout(x, b):
+    return torch.nn.functional.dropout(x + b, 0.1, training=True)
+
+
 def test_dropout_one_mask_forward_and_backward():
-    def bias_dropout(x, b):
-        return torch.nn.functional.dropout(x + b, 0.1, training=True)
     x = torch.randn(64, 128, 1024, device="cuda", requires_grad=True)
     b = torch.zeros(1024, device="cuda", requires_grad=True)
     fused = memfuse.memory_efficient_fusion(bias_dropout)
-    out = fused(x, b)
-    kept = out != 0
-    assert abs(kept.float().mean().item() - 0.9) < 0.005
-    torch.testing.assert_close(out[kept], x[kept] / 0.9)
-    out.backward(torch.ones_like(out))
-    assert torch.equal(x.grad != 0, kept)
-    second = fused(x, b)
-    assert not torch.equal(second != 0, kept)
+    for call in range(3):                      # the first call compiles; later ones launch directly
+        out = fused(x, b)
+        kept = out != 0
+        rate = kept.float().mean().item()
+        assert abs(rate - 0.9) < 0.005, f"call {call}: keep rate {rate}"
+        torch.testing.assert_close(out[kept], x[kept] / 0.9)
+        out.backward(torch.ones_like(out))
+        same = ((x.grad != 0) == kept).float().mean().item()
+        assert same == 1.0, f"call {call}: backward mask agrees with the forward's on {same:.4f} of elements"
+        x.grad = None
+        second = fused(x, b)
+        assert not torch.equal(second != 0, kept), f"call {call}: the next call reused the mask"
+
+
+def test_direct_launch_matches_triton_launch(monkeypatch):
+    """The launch path that skips Triton's launcher computes bit-identical results."""
+    from memfuse import runtime
+    x = torch.randn(64, 128, 1024, device="cuda", requires_grad=True)
+    b = torch.randn(1024, device="cuda", requires_grad=True)
+    monkeypatch.setattr(runtime, "_draw_seed", lambda: 1234)
+    results = []
+    for hooks in (True, False, False):         # generic path, then direct twice
+        monkeypatch.setattr(runtime, "_launch_hooks_installed", lambda hooks=hooks: hooks)
+        fused = memfuse.memory_efficient_fusion(bias_dropout)
+        out = fused(x, b)
+        out.backward(torch.ones_like(out))
+        results.append((out.detach().clone(), x.grad.clone(), b.grad.clone()))
+        x.grad = b.grad = None
+    for other in results[1:]:
+        for a, c in zip(results[0], other):
+            assert torch.equal(a, c)
 
 
 def test_rms_norm_bf16_large_shape():
