@@ -132,10 +132,12 @@ class FusedFunction:
         return recipe
 
     def _key(self, values: list) -> tuple:
-        grad = torch.is_grad_enabled() and any(isinstance(v, torch.Tensor) and v.requires_grad for v in values)
+        """What a compiled program is specialized on (module docstring). On the hot path: kept to
+        plain attribute reads."""
         sizes: dict = {}
-        parts = [grad]
+        parts = []
         device = None
+        needs_grad = False
         for position, v in enumerate(values):
             if isinstance(v, torch.Tensor):
                 if device is None:
@@ -143,16 +145,19 @@ class FusedFunction:
                 elif v.device != device:
                     raise ValueError(f"memfuse: {self._name()}: argument {self._arg_name(position)} is on "
                                      f"{v.device}, expected {device} like the other tensor arguments")
-                lead = tuple(s if s in (0, 1) else sizes.setdefault(s, f"s{len(sizes)}") for s in v.shape[:-1])
-                last = v.shape[-1] if v.dim() else None
-                parts.append(("T", v.dtype, v.device, v.dim(), last, lead, v.requires_grad,
+                shape = v.shape
+                rank = len(shape)
+                lead = () if rank < 2 else \
+                    tuple(s if s < 2 else sizes.setdefault(s, len(sizes)) for s in shape[:-1])
+                needs_grad = needs_grad or v.requires_grad
+                parts.append(("T", v.dtype, device, rank, shape[-1] if rank else None, lead, v.requires_grad,
                               v.is_contiguous(), isinstance(v, torch.nn.Parameter)))
             elif isinstance(v, CONSTANT_TYPES):
                 parts.append(("C", type(v), v))
             else:
                 raise TypeError(f"memfuse: {self._name()}: argument {self._arg_name(position)} is a "
                                 f"{type(v).__name__}; expected a tensor or a constant (bool, int, float, str, None)")
-        return tuple(parts)
+        return (needs_grad and torch.is_grad_enabled(), *parts)
 
     def _arg_name(self, position: int) -> str:
         if self.signature is not None:

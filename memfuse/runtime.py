@@ -97,6 +97,7 @@ class Launcher:
         self.source = kernel.source
         self.compiled: dict = {}
         self.constexprs: dict = {}       # LaunchConfig -> keyword constexprs, positional constexprs
+        self.pointers = [i for i, a in enumerate(kernel.source.args) if a.role in ("read", "write", "partials")]
 
     def __call__(self, programs: int, args: list, device: torch.device, config: LaunchConfig) -> None:
         named = self.constexprs.get(config)
@@ -108,7 +109,7 @@ class Launcher:
         if device.type != "cuda" or _launch_hooks_installed():
             self.fn[(programs,)](*args, **keywords, num_warps=config.num_warps)
             return
-        key = (device.index, config, tuple(a.data_ptr() % 16 == 0 for a in args if isinstance(a, torch.Tensor)))
+        key = (device.index, config, tuple(args[i].data_ptr() % 16 == 0 for i in self.pointers))
         compiled = self.compiled.get(key)
         if compiled is None:
             self.compiled[key] = self.fn[(programs,)](*args, **keywords, num_warps=config.num_warps)
