@@ -36,18 +36,24 @@ def memory_efficient_fusion(fn: Callable, *, config: Optional[Config] = None) ->
 
 
 class FusedFunction:
-    def __init__(self, fn: Callable, config: Config):
+    """`static_prefix`: the first N tensor arguments keep every dim static and their whole shape
+    joins the compile key (a module's parameters and buffers; nn.Parameter arguments always do)."""
+
+    def __init__(self, fn: Callable, config: Config, *, static_prefix: int = 0):
         self.fn = fn
         self.config = config
+        self.static_prefix = static_prefix
         self.cache: dict = {}
         self.shape_specialized: set = set()   # keys whose traces guard on the leading sizes
         try:
             self.signature = inspect.signature(fn)
         except (TypeError, ValueError):
             self.signature = None
-        self.binds = self.signature is not None and any(
+        params = list(self.signature.parameters.values()) if self.signature is not None else []
+        only_varargs = len(params) == 1 and params[0].kind is inspect.Parameter.VAR_POSITIONAL
+        self.binds = not only_varargs and any(
             p.default is not inspect.Parameter.empty or p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD
-            for p in self.signature.parameters.values())
+            for p in params)
         functools.update_wrapper(self, fn, updated=())
 
     def __call__(self, *args, **kwargs):
@@ -98,6 +104,7 @@ class FusedFunction:
         sizes: dict = {}
         parts = [grad]
         device = None
+        tensor_index = 0
         for position, v in enumerate(values):
             if isinstance(v, torch.Tensor):
                 if device is None:
@@ -105,7 +112,11 @@ class FusedFunction:
                 elif v.device != device:
                     raise ValueError(f"memfuse: {self._name()}: argument {self._arg_name(position)} is on "
                                      f"{v.device}, expected {device} like the other tensor arguments")
-                lead = tuple(s if s in (0, 1) else sizes.setdefault(s, f"s{len(sizes)}") for s in v.shape[:-1])
+                if self._is_static(tensor_index, v):   # traced with every dim static
+                    lead = ("static", tuple(v.shape))
+                else:
+                    lead = tuple(s if s in (0, 1) else sizes.setdefault(s, f"s{len(sizes)}") for s in v.shape[:-1])
+                tensor_index += 1
                 last = v.shape[-1] if v.dim() else None
                 parts.append(("T", v.dtype, v.device, v.dim(), last, lead, v.requires_grad,
                               v.is_contiguous(), isinstance(v, torch.nn.Parameter)))
@@ -115,6 +126,9 @@ class FusedFunction:
                 raise TypeError(f"memfuse: {self._name()}: argument {self._arg_name(position)} is a "
                                 f"{type(v).__name__}; expected a tensor or a constant (bool, int, float, str, None)")
         return tuple(parts)
+
+    def _is_static(self, tensor_index: int, t: torch.Tensor) -> bool:
+        return tensor_index < self.static_prefix or isinstance(t, torch.nn.Parameter)
 
     def _arg_name(self, position: int) -> str:
         if self.signature is not None:
@@ -139,7 +153,7 @@ class FusedFunction:
             return (out,) if isinstance(out, torch.Tensor) else tuple(out)
 
         grad = key[0]
-        static = [isinstance(t, torch.nn.Parameter) for t in tensors]
+        static = [self._is_static(i, t) for i, t in enumerate(tensors)]
         captured = capture(traced, tensors, trace_joint=grad, static_inputs=static)
         if captured.specialized:
             log.info("memfuse: %s: leading sizes join the compile key: %s", self._name(), captured.specialized)
