@@ -73,6 +73,14 @@ def capture(fn: Callable, args: Sequence[torch.Tensor], *, trace_joint: bool,
     return captured
 
 
+def lower_graph(gm: torch.fx.GraphModule, symbols: dict, hints: dict, *, num_primals: int,
+                trace_joint: bool) -> Captured:
+    """Lower an AOTAutograd graph traced elsewhere (memfuse.backend: Dynamo's), already decomposed
+    with `decomposition_table()`: a joint graph (primals, tangents) or a forward-only one.
+    `symbols` maps each size symbol to where a call reads it; `hints` gives its traced value."""
+    return _Lowering(gm, symbols, hints).run(num_primals=num_primals, trace_joint=trace_joint)
+
+
 def _differentiable_outputs(captured: "Captured", requires_grad: list) -> list:
     """Forward outputs that receive a tangent: floating values that depend on an input that
     requires grad (the outputs AOTAutograd made tangents for, in order)."""
