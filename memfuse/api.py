@@ -27,9 +27,13 @@ log = logging.getLogger("memfuse")
 CONSTANT_TYPES = (bool, int, float, type(None), str, torch.dtype)
 
 
-def memory_efficient_fusion(fn: Callable, *, config: Optional[Config] = None) -> "FusedFunction":
+def memory_efficient_fusion(fn: Callable, *, config: Optional[Config] = None):
     """Wrap `fn` (tensors and constants -> tensor or tuple of tensors): same signature, same
-    results as eager within float tolerance, forward and backward fused into Triton kernels."""
+    results as eager within float tolerance, forward and backward fused into Triton kernels.
+    An nn.Module becomes a `FusedModule` (module.py) sharing its parameters and state_dict keys."""
+    if isinstance(fn, torch.nn.Module):
+        from .module import FusedModule
+        return FusedModule(fn, config or Config())
     if not callable(fn):
         raise TypeError(f"memfuse.memory_efficient_fusion: fn must be callable, got {type(fn).__name__}")
     return FusedFunction(fn, config or Config())
