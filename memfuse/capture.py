@@ -36,6 +36,10 @@ def decomposition_table() -> dict:
         aten.silu, aten.silu_backward, aten.sigmoid_backward, aten.tanh_backward,
         aten.threshold_backward, aten.rms_norm,
     ]))
+    # core ATen decomposes CPU flash attention into math that returns the attention weights
+    # where the op returns its logsumexp; the (undecomposed) backward then reads the weights as
+    # the logsumexp: wrong gradients. torch's comment says inductor must exclude it; so do we.
+    table.pop(aten._scaled_dot_product_flash_attention_for_cpu.default, None)
     return table
 
 
