@@ -58,10 +58,13 @@ def memfuse_backend(gm: torch.fx.GraphModule, example_inputs, *, config: Optiona
 
 
 def register() -> None:
-    """Make `backend="memfuse"` known to Dynamo (also declared as an entry point); idempotent."""
-    from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
-    if _COMPILER_FNS.get("memfuse") is None:
-        register_backend(memfuse_backend, name="memfuse")
+    """Make `backend="memfuse"` known to Dynamo on `import memfuse`; idempotent. When Dynamo has
+    already found the `torch_dynamo_backends` entry point it registers the backend itself (and
+    would refuse a second registration), so this one steps aside."""
+    from torch._dynamo.backends import registry
+    if "memfuse" in registry._COMPILER_FNS or registry._BACKENDS.get("memfuse") is not None:
+        return
+    registry.register_backend(memfuse_backend, name="memfuse")
 
 
 class _Compilers:

@@ -103,6 +103,11 @@ class FusedModule(nn.Module):
                 raise
             return getattr(original, name)
 
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_memfuse_calls"] = {}     # compiled programs are rebuilt on first use, never copied
+        return state
+
     def _get_name(self) -> str:
         return f"memfuse.Fused[{self.original._get_name()}]"
 
