@@ -63,6 +63,7 @@ class FusedModule(nn.Module):
     def original(self) -> nn.Module:
         return self.__dict__["_memfuse_original"]
 
+    @torch.compiler.disable   # inside torch.compile: a graph break around the fused call
     def forward(self, *args, **kwargs):
         module = self.original
         names, tensors = _state(module)

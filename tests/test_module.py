@@ -61,6 +61,8 @@ def test_wrapper_shares_parameters_names_and_buffers():
     assert all(a is b for a, b in zip(fused.parameters(), block.parameters()))
     assert [n for n, _ in fused.named_buffers()] == ["gain"] and fused.gain is block.gain
     assert fused.fc is block.fc
+    block.note = "plain attribute"
+    assert fused.note == "plain attribute"   # read through from the original
     opt = torch.optim.SGD(fused.parameters(), lr=1.0)
     fused(torch.randn(3, 32)).sum().backward()
     before = block.fc.weight.detach().clone()
