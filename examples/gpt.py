@@ -31,6 +31,7 @@ class GPTConfig:
     layers: int
     digits: int           # tokens to reverse: sequences are 2 * digits + 1 long
     batch: int
+    lr: float             # AdamW learning rate
     dropout: float = 0.0
 
     @property
@@ -39,8 +40,8 @@ class GPTConfig:
 
 
 SIZES = {
-    "tiny": GPTConfig(vocab=8, width=32, heads=2, layers=2, digits=4, batch=8),
-    "real": GPTConfig(vocab=64, width=512, heads=8, layers=6, digits=64, batch=32),
+    "tiny": GPTConfig(vocab=8, width=32, heads=2, layers=2, digits=4, batch=8, lr=3e-3),
+    "real": GPTConfig(vocab=64, width=512, heads=8, layers=6, digits=64, batch=32, lr=6e-4),
 }
 
 
@@ -147,11 +148,11 @@ def build(cfg: GPTConfig, mode: str, device, seed: int = 0) -> tuple:
 
 
 def train(mode: str = "eager", steps: int = 20, size: str = "tiny", device: str = "cpu",
-          dropout: float = 0.0, seed: int = 0, lr: float = 3e-3, layers: int = 0, log_every: int = 0) -> list:
-    """Train and return the loss of every step. `layers`: override the size's depth (0: keep)."""
+          dropout: float = 0.0, seed: int = 0, lr: float = 0.0, layers: int = 0, log_every: int = 0) -> list:
+    """Train and return the loss of every step. `lr`, `layers`: override the size's (0: keep)."""
     cfg = GPTConfig(**{**SIZES[size].__dict__, "dropout": dropout, "layers": layers or SIZES[size].layers})
     model, plain = build(cfg, mode, device, seed)
-    optimizer = torch.optim.AdamW(plain.parameters(), lr=lr, weight_decay=0.01)
+    optimizer = torch.optim.AdamW(plain.parameters(), lr=lr or cfg.lr, weight_decay=0.01)
     generator = torch.Generator().manual_seed(seed + 1)
     losses = []
     model.train()
@@ -176,7 +177,7 @@ def main(argv=None) -> list:
     parser.add_argument("--size", choices=tuple(SIZES), default="tiny")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dropout", type=float, default=0.0)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=float, default=0.0, help="override the size's learning rate")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--layers", type=int, default=0, help="override the size's depth")
     args = parser.parse_args(argv)

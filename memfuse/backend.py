@@ -146,7 +146,8 @@ def _lower(gm: torch.fx.GraphModule, primals: list, trace_joint: bool) -> Captur
     if missing:
         raise NotImplementedError(
             f"memfuse: the graph's sizes use {sorted(map(str, missing))}, which no argument carries "
-            f"(a SymInt argument or a dim of a tensor argument); compile without dynamic=True")
+            f"(as a SymInt argument or a dim of a tensor argument), e.g. a data-dependent size; "
+            f"memfuse cannot size its buffers from them")
     return captured
 
 
@@ -182,11 +183,9 @@ def _free_symbols(graph: Graph) -> set:
 
 
 def _device(placeholders: list) -> torch.device:
-    for node in placeholders:
-        val = node.meta.get("val")
-        if isinstance(val, torch.Tensor):
-            return val.device
-    return torch.device("cpu")
+    """Where the program allocates: the accelerator of any tensor argument, else the CPU."""
+    devices = [n.meta["val"].device for n in placeholders if isinstance(n.meta.get("val"), torch.Tensor)]
+    return next((d for d in devices if d.type != "cpu"), torch.device("cpu"))
 
 
 # -- the steps AOTAutograd calls ----------------------------------------------------------------
