@@ -1,13 +1,19 @@
 """memfuse: memory-efficient fusion for PyTorch training code.
 
     fused = memfuse.memory_efficient_fusion(fn)   # same signature, forward and backward fused
+    block = memfuse.memory_efficient_fusion(block) # an nn.Module: same parameters and state_dict
+    model = torch.compile(model, backend="memfuse")
 """
+from . import backend as _backend
 from .api import memory_efficient_fusion
+from .module import FusedModule
 from .config import Config
 from .debug import configure_logging, reset_stats, stats
 from .draw import draw_plan
 from .explain import explain
 
 configure_logging()
+_backend.register()
 
-__all__ = ["memory_efficient_fusion", "Config", "explain", "draw_plan", "stats", "reset_stats", "configure_logging"]
+__all__ = ["memory_efficient_fusion", "FusedModule", "Config", "explain", "draw_plan", "stats", "reset_stats",
+           "configure_logging"]

@@ -29,18 +29,26 @@ recompile_log = topic_log("recompiles")
 CONSTANT_TYPES = (bool, int, float, type(None), str, torch.dtype)
 
 
-def memory_efficient_fusion(fn: Callable, *, config: Optional[Config] = None) -> "FusedFunction":
+def memory_efficient_fusion(fn: Callable, *, config: Optional[Config] = None):
     """Wrap `fn` (tensors and constants -> tensor or tuple of tensors): same signature, same
-    results as eager within float tolerance, forward and backward fused into Triton kernels."""
+    results as eager within float tolerance, forward and backward fused into Triton kernels.
+    An nn.Module becomes a `FusedModule` (module.py) sharing its parameters and state_dict keys."""
+    if isinstance(fn, torch.nn.Module):
+        from .module import FusedModule
+        return FusedModule(fn, config or Config())
     if not callable(fn):
         raise TypeError(f"memfuse.memory_efficient_fusion: fn must be callable, got {type(fn).__name__}")
     return FusedFunction(fn, config or Config())
 
 
 class FusedFunction:
-    def __init__(self, fn: Callable, config: Config):
+    """`static_prefix`: the first N tensor arguments keep every dim static and their whole shape
+    joins the compile key (a module's parameters and buffers; nn.Parameter arguments always do)."""
+
+    def __init__(self, fn: Callable, config: Config, *, static_prefix: int = 0):
         self.fn = fn
         self.config = config
+        self.static_prefix = static_prefix
         self.cache: dict = {}
         self.shape_specialized: set = set()   # keys whose traces guard on the leading sizes
         self.recipes: dict = {}               # (n positional, keywords) -> binding recipe
@@ -48,9 +56,11 @@ class FusedFunction:
             self.signature = inspect.signature(fn)
         except (TypeError, ValueError):
             self.signature = None
-        self.binds = self.signature is not None and any(
+        params = list(self.signature.parameters.values()) if self.signature is not None else []
+        only_varargs = len(params) == 1 and params[0].kind is inspect.Parameter.VAR_POSITIONAL
+        self.binds = not only_varargs and any(
             p.default is not inspect.Parameter.empty or p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD
-            for p in self.signature.parameters.values())
+            for p in params)
         functools.update_wrapper(self, fn, updated=())
 
     def __call__(self, *args, **kwargs):
@@ -138,6 +148,7 @@ class FusedFunction:
         parts = []
         device = None
         needs_grad = False
+        tensor_index = 0
         for position, v in enumerate(values):
             if isinstance(v, torch.Tensor):
                 if device is None:
@@ -147,8 +158,12 @@ class FusedFunction:
                                      f"{v.device}, expected {device} like the other tensor arguments")
                 shape = v.shape
                 rank = len(shape)
-                lead = () if rank < 2 else \
-                    tuple(s if s < 2 else sizes.setdefault(s, len(sizes)) for s in shape[:-1])
+                if tensor_index < self.static_prefix or isinstance(v, torch.nn.Parameter):
+                    lead = ("static", tuple(shape))       # traced with every dim static
+                else:
+                    lead = () if rank < 2 else \
+                        tuple(s if s < 2 else sizes.setdefault(s, len(sizes)) for s in shape[:-1])
+                tensor_index += 1
                 needs_grad = needs_grad or v.requires_grad
                 parts.append(("T", v.dtype, device, rank, shape[-1] if rank else None, lead, v.requires_grad,
                               v.is_contiguous(), isinstance(v, torch.nn.Parameter)))
@@ -158,6 +173,9 @@ class FusedFunction:
                 raise TypeError(f"memfuse: {self._name()}: argument {self._arg_name(position)} is a "
                                 f"{type(v).__name__}; expected a tensor or a constant (bool, int, float, str, None)")
         return (needs_grad and torch.is_grad_enabled(), *parts)
+
+    def _is_static(self, tensor_index: int, t: torch.Tensor) -> bool:
+        return tensor_index < self.static_prefix or isinstance(t, torch.nn.Parameter)
 
     def _arg_name(self, position: int) -> str:
         if self.signature is not None:
@@ -182,7 +200,7 @@ class FusedFunction:
             return (out,) if isinstance(out, torch.Tensor) else tuple(out)
 
         grad = key[0]
-        static = [isinstance(t, torch.nn.Parameter) for t in tensors]
+        static = [self._is_static(i, t) for i, t in enumerate(tensors)]
         captured = capture(traced, tensors, trace_joint=grad, static_inputs=static)
         if captured.specialized:
             recompile_log.info("memfuse: %s: leading sizes join the compile key: %s", self._name(),

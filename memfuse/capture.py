@@ -36,6 +36,10 @@ def decomposition_table() -> dict:
         aten.silu, aten.silu_backward, aten.sigmoid_backward, aten.tanh_backward,
         aten.threshold_backward, aten.rms_norm,
     ]))
+    # core ATen decomposes CPU flash attention into math that returns the attention weights
+    # where the op returns its logsumexp; the (undecomposed) backward then reads the weights as
+    # the logsumexp: wrong gradients. torch's comment says inductor must exclude it; so do we.
+    table.pop(aten._scaled_dot_product_flash_attention_for_cpu.default, None)
     return table
 
 
@@ -71,6 +75,14 @@ def capture(fn: Callable, args: Sequence[torch.Tensor], *, trace_joint: bool,
     captured.aten_graph = gm
     captured.differentiable_outputs = _differentiable_outputs(captured, [t.requires_grad for t in args])
     return captured
+
+
+def lower_graph(gm: torch.fx.GraphModule, symbols: dict, hints: dict, *, num_primals: int,
+                trace_joint: bool) -> Captured:
+    """Lower an AOTAutograd graph traced elsewhere (memfuse.backend: Dynamo's), already decomposed
+    with `decomposition_table()`: a joint graph (primals, tangents) or a forward-only one.
+    `symbols` maps each size symbol to where a call reads it; `hints` gives its traced value."""
+    return _Lowering(gm, symbols, hints).run(num_primals=num_primals, trace_joint=trace_joint)
 
 
 def _differentiable_outputs(captured: "Captured", requires_grad: list) -> list:

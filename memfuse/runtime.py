@@ -8,6 +8,7 @@ column sums.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -31,9 +32,22 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# torch's integer sympy functions (sizes traced under Dynamo hold them, e.g. FloorDiv(s0, 2)).
+SIZE_FUNCTIONS = {
+    "FloorDiv": lambda a, b: a // b, "CleanDiv": lambda a, b: a // b, "CeilDiv": lambda a, b: -(-a // b),
+    "ModularIndexing": lambda x, div, mod: (x // div) % mod, "PythonMod": lambda a, b: a % b,
+    "Mod": lambda a, b: a % b, "IntTrueDiv": lambda a, b: a / b, "FloatTrueDiv": lambda a, b: a / b,
+    "PowByNatural": lambda a, b: a ** b, "FloatPow": lambda a, b: a ** b, "CeilToInt": math.ceil,
+    "FloorToInt": math.floor, "TruncToInt": math.trunc, "TruncToFloat": lambda x: float(math.trunc(x)),
+    "RoundToInt": round, "ToFloat": float, "Identity": lambda x: x, "Max": max, "Min": min,
+    "Where": lambda c, a, b: a if c else b,
+}
+
+
 def _size_fn(exprs, symbols: list) -> Callable:
     """A plain Python function of the symbol values, built once (sympy is too slow per call)."""
-    return sympy.lambdify(symbols, list(exprs) if isinstance(exprs, (list, tuple)) else exprs, "math")
+    return sympy.lambdify(symbols, list(exprs) if isinstance(exprs, (list, tuple)) else exprs,
+                          [SIZE_FUNCTIONS, "math"])
 
 
 NEUTRAL = {Op.SUM: 0.0, Op.MAX: float("-inf"), Op.MIN: float("inf")}

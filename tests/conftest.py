@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 _CACHE_DIR = tempfile.mkdtemp(prefix="memfuse-test-cache-")
 os.environ["MEMFUSE_CACHE_DIR"] = _CACHE_DIR          # never write into ~/.cache
+os.environ.setdefault("MEMFUSE_CHECK", "1")           # the IR verifier after every stage
 for _switch in ("MEMFUSE_LOG", "MEMFUSE_DUMP_DIR", "MEMFUSE_STRICT"):
     os.environ.pop(_switch, None)                     # tests turn these on themselves
 

@@ -1,0 +1,196 @@
+"""module: `memory_efficient_fusion(module)`, an nn.Module drop-in whose forward and backward run fused.
+
+The wrapper shares the original's parameter, buffer and submodule dicts (and its state-dict
+hooks), so names, `state_dict` keys, `parameters()`, `.to()` and the optimizer see exactly what
+they saw before; a checkpoint moves freely between a wrapped and a plain model.
+
+A call is the original's forward, functionalized: `functional_call(module, {name: tensor}, args)`
+inside a function whose tensor inputs are the parameters and buffers (kept static) followed by
+the user's arguments. That function goes through `FusedFunction` (api.py), which keys on the
+tensors; this module adds what the tensors do not say: which submodules are in training mode
+(dropout on or off is a different graph), the autocast state, and the call's argument layout.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.func import functional_call
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .api import FusedFunction
+from .config import Config
+
+# Per-instance state of nn.Module that the wrapper takes over from the original, so that
+# everything reading it (state_dict, load_state_dict, named_parameters, _apply) agrees.
+SHARED_STATE = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set",
+                "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+                "_load_state_dict_post_hooks")
+
+
+class MutatedInputError(RuntimeError):
+    """The traced forward writes into a buffer or an argument in place."""
+
+
+@dataclass(frozen=True)
+class CallKey:
+    """What a FusedModule call is specialized on beyond its tensors."""
+    training: tuple              # module.training of every submodule, in modules() order
+    autocast: tuple              # (device type, enabled, dtype)
+    state: tuple                 # parameter and buffer names, in call order
+    num_args: int
+    kwarg_names: tuple
+
+
+class FusedModule(nn.Module):
+    """`memory_efficient_fusion(module)`: the same parameters, buffers and state_dict keys as
+    `module`, a fused forward and backward. Read the original through `.original`."""
+
+    def __init__(self, module: nn.Module, config: Config):
+        super().__init__()
+        state = self.__dict__
+        for name in SHARED_STATE:
+            state[name] = module.__dict__[name]
+        state["_version"] = getattr(module, "_version", 1)     # state_dict metadata, per module type
+        state["_memfuse_original"] = module
+        state["_memfuse_config"] = config
+        state["_memfuse_calls"] = {}                           # CallKey -> _ModuleCall
+        self.training = module.training
+
+    @property
+    def original(self) -> nn.Module:
+        return self.__dict__["_memfuse_original"]
+
+    @torch.compiler.disable   # inside torch.compile: a graph break around the fused call
+    def forward(self, *args, **kwargs):
+        module = self.original
+        names, tensors = _state(module)
+        device = _device(tensors, args, kwargs)
+        key = CallKey(tuple(m.training for m in module.modules()), _autocast_state(device.type),
+                      tuple(names), len(args), tuple(kwargs))
+        call = self._memfuse_calls.get(key)
+        if call is None:
+            call = self._memfuse_calls[key] = _ModuleCall(module, key, self._memfuse_config)
+        values = (*tensors, *args, *kwargs.values())
+        if key.autocast[1]:
+            # The trace ran under autocast and holds its casts; the compiled steps must not be
+            # autocast a second time.
+            with torch.autocast(device.type, enabled=False):
+                leaves = call.fused(*values)
+        else:
+            leaves = call.fused(*values)
+        return call.unflatten(leaves)
+
+    # -- the original's identity: state_dict, train/eval, attributes, printing ---------------
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        self.original._save_to_state_dict(destination, prefix, keep_vars)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self.original._load_from_state_dict(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> "FusedModule":
+        self.original.train(mode)
+        self.training = mode
+        return self
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            original = self.__dict__.get("_memfuse_original")
+            if original is None:
+                raise
+            return getattr(original, name)
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_memfuse_calls"] = {}     # compiled programs are rebuilt on first use, never copied
+        return state
+
+    def _get_name(self) -> str:
+        return f"memfuse.Fused[{self.original._get_name()}]"
+
+    def extra_repr(self) -> str:
+        return self.original.extra_repr()
+
+
+class _ModuleCall:
+    """The function FusedFunction compiles for one CallKey: (*params_and_buffers, *args,
+    *kwarg_values) -> tensor leaves of the module's output. The output's structure is recorded
+    at trace time and rebuilt by `unflatten`."""
+
+    def __init__(self, module: nn.Module, key: CallKey, config: Config):
+        self.module = module
+        self.key = key
+        self.structure: Optional[tuple] = None     # (pytree spec, leaf slots, non-tensor leaves)
+        self.__qualname__ = type(module).__qualname__
+        self.fused = FusedFunction(self, config, static_prefix=len(key.state))
+
+    def __call__(self, *values):
+        key = self.key
+        count = len(key.state)
+        state = dict(zip(key.state, values[:count]))
+        rest = values[count:]
+        args, kwargs = rest[:key.num_args], dict(zip(key.kwarg_names, rest[key.num_args:]))
+        device_type, enabled, dtype = key.autocast
+        if enabled:   # the caller switched autocast off around the compiled call: trace under it
+            with torch.autocast(device_type, dtype=dtype, enabled=True, cache_enabled=False):
+                out = functional_call(self.module, state, args, kwargs)
+        else:
+            out = functional_call(self.module, state, args, kwargs)
+        self._check_no_mutation(values)
+        leaves, spec = tree_flatten(out)
+        slots = tuple(isinstance(leaf, torch.Tensor) for leaf in leaves)
+        constants = tuple(None if slot else leaf for slot, leaf in zip(slots, leaves))
+        self.structure = (spec, slots, constants)
+        return tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
+
+    def unflatten(self, tensors) -> Any:
+        spec, slots, constants = self.structure
+        tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tensors
+        if len(tensors) != sum(slots):
+            raise RuntimeError(f"memfuse: {self.__qualname__} returned {len(tensors)} tensors, "
+                               f"its traced output structure has {sum(slots)}")
+        it = iter(tensors)
+        return tree_unflatten([next(it) if slot else c for slot, c in zip(slots, constants)], spec)
+
+    def _check_no_mutation(self, values) -> None:
+        try:
+            from torch._functorch._aot_autograd.functional_utils import has_data_mutation
+        except ImportError:   # torch moved it: AOTAutograd's own (unnamed) error still fires
+            return
+        count = len(self.key.state)
+        mutated = [f"buffer '{self.key.state[i]}'" if i < count else f"argument {i - count}"
+                   for i, v in enumerate(values) if isinstance(v, torch.Tensor) and has_data_mutation(v)]
+        if mutated:
+            raise MutatedInputError(
+                f"memfuse: {self.__qualname__}.forward writes in place into its {', '.join(mutated)} (e.g. "
+                f"BatchNorm running statistics in training mode); memfuse cannot fuse a forward that "
+                f"mutates its inputs. Use eval() for that submodule, construct it with "
+                f"track_running_stats=False, or leave this module unfused.")
+
+
+def _state(module: nn.Module) -> tuple[list, list]:
+    """Parameter and buffer names and tensors (tied ones once), in a fixed order."""
+    names, tensors = [], []
+    for name, t in module.named_parameters():
+        names.append(name)
+        tensors.append(t)
+    for name, t in module.named_buffers():
+        names.append(name)
+        tensors.append(t)
+    return names, tensors
+
+
+def _device(tensors: list, args: tuple, kwargs: dict) -> torch.device:
+    for t in (*tensors, *args, *kwargs.values()):
+        if isinstance(t, torch.Tensor):
+            return t.device
+    raise TypeError("memfuse: a fused module needs a tensor parameter, buffer or argument")
+
+
+def _autocast_state(device_type: str) -> tuple:
+    enabled = torch.is_autocast_enabled(device_type)
+    return (device_type, enabled, torch.get_autocast_dtype(device_type) if enabled else None)

@@ -1,0 +1,239 @@
+"""memory_efficient_fusion(module): shared parameters and state_dict keys, train/eval, no_grad,
+autocast, checkpoints, and the error for forwards that mutate their buffers."""
+import copy
+import io
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import memfuse
+from memfuse.module import FusedModule, MutatedInputError
+
+
+class Block(nn.Module):
+    """Pre-norm residual MLP with dropout and a (non-parameter) buffer."""
+
+    def __init__(self, width=32, p=0.0):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, 2 * width)
+        self.proj = nn.Linear(2 * width, width)
+        self.drop = nn.Dropout(p)
+        self.register_buffer("gain", torch.linspace(0.5, 1.5, width))
+
+    def forward(self, x):
+        return x + self.drop(self.proj(F.gelu(self.fc(self.norm(x))))) * self.gain
+
+
+class Net(nn.Module):
+    def __init__(self, p=0.0):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(p=p) for _ in range(2))
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def pair(p=0.0, seed=0):
+    """(plain Net, the same Net deep-copied with memfuse-wrapped blocks)."""
+    torch.manual_seed(seed)
+    plain = Net(p)
+    fused = copy.deepcopy(plain)
+    for i, block in enumerate(fused.blocks):
+        fused.blocks[i] = memfuse.memory_efficient_fusion(block)
+    return plain, fused
+
+
+def grads(model):
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_wrapper_shares_parameters_names_and_buffers():
+    block = Block()
+    fused = memfuse.memory_efficient_fusion(block)
+    assert isinstance(fused, FusedModule) and fused.original is block
+    assert [n for n, _ in fused.named_parameters()] == [n for n, _ in block.named_parameters()]
+    assert all(a is b for a, b in zip(fused.parameters(), block.parameters()))
+    assert [n for n, _ in fused.named_buffers()] == ["gain"] and fused.gain is block.gain
+    assert fused.fc is block.fc
+    block.note = "plain attribute"
+    assert fused.note == "plain attribute"   # read through from the original
+    opt = torch.optim.SGD(fused.parameters(), lr=1.0)
+    fused(torch.randn(3, 32)).sum().backward()
+    before = block.fc.weight.detach().clone()
+    opt.step()
+    assert not torch.equal(block.fc.weight, before)   # the optimizer stepped the original's tensors
+
+
+def test_state_dict_keys_identical_and_checkpoints_cross_load():
+    plain, fused = pair()
+    assert list(fused.state_dict()) == list(plain.state_dict())
+    whole = memfuse.memory_efficient_fusion(Net())
+    assert list(whole.state_dict()) == list(plain.state_dict())
+    # fused -> plain and plain -> fused, strict, through a saved file
+    for source, target in ((fused, Net()), (plain, pair(seed=1)[1]), (whole, Net())):
+        buffer = io.BytesIO()
+        torch.save(source.state_dict(), buffer)
+        buffer.seek(0)
+        result = target.load_state_dict(torch.load(buffer), strict=True)
+        assert not result.missing_keys and not result.unexpected_keys
+        for (name, a), b in zip(source.state_dict().items(), target.state_dict().values()):
+            assert torch.equal(a, b), name
+    with pytest.raises(RuntimeError, match="Missing key"):
+        fused.load_state_dict({}, strict=True)
+
+
+def test_outputs_and_grads_match_eager_over_batch_shapes():
+    plain, fused = pair()
+    memfuse.reset_stats()
+    for shape in ((4, 6, 32), (3, 5, 32), (7, 32)):
+        for model in (plain, fused):
+            model.zero_grad()
+        x = torch.randn(shape)
+        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+        y1, y2 = plain(x1), fused(x2)
+        g = torch.randn_like(y1)
+        y1.backward(g)
+        y2.backward(g)
+        torch.testing.assert_close(y2, y1, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(x2.grad, x1.grad, rtol=1e-4, atol=1e-5)
+        for name, g1 in grads(plain).items():
+            torch.testing.assert_close(grads(fused)[name], g1, rtol=1e-4, atol=1e-5, msg=name)
+    # two blocks x (rank 3, rank 2): a new batch or sequence size reuses the program
+    assert memfuse.stats()["compiles"] == 4
+
+
+def test_train_and_eval_are_separate_programs():
+    torch.manual_seed(0)
+    block = Block(p=0.5)
+    fused = memfuse.memory_efficient_fusion(block)
+    x = torch.randn(8, 32)
+    memfuse.reset_stats()
+    y_train = fused(x)
+    fused.eval()
+    assert not block.training and not block.drop.training
+    torch.testing.assert_close(fused(x), block(x), rtol=1e-5, atol=1e-5)
+    fused.train()
+    assert block.drop.training
+    y_again = fused(x)
+    assert memfuse.stats()["compiles"] == 2 and memfuse.stats()["cache_hits"] == 1
+    assert not torch.equal(y_train, y_again)           # a fresh seed per call
+    # a submodule switched on its own is part of the key too
+    block.drop.eval()
+    torch.testing.assert_close(fused(x), block(x), rtol=1e-5, atol=1e-5)
+
+
+def test_dropout_backward_reuses_the_forward_mask():
+    class Drop(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.drop = nn.Dropout(0.5)
+
+        def forward(self, x):
+            return self.drop(x)
+
+    fused = memfuse.memory_efficient_fusion(Drop())
+    x = (torch.rand(16, 32) + 1).requires_grad_()
+    y = fused(x)
+    y.backward(torch.ones_like(y))
+    assert 0.3 < (y == 0).float().mean() < 0.7
+    torch.testing.assert_close(x.grad, y.detach() / x.detach())   # mask / (1 - p), from the same seed
+    torch.manual_seed(3)
+    a = fused(x)
+    torch.manual_seed(3)
+    assert torch.equal(a, fused(x))
+
+
+def test_no_grad_runs_forward_only():
+    plain, fused = pair()
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        y = fused(x)
+        expected = plain(x)
+    assert not y.requires_grad
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_traces_the_casts(dtype):
+    torch.manual_seed(0)
+    block = Block()
+    fused = memfuse.memory_efficient_fusion(copy.deepcopy(block))
+    x = torch.randn(4, 6, 32)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=dtype):
+        y1 = block(x1)
+        y2 = fused(x2)
+    assert y2.dtype == y1.dtype
+    torch.testing.assert_close(y2, y1, rtol=2e-2, atol=2e-2)
+    assert (y2 - block(x)).abs().max() > 5e-5   # computed in low precision, not silently in fp32
+    y1.sum().backward()
+    y2.sum().backward()
+    torch.testing.assert_close(x2.grad, x1.grad, rtol=3e-2, atol=3e-2)
+    for (name, p1), p2 in zip(block.named_parameters(), fused.parameters()):
+        assert p2.grad.dtype == torch.float32
+        torch.testing.assert_close(p2.grad, p1.grad, rtol=5e-2, atol=5e-2, msg=name)
+    # the program was traced under autocast: its graph computes in `dtype`, and it is a
+    # different program from the fp32 one
+    (call,) = fused._memfuse_calls.values()
+    (entry,) = call.fused.cache.values()
+    assert any(node.value.dtype == dtype for node in entry.captured.joint.nodes.values())
+    fused(x)
+    assert len(fused._memfuse_calls) == 2
+
+
+def test_mutating_a_buffer_is_an_error_naming_it():
+    model = memfuse.memory_efficient_fusion(nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)))
+    x = torch.randn(4, 8)
+    with pytest.raises(MutatedInputError, match=r"'1\.running_mean'.*'1\.running_var'"):
+        model(x)
+    model.eval()   # eval mode reads the running statistics without writing them
+    torch.testing.assert_close(model(x), model.original(x))
+
+
+def test_kwargs_constants_and_structured_outputs():
+    class Heads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(16, 16)
+
+        def forward(self, x, scale=1.0, *, shift=None):
+            h = self.a(x) * scale
+            if shift is not None:
+                h = h + shift
+            return {"h": h, "aux": (h.relu(), None), "n": 3}
+
+    torch.manual_seed(0)
+    plain = Heads()
+    fused = memfuse.memory_efficient_fusion(copy.deepcopy(plain))
+    x, shift = torch.randn(5, 16), torch.randn(16)
+    for kwargs in ({}, {"scale": 2.0}, {"scale": 0.5, "shift": shift}):
+        out, expected = fused(x, **kwargs), plain(x, **kwargs)
+        assert set(out) == {"h", "aux", "n"} and out["aux"][1] is None and out["n"] == 3
+        torch.testing.assert_close(out["h"], expected["h"])
+        torch.testing.assert_close(out["aux"][0], expected["aux"][0])
+
+
+def test_deepcopy_and_dtype_conversion_keep_sharing():
+    fused = memfuse.memory_efficient_fusion(Block())
+    fused(torch.randn(2, 32))
+    clone = copy.deepcopy(fused)
+    assert clone.original.fc.weight is clone.fc.weight and clone.fc.weight is not fused.fc.weight
+    clone.double()
+    assert clone.original.fc.weight.dtype == torch.float64 and clone.original.gain.dtype == torch.float64
+    x = torch.randn(3, 32, dtype=torch.float64)
+    torch.testing.assert_close(clone(x), clone.original(x))
+
+
+def test_parameters_of_other_leading_sizes_recompile():
+    """A Parameter is traced with static dims: its whole shape is part of the compile key."""
+    fused = memfuse.memory_efficient_fusion(lambda x, w: F.linear(x, w).relu())
+    x = torch.randn(3, 8)
+    for rows in (16, 4):
+        w = nn.Parameter(torch.randn(rows, 8))
+        torch.testing.assert_close(fused(x, w), F.linear(x, w).relu())
