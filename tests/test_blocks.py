@@ -1,0 +1,62 @@
+"""The seed's three blocks end to end, dropout off: numerics against eager, kernel counts."""
+import pytest
+import torch
+
+import memfuse
+from helpers import BLOCKS, block_inputs, counters, delta, forward_backward, rel_error
+
+SHAPES = [(3, 5, 32), (2, 7, 48)]     # D a power of two, and not; M = 15 and 14
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("name", sorted(BLOCKS))
+def test_fp32_output_and_every_grad_match_eager(name, shape):
+    tensors, consts, grad_output = block_inputs(name, shape)
+    block = BLOCKS[name].fn
+    out, grads = forward_backward(memfuse.memory_efficient_fusion(block), tensors, consts, grad_output)
+    ref_out, ref_grads = forward_backward(block, tensors, consts, grad_output)
+
+    assert out.shape == ref_out.shape and out.dtype == torch.float32
+    assert rel_error(out, ref_out) <= 1e-5
+    assert len(grads) == len(tensors)
+    for i, (grad, ref) in enumerate(zip(grads, ref_grads)):
+        assert grad is not None, f"input {i} got no gradient"
+        assert grad.shape == ref.shape and grad.dtype == ref.dtype, i
+        assert rel_error(grad, ref) <= 1e-5, f"input {i}: {rel_error(grad, ref):.3g}"
+
+
+@pytest.mark.parametrize("name", sorted(BLOCKS))
+def test_bf16_error_is_no_worse_than_eager_bf16(name):
+    """Both bf16 runs against an fp64 reference: memfuse within max(1e-2, 2x eager's error)."""
+    tensors, consts, grad_output = block_inputs(name, (2, 7, 48), torch.bfloat16)
+    block = BLOCKS[name].fn
+    out, grads = forward_backward(memfuse.memory_efficient_fusion(block), tensors, consts, grad_output)
+    eager_out, eager_grads = forward_backward(block, tensors, consts, grad_output)
+    ref_out, ref_grads = forward_backward(block, [t.double() for t in tensors], consts, grad_output)
+
+    assert out.dtype == torch.bfloat16
+    pairs = [("output", out, eager_out, ref_out)] + \
+        [(f"grad {i}", g, e, r) for i, (g, e, r) in enumerate(zip(grads, eager_grads, ref_grads))]
+    for what, mine, eager, ref in pairs:
+        assert mine.dtype == torch.bfloat16, what
+        bound = max(1e-2, 2 * rel_error(eager, ref))
+        assert rel_error(mine, ref) <= bound, f"{what}: {rel_error(mine, ref):.3g} > {bound:.3g}"
+
+
+@pytest.mark.parametrize("name", sorted(BLOCKS))
+def test_one_kernel_forward_one_kernel_backward_no_extern(name):
+    tensors, consts, grad_output = block_inputs(name, (2, 7, 48))
+    fused = memfuse.memory_efficient_fusion(BLOCKS[name].fn)
+    for step in range(2):                       # the compiling call, then a cached one
+        leaves = [t.detach().requires_grad_() for t in tensors]
+        before = counters()
+        out = fused(*leaves, **consts)
+        assert delta(before)["kernels_launched"] == 1, f"step {step}: forward"
+        out.backward(grad_output)
+        moved = delta(before)
+        assert moved["kernels_launched"] == 2, f"step {step}: forward + backward"
+        assert moved["extern_calls"] == 0 and moved["fallbacks"] == 0, moved
+    entry, = fused.cache.values()
+    assert len(entry.function.forward.schedule.kernels) == 1
+    assert len(entry.function.backward.schedule.kernels) == 1
+    assert memfuse.stats()["compiles"] == 1
