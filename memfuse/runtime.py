@@ -18,7 +18,7 @@ from .codegen import CompiledKernel, generate
 from .config import Config
 from .debug import STATS
 from .ir import Extern, Graph, Kind, Op, ValueRef
-from .ops import OPS, REDUCERS, compute_dtype
+from .ops import OPS, REDUCERS, accumulate_dtype, compute_dtype
 from .schedule import ExternStep, KernelGroup, Schedule
 
 log = logging.getLogger("memfuse")
@@ -126,7 +126,8 @@ class Program:
         if step.group.space.m is None:
             programs = tiles = 1
         partials = {op: torch.empty((max(programs, 1), len(names), source.constexprs["D"]),
-                                    dtype=torch.float32, device=device)
+                                    dtype=max((accumulate_dtype(dtype) for _, dtype, _ in names),
+                                              key=lambda t: t.itemsize), device=device)
                     for op, names in step.finish}
         if programs > 0:
             args = []
@@ -239,7 +240,8 @@ def _run_aten_group(graph: Graph, step: AtenGroup, env: dict, symbol_values: tup
             if result.dtype.is_floating_point:
                 result = result.to(compute_dtype(result.dtype))
         elif node.op in REDUCERS:
-            source = read(node.inputs[0]).to(torch.float32)
+            source = read(node.inputs[0])
+            source = source.to(accumulate_dtype(source.dtype))
             dim = 1 if node.attr.axis is Kind.ROW else 0
             result = REDUCERS[node.op][2](source, dim, keepdim=True)
         else:
