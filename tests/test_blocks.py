@@ -60,3 +60,16 @@ def test_one_kernel_forward_one_kernel_backward_no_extern(name):
     assert len(entry.function.forward.schedule.kernels) == 1
     assert len(entry.function.backward.schedule.kernels) == 1
     assert memfuse.stats()["compiles"] == 1
+
+
+@pytest.mark.parametrize("name", sorted(BLOCKS))
+def test_fp64_computes_in_fp64(name):
+    """fp64 values stay fp64 in registers, in reductions and in column partial sums."""
+    tensors, consts, grad_output = block_inputs(name, (2, 7, 48), torch.float64)
+    block = BLOCKS[name].fn
+    out, grads = forward_backward(memfuse.memory_efficient_fusion(block), tensors, consts, grad_output)
+    ref_out, ref_grads = forward_backward(block, tensors, consts, grad_output)
+    assert out.dtype == torch.float64
+    assert rel_error(out, ref_out) <= 1e-12
+    for i, (grad, ref) in enumerate(zip(grads, ref_grads)):
+        assert rel_error(grad, ref) <= 1e-12, f"input {i}: {rel_error(grad, ref):.3g}"
