@@ -48,6 +48,9 @@ class FusedFunction:
         self.binds = self.signature is not None and any(
             p.default is not inspect.Parameter.empty or p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD
             for p in self.signature.parameters.values())
+        # keyword-only parameters close the bound values and are passed back by name
+        self.keyword_only = [] if self.signature is None else [
+            name for name, p in self.signature.parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
         functools.update_wrapper(self, fn, updated=())
 
     def __call__(self, *args, **kwargs):
@@ -93,6 +96,13 @@ class FusedFunction:
                 values.append(value)
         return values
 
+    def _call(self, values: list):
+        """Call fn with values as `_bind` flattened them: keyword-only ones by name."""
+        k = len(self.keyword_only)
+        if not k:
+            return self.fn(*values)
+        return self.fn(*values[:-k], **dict(zip(self.keyword_only, values[-k:])))
+
     def _key(self, values: list) -> tuple:
         grad = torch.is_grad_enabled() and any(isinstance(v, torch.Tensor) and v.requires_grad for v in values)
         sizes: dict = {}
@@ -134,7 +144,7 @@ class FusedFunction:
             merged = list(values)
             for i, t in zip(positions, tensor_args):
                 merged[i] = t
-            out = self.fn(*merged)
+            out = self._call(merged)
             single.append(isinstance(out, torch.Tensor))
             return (out,) if isinstance(out, torch.Tensor) else tuple(out)
 
