@@ -30,6 +30,11 @@ import memfuse  # noqa: E402
 logging.getLogger("torch.__trace").setLevel(logging.INFO)
 
 
+def pytest_report_header(config):
+    return f"memfuse: {Path(memfuse.__file__).parent}, kernel cache: {_CACHE_DIR}, " \
+           f"TRITON_INTERPRET={os.environ['TRITON_INTERPRET']}"
+
+
 def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(_CACHE_DIR, ignore_errors=True)
 

@@ -1,6 +1,8 @@
 """One compiled program serves every batch and sequence size: leading dims are runtime values.
 Sizes 0/1 and equal leading sizes are part of the key by design; D and dtypes always are."""
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 import memfuse
@@ -82,3 +84,39 @@ def test_another_d_or_dtype_compiles_again():
     check_step(fused, name, (5, 3, D), params(name, torch.float64), torch.float64, tol=1e-12)
     assert memfuse.stats()["compiles"] == 3 and memfuse.stats()["cache_hits"] == 2
     assert len(fused.cache) == 3
+
+
+def key_pattern(lead):
+    """The leading-size facts the compile key keeps: 0, 1, and which sizes are equal."""
+    firsts = {}
+    return tuple(s if s in (0, 1) else ("s", firsts.setdefault(s, len(firsts))) for s in lead)
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6)), min_size=1, max_size=5))
+def test_any_leading_sizes(leads):
+    """Sizes 0 and 1 and repeated sizes included: right results, one compile per key pattern."""
+    name = "layer_norm_block"
+    fused = memfuse.memory_efficient_fusion(BLOCKS[name].fn)
+    ps = params(name)
+    before = memfuse.stats()["compiles"]
+    for lead in leads:
+        check_step(fused, name, (*lead, D), ps)
+    assert memfuse.stats()["compiles"] - before == len({key_pattern(lead) for lead in leads})
+
+
+def test_non_contiguous_inputs():
+    name = "rms_norm_block"
+    fused = memfuse.memory_efficient_fusion(BLOCKS[name].fn)
+    ps = params(name)
+    check_step(fused, name, (3, 5, D), ps)
+    tensors, grad_output = step_inputs((5, 3, D), ps)
+    transposed = [t.detach().transpose(0, 1).requires_grad_() if t.dim() == 3 else t for t in tensors]
+    assert not transposed[0].is_contiguous()
+    consts = dict(BLOCKS[name].consts, dropout_prob=0.0)
+    out, grads = forward_backward(fused, transposed, consts, grad_output.transpose(0, 1))
+    ref_out, ref_grads = forward_backward(BLOCKS[name].fn, transposed, consts, grad_output.transpose(0, 1))
+    assert rel_error(out, ref_out) <= 1e-5
+    for g, r in zip(grads, ref_grads):
+        assert rel_error(g, r) <= 1e-5
+    assert memfuse.stats()["compiles"] == 2          # contiguity is part of the key
