@@ -137,20 +137,24 @@ def with_mask(block, mask):
     return masked_block
 
 
+@pytest.mark.parametrize("tiles", ["one_tile", "small_tiles"])
 @pytest.mark.parametrize("name", sorted(BLOCKS))
-def test_block_with_dropout_matches_eager_with_the_same_mask(name):
+def test_block_with_dropout_matches_eager_with_the_same_mask(name, tiles):
     """Run the fused block (forward + backward) from a seed; then, from the same seed, a fused
     variant that also returns the dropout output: its zeros are the mask both drew. An eager
     block applying that mask must give the same output and the same gradients, which holds only
-    if the backward regenerated the forward's mask."""
+    if the backward regenerated the forward's mask. With small tiles the forward runs one
+    program per 2-row tile and the backward 2 programs walking several tiles each."""
+    config = memfuse.Config(tile_elements=128) if tiles == "small_tiles" else memfuse.Config()
     p = 0.1
     tensors, consts, grad_output = block_inputs(name, (4, 7, 48), dropout_prob=p)
     block = BLOCKS[name].fn
 
     torch.manual_seed(99)
-    out, grads = forward_backward(memfuse.memory_efficient_fusion(block), tensors, consts, grad_output)
+    out, grads = forward_backward(memfuse.memory_efficient_fusion(block, config=config), tensors, consts,
+                                  grad_output)
     torch.manual_seed(99)
-    out2, dropped = memfuse.memory_efficient_fusion(with_dropout_output(block))(*tensors, **consts)
+    out2, dropped = memfuse.memory_efficient_fusion(with_dropout_output(block), config=config)(*tensors, **consts)
 
     pre_dropout = (tensors[0] + tensors[3]).detach()     # input1 + bias1 (the RMSNorm block: + bias)
     assert bool((pre_dropout != 0).all())
