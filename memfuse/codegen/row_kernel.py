@@ -289,8 +289,8 @@ class RowKernelWriter:
         text = self.operand(src, shape, None)
         if target == torch.bool:
             return f"({text} != 0)"
-        if target in (torch.float16, torch.bfloat16):
-            return f"{text}.to({TRITON_DTYPES[target]}).to(tl.float32)"
+        if target in (torch.float16, torch.bfloat16):   # via fp32: the interpreter fails bool -> bf16
+            return f"{text}.to(tl.float32).to({TRITON_DTYPES[target]}).to(tl.float32)"
         return f"{text}.to({TRITON_DTYPES[compute_dtype(target)]})"
 
     @staticmethod
