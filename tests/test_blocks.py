@@ -43,9 +43,11 @@ def test_bf16_error_is_no_worse_than_eager_bf16(name):
         assert rel_error(mine, ref) <= bound, f"{what}: {rel_error(mine, ref):.3g} > {bound:.3g}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("p", [0.0, 0.1], ids=["no_dropout", "dropout"])
 @pytest.mark.parametrize("name", sorted(BLOCKS))
-def test_one_kernel_forward_one_kernel_backward_no_extern(name):
-    tensors, consts, grad_output = block_inputs(name, (2, 7, 48))
+def test_one_kernel_forward_one_kernel_backward_no_extern(name, p, dtype):
+    tensors, consts, grad_output = block_inputs(name, (2, 7, 48), dtype, dropout_prob=p)
     fused = memfuse.memory_efficient_fusion(BLOCKS[name].fn)
     for step in range(2):                       # the compiling call, then a cached one
         leaves = [t.detach().requires_grad_() for t in tensors]

@@ -17,9 +17,9 @@ def bias_dropout(x, b, p):
     return F.dropout(x + b, p, training=True)
 
 
-def make(rows=200, d=48):
-    x = torch.randn(rows, d, requires_grad=True)
-    b = torch.randn(d, requires_grad=True)
+def make(rows=200, d=48, dtype=torch.float32):
+    x = (torch.randn(rows, d).abs() + 0.5).to(dtype).requires_grad_()   # x + b > 0: a zero
+    b = torch.rand(d, dtype=dtype, requires_grad=True)                   # output means dropped
     assert bool(((x + b) != 0).all()), "a zero pre-dropout value would hide the mask"
     return x, b
 
@@ -40,16 +40,20 @@ def test_drop_rate_and_scale(p):
     torch.testing.assert_close(y[keep], expected[keep], rtol=1e-6, atol=0)
 
 
-def test_backward_uses_the_forward_mask():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_backward_uses_the_forward_mask(dtype):
     p = 0.3
-    x, b = make()
+    x, b = make(dtype=dtype)
     y = memfuse.memory_efficient_fusion(bias_dropout)(x, b, p)
     keep = y.detach() != 0
+    assert within_rate(keep, p)
     grad_output = torch.rand_like(y) + 0.5          # nonzero everywhere
     y.backward(grad_output)
     assert torch.equal(x.grad != 0, keep), "grad of x is nonzero exactly where the output was kept"
-    torch.testing.assert_close(x.grad, grad_output * keep / (1 - p), rtol=1e-6, atol=0)
-    torch.testing.assert_close(b.grad, (grad_output * keep / (1 - p)).sum(0), rtol=1e-5, atol=1e-6)
+    expected = grad_output.float() * keep / (1 - p)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(x.grad.float(), expected, rtol=tol, atol=0)
+    torch.testing.assert_close(b.grad.float(), expected.sum(0), rtol=tol, atol=tol)
 
 
 def test_mask_is_never_saved():
