@@ -196,12 +196,3 @@ def test_other_errors_name_the_problem():
         fused(torch.randn(3, 4), 1.0, 2.0, 3.0)             # too many arguments
     with pytest.raises(TypeError, match=r"\*\*kw arguments are not supported"):
         memfuse.memory_efficient_fusion(lambda x, **kw: x * 2)(torch.randn(3, 4), a=1)
-
-
-@pytest.mark.xfail(strict=True, raises=TypeError,
-                   reason="memory_efficient_fusion(nn.Module) is not implemented: the module's "
-                          "(*args, **kwargs) signature is rejected and its parameters are not traced")
-def test_module():
-    module = torch.nn.LayerNorm(24)
-    out = memfuse.memory_efficient_fusion(module)(torch.randn(6, 24))
-    assert_same(out, module(torch.randn(6, 24)))

@@ -60,6 +60,8 @@ def test_equal_and_unit_leading_sizes_are_their_own_keys():
     assert memfuse.stats()["compiles"] == 3 and memfuse.stats()["cache_hits"] == 2
     check_step(fused, name, (2, 3, D), ps)        # the first program is still there
     assert memfuse.stats()["compiles"] == 3 and memfuse.stats()["cache_hits"] == 3
+    check_step(fused, name, (0, 4, D), ps)        # no rows: empty output, zero parameter grads
+    assert memfuse.stats()["compiles"] == 4
 
 
 def test_rank_two_and_rank_four_inputs():
