@@ -159,6 +159,8 @@ def test_inputs_that_need_no_grad_get_none():
     lambda x, b: x.sum(-1, keepdim=True),                # a row sum alone (b gets no grad)
     lambda x, b: torch.softmax(x * b, -1),
 ], ids=["bias_add", "column_mean", "row_sum", "softmax"])
+# the interpreter evaluates masked-off lanes too (softmax: -inf - -inf there); nothing is stored
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 def test_small_functions_match_eager(fn):
     x, b = inputs(rows=9, d=20)
     check(memfuse.memory_efficient_fusion(fn), fn, x, b)
