@@ -61,6 +61,9 @@ class FusedFunction:
         self.binds = not only_varargs and any(
             p.default is not inspect.Parameter.empty or p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD
             for p in params)
+        # keyword-only parameters close the bound values and are passed back by name
+        self.keyword_only = [] if self.signature is None else [
+            name for name, p in self.signature.parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
         functools.update_wrapper(self, fn, updated=())
 
     def __call__(self, *args, **kwargs):
@@ -141,6 +144,13 @@ class FusedFunction:
                 recipe.append((item.source, item.index) if isinstance(item, _Slot) else ("default", item))
         return recipe
 
+    def _call(self, values: list):
+        """Call fn with values as `_bind` flattened them: keyword-only ones by name."""
+        k = len(self.keyword_only)
+        if not k:
+            return self.fn(*values)
+        return self.fn(*values[:-k], **dict(zip(self.keyword_only, values[-k:])))
+
     def _key(self, values: list) -> tuple:
         """What a compiled program is specialized on (module docstring). On the hot path: kept to
         plain attribute reads."""
@@ -161,8 +171,9 @@ class FusedFunction:
                 if tensor_index < self.static_prefix or isinstance(v, torch.nn.Parameter):
                     lead = ("static", tuple(shape))       # traced with every dim static
                 else:
+                    # sizes 0 and 1 stand for themselves; others by equality class (-1, -2, ...)
                     lead = () if rank < 2 else \
-                        tuple(s if s < 2 else sizes.setdefault(s, len(sizes)) for s in shape[:-1])
+                        tuple(s if s < 2 else sizes.setdefault(s, -1 - len(sizes)) for s in shape[:-1])
                 tensor_index += 1
                 needs_grad = needs_grad or v.requires_grad
                 parts.append(("T", v.dtype, device, rank, shape[-1] if rank else None, lead, v.requires_grad,
@@ -195,7 +206,7 @@ class FusedFunction:
             merged = list(values)
             for i, t in zip(positions, tensor_args):
                 merged[i] = t
-            out = self.fn(*merged)
+            out = self._call(merged)
             single.append(isinstance(out, torch.Tensor))
             return (out,) if isinstance(out, torch.Tensor) else tuple(out)
 

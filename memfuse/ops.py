@@ -70,3 +70,8 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     if dtype in (torch.float16, torch.bfloat16, torch.float32):
         return torch.float32
     return dtype
+
+
+def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Reductions (and column partial sums) accumulate in fp32, and fp64 values in fp64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32

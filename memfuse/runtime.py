@@ -21,7 +21,7 @@ from .codegen import CompiledKernel, generate
 from .config import Config
 from .debug import STATS
 from .ir import Extern, Graph, Kind, Op, ValueRef
-from .ops import OPS, REDUCERS, compute_dtype
+from .ops import OPS, REDUCERS, accumulate_dtype, compute_dtype
 from .schedule import ExternStep, KernelGroup, Schedule
 from .tuning import LaunchConfig, TuningCache, cpu_config, default_config
 
@@ -91,7 +91,9 @@ class KernelLaunch:
         buffers = self._partials.get(key)
         if buffers is None:
             d = self.kernel.source.constexprs["D"]
-            buffers = {op: torch.empty((max(programs, 1), len(names), d), dtype=torch.float32, device=device)
+            buffers = {op: torch.empty((max(programs, 1), len(names), d), device=device,
+                                       dtype=max((accumulate_dtype(dtype) for _, dtype, _ in names),
+                                                 key=lambda t: t.itemsize))
                        for op, names in self.finish}
             self._partials[key] = buffers
         return buffers
@@ -342,7 +344,8 @@ def _run_aten_group(graph: Graph, step: AtenGroup, env: dict, symbol_values: tup
             if result.dtype.is_floating_point:
                 result = result.to(compute_dtype(result.dtype))
         elif node.op in REDUCERS:
-            source = read(node.inputs[0]).to(torch.float32)
+            source = read(node.inputs[0])
+            source = source.to(accumulate_dtype(source.dtype))
             dim = 1 if node.attr.axis is Kind.ROW else 0
             result = REDUCERS[node.op][2](source, dim, keepdim=True)
         else:

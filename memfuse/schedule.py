@@ -17,7 +17,7 @@ import sympy
 
 from .config import Config
 from .ops import TRITON_DTYPES
-from .ir import EXTERNAL, FUSIBLE, LEAF, Graph, Kind, Op, Reduce, Value
+from .ir import EXTERNAL, FUSIBLE, LEAF, REDUCTION, Graph, Kind, Op, Reduce, Value
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ def schedule(graph: Graph, config: Config, kind: str) -> Schedule:
             externs.append(ExternStep(name, stage[name]))
             continue
         assert node.op in FUSIBLE, node.op
-        space = Space.of(node.value)
+        space = _node_space(graph, node)
         here = 0
         for inp in node.inputs:
             here = max(here, _input_stage(graph, inp, stage, group_of, space, not_fused, name))
@@ -113,6 +113,15 @@ def schedule(graph: Graph, config: Config, kind: str) -> Schedule:
             _fill_io(graph, group, group_of)
             group.aten_reason = _codegen_limit(graph, group, config)
     return Schedule(graph, steps, not_fused)
+
+
+def _node_space(graph: Graph, node) -> Space:
+    """Where a node runs: its value's space, and for a reduction also its source's [M, D] (a
+    column sum alone in its group must still walk the M rows, a row sum the D columns)."""
+    space = Space.of(node.value)
+    if node.op in REDUCTION:
+        space = space.join(Space.of(graph[node.inputs[0]].value))
+    return space
 
 
 def _finishing(graph: Graph, node) -> bool:

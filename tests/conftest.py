@@ -1,8 +1,9 @@
-"""Test setup: the Triton interpreter (without a GPU) and a throwaway kernel cache.
+"""Test setup: the Triton interpreter (without a GPU), a throwaway kernel cache, the IR verifier on.
 
 TRITON_INTERPRET is read when `@triton.jit` decorates a function, so it is set here, before
 anything imports triton or memfuse. On a machine with CUDA the kernels run for real.
 """
+import logging
 import os
 import shutil
 import sys
@@ -20,12 +21,21 @@ for _switch in ("MEMFUSE_LOG", "MEMFUSE_DUMP_DIR", "MEMFUSE_STRICT"):
     os.environ.pop(_switch, None)                     # tests turn these on themselves
 
 _ROOT = Path(__file__).resolve().parent.parent
-if str(_ROOT) not in sys.path:                        # benchmarks.workloads
-    sys.path.insert(0, str(_ROOT))
+for path in (_ROOT, _ROOT / "tests"):                 # benchmarks.workloads, tests/helpers.py
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
 
 import pytest  # noqa: E402
 
 import memfuse  # noqa: E402
+
+# torch's structured trace log (tlparse) emits DEBUG records that flood failure reports.
+logging.getLogger("torch.__trace").setLevel(logging.INFO)
+
+
+def pytest_report_header(config):
+    return f"memfuse: {Path(memfuse.__file__).parent}, kernel cache: {_CACHE_DIR}, " \
+           f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}"
 
 
 def pytest_sessionfinish(session, exitstatus):

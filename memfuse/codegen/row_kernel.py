@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from ..ir import Graph, Kind, Node, Op, Value
-from ..ops import OPS, REDUCERS, TRITON_DTYPES, compute_dtype
+from ..ops import OPS, REDUCERS, TRITON_DTYPES, accumulate_dtype, compute_dtype
 from ..schedule import KernelGroup
 
 RESERVED = {"pid", "num_programs", "cols", "col_mask", "rows", "row_mask", "mask", "offsets",
@@ -208,7 +208,8 @@ class RowKernelWriter:
             return
         for op, names in self.sums.items():
             for name in names:
-                out(f"{self.reg(name)}_acc = tl.full([BLOCK_D], {REDUCERS[op][1]}, tl.float32)")
+                acc = TRITON_DTYPES[accumulate_dtype(self.graph[name].value.dtype)]
+                out(f"{self.reg(name)}_acc = tl.full([BLOCK_D], {REDUCERS[op][1]}, {acc})")
         if self.persistent:
             out("num_programs = tl.num_programs(0)")
             out("for step in range(0, tiles_per_program):")
@@ -308,7 +309,7 @@ class RowKernelWriter:
 
     def reduce(self, out: _Lines, node: Node) -> None:
         reducer, neutral, _ = REDUCERS[node.op]
-        source = self.operand(node.inputs[0], Kind.FULL, torch.float32)
+        source = self.operand(node.inputs[0], Kind.FULL, accumulate_dtype(self.graph[node.inputs[0]].value.dtype))
         masked = f"tl.where(mask, {source}, {neutral})"
         if node.attr.axis is Kind.ROW:
             out(f"{self.reg(node.name)} = {reducer}({masked}, axis=1)")

@@ -1,0 +1,200 @@
+"""The user-facing wrapper: constants, keyword arguments, output structure, error messages."""
+import pytest
+import torch
+
+import memfuse
+
+
+def scale_shift(x, scale, b=None):
+    y = x * scale
+    return y if b is None else y + b
+
+
+def inputs(rows=6, d=24):
+    return torch.randn(rows, d, requires_grad=True), torch.randn(d, requires_grad=True)
+
+
+def grads_of(fn, *args):
+    """(output(s), grads of the tensor args that require grad) of fn on fresh leaves."""
+    leaves = [a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args]
+    out = fn(*leaves)
+    outs = (out,) if isinstance(out, torch.Tensor) else out
+    sum(o.double().sum() * (i + 1) for i, o in enumerate(outs) if o.requires_grad).backward()
+    return out, [t.grad for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def assert_same(actual, expected):
+    if expected is None:
+        assert actual is None
+    elif isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor)
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
+    else:
+        assert type(actual) is type(expected) and len(actual) == len(expected)
+        for a, e in zip(actual, expected):
+            assert_same(a, e)
+
+
+def check(fused, fn, *args):
+    out, grads = grads_of(fused, *args)
+    ref_out, ref_grads = grads_of(fn, *args)
+    assert_same(out, ref_out)
+    assert_same(grads, ref_grads)
+
+
+# -- constants ---------------------------------------------------------------------------------
+def test_constants_are_part_of_the_key():
+    x, b = inputs()
+    fused = memfuse.memory_efficient_fusion(scale_shift)
+    check(fused, scale_shift, x, 2.0, b)
+    check(fused, scale_shift, x, 3.0, b)
+    assert memfuse.stats()["compiles"] == 2
+    check(fused, scale_shift, x, 2.0, b)
+    assert memfuse.stats()["compiles"] == 2 and memfuse.stats()["cache_hits"] == 1
+    check(fused, scale_shift, x, 2, b)             # an int is another constant than a float
+    assert memfuse.stats()["compiles"] == 3
+
+
+def test_constants_steer_python_control_flow():
+    def fn(x, mode, eps):
+        if mode == "square":
+            return x * x + eps
+        return x.abs() + eps if eps is not None else x.abs()
+
+    x, _ = inputs()
+    fused = memfuse.memory_efficient_fusion(fn)
+    for mode, eps in [("square", 0.5), ("abs", 0.25), ("abs", None), ("square", 0.5)]:
+        check(fused, fn, x, mode, eps)
+    assert memfuse.stats()["compiles"] == 3 and memfuse.stats()["cache_hits"] == 1
+
+
+def test_a_constant_where_a_tensor_was_traced_compiles_again():
+    x, b = inputs()
+    fused = memfuse.memory_efficient_fusion(scale_shift)
+    check(fused, scale_shift, x, torch.full((24,), 2.0, requires_grad=True), b)
+    check(fused, scale_shift, x, 2.0, b)
+    assert memfuse.stats()["compiles"] == 2
+
+
+# -- keyword arguments -------------------------------------------------------------------------
+def test_keyword_and_default_arguments():
+    x, b = inputs()
+    fused = memfuse.memory_efficient_fusion(scale_shift)
+    expected = scale_shift(x, 2.0, b)
+    assert_same(fused(x, 2.0, b), expected)
+    assert_same(fused(x, scale=2.0, b=b), expected)
+    assert_same(fused(b=b, scale=2.0, x=x), expected)
+    assert memfuse.stats()["compiles"] == 1 and memfuse.stats()["cache_hits"] == 2
+    assert_same(fused(x, 2.0), scale_shift(x, 2.0))   # the default b=None: another program
+    assert memfuse.stats()["compiles"] == 2
+
+
+def test_keyword_only_parameters():
+    def fn(x, b, *, scale=1.0, shift=None):
+        y = x * scale + b
+        return y if shift is None else y - shift
+
+    x, b = inputs()
+    fused = memfuse.memory_efficient_fusion(fn)
+    assert_same(fused(x, b), fn(x, b))
+    assert_same(fused(x, b, scale=3.0), fn(x, b, scale=3.0))
+    assert_same(fused(x, b, shift=0.5, scale=2.0), fn(x, b, shift=0.5, scale=2.0))
+    check(lambda x, b: fused(x, b, scale=3.0), lambda x, b: fn(x, b, scale=3.0), x, b)
+
+
+def test_var_positional_arguments():
+    def fn(x, *biases):
+        for b in biases:
+            x = x + b
+        return x
+
+    x, b = inputs()
+    fused = memfuse.memory_efficient_fusion(fn)
+    check(fused, fn, x, b, b * 2)
+    check(fused, fn, x, b)
+    assert memfuse.stats()["compiles"] == 2
+
+
+# -- outputs -----------------------------------------------------------------------------------
+def test_single_tensor_and_tuple_outputs():
+    x, b = inputs()
+    single = memfuse.memory_efficient_fusion(lambda x, b: x * b)
+    one_tuple = memfuse.memory_efficient_fusion(lambda x, b: (x * b,))
+    pair = memfuse.memory_efficient_fusion(lambda x, b: (x * b, torch.sigmoid(x) + b))
+    out = single(x, b)
+    assert isinstance(out, torch.Tensor)
+    out = one_tuple(x, b)
+    assert isinstance(out, tuple) and len(out) == 1
+    out = pair(x, b)
+    assert isinstance(out, tuple) and len(out) == 2
+    check(pair, lambda x, b: (x * b, torch.sigmoid(x) + b), x, b)   # both outputs' grads flow
+
+
+def test_non_differentiable_output_next_to_a_differentiable_one():
+    def fn(x, b):
+        return x + b, (x + b) > 0
+
+    x, b = inputs()
+    y, positive = memfuse.memory_efficient_fusion(fn)(x, b)
+    assert y.requires_grad and not positive.requires_grad and positive.dtype == torch.bool
+    assert torch.equal(positive, (x + b) > 0)
+    y.backward(torch.ones_like(y))
+    assert torch.equal(x.grad, torch.ones_like(x))
+    torch.testing.assert_close(b.grad, torch.full_like(b, x.shape[0]))
+
+
+def test_inputs_that_need_no_grad_get_none():
+    x, b = inputs()
+    x = x.detach()
+    fused = memfuse.memory_efficient_fusion(lambda x, b: torch.tanh(x * b))
+    fused(x, b).sum().backward()
+    assert x.grad is None
+    torch.testing.assert_close(b.grad, ((1 - torch.tanh(x * b) ** 2) * x).sum(0).detach(), rtol=1e-5, atol=1e-5)
+
+
+# -- small graphs whose reduction stands alone in its kernel -------------------------------------
+@pytest.mark.parametrize("fn", [
+    lambda x, b: x + b,                                  # d/db: a column sum of the tangent alone
+    lambda x, b: x - x.mean(0) + b,                      # a column mean in the forward
+    lambda x, b: x.sum(-1, keepdim=True),                # a row sum alone (b gets no grad)
+    lambda x, b: torch.softmax(x * b, -1),
+], ids=["bias_add", "column_mean", "row_sum", "softmax"])
+# the interpreter evaluates masked-off lanes too (softmax: -inf - -inf there); nothing is stored
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_small_functions_match_eager(fn):
+    x, b = inputs(rows=9, d=20)
+    check(memfuse.memory_efficient_fusion(fn), fn, x, b)
+
+
+def test_extern_op_runs_through_aten():
+    def fn(x, w, b):
+        return torch.sigmoid(torch.mm(x, w)) * b
+
+    x, w, b = torch.randn(6, 8, requires_grad=True), torch.randn(8, 20, requires_grad=True), \
+        torch.randn(20, requires_grad=True)
+    check(memfuse.memory_efficient_fusion(fn), fn, x, w, b)
+    assert memfuse.stats()["extern_calls"] > 0
+
+
+# -- errors --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bad", [[1.0, 2.0], {"scale": 2.0}, (1.0, 2.0)], ids=["list", "dict", "tuple"])
+def test_container_argument_is_a_type_error_naming_it(bad):
+    x, b = inputs()
+    fused = memfuse.memory_efficient_fusion(scale_shift)
+    with pytest.raises(TypeError, match=r"'scale' \(position 1\) is a " + type(bad).__name__):
+        fused(x, bad, b)
+    with pytest.raises(TypeError, match=r"'scale'"):
+        fused(x, b=b, scale=bad)
+    assert memfuse.stats()["compiles"] == 0
+
+
+def test_other_errors_name_the_problem():
+    with pytest.raises(TypeError, match="must be callable"):
+        memfuse.memory_efficient_fusion(3)
+    fused = memfuse.memory_efficient_fusion(scale_shift)
+    with pytest.raises(TypeError, match="no tensor arguments"):
+        fused(1.0, 2.0)
+    with pytest.raises(TypeError, match="scale_shift"):
+        fused(torch.randn(3, 4), 1.0, 2.0, 3.0)             # too many arguments
+    with pytest.raises(TypeError, match=r"\*\*kw arguments are not supported"):
+        memfuse.memory_efficient_fusion(lambda x, **kw: x * 2)(torch.randn(3, 4), a=1)

@@ -1,0 +1,214 @@
+"""Triton source generation: deterministic, tutorial-like text for the LayerNorm forward, and
+hand-built groups launched directly on CPU tensors through the interpreter."""
+import re
+from pathlib import Path
+
+import sympy
+import torch
+
+from helpers import BLOCKS, block_inputs, rel_error
+from memfuse.capture import capture
+from memfuse.codegen import generate
+from memfuse.config import Config
+from memfuse.ir import Graph, Kind, Node, Op, Reduce, Value, verify
+from memfuse.plan import plan
+from memfuse.schedule import schedule
+from memfuse.tuning import cpu_config
+
+SHAPE = (2, 7, 48)
+
+
+def cdiv(a, b):
+    return -(-a // b)
+
+
+def block_m(kernel, tile_elements: int = Config().tile_elements) -> int:
+    """Rows per tile the runtime launches with on the CPU (BLOCK_M is a launch choice)."""
+    return cpu_config(kernel.source.constexprs["BLOCK_D"], tile_elements).block_m
+
+
+def launch(kernel, env: dict, rows: int, programs: int = None, tile_elements: int = Config().tile_elements) -> dict:
+    """Launch a generated kernel by its argument roles; returns env with outputs and partials."""
+    src = kernel.source
+    rows_per_tile = block_m(kernel, tile_elements)
+    tiles = cdiv(rows, rows_per_tile)
+    programs = programs or tiles
+    partials = {}
+    args = []
+    for arg in src.args:
+        if arg.role == "read" or arg.role == "scalar":
+            args.append(env[arg.value])
+        elif arg.role == "write":
+            args.append(env[arg.value])
+        elif arg.role == "partials":
+            count = len(next(v for op, v in src.column_sums.items() if op.value == arg.value))
+            partials[arg.value] = torch.full((programs, count, src.constexprs["D"]), float("nan"))
+            args.append(partials[arg.value])
+        elif arg.role == "rows":
+            args.append(rows)
+        else:
+            assert arg.role == "tiles", arg
+            args.append(cdiv(tiles, programs))
+    kernel.fn[(programs,)](*args, **src.constexprs, BLOCK_M=rows_per_tile)
+    return partials
+
+
+# -- the LayerNorm block's forward kernel ------------------------------------------------------
+def layer_norm_forward(p=0.0):
+    tensors, consts, _ = block_inputs("layer_norm_block", SHAPE, dropout_prob=p)
+    captured = capture(lambda *t: (BLOCKS["layer_norm_block"].fn(*t, **consts),), tensors, trace_joint=True)
+    the_plan = plan(captured)
+    kernels = schedule(the_plan.forward, Config(), "forward").kernels
+    assert len(kernels) == 1
+    return captured, the_plan.forward, kernels[0], tensors, consts
+
+
+def test_source_is_deterministic_and_content_addressed():
+    _, graph, group, _, _ = layer_norm_forward(0.1)
+    first = generate(graph, group, Config())
+    _, graph2, group2, _, _ = layer_norm_forward(0.1)    # a second capture from scratch
+    second = generate(graph2, group2, Config())
+    assert first.source.source == second.source.source
+    assert first.path == second.path
+    path = Path(first.path)
+    assert path.read_text() == first.source.source
+    assert path.is_relative_to(Config().cache_dir)
+
+
+def test_layer_norm_forward_reads_like_the_tutorial():
+    captured, graph, group, _, _ = layer_norm_forward(0.1)
+    src = generate(graph, group, Config()).source
+    text = src.source
+    fx_names = {n.name for n in captured.aten_graph.graph.nodes}
+    # one store per output: the block's output, nothing saved for the backward
+    assert len(group.outputs) == 1
+    out = group.outputs[0]
+    assert text.count("tl.store(") == 1 and text.count(f"tl.store({out}_ptr") == 1
+    # values are named after the FX nodes they come from
+    for name in group.nodes:
+        assert any(name == fx or name.startswith(fx + "_") for fx in fx_names), name
+        assert re.search(rf"^\s+{re.escape(name)} = ", text, re.M), name
+    for arg in src.args:
+        if arg.role in ("read", "write"):
+            assert arg.name == f"{arg.value}_ptr" and arg.value in fx_names
+    # the header states the bytes per row: two [M, D] inputs read, one written, fp32
+    assert f"moves {3 * SHAPE[-1] * 4} bytes per row" in text
+    assert "tl.rand" in text and "seed" in text and "M," in text
+    assert not re.search(r"\b14\b", text), "the row count must not be baked in"
+
+
+def test_layer_norm_forward_runs_in_the_interpreter():
+    _, graph, group, tensors, consts = layer_norm_forward(0.0)
+    kernel = generate(graph, group, Config())
+    env = {name: t.detach() for name, t in zip(graph.inputs, tensors)}
+    out = group.outputs[0]
+    env[out] = torch.full(SHAPE, float("nan"))
+    rows = SHAPE[0] * SHAPE[1]
+    assert cdiv(rows, block_m(kernel, 256)) > 1                  # 4 rows a tile: 4 programs
+    launch(kernel, env, rows, tile_elements=256)
+    expected = BLOCKS["layer_norm_block"].fn(*[t.detach() for t in tensors], **consts)
+    assert rel_error(env[out], expected) <= 1e-5
+
+
+# -- hand-built groups -------------------------------------------------------------------------
+M = sympy.Symbol("s0", positive=True, integer=True)
+D = 40
+
+
+def full(dtype=torch.float32):
+    return Value(dtype, Kind.FULL, (M, D), m=M, d=D)
+
+
+def row(dtype=torch.float32):
+    return Value(dtype, Kind.ROW, (M, 1), m=M)
+
+
+def col(dtype=torch.float32):
+    return Value(dtype, Kind.COL, (D,), d=D)
+
+
+def build(nodes, inputs, outputs) -> Graph:
+    graph = Graph()
+    for node in nodes:
+        graph.add(node)
+    graph.inputs, graph.outputs = inputs, outputs
+    verify(graph)
+    return graph
+
+
+def test_hand_built_pointwise_group_matches_torch(tmp_path):
+    """out = a * b + c, with a [M, D], b a column vector [D], c a row vector [M, 1]."""
+    graph = build([
+        Node("a", Op.INPUT, (), full()),
+        Node("b", Op.INPUT, (), col()),
+        Node("c", Op.INPUT, (), row()),
+        Node("ab", Op.MUL, ("a", "b"), full()),
+        Node("out", Op.ADD, ("ab", "c"), full()),
+    ], ["a", "b", "c"], ["out"])
+    config = Config(cache_dir=tmp_path, tile_elements=128)       # 2 rows a tile
+    sched = schedule(graph, config, "forward")
+    assert len(sched.kernels) == 1 and not sched.not_fused
+    group = sched.kernels[0]
+    assert group.nodes == ["ab", "out"] and group.outputs == ["out"] and group.aten_reason is None
+    kernel = generate(graph, group, config)
+    assert kernel.path.startswith(str(tmp_path))
+    rows = 7                                                     # 4 tiles, the last one half full
+    env = {"a": torch.randn(rows, D), "b": torch.randn(D), "c": torch.randn(rows, 1),
+           "out": torch.full((rows, D), float("nan"))}
+    launch(kernel, env, rows, tile_elements=config.tile_elements)
+    torch.testing.assert_close(env["out"], env["a"] * env["b"] + env["c"], rtol=1e-6, atol=1e-6)
+
+
+def test_hand_built_row_and_column_reductions_match_torch(tmp_path):
+    """r = sum over D of a * b (a row vector), s = sum over M of a (a column, via partials)."""
+    graph = build([
+        Node("a", Op.INPUT, (), full()),
+        Node("b", Op.INPUT, (), col()),
+        Node("ab", Op.MUL, ("a", "b"), full()),
+        Node("r", Op.SUM, ("ab",), row(), Reduce(Kind.ROW)),
+        Node("s", Op.SUM, ("a",), col(), Reduce(Kind.COL)),
+        Node("m", Op.MAX, ("ab",), col(), Reduce(Kind.COL)),
+    ], ["a", "b"], ["r", "s", "m"])
+    config = Config(cache_dir=tmp_path, tile_elements=128)
+    group, = schedule(graph, config, "forward").kernels
+    assert group.outputs == ["r"] and sorted(group.column_sums) == ["m", "s"]
+    kernel = generate(graph, group, config)
+    assert kernel.source.persistent
+    rows = 9                                                     # 5 tiles over 2 programs
+    a, b = torch.randn(rows, D), torch.randn(D)
+    env = {"a": a, "b": b, "r": torch.full((rows, 1), float("nan"))}
+    partials = launch(kernel, env, rows, programs=2, tile_elements=config.tile_elements)
+    torch.testing.assert_close(env["r"], (a * b).sum(1, keepdim=True), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(partials["sum"].sum(0)[0], a.sum(0), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(partials["max"].amax(0)[0], (a * b).amax(0), rtol=0, atol=0)
+
+
+def bf16_truncated(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> bf16 rounding toward zero: the top 16 bits of each fp32."""
+    return (x.view(torch.int32) >> 16).to(torch.int16).view(torch.bfloat16)
+
+
+def test_hand_built_bf16_rounds_once_at_the_store(tmp_path):
+    """bf16 in, bf16 out: computed in fp32 registers, one rounding at the store. On a GPU the
+    store rounds to nearest even; Triton's interpreter (3.9) truncates fp32 -> bf16 casts, so
+    either neighbour of the fp32 result is accepted, and nothing else (a bf16 intermediate
+    would round twice)."""
+    bf16 = torch.bfloat16
+    graph = build([
+        Node("a", Op.INPUT, (), full(bf16)),
+        Node("b", Op.INPUT, (), full(bf16)),
+        Node("ab", Op.MUL, ("a", "b"), full(bf16)),
+        Node("out", Op.ADD, ("ab", "a"), full(bf16)),
+    ], ["a", "b"], ["out"])
+    config = Config(cache_dir=tmp_path)
+    group, = schedule(graph, config, "forward").kernels
+    kernel = generate(graph, group, config)
+    rows = 64
+    a, b = torch.randn(rows, D, dtype=bf16), torch.randn(rows, D, dtype=bf16)
+    env = {"a": a, "b": b, "out": torch.empty(rows, D, dtype=bf16)}
+    launch(kernel, env, rows)
+    exact = a.float() * b.float() + a.float()
+    nearest, toward_zero = exact.to(bf16), bf16_truncated(exact)
+    assert bool(((env["out"] == nearest) | (env["out"] == toward_zero)).all())
+    twice = ((a * b) + a)                                        # eager bf16 rounds the product too
+    assert not bool(((twice == nearest) | (twice == toward_zero)).all()), "the check can tell"

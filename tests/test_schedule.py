@@ -1,0 +1,90 @@
+"""The scheduler: kernel groups over [M, D], stages across barriers, recorded reasons, limits."""
+import torch
+
+import memfuse
+from helpers import BLOCKS, block_inputs, counters, delta, forward_backward, rel_error
+from memfuse.capture import capture
+from memfuse.config import Config
+from memfuse.ir import Op
+from memfuse.plan import plan
+from memfuse.schedule import ExternStep, schedule
+
+SHAPE = (2, 7, 48)
+
+
+def planned(fn, tensors):
+    return plan(capture(fn, tensors, trace_joint=True))
+
+
+def test_layer_norm_block_is_one_kernel_each_way():
+    tensors, consts, _ = block_inputs("layer_norm_block", SHAPE, dropout_prob=0.1)
+    the_plan = planned(lambda *t: (BLOCKS["layer_norm_block"].fn(*t, **consts),), tensors)
+    forward = schedule(the_plan.forward, Config(), "forward")
+    backward = schedule(the_plan.backward, Config(), "backward")
+    assert [type(s) for s in forward.steps] == [type(forward.kernels[0])]
+    # beyond its kernel the backward only reshapes the finished column sums (no aten call)
+    finishing = [s for s in backward.steps if isinstance(s, ExternStep)]
+    assert len(backward.steps) == 1 + len(finishing)
+    assert all(the_plan.backward[s.name].op in (Op.VIEW, Op.CAST) for s in finishing)
+    fwd, = forward.kernels
+    bwd, = backward.kernels
+    assert fwd.space.d == SHAPE[-1] and fwd.space.m is not None and not fwd.column_sums
+    # the three [D] parameter grads (weight, bias1, bias2) are column sums of the one backward pass
+    assert len(bwd.column_sums) == 3 and bwd.space == fwd.space
+    assert fwd.name == "memfuse_forward_0" and bwd.name == "memfuse_backward_0"
+
+
+def test_lone_reductions_keep_their_sources_space():
+    """A reduction whose source comes from memory still walks the source's [M, D]."""
+    x = torch.randn(9, 20, requires_grad=True)
+    for fn in (lambda x: (x.sum(0),), lambda x: (x.sum(-1),)):
+        the_plan = plan(capture(fn, [x.detach()], trace_joint=False))
+        group, = schedule(the_plan.forward, Config(), "forward").kernels
+        assert group.space.m is not None and group.space.d == 20, group
+
+
+def test_reading_a_finished_column_sum_starts_a_new_stage():
+    x = torch.randn(9, 20, requires_grad=True)
+    the_plan = plan(capture(lambda x: (x - x.mean(0),), [x.detach()], trace_joint=False))
+    sched = schedule(the_plan.forward, Config(), "forward")
+    first, second = sched.kernels
+    assert first.stage < second.stage and first.column_sums
+    assert any("reduces over every row" in reason for _, _, reason in sched.not_fused), sched.not_fused
+
+
+def test_extern_result_is_read_by_a_later_stage():
+    def fn(x, w, b):
+        return (torch.sigmoid(torch.mm(x, w)) * b,)
+
+    tensors = [torch.randn(6, 8), torch.randn(8, 20), torch.randn(20)]
+    the_plan = plan(capture(fn, tensors, trace_joint=False))
+    sched = schedule(the_plan.forward, Config(), "forward")
+    extern, kernel = sched.steps
+    assert isinstance(extern, ExternStep) and extern.name == "mm"
+    assert kernel.stage > extern.stage and "mm" in kernel.inputs
+    assert ("sigmoid", "mm", "mm is an extern call") in sched.not_fused
+
+
+def test_rows_longer_than_the_persistent_limit():
+    """D beyond Config.max_row_length: still right. Without looped kernels the group runs
+    through aten, and its recorded reason names D, the limit and the knob."""
+    config = Config(max_row_length=32)
+    tensors, consts, grad_output = block_inputs("rms_norm_block", SHAPE)     # D = 48 > 32
+    the_plan = planned(lambda *t: (BLOCKS["rms_norm_block"].fn(*t, **consts),), tensors)
+    group, = schedule(the_plan.forward, config, "forward").kernels
+    through_aten = group.aten_reason is not None
+    if through_aten:
+        assert "D=48" in group.aten_reason and "32" in group.aten_reason and "max_row_length" in group.aten_reason
+
+    before = counters()
+    fused = memfuse.memory_efficient_fusion(BLOCKS["rms_norm_block"].fn, config=config)
+    out, grads = forward_backward(fused, tensors, consts, grad_output)
+    ref_out, ref_grads = forward_backward(BLOCKS["rms_norm_block"].fn, tensors, consts, grad_output)
+    moved = delta(before)
+    if through_aten:
+        assert moved["kernels_launched"] == 0 and moved["fallbacks"] == 2, moved
+    else:
+        assert moved["kernels_launched"] == 2 and moved["fallbacks"] == 0, moved
+    assert rel_error(out, ref_out) <= 1e-5
+    for grad, ref in zip(grads, ref_grads):
+        assert rel_error(grad, ref) <= 1e-5

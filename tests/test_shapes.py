@@ -1,0 +1,124 @@
+"""One compiled program serves every batch and sequence size: leading dims are runtime values.
+Sizes 0/1 and equal leading sizes are part of the key by design; D and dtypes always are."""
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+import torch
+
+import memfuse
+from helpers import BLOCKS, forward_backward, rel_error, workload
+
+D = 40
+
+
+def params(name, dtype=torch.float32, d=D):
+    return workload(name, (1, d), dtype).make_params("cpu")
+
+
+def step_inputs(shape, params, dtype=torch.float32):
+    input1 = torch.randn(*shape, dtype=dtype, requires_grad=True)
+    input2 = torch.randn(*shape, dtype=dtype, requires_grad=True)
+    return [input1, input2, *params], torch.randn(*shape, dtype=dtype)
+
+
+def check_step(fused, name, shape, ps, dtype=torch.float32, tol=1e-5):
+    tensors, grad_output = step_inputs(shape, ps, dtype)
+    consts = dict(BLOCKS[name].consts, normalization_axis=len(shape) - 1, dropout_prob=0.0)
+    out, grads = forward_backward(fused, tensors, consts, grad_output)
+    ref_out, ref_grads = forward_backward(BLOCKS[name].fn, tensors, consts, grad_output)
+    assert out.shape == tuple(shape)
+    assert rel_error(out, ref_out) <= tol, shape
+    for i, (g, r) in enumerate(zip(grads, ref_grads)):
+        assert rel_error(g, r) <= tol, (shape, i)
+
+
+@pytest.mark.parametrize("name", sorted(BLOCKS))
+def test_new_leading_sizes_reuse_the_program(name):
+    fused = memfuse.memory_efficient_fusion(BLOCKS[name].fn)
+    ps = params(name)
+    for shape in [(2, 3, D), (5, 4, D), (4, 6, D), (3, 2, D)]:
+        check_step(fused, name, shape, ps)
+    assert memfuse.stats()["compiles"] == 1
+    assert memfuse.stats()["cache_hits"] == 3
+    assert memfuse.stats()["kernels_generated"] == 2      # one forward, one backward kernel
+    entry, = fused.cache.values()
+    assert entry.captured.specialized is None
+
+
+def test_equal_and_unit_leading_sizes_are_their_own_keys():
+    name = "layer_norm_block"
+    fused = memfuse.memory_efficient_fusion(BLOCKS[name].fn)
+    ps = params(name)
+    check_step(fused, name, (2, 3, D), ps)
+    check_step(fused, name, (3, 3, D), ps)        # equal sizes share a symbol: M = s0**2
+    assert memfuse.stats()["compiles"] == 2
+    check_step(fused, name, (4, 4, D), ps)        # ... and that program serves every square
+    assert memfuse.stats()["compiles"] == 2 and memfuse.stats()["cache_hits"] == 1
+    check_step(fused, name, (1, 7, D), ps)        # size 1 specializes
+    assert memfuse.stats()["compiles"] == 3
+    check_step(fused, name, (1, 5, D), ps)
+    assert memfuse.stats()["compiles"] == 3 and memfuse.stats()["cache_hits"] == 2
+    check_step(fused, name, (2, 3, D), ps)        # the first program is still there
+    assert memfuse.stats()["compiles"] == 3 and memfuse.stats()["cache_hits"] == 3
+    check_step(fused, name, (0, 4, D), ps)        # no rows: empty output, zero parameter grads
+    assert memfuse.stats()["compiles"] == 4
+
+
+def test_rank_two_and_rank_four_inputs():
+    name = "rms_norm_block"
+    fused = memfuse.memory_efficient_fusion(BLOCKS[name].fn)
+    ps = params(name)
+    check_step(fused, name, (6, D), ps)
+    check_step(fused, name, (9, D), ps)
+    check_step(fused, name, (2, 3, 2, D), ps)
+    assert memfuse.stats()["compiles"] == 2
+
+
+def test_another_d_or_dtype_compiles_again():
+    name = "layer_norm_block"
+    fused = memfuse.memory_efficient_fusion(BLOCKS[name].fn)
+    check_step(fused, name, (2, 3, D), params(name))
+    check_step(fused, name, (2, 3, 24), params(name, d=24))
+    assert memfuse.stats()["compiles"] == 2
+    check_step(fused, name, (2, 3, D), params(name, torch.float64), torch.float64, tol=1e-12)
+    assert memfuse.stats()["compiles"] == 3
+    check_step(fused, name, (5, 3, 24), params(name, d=24))
+    check_step(fused, name, (5, 3, D), params(name, torch.float64), torch.float64, tol=1e-12)
+    assert memfuse.stats()["compiles"] == 3 and memfuse.stats()["cache_hits"] == 2
+    assert len(fused.cache) == 3
+
+
+def key_pattern(lead):
+    """The leading-size facts the compile key keeps: 0, 1, and which sizes are equal."""
+    firsts = {}
+    return tuple(s if s in (0, 1) else ("s", firsts.setdefault(s, len(firsts))) for s in lead)
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6)), min_size=1, max_size=5))
+def test_any_leading_sizes(leads):
+    """Sizes 0 and 1 and repeated sizes included: right results, one compile per key pattern."""
+    name = "layer_norm_block"
+    fused = memfuse.memory_efficient_fusion(BLOCKS[name].fn)
+    ps = params(name)
+    before = memfuse.stats()["compiles"]
+    for lead in leads:
+        check_step(fused, name, (*lead, D), ps)
+    assert memfuse.stats()["compiles"] - before == len({key_pattern(lead) for lead in leads})
+
+
+def test_non_contiguous_inputs():
+    name = "rms_norm_block"
+    fused = memfuse.memory_efficient_fusion(BLOCKS[name].fn)
+    ps = params(name)
+    check_step(fused, name, (3, 5, D), ps)
+    tensors, grad_output = step_inputs((5, 3, D), ps)
+    transposed = [t.detach().transpose(0, 1).requires_grad_() if t.dim() == 3 else t for t in tensors]
+    assert not transposed[0].is_contiguous()
+    consts = dict(BLOCKS[name].consts, dropout_prob=0.0)
+    out, grads = forward_backward(fused, transposed, consts, grad_output.transpose(0, 1))
+    ref_out, ref_grads = forward_backward(BLOCKS[name].fn, transposed, consts, grad_output.transpose(0, 1))
+    assert rel_error(out, ref_out) <= 1e-5
+    for g, r in zip(grads, ref_grads):
+        assert rel_error(g, r) <= 1e-5
+    assert memfuse.stats()["compiles"] == 2          # contiguity is part of the key
