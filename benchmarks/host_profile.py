@@ -1,17 +1,24 @@
-"""Where the host time of a memfuse step goes (GPU): cProfile over many seed-shape steps.
+"""Where the host time of a memfuse step goes (GPU): cProfile over many steps.
 
-    python -m benchmarks.host_profile [--workload layer_norm_block] [--steps 2000]
+With --tiny the leading dims shrink to [2, 4], so the GPU finishes each kernel at once and the
+step time is the host's alone; the floor mode (an autograd.Function that launches nothing) is
+timed beside it.
+
+    python -m benchmarks.host_profile [--workload layer_norm_block] [--steps 2000] [--tiny]
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import pstats
 import time
 
 import torch
 
 import memfuse
+from benchmarks.measure import run_step
+from benchmarks.modes import FACTORIES
 from benchmarks.workloads import registry
 
 
@@ -19,9 +26,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", default="layer_norm_block[64x128x1024]")
     parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--tiny", action="store_true", help="leading dims [2, 4]: host time only")
     args = parser.parse_args()
     workload = next(w for w in registry() if w.name.startswith(args.workload))
+    if args.tiny:
+        workload = dataclasses.replace(workload, shape=(2, 4, workload.shape[-1]))
     inputs = workload.make_inputs("cuda")
+    floor = FACTORIES["floor"](workload.fn, inputs.consts)
+    for name, step in (("floor", floor), ("memfuse", None)):
+        if step is None:
+            break
+        for _ in range(20):
+            run_step(step, inputs)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            run_step(step, inputs)
+        torch.cuda.synchronize()
+        print(f"{workload.name} {name}: {(time.perf_counter() - start) / args.steps * 1e6:.1f} us per step")
     fused = memfuse.memory_efficient_fusion(workload.fn)
 
     def steps(n):

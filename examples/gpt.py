@@ -8,6 +8,7 @@ learns to predict the reversed half (loss on that half only). Nothing is downloa
   --mode eager     plain PyTorch
   --mode memfuse   every transformer block wrapped: memfuse.memory_efficient_fusion(block)
   --mode compile   the whole model: torch.compile(model, backend="memfuse", dynamic=True)
+  --mode inductor  the whole model: torch.compile(model), for comparison
 
 On a CPU machine run it with TRITON_INTERPRET=1 (the kernels then run in Triton's interpreter).
 """
@@ -144,7 +145,13 @@ def build(cfg: GPTConfig, mode: str, device, seed: int = 0) -> tuple:
     if mode == "compile":
         import memfuse  # noqa: F401  registers the backend
         return torch.compile(model, backend="memfuse", dynamic=True), model
-    raise ValueError(f"--mode must be eager, memfuse or compile, got {mode!r}")
+    if mode == "inductor":
+        return torch.compile(model), model
+    raise ValueError(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
+
+
+MODES = ("eager", "memfuse", "compile", "inductor")
+WARMUP_STEPS = 5   # compile and allocator warm-up, left out of the it/s
 
 
 def train(mode: str = "eager", steps: int = 20, size: str = "tiny", device: str = "cpu",
@@ -157,7 +164,12 @@ def train(mode: str = "eager", steps: int = 20, size: str = "tiny", device: str 
     losses = []
     model.train()
     start = time.perf_counter()
+    timed_from = None
+    if str(device).startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats(device)
     for step in range(steps):
+        if step == WARMUP_STEPS:
+            timed_from = time.perf_counter()
         inputs, targets = make_batch(cfg, generator, device)
         logits = model(inputs)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
@@ -167,12 +179,17 @@ def train(mode: str = "eager", steps: int = 20, size: str = "tiny", device: str 
         losses.append(loss.item())
         if log_every and (step % log_every == 0 or step == steps - 1):
             print(f"step {step:5d}  loss {losses[-1]:.4f}  {time.perf_counter() - start:7.1f} s", flush=True)
+    if timed_from is not None and log_every:
+        rate = (steps - WARMUP_STEPS) / (time.perf_counter() - timed_from)
+        peak = torch.cuda.max_memory_allocated(device) / 2**20 if str(device).startswith("cuda") else float("nan")
+        print(f"{mode}: {rate:.1f} it/s after {WARMUP_STEPS} warm-up steps, peak memory {peak:.0f} MiB")
     return losses
 
 
 def main(argv=None) -> list:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mode", choices=("eager", "memfuse", "compile"), default="memfuse")
+    parser.add_argument("--mode", choices=MODES, default="memfuse",
+                        help="compile: torch.compile(backend='memfuse'); inductor: torch.compile's default")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--size", choices=tuple(SIZES), default="tiny")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
