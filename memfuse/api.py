@@ -27,6 +27,7 @@ log = logging.getLogger("memfuse")
 cache_log = topic_log("cache")
 recompile_log = topic_log("recompiles")
 CONSTANT_TYPES = (bool, int, float, type(None), str, torch.dtype)
+EXACT_CACHE_SIZE = 4096   # distinct exact argument shapes remembered in the front cache
 
 
 def memory_efficient_fusion(fn: Callable, *, config: Optional[Config] = None):
@@ -52,6 +53,7 @@ class FusedFunction:
         self.cache: dict = {}
         self.shape_specialized: set = set()   # keys whose traces guard on the leading sizes
         self.recipes: dict = {}               # (n positional, keywords) -> binding recipe
+        self.exact: dict = {}                 # exact shapes and types -> entry (front cache)
         try:
             self.signature = inspect.signature(fn)
         except (TypeError, ValueError):
@@ -80,6 +82,26 @@ class FusedFunction:
         tensors = [v for v in values if isinstance(v, torch.Tensor)]
         if not tensors:
             raise TypeError(f"memfuse: {self._name()} got no tensor arguments; nothing to compile")
+        exact = self._exact_key(values)
+        try:
+            compiled = self.exact.get(exact)
+        except TypeError:          # an unhashable argument: _key names it
+            compiled = exact = None
+        if compiled is not None:
+            STATS["cache_hits"] += 1
+            return compiled, tensors
+        compiled = self._lookup_key(values, tensors)
+        if exact is not None and len(self.exact) < EXACT_CACHE_SIZE:
+            self.exact[exact] = compiled
+        return compiled, tensors
+
+    def _exact_key(self, values: list) -> tuple:
+        """Exact shapes and types: a front cache before the compile key, which costs more to
+        build (equality classes of sizes, parameter checks). Same exact key, same compile key."""
+        return (torch.is_grad_enabled(), *[(v.shape, v.dtype, v.device, v.requires_grad, v.is_contiguous(), type(v))
+                                           if isinstance(v, torch.Tensor) else (type(v), v) for v in values])
+
+    def _lookup_key(self, values: list, tensors: list):
         key = self._key(values)
         if key in self.shape_specialized:
             key = key + (tuple(t.shape for t in tensors),)
@@ -96,7 +118,7 @@ class FusedFunction:
             STATS["cache_hits"] += 1
             if cache_log.isEnabledFor(logging.DEBUG):
                 cache_log.debug("memfuse: %s: cache hit (%d compiled programs)", self._name(), len(self.cache))
-        return compiled, tensors
+        return compiled
 
     def _log_miss(self, key: tuple) -> bool:
         """A miss on a function with compiled programs is a recompile: say which key part changed."""

@@ -63,10 +63,7 @@ class KernelLaunch:
         self.rows = rows                 # symbol values -> M
         self.alloc = alloc               # (name, dtype, shape fn) for each written value
         self.finish = finish             # (reducer op, [(name, dtype, shape fn)])
-        roles = {"read": "read", "write": "env", "scalar": "env", "partials": "partials",
-                 "rows": "rows", "tiles": "tiles"}
-        self.arg_plan = [(roles[a.role], Op(a.value) if a.role == "partials" else a.value)
-                         for a in kernel.source.args]
+        self.build_args = _argument_builder(kernel.source.args)
         self.launcher = Launcher(kernel)
         self._partials: dict = {}
         self.configs: dict = {}          # device -> LaunchConfig
@@ -99,6 +96,26 @@ class KernelLaunch:
         return buffers
 
 
+def _argument_builder(args: list) -> Callable:
+    """A function that lists a kernel's arguments from the environment: written out once as
+    Python, so a call walks no argument roles."""
+    items = []
+    namespace: dict = {}
+    for a in args:
+        if a.role == "read":
+            items.append(f"contiguous(env[{a.value!r}])")
+        elif a.role in ("write", "scalar"):
+            items.append(f"env[{a.value!r}]")
+        elif a.role == "partials":
+            namespace[f"reduce_{a.value}"] = Op(a.value)
+            items.append(f"partials[reduce_{a.value}]")
+        else:
+            items.append("rows" if a.role == "rows" else "tiles_per_program")
+    source = f"def build_args(env, partials, rows, tiles_per_program, contiguous):\n    return [{', '.join(items)}]\n"
+    exec(compile(source, "<memfuse argument builder>", "exec"), namespace)
+    return namespace["build_args"]
+
+
 class Launcher:
     """Launches a @triton.jit kernel, skipping Triton's generic launch path once compiled.
 
@@ -113,7 +130,8 @@ class Launcher:
         self.source = kernel.source
         self.compiled: dict = {}
         self.constexprs: dict = {}       # LaunchConfig -> keyword constexprs, positional constexprs
-        self.pointers = [i for i, a in enumerate(kernel.source.args) if a.role in ("read", "write", "partials")]
+        # memfuse allocates outputs and partials itself (aligned): only inputs can be unaligned
+        self.pointers = [i for i, a in enumerate(kernel.source.args) if a.role == "read"]
 
     def __call__(self, programs: int, args: list, device: torch.device, config: LaunchConfig) -> None:
         named = self.constexprs.get(config)
@@ -229,18 +247,7 @@ class Program:
             programs = tiles = 1
         partials = step.partials(programs, device)
         if programs > 0:
-            args = []
-            for role, value in step.arg_plan:
-                if role == "read":
-                    args.append(_contiguous(env[value]))
-                elif role == "env":
-                    args.append(env[value])
-                elif role == "partials":
-                    args.append(partials[value])
-                elif role == "rows":
-                    args.append(rows)
-                else:
-                    args.append(_cdiv(tiles, programs))
+            args = step.build_args(env, partials, rows, _cdiv(tiles, programs), _contiguous)
             step.launcher(programs, args, device, config)
             STATS["kernels_launched"] += 1
         for op, outputs in step.finish:
