@@ -44,7 +44,9 @@ def best_of(program, launch: KernelLaunch, configs: list, device) -> list:
     return sorted(timed, key=lambda tc: tc[0])
 
 
-def tune_workload(workload, results: list, cache: TuningCache, device_name: str) -> None:
+def tune_workload(workload, results: list, cache: TuningCache, device_name: str, exhaustive: bool) -> None:
+    """`exhaustive`: every rows x warps x programs-per-SM combination for persistent kernels
+    (else rows x warps at 2 per SM, then programs per SM at the best of those)."""
     inputs = workload.make_inputs("cuda")
     fused = memfuse.memory_efficient_fusion(workload.fn)
 
@@ -68,8 +70,13 @@ def tune_workload(workload, results: list, cache: TuningCache, device_name: str)
             block_d = source.constexprs["BLOCK_D"]
             default = default_config(block_d, source.persistent)
             default_us = best_of(program, launch, [default], device)[0][0]
-            ranked = best_of(program, launch, tile_candidates(block_d, 2 if source.persistent else 0), device)
-            if source.persistent:
+            if source.persistent and exhaustive:
+                ranked = best_of(program, launch, [LaunchConfig(c.block_m, c.num_warps, per_sm)
+                                                   for c in tile_candidates(block_d, 0) for per_sm in (1, 2, 4, 8)],
+                                 device)
+            else:
+                ranked = best_of(program, launch, tile_candidates(block_d, 2 if source.persistent else 0), device)
+            if source.persistent and not exhaustive:
                 tile = ranked[0][1]
                 ranked = best_of(program, launch, [LaunchConfig(tile.block_m, tile.num_warps, per_sm)
                                                    for per_sm in (1, 2, 4, 8)], device)
@@ -90,6 +97,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", help="comma-separated substrings of workload names")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--exhaustive", action="store_true", help="joint search for persistent kernels")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.tune needs a CUDA device")
@@ -99,7 +107,7 @@ def main() -> None:
     results: list = []
     for workload in registry():
         if wanted is None or any(w in workload.name for w in wanted):
-            tune_workload(workload, results, cache, device_name)
+            tune_workload(workload, results, cache, device_name, args.exhaustive)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "tune.json").write_text(json.dumps(dict(device=device_name, results=results), indent=1))
     print(f"tuning cache: {cache.path}")
