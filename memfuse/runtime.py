@@ -57,16 +57,53 @@ class KernelLaunch:
     """One generated kernel, with everything a call needs prepared."""
 
     def __init__(self, group: KernelGroup, kernel: CompiledKernel, rows: Optional[Callable],
-                 alloc: list, finish: list):
+                 alloc: list, finish: list, partials_dtypes: dict, config: Config):
         self.group = group
         self.kernel = kernel
-        self.rows = rows                 # symbol values -> M
+        self.config = config
+        self.rows = rows                 # symbol values -> M (None: a kernel without rows)
         self.alloc = alloc               # (name, dtype, shape fn) for each written value
-        self.finish = finish             # (reducer op, [(name, dtype, shape fn)])
+        self.finish = finish             # (reducer op, [(name, cast dtype or None, shape fn or None)])
+        self.persistent = kernel.source.persistent
+        self.d = kernel.source.constexprs["D"]
+        self.grids: dict = {}            # device -> (LaunchConfig, most programs)
+        self.partials_dtypes = partials_dtypes   # reducer op -> dtype of its partials buffer
         self.build_args = _argument_builder(kernel.source.args)
         self.launcher = Launcher(kernel)
         self._partials: dict = {}
         self.configs: dict = {}          # device -> LaunchConfig
+
+    def __call__(self, env: dict, symbol_values: tuple, device: torch.device) -> None:
+        rows = self.rows(*symbol_values) if self.rows is not None else 1
+        for name, dtype, shape in self.alloc:
+            env[name] = torch.empty(shape(*symbol_values), dtype=dtype, device=device)
+        grid = self.grids.get(device)
+        if grid is None or grid[0] is not self.configs.get(device):
+            grid = self._grid(device)
+        config, most = grid
+        tiles = -(-rows // config.block_m)
+        programs = min(tiles, most) if self.persistent else tiles
+        if self.rows is None:
+            programs = tiles = 1
+        partials = self.partials(programs, device) if self.finish else None
+        if programs > 0:
+            self.launcher(programs, self.build_args(env, partials, rows, -(-tiles // programs), _contiguous),
+                          device, config)
+            STATS["kernels_launched"] += 1
+        for op, outputs in self.finish:
+            if programs > 0:
+                totals = partials[op].sum(0) if op is Op.SUM else REDUCERS[op][2](partials[op], 0)
+            else:
+                totals = torch.full((len(outputs), self.d), NEUTRAL[op], device=device)
+            for j, (name, cast, shape) in enumerate(outputs):
+                total = totals[j] if cast is None else totals[j].to(cast)
+                env[name] = total if shape is None else total.reshape(shape(*symbol_values))
+
+    def _grid(self, device: torch.device) -> tuple:
+        config = self.launch_config(device, self.config)
+        most = _sm_count(device) * config.programs_per_sm if device.type == "cuda" else self.config.cpu_programs
+        self.grids[device] = (config, most)
+        return config, most
 
     def launch_config(self, device: torch.device, config: Config) -> LaunchConfig:
         chosen = self.configs.get(device)
@@ -89,8 +126,7 @@ class KernelLaunch:
         if buffers is None:
             d = self.kernel.source.constexprs["D"]
             buffers = {op: torch.empty((max(programs, 1), len(names), d), device=device,
-                                       dtype=max((accumulate_dtype(dtype) for _, dtype, _ in names),
-                                                 key=lambda t: t.itemsize))
+                                       dtype=self.partials_dtypes[op])
                        for op, names in self.finish}
             self._partials[key] = buffers
         return buffers
@@ -154,9 +190,13 @@ class Launcher:
 
 @dataclass
 class AtenGroup:
+    graph: Graph
     group: KernelGroup
     rows: Optional[Callable]
     shapes: dict                         # name -> shape fn, for materialized values
+
+    def __call__(self, env: dict, symbol_values: tuple, device) -> None:
+        _run_aten_group(self.graph, self, env, symbol_values)
 
 
 @dataclass
@@ -167,6 +207,17 @@ class ExternCall:
     kwargs: dict
     getitem: Optional[int] = None
     reshape: Optional[Callable] = None   # symbol values -> shape, for a view/cast of a finished value
+
+    def __call__(self, env: dict, symbol_values: tuple, device) -> None:
+        if self.getitem is not None:
+            env[self.name] = env[self.args[0]][self.getitem]
+        elif self.reshape is not None:   # self.target holds the dtype
+            env[self.name] = env[self.args[0]].reshape(self.reshape(*symbol_values)).to(self.target)
+        else:
+            args = _resolve(self.args, env)
+            kwargs = {k: _resolve(v, env) for k, v in self.kwargs.items()}
+            env[self.name] = self.target(*args, **kwargs)
+            STATS["extern_calls"] += 1
 
 
 class Program:
@@ -179,7 +230,7 @@ class Program:
         self.config = config
         g = self.graph
         self.constants = {n: node.attr.value for n, node in g.nodes.items() if node.op is Op.CONSTANT}
-        self.size_scalars = [(n, _size_fn(node.attr.expr, symbols), node.value.dtype)
+        self.size_scalars = [(n, _size_fn(node.attr.expr, symbols), node.value.dtype.is_floating_point)
                              for n, node in g.nodes.items() if node.op is Op.SYMBOL]
         self.steps = [self._prepare(step) for step in schedule.steps]
         self.last_env = None             # filled when record_env is set (benchmarks/tune.py)
@@ -204,79 +255,35 @@ class Program:
             logging.getLogger("memfuse.fallbacks").info("memfuse: %s runs through aten: %s", step.name, step.aten_reason)
             STATS["fallbacks"] += 1
             shapes = {n: self._shape_fn(n) for n in step.outputs + step.column_sums}
-            return AtenGroup(step, self._rows_fn(step), shapes)
+            return AtenGroup(g, step, self._rows_fn(step), shapes)
         kernel = generate(g, step, self.config)
         STATS["kernels_generated"] += 1
         alloc = [(n, g[n].value.dtype, self._shape_fn(n)) for n in step.outputs]
-        finish = [(op, [(n, g[n].value.dtype, None if g[n].value.shape == (step.space.d,) else self._shape_fn(n))
-                        for n in names])
-                  for op, names in kernel.source.column_sums.items()]
-        return KernelLaunch(step, kernel, self._rows_fn(step), alloc, finish)
+        finish, partials_dtypes = [], {}
+        for op, names in kernel.source.column_sums.items():
+            buffer_dtype = max((accumulate_dtype(g[n].value.dtype) for n in names), key=lambda t: t.itemsize)
+            partials_dtypes[op] = buffer_dtype
+            finish.append((op, [(n, None if g[n].value.dtype == buffer_dtype else g[n].value.dtype,
+                                 None if g[n].value.shape == (step.space.d,) else self._shape_fn(n))
+                                for n in names]))
+        return KernelLaunch(step, kernel, self._rows_fn(step), alloc, finish, partials_dtypes, self.config)
 
     # -- running ---------------------------------------------------------------------------
     def run(self, inputs: list, symbol_values: tuple, device: torch.device) -> list:
         env = dict(self.constants)
         env.update(zip(self.graph.inputs, inputs))
-        for name, fn, dtype in self.size_scalars:
+        for name, fn, is_float in self.size_scalars:
             value = fn(*symbol_values)
-            env[name] = float(value) if dtype.is_floating_point else int(value)
+            env[name] = float(value) if is_float else int(value)
         for step in self.steps:
-            if isinstance(step, KernelLaunch):
-                self._launch(step, env, symbol_values, device)
-            elif isinstance(step, ExternCall):
-                self._extern(step, env, symbol_values)
-            else:
-                _run_aten_group(self.graph, step, env, symbol_values)
+            step(env, symbol_values, device)
         if self.record_env:
             self.last_env = (dict(env), symbol_values, device)
         return [env[o] if o is not None else None for o in self.graph.outputs]
 
-    def launch(self, step: KernelLaunch, env: dict, symbol_values: tuple, device) -> None:
-        """Run one kernel step on a recorded environment (for tuning and timing)."""
-        self._launch(step, env, symbol_values, device)
-
-    def _launch(self, step: KernelLaunch, env: dict, symbol_values: tuple, device) -> None:
-        source = step.kernel.source
-        rows = step.rows(*symbol_values) if step.rows is not None else 1
-        for name, dtype, shape in step.alloc:
-            env[name] = torch.empty(shape(*symbol_values), dtype=dtype, device=device)
-        config = step.launch_config(device, self.config)
-        tiles = _cdiv(rows, config.block_m)
-        programs = min(tiles, self._max_programs(device, config)) if source.persistent else tiles
-        if step.group.space.m is None:
-            programs = tiles = 1
-        partials = step.partials(programs, device)
-        if programs > 0:
-            args = step.build_args(env, partials, rows, _cdiv(tiles, programs), _contiguous)
-            step.launcher(programs, args, device, config)
-            STATS["kernels_launched"] += 1
-        for op, outputs in step.finish:
-            if programs > 0:
-                totals = partials[op].sum(0) if op is Op.SUM else REDUCERS[op][2](partials[op], 0)
-            else:
-                totals = torch.full((len(outputs), source.constexprs["D"]), NEUTRAL[op], device=device)
-            for j, (name, dtype, shape) in enumerate(outputs):
-                total = totals[j]
-                if dtype != torch.float32:
-                    total = total.to(dtype)
-                env[name] = total if shape is None else total.reshape(shape(*symbol_values))
-
-    def _max_programs(self, device: torch.device, config: LaunchConfig) -> int:
-        if device.type == "cuda":
-            return _sm_count(device) * config.programs_per_sm
-        return self.config.cpu_programs
-
-    def _extern(self, step: ExternCall, env: dict, symbol_values: tuple) -> None:
-        if step.getitem is not None:
-            env[step.name] = env[step.args[0]][step.getitem]
-            return
-        if step.reshape is not None:   # step.target holds the dtype
-            env[step.name] = env[step.args[0]].reshape(step.reshape(*symbol_values)).to(step.target)
-            return
-        args = _resolve(step.args, env)
-        kwargs = {k: _resolve(v, env) for k, v in step.kwargs.items()}
-        env[step.name] = step.target(*args, **kwargs)
-        STATS["extern_calls"] += 1
+    def launch(self, step, env: dict, symbol_values: tuple, device) -> None:
+        """Run one step on a recorded environment (for tuning and timing)."""
+        step(env, symbol_values, device)
 
 
 _SM_COUNTS: dict = {}
