@@ -241,3 +241,37 @@ def test_fsdp2_mixed_precision_matches_eager(one_rank_group):
         g1, g2 = (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for p in (p1, p2))
         assert g2.dtype == torch.float32
         torch.testing.assert_close(g2, g1, rtol=5e-2, atol=5e-3, msg=name)
+
+
+def test_what_memfuse_saves_from_parameters_alone_are_views_of_them():
+    """The FSDP2 memory check counts storages: a copy made from a gathered parameter (say a
+    transposed weight made contiguous) would hide among the activations. For the GPT block,
+    whatever memfuse's plan saves that depends on parameters alone is a parameter or a chain of
+    aten views of one (the transposed weights the matmul backward reads). Those share the gathered
+    storage that FSDP2 frees after forward and fills again before backward."""
+    fused = memfuse.memory_efficient_fusion(_block())
+    fused(torch.randn(2, 9, 32, requires_grad=True)).sum().backward()
+    (call,) = fused._memfuse_calls.values()
+    (entry,) = call.fused.cache.values()
+    joint = entry.captured.joint
+    params = set(joint.inputs[:len(call.key.state)])
+    sources: dict = {}
+
+    def depends_on(name: str) -> set:
+        if name not in sources:
+            node = joint[name]
+            sources[name] = {name} if node.op is memfuse.ir.Op.INPUT else \
+                set().union(*(depends_on(i) for i in node.inputs))
+        return sources[name]
+
+    def is_view_chain(name: str) -> bool:
+        node = joint[name]
+        if node.op is memfuse.ir.Op.INPUT:
+            return True
+        is_view = node.op is memfuse.ir.Op.EXTERN and getattr(node.attr.target, "is_view", False)
+        return is_view and all(is_view_chain(i) for i in node.inputs)
+
+    from_params = [s.name for s in entry.plan.saved if depends_on(s.name) <= params]
+    assert len(from_params) > len([s for s in entry.plan.saved if s.is_input and s.name in params])  # views, too
+    for name in from_params:
+        assert is_view_chain(name), (name, joint[name])
