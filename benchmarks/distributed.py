@@ -3,7 +3,7 @@
     torchrun --nproc_per_node=2 -m benchmarks.distributed --out benchmarks/results/distributed.json
 
 Every rank trains the GPT of examples/gpt.py (`--size real`: 6 pre-norm blocks of width 512,
-sequences of 129 tokens, AdamW) on its share of one global batch. Blocks are wrapped first,
+sequences of 128 tokens, AdamW) on its share of one global batch. Blocks are wrapped first,
 then the model is wrapped for data parallelism, in the order torchtitan uses:
 
   mode               each block becomes
