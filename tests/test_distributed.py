@@ -147,10 +147,9 @@ def test_ddp_reducer_gets_dense_grads_with_parameter_strides(run):
 def test_ddp_optimizer_splits_compiled_graphs_at_buckets(run):
     """Under DDP, Dynamo's DDPOptimizer cuts each compiled block at DDP's bucket boundaries and
     hands every piece to the memfuse backend (first call of each piece: fake outputs that feed the
-    next piece's compile). The blocks share their graphs, so FSDP2 compiles one graph in all."""
+    next piece's compile). FSDP2 leaves the same blocks' graphs whole."""
     cases = _cases(run)
-    assert cases[("fsdp2", "memfuse_compile")]["memfuse_compiles"] == 1
-    assert cases[("ddp", "memfuse_compile")]["memfuse_compiles"] > 1
+    assert cases[("ddp", "memfuse_compile")]["memfuse_compiles"] > cases[("fsdp2", "memfuse_compile")]["memfuse_compiles"]
     assert cases[("ddp", "memfuse")]["memfuse_compiles"] == 2     # the module wrapper: one program per block
 
 
