@@ -49,12 +49,19 @@ class SizeSource:
 
 
 def memfuse_backend(gm: torch.fx.GraphModule, example_inputs, *, config: Optional[Config] = None):
-    """The `torch.compile` backend: AOTAutograd with memfuse's partition and compilers."""
-    from torch._functorch.aot_autograd import aot_module_simplified
+    """The `torch.compile` backend: AOTAutograd with memfuse's partition and compilers.
+
+    Through Dynamo's `aot_autograd` helper, as torch's own AOT backends, not a bare
+    `aot_module_simplified`: Dynamo's DDPOptimizer (a graph split at DDP's bucket boundaries)
+    reads the helper's call counter to know that each piece went through AOTAutograd, whose
+    first call then returns fake outputs for the next piece's compile. Without it that fake
+    first call would reach the user at run time."""
+    from torch._dynamo.backends.common import aot_autograd
     compilers = _Compilers(config or Config(), name=f"dynamo_{id(gm):x}")
-    return aot_module_simplified(gm, example_inputs, fw_compiler=compilers.forward,
-                                 bw_compiler=compilers.backward, inference_compiler=compilers.inference,
-                                 partition_fn=compilers.partition, decompositions=decomposition_table())
+    backend = aot_autograd(fw_compiler=compilers.forward, bw_compiler=compilers.backward,
+                           inference_compiler=compilers.inference, partition_fn=compilers.partition,
+                           decompositions=decomposition_table())
+    return backend(gm, example_inputs)
 
 
 def register() -> None:

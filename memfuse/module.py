@@ -34,6 +34,10 @@ class MutatedInputError(RuntimeError):
     """The traced forward writes into a buffer or an argument in place."""
 
 
+class ShardedParameterError(RuntimeError):
+    """A parameter is still a DTensor (sharded) when the fused forward runs."""
+
+
 @dataclass(frozen=True)
 class CallKey:
     """What a FusedModule call is specialized on beyond its tensors."""
@@ -72,6 +76,7 @@ class FusedModule(nn.Module):
                       tuple(names), len(args), tuple(kwargs))
         call = self._memfuse_calls.get(key)
         if call is None:
+            _check_not_sharded(module, names, tensors)
             call = self._memfuse_calls[key] = _ModuleCall(module, key, self._memfuse_config)
         values = (*tensors, *args, *kwargs.values())
         if key.autocast[1]:
@@ -182,6 +187,23 @@ def _state(module: nn.Module) -> tuple[list, list]:
         names.append(name)
         tensors.append(t)
     return names, tensors
+
+
+def _check_not_sharded(module: nn.Module, names: list, tensors: list) -> None:
+    """On a compile: every parameter must be a plain tensor by now. Under FSDP2 the hooks of
+    `fully_shard(fused_module)` gather them before forward; hooks on `.original` never fire,
+    since memfuse runs the original's forward traced, not through its __call__."""
+    if not torch.distributed.is_available():
+        return
+    from torch.distributed.tensor import DTensor
+    sharded = [name for name, t in zip(names, tensors) if isinstance(t, DTensor)]
+    if sharded:
+        raise ShardedParameterError(
+            f"memfuse: {type(module).__qualname__}'s {', '.join(repr(n) for n in sharded[:4])}"
+            f"{' ...' if len(sharded) > 4 else ''} are DTensors (sharded) when the fused forward runs. "
+            f"Under FSDP2 apply fully_shard to the FusedModule, the module in the model tree, not to its "
+            f"`.original`: FSDP's hooks gather the parameters before the wrapper's forward. Parameters "
+            f"that stay sharded through forward (tensor parallelism) are not supported.")
 
 
 def _device(tensors: list, args: tuple, kwargs: dict) -> torch.device:

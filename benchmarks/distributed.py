@@ -1,0 +1,563 @@
+"""memfuse under torch.distributed: DDP and FSDP2, next to eager and torch.compile, in one run.
+
+    torchrun --nproc_per_node=2 -m benchmarks.distributed --out benchmarks/results/distributed.json
+
+Every rank trains the GPT of examples/gpt.py (`--size real`: 6 pre-norm blocks of width 512,
+sequences of 128 tokens, AdamW) on its share of one global batch. Blocks are wrapped first,
+then the model is wrapped for data parallelism, in the order torchtitan uses:
+
+  mode               each block becomes
+  eager              the block
+  memfuse            memfuse.memory_efficient_fusion(block)
+  memfuse_compile    torch.compile(block, backend="memfuse", fullgraph=True)
+  torch_compile      torch.compile(block, fullgraph=True)               (Inductor)
+
+  wrapper            then the model becomes
+  ddp                DistributedDataParallel(model)
+  ddp_bucket_view    DistributedDataParallel(model, gradient_as_bucket_view=True)
+  fsdp2              fully_shard(block) for every block, then fully_shard(model)
+
+Per case (dropout off): the loss of every step and the parameters after --steps steps against
+single-process eager on the whole global batch; the bytes autograd keeps from forward to
+backward (saved-tensor hooks, any device); then it/s and peak memory per rank. Then dropout
+across ranks: with the same seed every rank draws the same masks, with per-rank seeds they
+differ, as in eager. Rank 0 prints a table and rewrites the JSON at --out after every case.
+
+A CPU run (gloo, kernels through the Triton interpreter) is the CI test's smoke run:
+    torchrun --nproc_per_node=2 -m benchmarks.distributed --device cpu --size tiny --batch 8 \
+        --modes eager,memfuse,memfuse_compile
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")   # never NVLink multicast (NVLS)
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import dataclasses  # noqa: E402
+import datetime  # noqa: E402
+import gc  # noqa: E402
+import importlib.util  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Optional  # noqa: E402
+
+import torch  # noqa: E402  (torch alone does not import triton: TRITON_INTERPRET can still be set)
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+MODES = ("eager", "memfuse", "memfuse_compile", "torch_compile")
+WRAPPERS = ("ddp", "ddp_bucket_view", "fsdp2")
+DROPOUT_MODES = ("eager", "memfuse", "memfuse_compile")
+DROPOUT_SEED = 1234
+
+
+def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available")
+    parser.add_argument("--size", choices=("tiny", "real"), default="real", help="examples/gpt.py SIZES")
+    parser.add_argument("--batch", type=int, default=0, help="global batch (default: the size's batch per rank)")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--wrappers", default="ddp,fsdp2", help=f"comma-separated, from {', '.join(WRAPPERS)}")
+    parser.add_argument("--steps", type=int, default=5, help="training steps compared against eager")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps before timing")
+    parser.add_argument("--timed", type=int, default=20, help="timed steps")
+    parser.add_argument("--dropout", type=float, default=0.1, help="p of the dropout-across-ranks check (0: skip)")
+    parser.add_argument("--bucket-cap-mb", type=float, default=None,
+                        help="DDP bucket size; below 1 MiB DDP's first bucket shrinks with it (split graphs at a tiny size)")
+    parser.add_argument("--loss-tol", type=float, default=1e-4, help="largest relative loss error that passes")
+    parser.add_argument("--update-tol", type=float, default=1e-2,
+                        help="largest ||p - p_eager|| / ||p_eager - p_init|| over parameters that passes")
+    parser.add_argument("--budget-s", type=float, default=360.0, help="skip the cases left once this much time is spent")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "distributed.json")
+    parser.add_argument("--dump-params", type=Path, default=None, help="rank 0 saves every case's final parameters here")
+    args = parser.parse_args(argv)
+    args.modes = _choose(args.modes, MODES, "--modes")
+    args.wrappers = _choose(args.wrappers, WRAPPERS, "--wrappers")
+    return args
+
+
+def _choose(text: str, offered: tuple, flag: str) -> tuple:
+    chosen = tuple(t.strip() for t in text.split(",") if t.strip())
+    unknown = [c for c in chosen if c not in offered]
+    if unknown or not chosen:
+        sys.exit(f"{flag} {text!r}: choose from {', '.join(offered)}")
+    return chosen
+
+
+@dataclasses.dataclass
+class CaseResult:
+    wrapper: str
+    mode: str
+    losses: list = dataclasses.field(default_factory=list)   # mean over ranks, per step
+    loss_rel_err: Optional[float] = None           # max over steps of |loss - eager| / |eager|
+    update_rel_err: Optional[float] = None         # max over parameters of ||p - p_eager|| / ||p_eager - p_init||
+    param_max_abs_err: Optional[float] = None
+    ok: Optional[bool] = None
+    grad_strides_match: Optional[bool] = None      # DDP: every .grad has its parameter's strides (first step)
+    grad_storages: Optional[int] = None            # DDP: distinct storages among the .grads (first step)
+    params: Optional[int] = None
+    saved_activation_bytes: Optional[int] = None   # saved for backward, not a parameter, alive after forward
+    saved_block_param_bytes: Optional[int] = None  # block parameters saved for backward: bytes still allocated after forward
+    memfuse_compiles: Optional[int] = None
+    correctness_s: Optional[float] = None          # the --steps steps, compiles included
+    it_s: Optional[float] = None                   # timed steps / the slowest rank's time
+    peak_bytes: Optional[list] = None              # per rank, CUDA: max allocated over the timed steps
+    forward_bytes: Optional[list] = None           # per rank, CUDA: allocated after forward - before
+    error: Optional[str] = None
+
+
+@dataclasses.dataclass
+class DropoutResult:
+    wrapper: str
+    mode: str
+    same_seed_same_masks: Optional[bool] = None    # torch.manual_seed(s) on every rank: equal outputs
+    rank_seeds_differ: Optional[bool] = None       # torch.manual_seed(s + rank): outputs differ across ranks
+    repeatable: Optional[bool] = None              # the same seed again: the same output on this rank
+    grads_match_local: Optional[bool] = None       # DDP: all-reduced grads == this rank's own (no_sync) grads
+    error: Optional[str] = None
+
+
+# -- the model and its data ----------------------------------------------------------------------
+def load_gpt():
+    """examples/gpt.py as a module (examples/ is not a package)."""
+    if "gpt_example" in sys.modules:
+        return sys.modules["gpt_example"]
+    spec = importlib.util.spec_from_file_location("gpt_example", ROOT / "examples" / "gpt.py")
+    module = sys.modules["gpt_example"] = importlib.util.module_from_spec(spec)   # dataclasses look it up
+    spec.loader.exec_module(module)
+    return module
+
+
+class Rank:
+    """This process's share of the run: device, configuration, the global batches."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}") \
+            if args.device == "cuda" else torch.device("cpu")
+        self.gpt = load_gpt()
+        size = self.gpt.SIZES[args.size]
+        batch = args.batch or size.batch * self.world
+        if batch % self.world:
+            sys.exit(f"--batch {batch} does not split evenly over {self.world} ranks")
+        self.cfg = dataclasses.replace(size, batch=batch, dropout=0.0)
+        self.local = batch // self.world
+        generator = torch.Generator().manual_seed(1)       # as examples/gpt.py: seed + 1
+        count = max(args.steps, 1) + max(args.warmup + args.timed, 1)
+        self.batches = [self.gpt.make_batch(self.cfg, generator, self.device) for _ in range(count)]
+        self.mesh = None
+        self.dumped: dict = {}                                  # case -> final parameters (--dump-params)
+
+    def shard(self, batch: tuple) -> tuple:
+        rows = slice(self.rank * self.local, (self.rank + 1) * self.local)
+        return tuple(t[rows] for t in batch)
+
+    def build(self, dropout: float = 0.0):
+        model, _ = self.gpt.build(dataclasses.replace(self.cfg, dropout=dropout), "eager", self.device, seed=0)
+        return model
+
+    def optimizer(self, params):
+        return torch.optim.AdamW(params, lr=self.cfg.lr, weight_decay=0.01)   # as examples/gpt.py
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def loss_of(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """examples/gpt.py's loss. Every rank holds as many counted targets: the mean over ranks of
+    the per-rank losses is the loss of the global batch."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+def train_step(model, optimizer, batch: tuple, inspect=None) -> torch.Tensor:
+    inputs, targets = batch
+    loss = loss_of(model(inputs), targets)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    if inspect is not None:
+        inspect()
+    optimizer.step()
+    return loss.detach()
+
+
+def wrap_blocks(model, mode: str) -> None:
+    """Each block fused or compiled in place of the original (before any data-parallel wrapper)."""
+    for i, block in enumerate(model.blocks):
+        if mode == "memfuse":
+            import memfuse
+            model.blocks[i] = memfuse.memory_efficient_fusion(block)
+        elif mode == "memfuse_compile":
+            import memfuse  # noqa: F401  registers the backend
+            model.blocks[i] = torch.compile(block, backend="memfuse", fullgraph=True)
+        elif mode == "torch_compile":
+            model.blocks[i] = torch.compile(block, fullgraph=True)
+
+
+def parallelize(r: Rank, model, wrapper: str):
+    """DDP around the model, or FSDP2 per block then at the root; returns the module to call."""
+    if wrapper.startswith("ddp"):
+        from torch.nn.parallel import DistributedDataParallel
+        options = {"gradient_as_bucket_view": wrapper == "ddp_bucket_view"}
+        if r.args.bucket_cap_mb is not None:
+            options["bucket_cap_mb"] = r.args.bucket_cap_mb
+        return DistributedDataParallel(model, device_ids=[r.device.index] if r.device.type == "cuda" else None,
+                                       **options)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    if r.mesh is None:
+        r.mesh = init_device_mesh(r.device.type, (r.world,))
+    for block in model.blocks:
+        fully_shard(block, mesh=r.mesh)
+    fully_shard(model, mesh=r.mesh)
+    return model
+
+
+def full_parameters(model) -> list:
+    """Every parameter whole, copied to the CPU (FSDP2's are gathered: every rank must call this)."""
+    from torch.distributed.tensor import DTensor
+    return [(p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone() for p in model.parameters()]
+
+
+def mean_over_ranks(value: torch.Tensor) -> float:
+    value = value.detach().double().clone()
+    dist.all_reduce(value)
+    return value.item() / dist.get_world_size()
+
+
+# -- the cases ---------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Reference:
+    losses: list
+    initial: list        # parameters, on the CPU: they must not count in the cases' peak memory
+    final: list
+
+
+def reference(r: Rank) -> Reference:
+    """Single-process eager on the whole global batch: what every case must reproduce."""
+    model = r.build()
+    initial = [p.detach().cpu().clone() for p in model.parameters()]
+    optimizer = r.optimizer(model.parameters())
+    losses = [train_step(model, optimizer, batch).item() for batch in r.batches[:r.args.steps]]
+    return Reference(losses, initial, [p.detach().cpu().clone() for p in model.parameters()])
+
+
+def run_case(r: Rank, ref: Reference, wrapper: str, mode: str, result: CaseResult) -> None:
+    import memfuse
+    model = r.build()
+    wrap_blocks(model, mode)
+    parallel = parallelize(r, model, wrapper)
+    optimizer = r.optimizer(parallel.parameters())
+    compiles = memfuse.stats()["compiles"]
+    start = time.perf_counter()
+    for step, batch in enumerate(r.batches[:r.args.steps]):
+        inspect = (lambda: _inspect_grads(model, result)) if step == 0 and wrapper.startswith("ddp") else None
+        result.losses.append(mean_over_ranks(train_step(parallel, optimizer, r.shard(batch), inspect)))
+    r.synchronize()
+    result.correctness_s = time.perf_counter() - start
+    result.memfuse_compiles = memfuse.stats()["compiles"] - compiles
+    _compare(r, ref, model, result)
+    _measure_saved(r, parallel, model, optimizer, result)
+    if over_budget(r):
+        result.error = "timing skipped: --budget-s spent"
+        return
+    _time_steps(r, parallel, optimizer, result)
+
+
+def _inspect_grads(model, result: CaseResult) -> None:
+    """After DDP's backward: what the optimizer (and DDP's buckets) received."""
+    grads = [(p, p.grad) for p in model.parameters()]
+    result.params = len(grads)
+    result.grad_strides_match = all(g is not None and g.stride() == p.stride() for p, g in grads)
+    result.grad_storages = len({g.untyped_storage().data_ptr() for _, g in grads if g is not None})
+
+
+def _compare(r: Rank, ref: Reference, model, result: CaseResult) -> None:
+    result.loss_rel_err = max(abs(a - b) / abs(b) for a, b in zip(result.losses, ref.losses))
+    final = full_parameters(model)
+    if [p.shape for p in final] != [p.shape for p in ref.final]:
+        raise RuntimeError(f"{result.wrapper}/{result.mode}: parameter shapes differ from the plain model's")
+    update, worst = 0.0, 0.0
+    for p, want, init in zip(final, ref.final, ref.initial):
+        diff = (p.double() - want.double()).norm().item()
+        moved = (want.double() - init.double()).norm().item()
+        update = max(update, diff / moved if moved > 0 else diff)
+        worst = max(worst, (p - want).abs().max().item())
+    result.update_rel_err, result.param_max_abs_err = update, worst
+    result.ok = result.loss_rel_err <= r.args.loss_tol and update <= r.args.update_tol
+    if r.args.dump_params is not None and r.rank == 0:
+        r.dumped[f"{result.wrapper}/{result.mode}"] = final
+
+
+def _measure_saved(r: Rank, parallel, model, optimizer, result: CaseResult) -> None:
+    """One step under saved-tensor hooks: what autograd keeps from forward to backward, split into
+    parameters of the blocks (under FSDP2 the gathered ones, freed after forward by FSDP itself)
+    and everything else. Measured after forward returns, when FSDP has resharded."""
+    from torch.distributed.tensor import DTensor
+    blocks = list(model.blocks)
+    packed = []
+
+    def pack(t):
+        params = {p.untyped_storage().data_ptr() for b in blocks for p in b.parameters()
+                  if not isinstance(p, DTensor)}
+        packed.append((t.untyped_storage(), t.untyped_storage().data_ptr() in params))
+        return t
+
+    inputs, targets = r.shard(r.batches[0])
+    r.synchronize()
+    before = torch.cuda.memory_allocated(r.device) if r.device.type == "cuda" else 0
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = parallel(inputs)
+    r.synchronize()
+    after = torch.cuda.memory_allocated(r.device) if r.device.type == "cuda" else 0
+    storages = {s._cdata: (s.nbytes(), is_param) for s, is_param in packed}
+    result.saved_activation_bytes = sum(n for n, is_param in storages.values() if not is_param)
+    result.saved_block_param_bytes = sum(n for n, is_param in storages.values() if is_param)
+    if r.device.type == "cuda":
+        result.forward_bytes = gather(after - before)
+    del packed, storages
+    loss = loss_of(logits, targets)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+
+
+def _time_steps(r: Rank, parallel, optimizer, result: CaseResult) -> None:
+    batches = [r.shard(b) for b in r.batches[r.args.steps:]] or [r.shard(r.batches[0])]
+    for i in range(r.args.warmup):
+        train_step(parallel, optimizer, batches[i % len(batches)])
+    r.synchronize()
+    if r.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(r.device)
+    dist.barrier()
+    start = time.perf_counter()
+    for i in range(r.args.timed):
+        train_step(parallel, optimizer, batches[(r.args.warmup + i) % len(batches)])
+    r.synchronize()
+    slowest = _max_over_ranks(time.perf_counter() - start, r)
+    result.it_s = r.args.timed / slowest if slowest > 0 else None
+    if r.device.type == "cuda":
+        result.peak_bytes = gather(torch.cuda.max_memory_allocated(r.device))
+
+
+def _max_over_ranks(value: float, r: Rank) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=r.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def gather(value) -> list:
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def dropout_case(r: Rank, wrapper: str, mode: str, result: DropoutResult) -> None:
+    """The same rows on every rank, dropout p = --dropout in and around the blocks."""
+    model = r.build(dropout=r.args.dropout)
+    wrap_blocks(model, mode)
+    parallel = parallelize(r, model, wrapper)
+    inputs = r.batches[0][0][:r.local]
+    ddp = wrapper.startswith("ddp")
+
+    def run(seed: int, sync: bool = True):
+        torch.manual_seed(seed)
+        with contextlib.nullcontext() if sync or not ddp else parallel.no_sync():
+            logits = parallel(inputs)
+            logits.float().square().mean().backward()
+        grads = [p.grad.clone() for p in model.parameters()] if ddp else []
+        for p in parallel.parameters():
+            p.grad = None
+        return logits.detach(), grads
+
+    out, synced = run(DROPOUT_SEED)
+    again, _ = run(DROPOUT_SEED)
+    own, _ = run(DROPOUT_SEED + r.rank)
+    outs, owns = gather(out.cpu()), gather(own.cpu())
+    result.same_seed_same_masks = all(_close(o, outs[0]) for o in outs)
+    result.rank_seeds_differ = not any(_close(o, owns[0]) for o in owns[1:])
+    result.repeatable = _close(out, again)
+    if ddp:
+        _, local = run(DROPOUT_SEED, sync=False)
+        result.grads_match_local = all(_close(a, b) for a, b in zip(synced, local))
+    for name in ("same_seed_same_masks", "rank_seeds_differ", "repeatable", "grads_match_local"):
+        value = getattr(result, name)
+        if value is not None:
+            setattr(result, name, all(gather(value)))
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal up to float noise (bitwise on CPU; GPU reductions may reorder): another dropout mask
+    changes ~10% of the elements and moves the norm by far more than 1e-4."""
+    return bool((a.double() - b.double()).norm() <= 1e-4 * b.double().norm())
+
+
+# -- driving ---------------------------------------------------------------------------------------
+_START = time.perf_counter()
+
+
+def over_budget(r: Rank) -> bool:
+    """Rank 0's clock decides for every rank, so that all of them skip together."""
+    flag = [time.perf_counter() - _START > r.args.budget_s]
+    dist.broadcast_object_list(flag, src=0)
+    return bool(flag[0])
+
+
+def _release(r: Rank) -> None:
+    torch._dynamo.reset()     # every case compiles from scratch; no recompile limit carried over
+    gc.collect()
+    if r.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _error(error: Exception) -> str:
+    traceback.print_exc()
+    return f"{type(error).__name__}: {error}"
+
+
+def run_all(r: Rank) -> dict:
+    results = {"metadata": metadata(r), "reference_losses": None, "cases": [], "dropout": []}
+    ref = reference(r)
+    results["reference_losses"] = ref.losses
+    r.dumped["eager_single_process"] = ref.final
+    for wrapper in r.args.wrappers:
+        for mode in r.args.modes:
+            result = CaseResult(wrapper, mode)
+            results["cases"].append(result)
+            if over_budget(r):
+                result.error = "skipped: --budget-s spent"
+                continue
+            say(r, f"{wrapper:>15} {mode:<16} ...")
+            try:
+                run_case(r, ref, wrapper, mode, result)
+            except Exception as error:     # one failing case must not end the comparison
+                result.error = _error(error)
+            _release(r)
+            say(r, f"{'':>15} {'':<16} {summary(result)}")
+            write(r, results)
+    if r.args.dropout > 0:
+        for wrapper in (w for w in r.args.wrappers if w != "ddp_bucket_view"):
+            for mode in (m for m in r.args.modes if m in DROPOUT_MODES):
+                result = DropoutResult(wrapper, mode)
+                results["dropout"].append(result)
+                if over_budget(r):
+                    result.error = "skipped: --budget-s spent"
+                    continue
+                try:
+                    dropout_case(r, wrapper, mode, result)
+                except Exception as error:
+                    result.error = _error(error)
+                _release(r)
+        write(r, results)
+    return results
+
+
+def metadata(r: Rank) -> dict:
+    import triton
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(r.device) if r.device.type == "cuda" else "cpu",
+        "backend": dist.get_backend(), "world_size": r.world, "torch": torch.__version__,
+        "triton": triton.__version__, "size": r.args.size, "config": dataclasses.asdict(r.cfg),
+        "batch_per_rank": r.local, "argv": sys.argv[1:],
+        "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"),
+    }
+
+
+def say(r: Rank, text: str) -> None:
+    if r.rank == 0:
+        print(f"[{time.perf_counter() - _START:6.1f} s] {text}", flush=True)
+
+
+def summary(c: CaseResult) -> str:
+    if c.error and c.ok is None:
+        return f"error: {c.error}"
+    return (f"loss err {c.loss_rel_err:.1e}  update err {c.update_rel_err:.1e}  "
+            f"{'ok' if c.ok else 'MISMATCH'}  {c.correctness_s:.1f} s" + (f"  {c.it_s:.1f} it/s" if c.it_s else ""))
+
+
+def write(r: Rank, results: dict) -> None:
+    if r.rank != 0:
+        return
+    r.args.out.parent.mkdir(parents=True, exist_ok=True)
+    plain = {**results, "cases": [dataclasses.asdict(c) for c in results["cases"]],
+             "dropout": [dataclasses.asdict(d) for d in results["dropout"]]}
+    r.args.out.write_text(json.dumps(plain, indent=1))
+    if r.args.dump_params is not None:
+        torch.save(r.dumped, r.args.dump_params)
+
+
+def _mb(value) -> str:
+    if value is None:
+        return "-"
+    return f"{max(value) / 2**20:.0f}" if isinstance(value, list) else f"{value / 2**20:.1f}"
+
+
+def table(results: dict) -> str:
+    m = results["metadata"]
+    lines = [f"memfuse under torch.distributed: GPT size={m['size']}, {m['world_size']} ranks x batch "
+             f"{m['batch_per_rank']}, {m['device']} ({m['backend']}), torch {m['torch']}, triton {m['triton']}",
+             "loss err: max over steps vs single-process eager; update err: max ||p - p_eager|| / ||p_eager - p0||;",
+             "peak/fwd MB: the largest rank; saved MB: kept for backward after forward (activations | block params)",
+             "",
+             f"{'wrapper':<16}{'mode':<17}{'loss err':>9}{'upd err':>9}{'':>4}{'it/s':>8}{'vs eager':>9}"
+             f"{'peak MB':>9}{'fwd MB':>8}{'saved act':>10}{'params':>8}{'compiles':>9}"]
+    eager = {c.wrapper: c.it_s for c in results["cases"] if c.mode == "eager"}
+    for c in results["cases"]:
+        if c.ok is None:
+            lines.append(f"{c.wrapper:<16}{c.mode:<17}  {c.error}")
+            continue
+        vs = f"{c.it_s / eager[c.wrapper]:.2f}x" if c.it_s and eager.get(c.wrapper) else "-"
+        lines.append(
+            f"{c.wrapper:<16}{c.mode:<17}{c.loss_rel_err:>9.1e}{c.update_rel_err:>9.1e}{'ok' if c.ok else 'BAD':>4}"
+            f"{(f'{c.it_s:.1f}' if c.it_s else '-'):>8}{vs:>9}{_mb(c.peak_bytes):>9}{_mb(c.forward_bytes):>8}"
+            f"{_mb(c.saved_activation_bytes):>10}{_mb(c.saved_block_param_bytes):>8}"
+            f"{(c.memfuse_compiles if c.mode.startswith('memfuse') else '-'):>9}")
+    if results["dropout"]:
+        lines += ["", "dropout across ranks (same seed: equal masks on every rank; per-rank seeds: different; "
+                      "DDP grads == each rank's own):"]
+        for d in results["dropout"]:
+            flags = d.error or "  ".join(f"{k}={getattr(d, k)}" for k in
+                                         ("same_seed_same_masks", "rank_seeds_differ", "repeatable", "grads_match_local"))
+            lines.append(f"  {d.wrapper:<16}{d.mode:<17}{flags}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list] = None) -> dict:
+    args = parse_args(argv)
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")   # read when triton decorates: before memfuse loads
+    else:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))   # memfuse launches on the current device
+        torch.backends.cuda.matmul.allow_tf32 = False                  # fp32 means fp32 for the comparison
+        torch.backends.cudnn.allow_tf32 = False
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo",
+                            timeout=datetime.timedelta(seconds=300))
+    if args.bucket_cap_mb is not None and args.bucket_cap_mb * 2**20 < dist._DEFAULT_FIRST_BUCKET_BYTES:
+        # Dynamo's DDPOptimizer splits a compiled graph at a first bucket of this size (1 MiB) and
+        # refuses one larger than the others: shrink it too, to get split graphs at a tiny size.
+        dist._DEFAULT_FIRST_BUCKET_BYTES = int(args.bucket_cap_mb * 2**20)
+    try:
+        r = Rank(args)
+        results = run_all(r)
+        if r.rank == 0:
+            print("\n" + table(results), flush=True)
+            print(f"\nwrote {args.out}", flush=True)
+        return results
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    if __package__ in (None, ""):
+        sys.path.insert(0, str(ROOT))
+    main()
