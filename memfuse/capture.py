@@ -19,8 +19,8 @@ from torch._functorch.aot_autograd import aot_export_joint_simple
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
-from .ir import (Cast, Constant, Extern, Graph, Index, Kind, Node, Op, Reduce, Seeded, Symbol, Value,
-                 ValueRef, fits, verify)
+from .ir import (COMPARISON, Cast, Constant, Extern, Graph, Index, Kind, Node, Op, Reduce, Seeded, Symbol,
+                 Value, ValueRef, fits, verify)
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -34,7 +34,8 @@ def decomposition_table() -> dict:
         aten.native_dropout_backward, aten._softmax, aten._softmax_backward_data,
         aten._log_softmax, aten._log_softmax_backward_data, aten.gelu, aten.gelu_backward,
         aten.silu, aten.silu_backward, aten.sigmoid_backward, aten.tanh_backward,
-        aten.threshold_backward, aten.rms_norm,
+        aten.threshold_backward, aten.rms_norm, aten.elu, aten.leaky_relu, aten.hardtanh,
+        aten.linalg_vector_norm,
     ]))
     return table
 
@@ -60,7 +61,8 @@ def capture(fn: Callable, args: Sequence[torch.Tensor], *, trace_joint: bool,
     """Trace `fn(*args)` (tensor args only) and lower it. `static_inputs[i]`: keep all dims of
     input i static (parameters)."""
     shape_env = ShapeEnv()
-    fake_mode = FakeTensorMode(shape_env=shape_env)
+    # allow_non_fake_inputs: tensors the function closes over become graph constants
+    fake_mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
     fakes = [_fake_input(fake_mode, t, static=i < len(static_inputs) and static_inputs[i])
              for i, t in enumerate(args)]
     gm = aot_export_joint_simple(fn, tuple(fakes), trace_joint=trace_joint,
@@ -152,25 +154,93 @@ POINTWISE_ATEN = {
     aten.abs.default: Op.ABS, aten.exp.default: Op.EXP, aten.log.default: Op.LOG,
     aten.sqrt.default: Op.SQRT, aten.rsqrt.default: Op.RSQRT, aten.sigmoid.default: Op.SIGMOID,
     aten.tanh.default: Op.TANH, aten.erf.default: Op.ERF, aten.reciprocal.default: Op.RECIPROCAL,
+    aten.sin.default: Op.SIN, aten.cos.default: Op.COS, aten.tan.default: Op.TAN,
+    aten.exp2.default: Op.EXP2, aten.expm1.default: Op.EXPM1, aten.log1p.default: Op.LOG1P,
+    aten.log2.default: Op.LOG2, aten.log10.default: Op.LOG10, aten.floor.default: Op.FLOOR,
+    aten.ceil.default: Op.CEIL, aten.round.default: Op.ROUND, aten.trunc.default: Op.TRUNC,
+    aten.sign.default: Op.SIGN, aten.isnan.default: Op.ISNAN, aten.isinf.default: Op.ISINF,
+    aten.pow.Tensor_Tensor: Op.POW, aten.pow.Scalar: Op.POW,
+    aten.fmod.Tensor: Op.FMOD, aten.fmod.Scalar: Op.FMOD, aten.remainder.Tensor: Op.REMAINDER,
+    aten.remainder.Scalar: Op.REMAINDER, aten.remainder.Scalar_Tensor: Op.REMAINDER,
+    aten.floor_divide.default: Op.FLOOR_DIVIDE, aten.floor_divide.Scalar: Op.FLOOR_DIVIDE,
     aten.maximum.default: Op.MAXIMUM, aten.minimum.default: Op.MINIMUM,
     aten.eq.Tensor: Op.EQ, aten.eq.Scalar: Op.EQ, aten.ne.Tensor: Op.NE, aten.ne.Scalar: Op.NE,
     aten.lt.Tensor: Op.LT, aten.lt.Scalar: Op.LT, aten.le.Tensor: Op.LE, aten.le.Scalar: Op.LE,
     aten.gt.Tensor: Op.GT, aten.gt.Scalar: Op.GT, aten.ge.Tensor: Op.GE, aten.ge.Scalar: Op.GE,
     aten.logical_not.default: Op.LOGICAL_NOT, aten.logical_and.default: Op.LOGICAL_AND,
-    aten.logical_or.default: Op.LOGICAL_OR, aten.where.self: Op.WHERE,
+    aten.logical_or.default: Op.LOGICAL_OR, aten.logical_xor.default: Op.LOGICAL_XOR,
+    aten.bitwise_not.default: Op.BITWISE_NOT, aten.bitwise_and.Tensor: Op.BITWISE_AND,
+    aten.bitwise_and.Scalar: Op.BITWISE_AND, aten.bitwise_or.Tensor: Op.BITWISE_OR,
+    aten.bitwise_or.Scalar: Op.BITWISE_OR, aten.bitwise_xor.Tensor: Op.BITWISE_XOR,
+    aten.bitwise_xor.Scalar: Op.BITWISE_XOR, aten.where.self: Op.WHERE,
     prims.add.default: Op.ADD, prims.sub.default: Op.SUB, prims.mul.default: Op.MUL,
-    prims.div.default: Op.DIV, prims.neg.default: Op.NEG, prims.rsqrt.default: Op.RSQRT,
-    prims.sqrt.default: Op.SQRT, prims.exp.default: Op.EXP,
+    prims.neg.default: Op.NEG, prims.rsqrt.default: Op.RSQRT, prims.sqrt.default: Op.SQRT,
+    prims.exp.default: Op.EXP, prims.log.default: Op.LOG, prims.abs.default: Op.ABS,
+    prims.sin.default: Op.SIN, prims.cos.default: Op.COS, prims.tan.default: Op.TAN,
+    prims.exp2.default: Op.EXP2, prims.expm1.default: Op.EXPM1, prims.log1p.default: Op.LOG1P,
+    prims.log2.default: Op.LOG2, prims.log10.default: Op.LOG10, prims.floor.default: Op.FLOOR,
+    prims.ceil.default: Op.CEIL, prims.trunc.default: Op.TRUNC, prims.sign.default: Op.SIGN,
+    prims.tanh.default: Op.TANH, prims.erf.default: Op.ERF, prims.reciprocal.default: Op.RECIPROCAL,
+    prims.maximum.default: Op.MAXIMUM, prims.minimum.default: Op.MINIMUM, prims.pow.default: Op.POW,
+    prims.eq.default: Op.EQ, prims.ne.default: Op.NE, prims.lt.default: Op.LT, prims.le.default: Op.LE,
+    prims.gt.default: Op.GT, prims.ge.default: Op.GE, prims.where.default: Op.WHERE,
+    prims.bitwise_and.default: Op.BITWISE_AND, prims.bitwise_or.default: Op.BITWISE_OR,
+    prims.bitwise_xor.default: Op.BITWISE_XOR, prims.bitwise_not.default: Op.BITWISE_NOT,
 }
+# prims.div divides integers with truncation: a float quotient only for float operands.
+DIVIDE_ATEN = {aten.div.Tensor_mode, aten.div.Scalar_mode, prims.div.default, prims.fmod.default}
 VIEW_ATEN = {aten.view.default, aten._unsafe_view.default, aten.reshape.default,
              aten.expand.default, aten.clone.default, aten.alias.default, aten.detach.default,
              aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.unsqueeze.default,
-             prims.broadcast_in_dim.default}
-CAST_ATEN = {aten._to_copy.default, prims.convert_element_type.default}
+             aten.lift_fresh_copy.default, prims.broadcast_in_dim.default}
+CAST_ATEN = {aten._to_copy.default, prims.convert_element_type.default, aten.copy.default}
 RAND_ATEN = {aten.rand_like.default, aten.rand.default}
+# Tensors filled with one value (empty ones hold whatever: 0): a broadcast scalar.
+FILL_ATEN = {aten.full.default, aten.full_like.default, aten.zeros_like.default, aten.ones_like.default,
+             aten.empty_like.default, aten.empty_permuted.default, aten.empty.memory_format,
+             aten.scalar_tensor.default, aten.zeros.default, aten.ones.default, aten.new_zeros.default,
+             aten.new_ones.default, aten.new_full.default, aten.new_empty.default}
+NOOP_ATEN = {aten._assert_tensor_metadata.default}   # checks the trace already made; no value
 REDUCE_ATEN = {aten.sum.dim_IntList: Op.SUM, aten.amax.default: Op.MAX, aten.amin.default: Op.MIN,
-               prims.sum.default: Op.SUM}
-POW_SPECIAL = {2: "square", 0.5: Op.SQRT, -0.5: Op.RSQRT, 1: Op.VIEW, -1: Op.RECIPROCAL}
+               prims.sum.default: Op.SUM, aten.prod.dim_int: Op.PROD, aten.argmax.default: Op.ARGMAX,
+               aten.argmin.default: Op.ARGMIN}
+EXTREME_ATEN = {aten.max.dim: (Op.MAX, Op.ARGMAX), aten.min.dim: (Op.MIN, Op.ARGMIN)}
+POW_SPECIAL = {2: "square", 3: "cube", 0.5: Op.SQRT, -0.5: Op.RSQRT, 1: Op.VIEW, -1: Op.RECIPROCAL}
+
+# Ops memfuse knows it does not fuse, and why (the coverage table lists them too).
+EXTERN_REASONS = {
+    aten.mm.default: "matrix multiply: an aten (cuBLAS) call",
+    aten.bmm.default: "batched matrix multiply: an aten (cuBLAS) call",
+    aten.addmm.default: "matrix multiply: an aten (cuBLAS) call",
+    aten.permute.default: "permute reorders elements across rows: a strided view the kernels do not index",
+    aten.slice.Tensor: "a strided window of the tensor: the kernels read whole [M, D] rows",
+    aten.select.int: "selects one index of a dim: the kernels read whole [M, D] rows",
+    aten.cat.default: "concatenation writes one tensor from several spaces",
+    aten.flip.default: "flip reverses element order",
+    aten.slice_scatter.default: "writes a strided window into a tensor",
+    aten.select_scatter.default: "writes one index of a dim into a tensor",
+    aten.scatter.src: "scatter: data-dependent addressing",
+    aten.gather.default: "gather: data-dependent addressing",
+    aten.index.Tensor: "indexing: data-dependent addressing",
+    aten.cumsum.default: "scan along a dim",
+    aten.cumprod.default: "scan along a dim",
+    aten.atan2.default: "needs atan, which Triton has only through libdevice",
+    aten.atan.default: "needs libdevice",
+    aten.asin.default: "needs libdevice",
+    aten.acos.default: "needs libdevice",
+    aten.sinh.default: "needs libdevice",
+    aten.cosh.default: "needs libdevice",
+    aten.asinh.default: "needs libdevice",
+    aten.acosh.default: "needs libdevice",
+    aten.atanh.default: "needs libdevice",
+    aten.erfc.default: "1 - erf(x) loses every digit for large x; an accurate erfc needs libdevice",
+    aten.erfinv.default: "needs libdevice",
+    aten.lgamma.default: "needs libdevice",
+    aten.digamma.default: "needs libdevice",
+    aten.sum.default: "a reduction to a single value (over every dim)",
+    aten.mean.default: "a reduction to a single value (over every dim)",
+    aten.prod.default: "a reduction to a single value (over every dim)",
+}
 
 
 class NotFusible(Exception):
@@ -196,6 +266,8 @@ class _Lowering:
         for node in self.gm.graph.nodes:
             if node.op == "call_function":
                 self.env[node] = self.lower(node)
+            elif node.op == "get_attr":
+                self.env[node] = self.lower_tensor_constant(node)
             elif node.op == "output":
                 outs = node.args[0]
                 self.graph.outputs = [self.env[o] if o is not None else None for o in outs]
@@ -204,8 +276,10 @@ class _Lowering:
             self.graph.inputs.insert(num_primals, "seed")
         num_tangents = len(placeholders) - num_primals
         verify(self.graph)
+        # a joint trace whose outputs need no gradient (ints, bools) holds the forward only
+        has_grads = trace_joint and num_tangents > 0
         return Captured(self.graph, num_primals, num_tangents,
-                        len(self.graph.outputs) - (num_primals if trace_joint else 0),
+                        len(self.graph.outputs) - (num_primals if has_grads else 0),
                         self.symbols, self.hints, has_seed, self.fallbacks)
 
     # -- helpers ---------------------------------------------------------------------
@@ -217,11 +291,15 @@ class _Lowering:
             unique = f"{base}_{k}"
         return self.graph.add(Node(unique, op, tuple(inputs), value, attr))
 
-    def const(self, value) -> str:
-        key = (type(value), value)
-        if key not in self.constants:
+    def const(self, value, dtype: Optional[torch.dtype] = None) -> str:
+        """A scalar constant; with `dtype`, the value rounded to it as a 0-d tensor of that dtype."""
+        if dtype is None:
             dtype = torch.bool if isinstance(value, bool) else torch.int64 if isinstance(value, int) \
                 else torch.float32
+        else:
+            value = torch.tensor(value, dtype=dtype).item()
+        key = (type(value), value, dtype)
+        if key not in self.constants:
             self.constants[key] = self.add(Op.CONSTANT, (), Value(dtype, Kind.SCALAR), Constant(value),
                                            name="const")
         return self.constants[key]
@@ -272,8 +350,12 @@ class _Lowering:
             if isinstance(source, tuple):
                 return source[node.args[1]]
             return self.add(Op.GETITEM, (source,), classify(val), Index(node.args[1]), name=node.name)
+        if target in NOOP_ATEN:
+            return None
         if target in (aten.var_mean.correction, aten.var.correction):
             return self.lower_var_mean(node, val)
+        if target in EXTREME_ATEN:
+            return self.lower_extreme(node, val)
         if not isinstance(val, torch.Tensor):
             raise NotFusible("produces a tuple")
         value = classify(val)
@@ -281,23 +363,44 @@ class _Lowering:
             raise NotFusible(f"shape {tuple(val.shape)} is outside the [M, D] space")
         if target in POINTWISE_ATEN:
             return self.lower_pointwise(node, POINTWISE_ATEN[target], value)
+        if target in DIVIDE_ATEN:
+            return self.lower_divide(node, value)
         if target is aten.relu.default:
             return self.pointwise(Op.MAXIMUM, [self.operand(node.args[0]), self.const(0.0)], value, node.name)
-        if target in (aten.clamp_min.default, aten.clamp_max.default, aten.clamp.default):
+        if target in (aten.clamp_min.default, aten.clamp_max.default, aten.clamp.default, aten.clamp.Tensor):
             return self.lower_clamp(node, value)
         if target is aten.pow.Tensor_Scalar:
             return self.lower_pow(node, value)
-        if target in VIEW_ATEN:
+        if target in VIEW_ATEN or self.keeps_order(node):
             return self.pointwise(Op.VIEW, [self.operand(node.args[0])], value, node.name)
         if target in CAST_ATEN:
             return self.lower_cast(node, value)
+        if target in FILL_ATEN:
+            return self.lower_fill(node, value)
         if target in RAND_ATEN:
             return self.lower_rand(node, value)
         if target in REDUCE_ATEN:
             return self.lower_reduction(node, REDUCE_ATEN[target], value)
         if target is aten.mean.dim:
             return self.lower_mean(node, value)
-        raise NotFusible(f"no lowering for {target}")
+        raise NotFusible(EXTERN_REASONS.get(target, f"no lowering for {target}"))
+
+    def keeps_order(self, node) -> bool:
+        """A permute or slice that leaves every element where it was (moves size-1 dims, or
+        slices a whole dim): a plain view."""
+        source = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], torch.fx.Node) else None
+        if not isinstance(source, torch.Tensor):
+            return False
+        if node.target is aten.permute.default:
+            moved = [d % source.dim() for d in node.args[1] if source.shape[d] != 1]
+            return moved == sorted(moved)
+        if node.target is aten.slice.Tensor:
+            dim, start, end, step = (list(node.args[1:]) + [0, None, None, 1][len(node.args) - 1:])[:4]
+            size = source.shape[dim]
+            whole_end = end is None or (isinstance(end, int) and isinstance(size, int) and end >= size) \
+                or (isinstance(end, int) and end >= 2 ** 62)
+            return start in (0, None) and step == 1 and whole_end
+        return False
 
     def pointwise(self, op: Op, inputs, value: Value, name: str) -> str:
         self.check_fits(op, inputs, value)
@@ -305,12 +408,50 @@ class _Lowering:
 
     def lower_pointwise(self, node, op: Op, value: Value) -> str:
         args = [self.operand(a) for a in node.args]
-        if node.kwargs.get("rounding_mode") is not None:
-            raise NotFusible(f"rounding_mode={node.kwargs['rounding_mode']}")
         alpha = node.kwargs.get("alpha", 1)
         if alpha != 1:
             scaled = self.graph[args[1]].value
             args[1] = self.pointwise(Op.MUL, [args[1], self.operand(alpha)], scaled, f"{node.name}_alpha")
+        if op is Op.BITWISE_NOT and value.dtype == torch.bool:
+            op = Op.LOGICAL_NOT
+        if op in (Op.FMOD, Op.REMAINDER, Op.FLOOR_DIVIDE) and not value.is_floating:
+            raise NotFusible(f"integer {op.value}: eager raises on a zero divisor, a kernel cannot")
+        if op is Op.POW and not value.is_floating:
+            raise NotFusible("integer pow: integer results (and errors for negative exponents) as eager")
+        if op in COMPARISON:
+            args = self.promote(node, args)
+        return self.pointwise(op, args, value, node.name)
+
+    def promote(self, node, args: list) -> list:
+        """Comparisons run in the operands' common dtype (torch.result_type): a float scalar or
+        0-d tensor compared with a bf16 tensor is first rounded to bf16, as eager does."""
+        common = torch.result_type(*[a.meta["val"] if isinstance(a, torch.fx.Node) else a
+                                     for a in node.args[:2]])
+        if not common.is_floating_point:
+            return args
+        promoted = []
+        for fx_arg, name in zip(node.args[:2], args):
+            have = self.graph[name].value
+            if isinstance(fx_arg, (int, float)) and not isinstance(fx_arg, bool):
+                name = self.const(float(fx_arg), common)
+            elif have.is_floating and have.dtype.itemsize > common.itemsize:
+                rounded = Value(common, have.kind, have.shape, have.m, have.d)
+                name = self.add(Op.CAST, [name], rounded, Cast(common), name=f"{node.name}_operand")
+            promoted.append(name)
+        return promoted + args[2:]
+
+    def lower_divide(self, node, value: Value) -> str:
+        """div with a rounding mode, and prims' div/fmod (truncating for integers)."""
+        mode = node.kwargs.get("rounding_mode", node.args[2] if len(node.args) > 2 else None)
+        if node.target is prims.fmod.default:
+            op = Op.FMOD
+        elif node.target is prims.div.default:
+            op = Op.DIV if value.is_floating else Op.TRUNC_DIVIDE
+        else:
+            op = {None: Op.DIV, "trunc": Op.TRUNC_DIVIDE, "floor": Op.FLOOR_DIVIDE}[mode]
+        if op is not Op.DIV and not value.is_floating:
+            raise NotFusible(f"integer {op.value}: eager raises on a zero divisor, a kernel cannot")
+        args = [self.operand(a) for a in node.args[:2]]
         return self.pointwise(op, args, value, node.name)
 
     def lower_clamp(self, node, value: Value) -> str:
@@ -329,16 +470,26 @@ class _Lowering:
         return x
 
     def lower_pow(self, node, value: Value) -> str:
+        """x ** c: the exponents torch special-cases become the same ops; others call mf_pow."""
         x, exponent = self.operand(node.args[0]), node.args[1]
+        if not isinstance(exponent, (int, float)):
+            raise NotFusible(f"pow with a symbolic exponent {exponent}")
         special = POW_SPECIAL.get(exponent)
-        if special is None:
-            raise NotFusible(f"pow with exponent {exponent}")
+        if exponent == 0:
+            return self.lower_fill(node, value, fill=1)
         if special == "square":
             return self.pointwise(Op.MUL, [x, x], value, node.name)
-        return self.pointwise(special, [x], value, node.name)
+        if special == "cube":
+            square = self.pointwise(Op.MUL, [x, x], value, f"{node.name}_square")
+            return self.pointwise(Op.MUL, [square, x], value, node.name)
+        if special is not None and (value.is_floating or special is Op.VIEW):
+            return self.pointwise(special, [x], value, node.name)
+        if not value.is_floating:
+            raise NotFusible(f"integer pow with exponent {exponent}")
+        return self.pointwise(Op.POW, [x, self.const(float(exponent))], value, node.name)
 
     def lower_cast(self, node, value: Value) -> str:
-        source = node.args[0]
+        source = node.args[1] if node.target is aten.copy.default else node.args[0]
         device = node.kwargs.get("device")
         if device is not None and device != source.meta["val"].device:
             raise NotFusible(f"copies to device {device}")
@@ -347,6 +498,39 @@ class _Lowering:
         self.check_fits(op, [x], value)
         return self.add(op, [x], value, Cast(value.dtype) if op is Op.CAST else None, name=node.name)
 
+    def lower_fill(self, node, value: Value, fill=None) -> str:
+        """full/zeros/ones/empty(_like)/scalar_tensor: one value broadcast over the result."""
+        if fill is None:
+            fills = {aten.zeros_like.default: 0, aten.ones_like.default: 1, aten.zeros.default: 0,
+                     aten.ones.default: 1, aten.new_zeros.default: 0, aten.new_ones.default: 1}
+            if node.target in fills:
+                fill = fills[node.target]
+            elif node.target in (aten.full.default, aten.full_like.default, aten.new_full.default):
+                fill = node.args[1] if node.target is not aten.new_full.default else node.args[2]
+            elif node.target is aten.scalar_tensor.default:
+                fill = node.args[0]
+            else:
+                fill = 0    # empty: any value is right
+        if isinstance(fill, torch.fx.Node):   # a size-derived fill value
+            scalar = self.operand(fill)
+            if self.graph[scalar].value.dtype == value.dtype:
+                return self.add(Op.VIEW, [scalar], value, name=node.name)
+            return self.add(Op.CAST, [scalar], value, Cast(value.dtype), name=node.name)
+        if not isinstance(fill, (bool, int, float)):
+            raise NotFusible(f"fill value {fill!r}")
+        return self.add(Op.VIEW, [self.const(fill, value.dtype)], value, name=node.name)
+
+    def lower_tensor_constant(self, node) -> str:
+        """A tensor the function closed over: a scalar constant when it has one element,
+        else an extern step that hands the tensor out."""
+        tensor = getattr(self.gm, node.target)
+        value = classify(tensor)
+        if value.kind is Kind.SCALAR and tensor.numel() == 1 and tensor.dtype in (
+                torch.float32, torch.bool, torch.int64, torch.int32):
+            return self.const(tensor.item(), tensor.dtype)
+        self.fallbacks.append((node.name, "tensor constant", "a tensor the function closes over"))
+        return self.add(Op.EXTERN, [], value, Extern(TensorConstant(tensor), (), ()), name=node.name)
+
     def lower_rand(self, node, value: Value) -> str:
         if value.kind is not Kind.FULL or not value.is_floating:
             raise NotFusible("random values outside a FULL float [M, D] tensor")
@@ -354,9 +538,9 @@ class _Lowering:
         self.rng_streams += 1
         return self.add(Op.RAND, [self.seed()], value, Seeded(stream), name=node.name)
 
-    def reduction_axis(self, node, source: Value) -> Kind:
-        dims = node.args[1] if len(node.args) > 1 else None
+    def reduction_axis(self, dims, source: Value) -> Kind:
         rank = len(source.shape)
+        dims = [dims] if isinstance(dims, int) else dims
         if source.kind is not Kind.FULL or dims is None:
             raise NotFusible("reduction over a non-[M, D] tensor or over every dim")
         dims = sorted(d % rank for d in dims)
@@ -368,11 +552,42 @@ class _Lowering:
 
     def lower_reduction(self, node, op: Op, value: Value) -> str:
         x = self.operand(node.args[0])
-        axis = self.reduction_axis(node, self.graph[x].value)
+        source = self.graph[x].value
+        if op in (Op.ARGMAX, Op.ARGMIN):
+            if len(node.args) < 2 or node.args[1] is None:
+                raise NotFusible(f"{op.value} over every dim (a flat index)")
+            dims = [node.args[1]]
+        else:
+            dims = node.args[1] if len(node.args) > 1 else None
+        axis = self.reduction_axis(dims, source)
         if node.kwargs.get("dtype") not in (None, value.dtype):
             raise NotFusible("reduction with a dtype argument")
+        self.check_reducible(op, axis, source, value)
         self.check_fits(op, [x], value)
         return self.add(op, [x], value, Reduce(axis), name=node.name)
+
+    @staticmethod
+    def check_reducible(op: Op, axis: Kind, source: Value, value: Value) -> None:
+        if op in (Op.ARGMAX, Op.ARGMIN) and axis is not Kind.ROW:
+            raise NotFusible(f"{op.value} over the leading dims")
+        if not source.is_floating and op is not Op.SUM:
+            raise NotFusible(f"{op.value} of integers: the kernels reduce floats")
+        if axis is Kind.COL and not (value.is_floating and value.dtype.itemsize <= 4):
+            raise NotFusible(f"a {value.dtype} reduction over the leading dims: partials are fp32")
+
+    def lower_extreme(self, node, val):
+        """max.dim / min.dim: the row's extreme and its first index, both over D."""
+        if len(node.args) < 2:
+            raise NotFusible("max/min over every dim")
+        x = self.operand(node.args[0])
+        source = self.graph[x].value
+        axis = self.reduction_axis([node.args[1]], source)
+        extreme, index = EXTREME_ATEN[node.target]
+        values, indices = classify(val[0]), classify(val[1])
+        self.check_reducible(index, axis, source, indices)
+        self.check_fits(extreme, [x], values)
+        return (self.add(extreme, [x], values, Reduce(axis), name=f"{node.name}_values"),
+                self.add(index, [x], indices, Reduce(axis), name=f"{node.name}_indices"))
 
     def count_reduced(self, source: Value, axis: Kind) -> str:
         """1 / (number of elements reduced): a constant over D, a SYMBOL over M."""
@@ -385,7 +600,11 @@ class _Lowering:
     def lower_mean(self, node, value: Value) -> str:
         x = self.operand(node.args[0])
         source = self.graph[x].value
-        axis = self.reduction_axis(node, source)
+        axis = self.reduction_axis(node.args[1] if len(node.args) > 1 else None, source)
+        if not source.is_floating:
+            raise NotFusible("mean of integers")
+        if axis is Kind.COL and source.dtype.itemsize > 4:
+            raise NotFusible(f"a {source.dtype} mean over the leading dims: partials are fp32")
         total = self.add(Op.SUM, [x], value, Reduce(axis), name=f"{node.name}_sum")
         return self.pointwise(Op.MUL, [total, self.count_reduced(source, axis)], value, node.name)
 
@@ -393,7 +612,7 @@ class _Lowering:
         """Two passes over the row in registers: mean, then the sum of squared deviations."""
         x = self.operand(node.args[0])
         source = self.graph[x].value
-        axis = self.reduction_axis(node, source)
+        axis = self.reduction_axis(node.args[1] if len(node.args) > 1 else None, source)
         if axis is not Kind.ROW:
             raise NotFusible("variance over the leading dims")
         correction = node.kwargs.get("correction", 1)
@@ -428,6 +647,19 @@ class _Lowering:
         self.fallbacks.append((node.name, str(node.target), reason))
         return self.add(Op.EXTERN, list(dict.fromkeys(inputs)), value, Extern(node.target, args, kwargs),
                         name=node.name)
+
+
+class TensorConstant:
+    """An extern target that returns a tensor the traced function closed over."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def __call__(self) -> torch.Tensor:
+        return self.tensor
+
+    def __repr__(self) -> str:
+        return f"constant{tuple(self.tensor.shape)}"
 
 
 def _refs(args) -> list:

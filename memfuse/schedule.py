@@ -17,7 +17,7 @@ import sympy
 
 from .config import Config
 from .ops import TRITON_DTYPES
-from .ir import EXTERNAL, FUSIBLE, LEAF, Graph, Kind, Op, Reduce, Value
+from .ir import EXTERNAL, FUSIBLE, LEAF, REDUCTION, Graph, Kind, Op, Reduce, Value
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,8 @@ def schedule(graph: Graph, config: Config, kind: str) -> Schedule:
             continue
         assert node.op in FUSIBLE, node.op
         space = Space.of(node.value)
+        if node.op in REDUCTION:   # the reduced dim belongs to the space too
+            space = space.join(Space.of(graph[node.inputs[0]].value))
         here = 0
         for inp in node.inputs:
             here = max(here, _input_stage(graph, inp, stage, group_of, space, not_fused, name))
@@ -125,7 +127,7 @@ def _barrier(graph: Graph, name: str) -> Optional[str]:
     node = graph[name]
     if node.op in EXTERNAL or _finishing(graph, node):
         return f"{name} is an extern call"
-    if node.op in (Op.SUM, Op.MAX, Op.MIN) and isinstance(node.attr, Reduce) and node.attr.axis is Kind.COL:
+    if node.op in REDUCTION and isinstance(node.attr, Reduce) and node.attr.axis is Kind.COL:
         return f"{name} reduces over every row (M): its result exists only after the whole pass"
     return None
 

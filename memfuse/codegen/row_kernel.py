@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from ..ir import Graph, Kind, Node, Op, Value
-from ..ops import OPS, REDUCERS, TRITON_DTYPES, compute_dtype
+from ..ops import ARG_REDUCE, HELPERS, OPS, REDUCE, REDUCERS, TRITON_DTYPES, compute_dtype, helpers_for
 from ..schedule import KernelGroup
 
 RESERVED = {"pid", "num_programs", "cols", "col_mask", "rows", "row_mask", "mask", "offsets",
@@ -85,6 +85,11 @@ class RowKernelWriter:
         self.kinds: dict = {}     # value name -> Kind of its register value
         self.sums = {op: [n for n in group.column_sums if graph[n].op is op] for op in REDUCERS}
         self.persistent = bool(group.column_sums)
+        self.helpers: list = []   # HELPERS entries the kernel calls
+
+    def use(self, helper: Optional[str]) -> None:
+        if helper is not None and helper not in self.helpers:
+            self.helpers.append(helper)
 
     # -- names and shapes ----------------------------------------------------------------
     def reg(self, name: str) -> str:
@@ -111,14 +116,25 @@ class RowKernelWriter:
             text = f"{text}.to({TRITON_DTYPES[cast_to]})"
         return text
 
+    def tensor_operand(self, name: str, text: str, cast_to: Optional[torch.dtype]) -> str:
+        node = self.graph[name]
+        if node.op is not Op.CONSTANT:
+            return text
+        dtype = cast_to or compute_dtype(node.value.dtype)
+        return f"tl.full([1], {text}, {TRITON_DTYPES[dtype]})"   # [1]: 0-d bools trip the interpreter
+
     # -- the kernel ----------------------------------------------------------------------
     def write(self) -> KernelSource:
         g = self.group
         args = self.signature_args()
+        body = _Lines()
+        body.indent()
+        self.body(body)
         out = _Lines()
         out("import triton")
         out("import triton.language as tl")
         out()
+        self.write_helpers(out)
         out()
         self.header(out)
         scalars = [a.name for a in args if a.role in ("scalar", "rows", "tiles")]
@@ -130,11 +146,18 @@ class RowKernelWriter:
         out("D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,")
         out.dedent()
         out("):")
-        out.indent()
-        self.body(out)
+        out.lines.extend(body.lines)
         constexprs = {"D": self.d or 1, "BLOCK_M": self.block_m, "BLOCK_D": self.block_d}
         return KernelSource(g.name, "\n".join(out.lines) + "\n", args, constexprs, self.persistent,
                             {op: names for op, names in self.sums.items() if names}, self.bytes_per_row())
+
+    def write_helpers(self, out: _Lines) -> None:
+        for name in helpers_for(self.helpers):
+            out()
+            out("@triton.jit")
+            for line in HELPERS[name][0].splitlines():
+                out(line)
+            out()
 
     def signature_args(self) -> list:
         args = []
@@ -269,7 +292,7 @@ class RowKernelWriter:
             shape = Kind.FULL
             out(f"{target} = tl.rand({self.reg(node.inputs[0])} + {node.attr.stream}, offsets)"
                 f"{self.round_to(node.value.dtype)}")
-        elif node.op in REDUCERS:
+        elif node.op in REDUCE or node.op in ARG_REDUCE:
             shape = node.attr.axis
             self.reduce(out, node)
         elif node.op is Op.WHERE:
@@ -279,6 +302,9 @@ class RowKernelWriter:
         else:
             cast_to = out_dtype if out_dtype.is_floating_point else None
             operands = [self.operand(i, shape, cast_to) for i in node.inputs]
+            if OPS[node.op].helper is not None:   # helpers take tensors, not Python numbers
+                operands = [self.tensor_operand(i, text, cast_to) for i, text in zip(node.inputs, operands)]
+                self.use(OPS[node.op].helper)
             out(f"{target} = {OPS[node.op].triton.format(*operands)}")
         self.kinds[name] = shape
 
@@ -298,19 +324,38 @@ class RowKernelWriter:
             return f".to({TRITON_DTYPES[dtype]}).to(tl.float32)"
         return ""
 
-    def reduce(self, out: _Lines, node: Node) -> None:
-        reducer, neutral, _ = REDUCERS[node.op]
-        source = self.operand(node.inputs[0], Kind.FULL, torch.float32)
-        masked = f"tl.where(mask, {source}, {neutral})"
-        if node.attr.axis is Kind.ROW:
-            out(f"{self.reg(node.name)} = {reducer}({masked}, axis=1)")
-            return
-        acc = f"{self.reg(node.name)}_acc"
-        if node.op is Op.SUM:
-            out(f"{acc} += tl.sum({masked}, axis=0)")
+    def reduce_source(self, node: Node) -> tuple:
+        """(masked source expression, accumulator dtype, neutral literal) of a reduction:
+        floats accumulate in fp32 (fp64 stays fp64), integer sums in the result's int dtype."""
+        src = self.graph[node.inputs[0]].value.dtype
+        if node.value.is_floating or node.op in ARG_REDUCE:
+            acc = torch.float64 if torch.float64 in (src, node.value.dtype) else torch.float32
         else:
-            combine = "tl.maximum" if node.op is Op.MAX else "tl.minimum"
-            out(f"{acc} = {combine}({acc}, {reducer}({masked}, axis=0))")
+            acc = node.value.dtype
+        source = self.operand(node.inputs[0], Kind.FULL, acc)
+        if node.op is Op.ARGMIN:
+            source = f"-{source}"
+        if node.op in ARG_REDUCE:
+            neutral = "float('-inf')"
+        else:
+            neutral = REDUCE[node.op].neutral if acc.is_floating_point else "0"
+        return f"tl.where(mask, {source}, {neutral})", acc, neutral
+
+    def reduce(self, out: _Lines, node: Node) -> None:
+        masked, _, _ = self.reduce_source(node)
+        target = self.reg(node.name)
+        if node.op in ARG_REDUCE:   # the first extreme of the row (NaN first): an int64 index
+            self.use("mf_arg_best")
+            out(f"{target}_best, {target} = mf_arg_best({masked}, cols)")
+            out(f"{target} = {target}.to(tl.int64)")
+            return
+        info = REDUCE[node.op]
+        self.use(info.helper)
+        if node.attr.axis is Kind.ROW:
+            out(f"{target} = {info.triton.format(masked, 1)}")
+            return
+        acc = f"{target}_acc"
+        out(f"{acc} = {info.combine.format(acc, info.triton.format(masked, 0))}")
 
     def store(self, out: _Lines, name: str) -> None:
         node = self.graph[name]
