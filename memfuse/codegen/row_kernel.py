@@ -240,7 +240,7 @@ class RowKernelWriter:
             out("tile = pid + step * num_programs")
         else:
             out("tile = pid")
-        out("rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)")
+        out("rows = tile.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)")   # int64: M may pass 2**31
         out("row_mask = rows < M")
         if self.d:
             out("mask = row_mask[:, None] & col_mask[None, :]")
@@ -324,21 +324,24 @@ class RowKernelWriter:
             return f".to({TRITON_DTYPES[dtype]}).to(tl.float32)"
         return ""
 
-    def reduce_source(self, node: Node) -> tuple:
-        """(masked source expression, accumulator dtype, neutral literal) of a reduction:
-        floats accumulate in fp32 (fp64 stays fp64), integer sums in the result's int dtype."""
+    def reduce_types(self, node: Node) -> tuple:
+        """(accumulator dtype, neutral literal) of a reduction: floats accumulate in fp32
+        (fp64 stays fp64), integer sums in the result's int dtype."""
         src = self.graph[node.inputs[0]].value.dtype
         if node.value.is_floating or node.op in ARG_REDUCE:
             acc = torch.float64 if torch.float64 in (src, node.value.dtype) else torch.float32
         else:
             acc = node.value.dtype
+        if node.op in ARG_REDUCE:
+            return acc, "float('-inf')"
+        return acc, REDUCE[node.op].neutral if acc.is_floating_point else "0"
+
+    def reduce_source(self, node: Node) -> tuple:
+        """(masked source expression, accumulator dtype, neutral literal) of a reduction."""
+        acc, neutral = self.reduce_types(node)
         source = self.operand(node.inputs[0], Kind.FULL, acc)
         if node.op is Op.ARGMIN:
             source = f"-{source}"
-        if node.op in ARG_REDUCE:
-            neutral = "float('-inf')"
-        else:
-            neutral = REDUCE[node.op].neutral if acc.is_floating_point else "0"
         return f"tl.where(mask, {source}, {neutral})", acc, neutral
 
     def reduce(self, out: _Lines, node: Node) -> None:
