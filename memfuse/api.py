@@ -75,7 +75,7 @@ class FusedFunction:
         return getattr(self.fn, "__qualname__", type(self.fn).__name__)
 
     def _bind(self, args, kwargs) -> list:
-        if not kwargs and not self.binds:
+        if not kwargs and not self.binds and (self.signature is None or len(args) == len(self.signature.parameters)):
             return list(args)
         try:
             bound = self.signature.bind(*args, **kwargs)
@@ -136,7 +136,12 @@ class FusedFunction:
                 merged[i] = t
             out = self.fn(*merged)
             single.append(isinstance(out, torch.Tensor))
-            return (out,) if isinstance(out, torch.Tensor) else tuple(out)
+            outs = (out,) if isinstance(out, torch.Tensor) else out
+            if not isinstance(outs, (tuple, list)) or not all(isinstance(o, torch.Tensor) for o in outs):
+                got = type(out).__name__ if not isinstance(outs, (tuple, list)) else \
+                    f"a {type(out).__name__} holding {', '.join(type(o).__name__ for o in outs)}"
+                raise TypeError(f"memfuse: {self._name()} must return a tensor or a tuple/list of tensors, got {got}")
+            return tuple(outs)
 
         grad = key[0]
         static = [isinstance(t, torch.nn.Parameter) for t in tensors]

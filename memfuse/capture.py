@@ -65,28 +65,42 @@ def capture(fn: Callable, args: Sequence[torch.Tensor], *, trace_joint: bool,
     fake_mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
     fakes = [_fake_input(fake_mode, t, static=i < len(static_inputs) and static_inputs[i])
              for i, t in enumerate(args)]
-    gm = aot_export_joint_simple(fn, tuple(fakes), trace_joint=trace_joint,
-                                 decompositions=decomposition_table())
+    gm = _export(fn, tuple(fakes), trace_joint)
     symbols, hints = _symbol_sources(fakes)
     captured = _Lowering(gm, symbols, hints).run(num_primals=len(args), trace_joint=trace_joint)
     captured.specialized = _unsupported_guards(shape_env)
     captured.aten_graph = gm
-    captured.differentiable_outputs = _differentiable_outputs(captured, [t.requires_grad for t in args])
+    captured.differentiable_outputs = _differentiable_outputs(captured, fn, fakes)
     return captured
 
 
-def _differentiable_outputs(captured: "Captured", requires_grad: list) -> list:
-    """Forward outputs that receive a tangent: floating values that depend on an input that
-    requires grad (the outputs AOTAutograd made tangents for, in order)."""
+def _export(fn: Callable, fakes: tuple, trace_joint: bool) -> torch.fx.GraphModule:
+    """The decomposed aten graph of `fn`. Outputs that alias an input (`return x`, a view of
+    x) are returned as copies; a function that mutates an input is refused with the reason."""
+    try:
+        return aot_export_joint_simple(fn, fakes, trace_joint=trace_joint, decompositions=decomposition_table())
+    except RuntimeError as e:
+        if "does not support input mutations" in str(e):
+            raise RuntimeError("memfuse: the function modifies one of its input tensors in place (x.add_(...), "
+                               "x[...] = ...); memfuse compiles functions that leave their inputs unchanged: "
+                               "use the out-of-place op") from e
+        if "does not support outputs that alias inputs" not in str(e):
+            raise
+
+    def copying_outputs(*args):
+        return tuple(o.clone() for o in fn(*args))
+    return aot_export_joint_simple(copying_outputs, fakes, trace_joint=trace_joint,
+                                   decompositions=decomposition_table())
+
+
+def _differentiable_outputs(captured: "Captured", fn: Callable, fakes: list) -> list:
+    """Forward outputs that receive a tangent: those eager autograd marks requires_grad (the
+    outputs AOTAutograd made tangents for, in order), found by running `fn` on the fake inputs."""
     if captured.num_tangents == 0:
         return []
-    graph = captured.joint
-    tracked = {name for name, rg in zip(graph.inputs, requires_grad) if rg}
-    for name, node in graph.nodes.items():
-        if any(i in tracked for i in node.inputs):
-            tracked.add(name)
-    outputs = graph.outputs[:captured.num_fwd_outputs]
-    chosen = [i for i, o in enumerate(outputs) if o in tracked and graph[o].value.is_floating]
+    with torch.enable_grad():
+        outputs = fn(*fakes)
+    chosen = [i for i, o in enumerate(outputs) if isinstance(o, torch.Tensor) and o.requires_grad]
     if len(chosen) != captured.num_tangents:
         raise RuntimeError(f"memfuse: found {len(chosen)} differentiable outputs but the trace has "
                            f"{captured.num_tangents} tangents")
@@ -123,8 +137,31 @@ def _unsupported_guards(shape_env: ShapeEnv) -> Optional[str]:
 
 def to_expr(size) -> sympy.Expr:
     if isinstance(size, (torch.SymInt, torch.SymFloat)):
-        return size.node.expr
+        return plain_sympy(size.node.expr)
     return sympy.Integer(size) if isinstance(size, int) else sympy.Float(size)
+
+
+def plain_sympy(expr: sympy.Expr) -> sympy.Expr:
+    """torch's sympy functions (FloatTrueDiv, FloorDiv, ToFloat, ...) as plain sympy, which
+    the runtime turns into Python with lambdify."""
+    from torch.utils._sympy import functions as F
+    rules = [
+        ((F.FloatTrueDiv, F.IntTrueDiv), lambda a, b: a / b),
+        ((F.FloorDiv,), lambda a, b: sympy.floor(a / b)),
+        ((F.CeilDiv,), lambda a, b: sympy.ceiling(a / b)),
+        ((F.ToFloat, F.Identity), lambda a: a),
+        ((F.TruncToFloat, F.TruncToInt), lambda a: sympy.sign(a) * sympy.floor(sympy.Abs(a))),
+        ((F.FloorToInt,), lambda a: sympy.floor(a)),
+        ((F.CeilToInt,), lambda a: sympy.ceiling(a)),
+        ((F.PowByNatural, F.FloatPow), lambda a, b: a ** b),
+        ((F.Mod, F.PythonMod), lambda a, b: sympy.Mod(a, b)),
+        ((F.Max,), lambda *a: sympy.Max(*a)),
+        ((F.Min,), lambda *a: sympy.Min(*a)),
+    ]
+    for classes, plain in rules:
+        for cls in classes:
+            expr = expr.replace(cls, plain)
+    return expr
 
 
 def classify(fake) -> Value:
@@ -162,7 +199,6 @@ POINTWISE_ATEN = {
     aten.pow.Tensor_Tensor: Op.POW, aten.pow.Scalar: Op.POW,
     aten.fmod.Tensor: Op.FMOD, aten.fmod.Scalar: Op.FMOD, aten.remainder.Tensor: Op.REMAINDER,
     aten.remainder.Scalar: Op.REMAINDER, aten.remainder.Scalar_Tensor: Op.REMAINDER,
-    aten.floor_divide.default: Op.FLOOR_DIVIDE, aten.floor_divide.Scalar: Op.FLOOR_DIVIDE,
     aten.maximum.default: Op.MAXIMUM, aten.minimum.default: Op.MINIMUM,
     aten.eq.Tensor: Op.EQ, aten.eq.Scalar: Op.EQ, aten.ne.Tensor: Op.NE, aten.ne.Scalar: Op.NE,
     aten.lt.Tensor: Op.LT, aten.lt.Scalar: Op.LT, aten.le.Tensor: Op.LE, aten.le.Scalar: Op.LE,
@@ -189,23 +225,36 @@ POINTWISE_ATEN = {
 }
 # prims.div divides integers with truncation: a float quotient only for float operands.
 DIVIDE_ATEN = {aten.div.Tensor_mode, aten.div.Scalar_mode, prims.div.default, prims.fmod.default}
-VIEW_ATEN = {aten.view.default, aten._unsafe_view.default, aten.reshape.default,
-             aten.expand.default, aten.clone.default, aten.alias.default, aten.detach.default,
-             aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.unsqueeze.default,
-             aten.lift_fresh_copy.default, prims.broadcast_in_dim.default}
+# (Targets the decomposition table rewrites, like reshape or zeros_like, never arrive: no rows.)
+VIEW_ATEN = {aten.view.default, aten.expand.default, aten.clone.default, aten.alias.default,
+             aten.squeeze.dims, aten.unsqueeze.default}
 CAST_ATEN = {aten._to_copy.default, prims.convert_element_type.default, aten.copy.default}
 RAND_ATEN = {aten.rand_like.default, aten.rand.default}
 # Tensors filled with one value (empty ones hold whatever: 0): a broadcast scalar.
-FILL_ATEN = {aten.full.default, aten.full_like.default, aten.zeros_like.default, aten.ones_like.default,
-             aten.empty_like.default, aten.empty_permuted.default, aten.empty.memory_format,
-             aten.scalar_tensor.default, aten.zeros.default, aten.ones.default, aten.new_zeros.default,
-             aten.new_ones.default, aten.new_full.default, aten.new_empty.default}
+FILL_ATEN = {aten.full.default, aten.full_like.default, aten.empty_permuted.default, aten.empty.memory_format,
+             aten.scalar_tensor.default, aten._efficientzerotensor.default}
 NOOP_ATEN = {aten._assert_tensor_metadata.default}   # checks the trace already made; no value
 REDUCE_ATEN = {aten.sum.dim_IntList: Op.SUM, aten.amax.default: Op.MAX, aten.amin.default: Op.MIN,
                prims.sum.default: Op.SUM, aten.prod.dim_int: Op.PROD, aten.argmax.default: Op.ARGMAX,
-               aten.argmin.default: Op.ARGMIN}
+               aten.argmin.default: Op.ARGMIN, aten.prod.default: Op.PROD}
+# A reduction over every dim finishes its M row results with one of these.
+TOTALS = {Op.SUM: aten.sum.default, Op.MAX: aten.amax.default, Op.MIN: aten.amin.default,
+          Op.PROD: aten.prod.default}
 EXTREME_ATEN = {aten.max.dim: (Op.MAX, Op.ARGMAX), aten.min.dim: (Op.MIN, Op.ARGMIN)}
 POW_SPECIAL = {2: "square", 3: "cube", 0.5: Op.SQRT, -0.5: Op.RSQRT, 1: Op.VIEW, -1: Op.RECIPROCAL}
+
+# Targets with a rule of their own in _Lowering.lower_tensor_op: what each becomes.
+SPECIAL_ATEN = {
+    aten.relu.default: "maximum(x, 0)",
+    aten.clamp.default: "maximum, minimum", aten.clamp.Tensor: "maximum, minimum",
+    aten.pow.Tensor_Scalar: "x*x, x*x*x, sqrt, rsqrt, reciprocal, a fill of 1, or pow",
+    aten.mean.dim: "sum * 1/count, over D or over M",
+    aten.mean.default: "row sums * 1/D in the kernel, then aten's mean of the M row results",
+    aten.var.correction: "sum -> mean, then the sum of squared deviations (over D)",
+    aten.var_mean.correction: "sum -> mean, then the sum of squared deviations (over D)",
+    aten.permute.default: "view when only size-1 dims move (else an extern)",
+    aten.slice.Tensor: "view when it keeps a whole dim (else an extern)",
+}
 
 # Ops memfuse knows it does not fuse, and why (the coverage table lists them too).
 EXTERN_REASONS = {
@@ -218,7 +267,6 @@ EXTERN_REASONS = {
     aten.cat.default: "concatenation writes one tensor from several spaces",
     aten.flip.default: "flip reverses element order",
     aten.slice_scatter.default: "writes a strided window into a tensor",
-    aten.select_scatter.default: "writes one index of a dim into a tensor",
     aten.scatter.src: "scatter: data-dependent addressing",
     aten.gather.default: "gather: data-dependent addressing",
     aten.index.Tensor: "indexing: data-dependent addressing",
@@ -237,10 +285,22 @@ EXTERN_REASONS = {
     aten.erfinv.default: "needs libdevice",
     aten.lgamma.default: "needs libdevice",
     aten.digamma.default: "needs libdevice",
-    aten.sum.default: "a reduction to a single value (over every dim)",
-    aten.mean.default: "a reduction to a single value (over every dim)",
-    aten.prod.default: "a reduction to a single value (over every dim)",
 }
+
+
+def lowering_table() -> dict:
+    """Every aten/prims target capture lowers to IR nodes -> what it becomes."""
+    table = {t: op.value for t, op in POINTWISE_ATEN.items()}
+    table.update({t: "div, trunc_divide, floor_divide or fmod" for t in DIVIDE_ATEN})
+    table.update({t: "view" for t in VIEW_ATEN})
+    table.update({t: "cast (view when the dtype stays)" for t in CAST_ATEN})
+    table.update({t: "view of a scalar constant" for t in FILL_ATEN})
+    table.update({t: "rand: philox(seed, element index)" for t in RAND_ATEN})
+    table.update({t: "nothing (a check the trace already made)" for t in NOOP_ATEN})
+    table.update({t: op.value for t, op in REDUCE_ATEN.items()})
+    table.update({t: f"{a.value} and {b.value}" for t, (a, b) in EXTREME_ATEN.items()})
+    table.update(SPECIAL_ATEN)
+    return table
 
 
 class NotFusible(Exception):
@@ -367,7 +427,7 @@ class _Lowering:
             return self.lower_divide(node, value)
         if target is aten.relu.default:
             return self.pointwise(Op.MAXIMUM, [self.operand(node.args[0]), self.const(0.0)], value, node.name)
-        if target in (aten.clamp_min.default, aten.clamp_max.default, aten.clamp.default, aten.clamp.Tensor):
+        if target in (aten.clamp.default, aten.clamp.Tensor):
             return self.lower_clamp(node, value)
         if target is aten.pow.Tensor_Scalar:
             return self.lower_pow(node, value)
@@ -381,7 +441,7 @@ class _Lowering:
             return self.lower_rand(node, value)
         if target in REDUCE_ATEN:
             return self.lower_reduction(node, REDUCE_ATEN[target], value)
-        if target is aten.mean.dim:
+        if target in (aten.mean.dim, aten.mean.default):
             return self.lower_mean(node, value)
         raise NotFusible(EXTERN_REASONS.get(target, f"no lowering for {target}"))
 
@@ -455,14 +515,10 @@ class _Lowering:
         return self.pointwise(op, args, value, node.name)
 
     def lower_clamp(self, node, value: Value) -> str:
+        """clamp(x, min, max) = minimum(maximum(x, min), max), NaN kept (scalar or tensor bounds)."""
         x = self.operand(node.args[0])
-        if node.target is aten.clamp.default:
-            low, high = (list(node.args[1:]) + [None, None])[:2]
-            low, high = node.kwargs.get("min", low), node.kwargs.get("max", high)
-        elif node.target is aten.clamp_min.default:
-            low, high = node.args[1], None
-        else:
-            low, high = None, node.args[1]
+        low, high = (list(node.args[1:]) + [None, None])[:2]
+        low, high = node.kwargs.get("min", low), node.kwargs.get("max", high)
         if low is not None:
             x = self.pointwise(Op.MAXIMUM, [x, self.operand(low)], value, f"{node.name}_min")
         if high is not None:
@@ -499,14 +555,10 @@ class _Lowering:
         return self.add(op, [x], value, Cast(value.dtype) if op is Op.CAST else None, name=node.name)
 
     def lower_fill(self, node, value: Value, fill=None) -> str:
-        """full/zeros/ones/empty(_like)/scalar_tensor: one value broadcast over the result."""
+        """full/full_like/empty/scalar_tensor: one value broadcast over the result."""
         if fill is None:
-            fills = {aten.zeros_like.default: 0, aten.ones_like.default: 1, aten.zeros.default: 0,
-                     aten.ones.default: 1, aten.new_zeros.default: 0, aten.new_ones.default: 1}
-            if node.target in fills:
-                fill = fills[node.target]
-            elif node.target in (aten.full.default, aten.full_like.default, aten.new_full.default):
-                fill = node.args[1] if node.target is not aten.new_full.default else node.args[2]
+            if node.target in (aten.full.default, aten.full_like.default):
+                fill = node.args[1]
             elif node.target is aten.scalar_tensor.default:
                 fill = node.args[0]
             else:
@@ -559,6 +611,8 @@ class _Lowering:
             dims = [node.args[1]]
         else:
             dims = node.args[1] if len(node.args) > 1 else None
+            if self.everything(dims, source):
+                return self.lower_total(node, op, x, value)
         axis = self.reduction_axis(dims, source)
         if node.kwargs.get("dtype") not in (None, value.dtype):
             raise NotFusible("reduction with a dtype argument")
@@ -597,12 +651,45 @@ class _Lowering:
             return self.add(Op.SYMBOL, (), Value(torch.float32, Kind.SCALAR), Symbol(inverse), name="inv_count")
         return self.const(float(inverse))
 
+    @staticmethod
+    def everything(dims, source: Value) -> bool:
+        """Whether `dims` (None and [] mean all) covers every dim of an [M, D] value."""
+        if source.kind is not Kind.FULL:
+            return False
+        if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+            return True
+        dims = [dims] if isinstance(dims, int) else dims
+        return sorted(d % len(source.shape) for d in dims) == list(range(len(source.shape)))
+
+    def lower_total(self, node, op: Op, x: str, value: Value, mean: bool = False) -> str:
+        """A reduction to one value (a loss): each row reduced over D inside the kernel, then
+        one small aten call over the M row results (like the runtime's column-sum finish)."""
+        source = self.graph[x].value
+        if not source.is_floating and op is not Op.SUM:
+            raise NotFusible(f"{op.value} of integers: the kernels reduce floats")
+        dtype = value.dtype if not value.is_floating else \
+            torch.float64 if value.dtype == torch.float64 else torch.float32
+        row = Value(dtype, Kind.ROW, tuple(source.shape[:-1]) + (sympy.Integer(1),), m=source.m)
+        rows = self.add(op, [x], row, Reduce(Kind.ROW), name=f"{node.name}_rows")
+        if mean:
+            rows = self.add(Op.MUL, [rows, self.const(1.0 / source.d)], row, name=f"{node.name}_row_means")
+        finish = aten.mean.default if mean else TOTALS[op]
+        args = (ValueRef(rows), []) if op in (Op.MAX, Op.MIN) else (ValueRef(rows),)
+        total = self.add(Op.EXTERN, [rows], Value(dtype, Kind.SCALAR, ()), Extern(finish, args, ()),
+                         name=f"{node.name}_total")
+        if dtype == value.dtype:
+            return self.add(Op.VIEW, [total], value, name=node.name)
+        return self.add(Op.CAST, [total], value, Cast(value.dtype), name=node.name)
+
     def lower_mean(self, node, value: Value) -> str:
         x = self.operand(node.args[0])
         source = self.graph[x].value
-        axis = self.reduction_axis(node.args[1] if len(node.args) > 1 else None, source)
         if not source.is_floating:
             raise NotFusible("mean of integers")
+        dims = node.args[1] if len(node.args) > 1 else None
+        if self.everything(dims, source):
+            return self.lower_total(node, Op.SUM, x, value, mean=True)
+        axis = self.reduction_axis(dims, source)
         if axis is Kind.COL and source.dtype.itemsize > 4:
             raise NotFusible(f"a {source.dtype} mean over the leading dims: partials are fp32")
         total = self.add(Op.SUM, [x], value, Reduce(axis), name=f"{node.name}_sum")

@@ -132,7 +132,8 @@ HELPERS = {
     frac = x - down
     odd = (down - 2.0 * tl.floor(down * 0.5)) != 0.0
     up = (frac > 0.5) | ((frac == 0.5) & odd)
-    return tl.where(up, down + 1.0, down)''', ()),
+    rounded = tl.where(up, down + 1.0, down)
+    return tl.where(rounded == 0, x * 0.0, rounded)   # -0.4 rounds to -0.0, as in torch''', ()),
     "mf_trunc": ('''def mf_trunc(x):
     return tl.where(x >= 0, tl.floor(x), tl.ceil(x))''', ()),
     "mf_sign": ('''def mf_sign(x):

@@ -284,7 +284,9 @@ class RowKernelWriter:
         target = self.reg(name)
         out_dtype = compute_dtype(node.value.dtype)
         shape = _register_kind([self.kinds[i] for i in node.inputs if i in self.kinds])
-        if node.op is Op.VIEW:
+        if node.op is Op.VIEW and self.graph[node.inputs[0]].op is Op.CONSTANT:   # a fill: a tensor, not a literal
+            out(f"{target} = tl.full([], {self.operand(node.inputs[0], shape, out_dtype)}, {TRITON_DTYPES[out_dtype]})")
+        elif node.op is Op.VIEW:
             out(f"{target} = {self.operand(node.inputs[0], shape, out_dtype)}")
         elif node.op is Op.CAST:
             out(f"{target} = {self.cast(node, shape)}")
