@@ -121,7 +121,8 @@ class Program:
         rows = int(step.rows(*symbol_values)) if step.rows is not None else 1
         for name, dtype, shape in step.alloc:
             env[name] = torch.empty(shape(*symbol_values), dtype=dtype, device=device)
-        tiles = _cdiv(rows, source.constexprs["BLOCK_M"])
+        # at least one tile: with M = 0 the column outputs (a weight grad of zeros) are still written
+        tiles = max(1, _cdiv(rows, source.constexprs["BLOCK_M"]))
         programs = min(tiles, self._max_programs(device)) if source.persistent else tiles
         if step.group.space.m is None:
             programs = tiles = 1
