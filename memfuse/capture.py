@@ -227,7 +227,7 @@ POINTWISE_ATEN = {
 DIVIDE_ATEN = {aten.div.Tensor_mode, aten.div.Scalar_mode, prims.div.default, prims.fmod.default}
 # (Targets the decomposition table rewrites, like reshape or zeros_like, never arrive: no rows.)
 VIEW_ATEN = {aten.view.default, aten.expand.default, aten.clone.default, aten.alias.default,
-             aten.squeeze.dims, aten.unsqueeze.default}
+             aten.squeeze.dims, aten.unsqueeze.default, aten.lift_fresh_copy.default}
 CAST_ATEN = {aten._to_copy.default, prims.convert_element_type.default, aten.copy.default}
 RAND_ATEN = {aten.rand_like.default, aten.rand.default}
 # Tensors filled with one value (empty ones hold whatever: 0): a broadcast scalar.
@@ -317,6 +317,7 @@ class _Lowering:
         self.constants: dict = {}
         self.fallbacks: list = []
         self.rng_streams = 0
+        self.tensor_constants: dict = {}   # constant name -> the 0-d tensor it came from
 
     def run(self, num_primals: int, trace_joint: bool) -> Captured:
         placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
@@ -487,13 +488,17 @@ class _Lowering:
         0-d tensor compared with a bf16 tensor is first rounded to bf16, as eager does."""
         common = torch.result_type(*[a.meta["val"] if isinstance(a, torch.fx.Node) else a
                                      for a in node.args[:2]])
-        if not common.is_floating_point:
-            return args
         promoted = []
         for fx_arg, name in zip(node.args[:2], args):
             have = self.graph[name].value
-            if isinstance(fx_arg, (int, float)) and not isinstance(fx_arg, bool):
+            if not common.is_floating_point:   # integers: widen to the common type (uint8 vs int8)
+                if have.dtype is not None and have.dtype != common and self.graph[name].op is not Op.CONSTANT:
+                    widened = Value(common, have.kind, have.shape, have.m, have.d)
+                    name = self.add(Op.CAST, [name], widened, Cast(common), name=f"{node.name}_operand")
+            elif isinstance(fx_arg, (int, float)) and not isinstance(fx_arg, bool):
                 name = self.const(float(fx_arg), common)
+            elif self.graph[name].op is Op.CONSTANT and have.dtype != common:   # a 0-d tensor constant
+                name = self.const(float(self.graph[name].attr.value), common)
             elif have.is_floating and have.dtype.itemsize > common.itemsize:
                 rounded = Value(common, have.kind, have.shape, have.m, have.d)
                 name = self.add(Op.CAST, [name], rounded, Cast(common), name=f"{node.name}_operand")
@@ -577,10 +582,11 @@ class _Lowering:
         else an extern step that hands the tensor out."""
         tensor = getattr(self.gm, node.target)
         value = classify(tensor)
-        if value.kind is Kind.SCALAR and tensor.numel() == 1 and tensor.dtype in (
+        if value.kind is Kind.SCALAR and tensor.dim() == 0 and tensor.dtype in (
                 torch.float32, torch.bool, torch.int64, torch.int32):
-            return self.const(tensor.item(), tensor.dtype)
-        self.fallbacks.append((node.name, "tensor constant", "a tensor the function closes over"))
+            name = self.const(tensor.item(), tensor.dtype)
+            self.tensor_constants[name] = tensor
+            return name
         return self.add(Op.EXTERN, [], value, Extern(TensorConstant(tensor), (), ()), name=node.name)
 
     def lower_rand(self, node, value: Value) -> str:
@@ -723,6 +729,8 @@ class _Lowering:
                 name = self.env[arg]
                 if isinstance(name, tuple):
                     raise NotImplementedError(f"memfuse: extern {node.target} reads a lowered tuple")
+                if name in self.tensor_constants:   # aten wants the tensor, not its value
+                    return self.tensor_constants[name]
                 return ValueRef(name)
             if isinstance(arg, (list, tuple)):
                 return type(arg)(ref(a) for a in arg)

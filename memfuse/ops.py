@@ -170,6 +170,12 @@ HELPERS = {
     "mf_min": ('''def mf_min(x, axis: tl.constexpr):
     nan = tl.max((x != x).to(tl.int32), axis=axis)
     return tl.where(nan > 0, float('nan'), tl.min(x, axis=axis))''', ()),
+    "mf_rne_bf16": ('''def mf_rne_bf16(x):
+    # fp32 rounded to the nearest bf16 (ties to even), still as fp32: Triton's interpreter
+    # truncates fp32 -> bf16, the GPU's cvt.rn rounds; after this both convert exactly
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return tl.where(x != x, x, rounded.to(tl.float32, bitcast=True))''', ()),
     "mf_mul": ('''def mf_mul(a, b):
     return a * b''', ()),
     "mf_arg_best": ('''def mf_arg_best(key, cols):

@@ -169,6 +169,7 @@ SAMPLES = {
     aten.alias.default: [S(lambda a: aten.alias.default(a) * 2, "f")],
     aten.squeeze.dims: [S(lambda s: aten.squeeze.dims(s, [1]) * 2, "s")],
     aten.unsqueeze.default: [S(lambda a: aten.unsqueeze.default(a, 1) * 2, "f")],
+    aten.lift_fresh_copy.default: [S(lambda a: a * torch.tensor(2.0) + torch.tensor([1.0] * 8), "f")],
     aten.permute.default: [S(lambda s: aten.permute.default(s, [1, 0, 2]) * 2, "s")],
     aten.slice.Tensor: [S(lambda a: aten.slice.Tensor(a, 1, 0, BIG) * 2, "f")],
     # casts

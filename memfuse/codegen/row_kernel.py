@@ -9,6 +9,7 @@ program. Every float is computed in fp32 and rounded once, at the store.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -56,6 +57,11 @@ class _Lines:
         self.depth -= 1
 
 
+def _interpreted() -> bool:
+    """Kernels for Triton's CPU interpreter, whose fp32 -> bf16 conversion truncates."""
+    return os.environ.get("TRITON_INTERPRET", "") == "1"
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -97,8 +103,11 @@ class RowKernelWriter:
             self.names[name] = f"{name}_v" if name in RESERVED else name
         return self.names[name]
 
-    def operand(self, name: str, want: Kind, cast_to: Optional[torch.dtype]) -> str:
-        """The register expression of `name`, broadcast to `want` and cast to `cast_to`."""
+    def operand(self, name: str, want: Kind, cast_to: Optional[torch.dtype],
+                consumer: Optional[torch.dtype] = None) -> str:
+        """The register expression of `name`, broadcast to `want` and cast to `cast_to`. A bf16 or
+        fp16 value computed here (held in fp32) is first rounded to its dtype when the consumer's
+        result has another dtype: eager materializes it there (x_bf16 * y).float())."""
         node = self.graph[name]
         if node.op is Op.CONSTANT:
             text = _literal(node.attr.value)
@@ -107,6 +116,9 @@ class RowKernelWriter:
             return text
         text = self.reg(name)
         kind = self.kinds[name]
+        if consumer is not None and consumer != node.value.dtype and name in self.members \
+                and node.value.dtype in (torch.float16, torch.bfloat16):
+            text = f"{self.narrow(text, node.value.dtype)}.to(tl.float32)"
         if want is Kind.FULL and kind is Kind.ROW:
             text = f"{text}[:, None]"
         elif want is Kind.FULL and kind is Kind.COL:
@@ -292,18 +304,20 @@ class RowKernelWriter:
             out(f"{target} = {self.cast(node, shape)}")
         elif node.op is Op.RAND:
             shape = Kind.FULL
-            out(f"{target} = tl.rand({self.reg(node.inputs[0])} + {node.attr.stream}, offsets)"
-                f"{self.round_to(node.value.dtype)}")
+            draw = f"tl.rand({self.reg(node.inputs[0])} + {node.attr.stream}, offsets)"
+            if node.value.dtype in (torch.float16, torch.bfloat16):
+                draw = f"{self.narrow(draw, node.value.dtype)}.to(tl.float32)"
+            out(f"{target} = {draw}")
         elif node.op in REDUCE or node.op in ARG_REDUCE:
             shape = node.attr.axis
             self.reduce(out, node)
         elif node.op is Op.WHERE:
             condition = self.operand(node.inputs[0], shape, None)
-            branches = [self.operand(i, shape, out_dtype) for i in node.inputs[1:]]
+            branches = [self.operand(i, shape, out_dtype, node.value.dtype) for i in node.inputs[1:]]
             out(f"{target} = {OPS[node.op].triton.format(condition, *branches)}")
-        else:
-            cast_to = out_dtype if out_dtype.is_floating_point else None
-            operands = [self.operand(i, shape, cast_to) for i in node.inputs]
+        else:   # operands in the result's compute dtype (ints too: uint8 + int8 is int16)
+            cast_to = None if out_dtype == torch.bool else out_dtype
+            operands = [self.operand(i, shape, cast_to, node.value.dtype) for i in node.inputs]
             if OPS[node.op].helper is not None:   # helpers take tensors, not Python numbers
                 operands = [self.tensor_operand(i, text, cast_to) for i, text in zip(node.inputs, operands)]
                 self.use(OPS[node.op].helper)
@@ -313,18 +327,19 @@ class RowKernelWriter:
     def cast(self, node: Node, shape: Kind) -> str:
         src = node.inputs[0]
         target = node.attr.dtype
-        text = self.operand(src, shape, None)
+        text = self.operand(src, shape, None, target)
         if target == torch.bool:
             return f"({text} != 0)"
         if target in (torch.float16, torch.bfloat16):
-            return f"{text}.to({TRITON_DTYPES[target]}).to(tl.float32)"
+            return f"{self.narrow(text, target)}.to(tl.float32)"
         return f"{text}.to({TRITON_DTYPES[compute_dtype(target)]})"
 
-    @staticmethod
-    def round_to(dtype: torch.dtype) -> str:
-        if dtype in (torch.float16, torch.bfloat16):
-            return f".to({TRITON_DTYPES[dtype]}).to(tl.float32)"
-        return ""
+    def narrow(self, text: str, dtype: torch.dtype) -> str:
+        """`text` (fp32) converted to `dtype`, rounding to nearest even as the GPU does."""
+        if dtype == torch.bfloat16 and _interpreted():
+            self.use("mf_rne_bf16")
+            return f"mf_rne_bf16({text}).to(tl.bfloat16)"
+        return f"{text}.to({TRITON_DTYPES[dtype]})"
 
     def reduce_types(self, node: Node) -> tuple:
         """(accumulator dtype, neutral literal) of a reduction: floats accumulate in fp32
@@ -341,7 +356,7 @@ class RowKernelWriter:
     def reduce_source(self, node: Node) -> tuple:
         """(masked source expression, accumulator dtype, neutral literal) of a reduction."""
         acc, neutral = self.reduce_types(node)
-        source = self.operand(node.inputs[0], Kind.FULL, acc)
+        source = self.operand(node.inputs[0], Kind.FULL, acc, node.value.dtype)
         if node.op is Op.ARGMIN:
             source = f"-{source}"
         return f"tl.where(mask, {source}, {neutral})", acc, neutral
@@ -366,10 +381,10 @@ class RowKernelWriter:
         node = self.graph[name]
         kind = node.value.kind
         value = self.reg(name)
-        value = f"({value} != 0)" if node.value.dtype == torch.bool else f"{value}.to({TRITON_DTYPES[node.value.dtype]})"
+        value = f"({value} != 0)" if node.value.dtype == torch.bool else self.narrow(value, node.value.dtype)
         if self.kinds[name] is not kind:   # a broadcast (expand) that was never materialized
             block = {Kind.FULL: "[BLOCK_M, BLOCK_D]", Kind.ROW: "[BLOCK_M]", Kind.COL: "[BLOCK_D]"}[kind]
-            value = f"tl.broadcast_to({self.operand(name, kind, None)}, {block}).to({TRITON_DTYPES[node.value.dtype]})"
+            value = self.narrow(f"tl.broadcast_to({self.operand(name, kind, None)}, {block})", node.value.dtype)
         ptr = f"{name}_ptr"
         if kind is Kind.FULL:
             out(f"tl.store({ptr} + offsets, {value}, mask=mask)")
