@@ -331,6 +331,8 @@ class RowKernelWriter:
         if target == torch.bool:
             return f"({text} != 0)"
         if target in (torch.float16, torch.bfloat16):
+            if compute_dtype(self.graph[src].value.dtype) != torch.float32:   # ints, bools, fp64
+                text = f"{text}.to(tl.float32)"
             return f"{self.narrow(text, target)}.to(tl.float32)"
         return f"{text}.to({TRITON_DTYPES[compute_dtype(target)]})"
 
