@@ -138,7 +138,7 @@ class FusedFunction:
     def _bind(self, args, kwargs) -> list:
         """Arguments in parameter order, defaults filled in. The recipe for a given number of
         positional arguments and set of keywords is worked out once, with `Signature.bind`."""
-        if not kwargs and not self.binds:
+        if not kwargs and not self.binds and (self.signature is None or len(args) == len(self.signature.parameters)):
             return list(args)
         recipe = self.recipes.get((len(args), tuple(kwargs)))
         if recipe is None:
@@ -230,7 +230,12 @@ class FusedFunction:
                 merged[i] = t
             out = self._call(merged)
             single.append(isinstance(out, torch.Tensor))
-            return (out,) if isinstance(out, torch.Tensor) else tuple(out)
+            outs = (out,) if isinstance(out, torch.Tensor) else out
+            if not isinstance(outs, (tuple, list)) or not all(isinstance(o, torch.Tensor) for o in outs):
+                got = type(out).__name__ if not isinstance(outs, (tuple, list)) else \
+                    f"a {type(out).__name__} holding {', '.join(type(o).__name__ for o in outs)}"
+                raise TypeError(f"memfuse: {self._name()} must return a tensor or a tuple/list of tensors, got {got}")
+            return tuple(outs)
 
         grad = key[0]
         static = [self._is_static(i, t) for i, t in enumerate(tensors)]

@@ -19,8 +19,8 @@ from torch._functorch.aot_autograd import aot_export_joint_simple
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
-from .ir import (Cast, Constant, Extern, Graph, Index, Kind, Node, Op, Reduce, Seeded, Symbol, Value,
-                 ValueRef, fits, verify)
+from .ir import (COMPARISON, Cast, Constant, Extern, Graph, Index, Kind, Node, Op, Reduce, Seeded, Symbol,
+                 Value, ValueRef, fits, verify)
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -34,7 +34,8 @@ def decomposition_table() -> dict:
         aten.native_dropout_backward, aten._softmax, aten._softmax_backward_data,
         aten._log_softmax, aten._log_softmax_backward_data, aten.gelu, aten.gelu_backward,
         aten.silu, aten.silu_backward, aten.sigmoid_backward, aten.tanh_backward,
-        aten.threshold_backward, aten.rms_norm,
+        aten.threshold_backward, aten.rms_norm, aten.elu, aten.leaky_relu, aten.hardtanh,
+        aten.linalg_vector_norm,
     ]))
     # core ATen decomposes CPU flash attention into math that returns the attention weights
     # where the op returns its logsumexp; the (undecomposed) backward then reads the weights as
@@ -64,16 +65,16 @@ def capture(fn: Callable, args: Sequence[torch.Tensor], *, trace_joint: bool,
     """Trace `fn(*args)` (tensor args only) and lower it. `static_inputs[i]`: keep all dims of
     input i static (parameters)."""
     shape_env = ShapeEnv()
-    fake_mode = FakeTensorMode(shape_env=shape_env)
+    # allow_non_fake_inputs: tensors the function closes over become graph constants
+    fake_mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
     fakes = [_fake_input(fake_mode, t, static=i < len(static_inputs) and static_inputs[i])
              for i, t in enumerate(args)]
-    gm = aot_export_joint_simple(fn, tuple(fakes), trace_joint=trace_joint,
-                                 decompositions=decomposition_table())
+    gm = _export(fn, tuple(fakes), trace_joint)
     symbols, hints = _symbol_sources(fakes)
     captured = _Lowering(gm, symbols, hints).run(num_primals=len(args), trace_joint=trace_joint)
     captured.specialized = _unsupported_guards(shape_env)
     captured.aten_graph = gm
-    captured.differentiable_outputs = _differentiable_outputs(captured, [t.requires_grad for t in args])
+    captured.differentiable_outputs = _differentiable_outputs(captured, fn, fakes)
     return captured
 
 
@@ -85,22 +86,52 @@ def lower_graph(gm: torch.fx.GraphModule, symbols: dict, hints: dict, *, num_pri
     return _Lowering(gm, symbols, hints).run(num_primals=num_primals, trace_joint=trace_joint)
 
 
-def _differentiable_outputs(captured: "Captured", requires_grad: list) -> list:
-    """Forward outputs that receive a tangent: floating values that depend on an input that
-    requires grad (the outputs AOTAutograd made tangents for, in order)."""
+def _export(fn: Callable, fakes: tuple, trace_joint: bool) -> torch.fx.GraphModule:
+    """The decomposed aten graph of `fn`. Outputs that alias an input (`return x`, a view of
+    x) are returned as copies; a function that mutates an input is refused with the reason."""
+    try:
+        return aot_export_joint_simple(fn, fakes, trace_joint=trace_joint, decompositions=decomposition_table())
+    except RuntimeError as e:
+        if "does not support input mutations" in str(e):
+            raise RuntimeError("memfuse: the function modifies one of its input tensors in place (x.add_(...), "
+                               "x[...] = ...); memfuse compiles functions that leave their inputs unchanged: "
+                               "use the out-of-place op") from e
+        if "does not support outputs that alias inputs" not in str(e):
+            raise
+
+    def copying_outputs(*args):
+        return tuple(o.clone() for o in fn(*args))
+    return aot_export_joint_simple(copying_outputs, fakes, trace_joint=trace_joint,
+                                   decompositions=decomposition_table())
+
+
+def _differentiable_outputs(captured: "Captured", fn: Callable, fakes: list) -> list:
+    """Forward outputs that receive a tangent (the outputs AOTAutograd made tangents for, in
+    order): floating values that depend on an input that requires grad, read off the graph.
+    Where that count disagrees with the tangents (an output autograd tracks although its value
+    is constant, like x ** 0), eager autograd decides, on the fake inputs."""
     if captured.num_tangents == 0:
         return []
+    chosen = _dependent_outputs(captured, [t.requires_grad for t in fakes])
+    if len(chosen) == captured.num_tangents:
+        return chosen
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        outputs = fn(*fakes)     # the no-op hooks keep this run out of any hooks the user set
+    chosen = [i for i, o in enumerate(outputs) if isinstance(o, torch.Tensor) and o.requires_grad]
+    if len(chosen) != captured.num_tangents:
+        raise RuntimeError(f"memfuse: found {len(chosen)} differentiable outputs but the trace has "
+                           f"{captured.num_tangents} tangents")
+    return chosen
+
+
+def _dependent_outputs(captured: "Captured", requires_grad: list) -> list:
     graph = captured.joint
     tracked = {name for name, rg in zip(graph.inputs, requires_grad) if rg}
     for name, node in graph.nodes.items():
         if any(i in tracked for i in node.inputs):
             tracked.add(name)
     outputs = graph.outputs[:captured.num_fwd_outputs]
-    chosen = [i for i, o in enumerate(outputs) if o in tracked and graph[o].value.is_floating]
-    if len(chosen) != captured.num_tangents:
-        raise RuntimeError(f"memfuse: found {len(chosen)} differentiable outputs but the trace has "
-                           f"{captured.num_tangents} tangents")
-    return chosen
+    return [i for i, o in enumerate(outputs) if o in tracked and graph[o].value.is_floating]
 
 
 def _fake_input(mode: FakeTensorMode, t: torch.Tensor, static: bool) -> torch.Tensor:
@@ -133,8 +164,31 @@ def _unsupported_guards(shape_env: ShapeEnv) -> Optional[str]:
 
 def to_expr(size) -> sympy.Expr:
     if isinstance(size, (torch.SymInt, torch.SymFloat)):
-        return size.node.expr
+        return plain_sympy(size.node.expr)
     return sympy.Integer(size) if isinstance(size, int) else sympy.Float(size)
+
+
+def plain_sympy(expr: sympy.Expr) -> sympy.Expr:
+    """torch's sympy functions (FloatTrueDiv, FloorDiv, ToFloat, ...) as plain sympy, which
+    the runtime turns into Python with lambdify."""
+    from torch.utils._sympy import functions as F
+    rules = [
+        ((F.FloatTrueDiv, F.IntTrueDiv), lambda a, b: a / b),
+        ((F.FloorDiv,), lambda a, b: sympy.floor(a / b)),
+        ((F.CeilDiv,), lambda a, b: sympy.ceiling(a / b)),
+        ((F.ToFloat, F.Identity), lambda a: a),
+        ((F.TruncToFloat, F.TruncToInt), lambda a: sympy.sign(a) * sympy.floor(sympy.Abs(a))),
+        ((F.FloorToInt,), lambda a: sympy.floor(a)),
+        ((F.CeilToInt,), lambda a: sympy.ceiling(a)),
+        ((F.PowByNatural, F.FloatPow), lambda a, b: a ** b),
+        ((F.Mod, F.PythonMod), lambda a, b: sympy.Mod(a, b)),
+        ((F.Max,), lambda *a: sympy.Max(*a)),
+        ((F.Min,), lambda *a: sympy.Min(*a)),
+    ]
+    for classes, plain in rules:
+        for cls in classes:
+            expr = expr.replace(cls, plain)
+    return expr
 
 
 def classify(fake) -> Value:
@@ -164,25 +218,116 @@ POINTWISE_ATEN = {
     aten.abs.default: Op.ABS, aten.exp.default: Op.EXP, aten.log.default: Op.LOG,
     aten.sqrt.default: Op.SQRT, aten.rsqrt.default: Op.RSQRT, aten.sigmoid.default: Op.SIGMOID,
     aten.tanh.default: Op.TANH, aten.erf.default: Op.ERF, aten.reciprocal.default: Op.RECIPROCAL,
+    aten.sin.default: Op.SIN, aten.cos.default: Op.COS, aten.tan.default: Op.TAN,
+    aten.exp2.default: Op.EXP2, aten.expm1.default: Op.EXPM1, aten.log1p.default: Op.LOG1P,
+    aten.log2.default: Op.LOG2, aten.log10.default: Op.LOG10, aten.floor.default: Op.FLOOR,
+    aten.ceil.default: Op.CEIL, aten.round.default: Op.ROUND, aten.trunc.default: Op.TRUNC,
+    aten.sign.default: Op.SIGN, aten.isnan.default: Op.ISNAN, aten.isinf.default: Op.ISINF,
+    aten.pow.Tensor_Tensor: Op.POW, aten.pow.Scalar: Op.POW,
+    aten.fmod.Tensor: Op.FMOD, aten.fmod.Scalar: Op.FMOD, aten.remainder.Tensor: Op.REMAINDER,
+    aten.remainder.Scalar: Op.REMAINDER, aten.remainder.Scalar_Tensor: Op.REMAINDER,
     aten.maximum.default: Op.MAXIMUM, aten.minimum.default: Op.MINIMUM,
     aten.eq.Tensor: Op.EQ, aten.eq.Scalar: Op.EQ, aten.ne.Tensor: Op.NE, aten.ne.Scalar: Op.NE,
     aten.lt.Tensor: Op.LT, aten.lt.Scalar: Op.LT, aten.le.Tensor: Op.LE, aten.le.Scalar: Op.LE,
     aten.gt.Tensor: Op.GT, aten.gt.Scalar: Op.GT, aten.ge.Tensor: Op.GE, aten.ge.Scalar: Op.GE,
     aten.logical_not.default: Op.LOGICAL_NOT, aten.logical_and.default: Op.LOGICAL_AND,
-    aten.logical_or.default: Op.LOGICAL_OR, aten.where.self: Op.WHERE,
+    aten.logical_or.default: Op.LOGICAL_OR, aten.logical_xor.default: Op.LOGICAL_XOR,
+    aten.bitwise_not.default: Op.BITWISE_NOT, aten.bitwise_and.Tensor: Op.BITWISE_AND,
+    aten.bitwise_and.Scalar: Op.BITWISE_AND, aten.bitwise_or.Tensor: Op.BITWISE_OR,
+    aten.bitwise_or.Scalar: Op.BITWISE_OR, aten.bitwise_xor.Tensor: Op.BITWISE_XOR,
+    aten.bitwise_xor.Scalar: Op.BITWISE_XOR, aten.where.self: Op.WHERE,
     prims.add.default: Op.ADD, prims.sub.default: Op.SUB, prims.mul.default: Op.MUL,
-    prims.div.default: Op.DIV, prims.neg.default: Op.NEG, prims.rsqrt.default: Op.RSQRT,
-    prims.sqrt.default: Op.SQRT, prims.exp.default: Op.EXP,
+    prims.neg.default: Op.NEG, prims.rsqrt.default: Op.RSQRT, prims.sqrt.default: Op.SQRT,
+    prims.exp.default: Op.EXP, prims.log.default: Op.LOG, prims.abs.default: Op.ABS,
+    prims.sin.default: Op.SIN, prims.cos.default: Op.COS, prims.tan.default: Op.TAN,
+    prims.exp2.default: Op.EXP2, prims.expm1.default: Op.EXPM1, prims.log1p.default: Op.LOG1P,
+    prims.log2.default: Op.LOG2, prims.log10.default: Op.LOG10, prims.floor.default: Op.FLOOR,
+    prims.ceil.default: Op.CEIL, prims.trunc.default: Op.TRUNC, prims.sign.default: Op.SIGN,
+    prims.tanh.default: Op.TANH, prims.erf.default: Op.ERF, prims.reciprocal.default: Op.RECIPROCAL,
+    prims.maximum.default: Op.MAXIMUM, prims.minimum.default: Op.MINIMUM, prims.pow.default: Op.POW,
+    prims.eq.default: Op.EQ, prims.ne.default: Op.NE, prims.lt.default: Op.LT, prims.le.default: Op.LE,
+    prims.gt.default: Op.GT, prims.ge.default: Op.GE, prims.where.default: Op.WHERE,
+    prims.bitwise_and.default: Op.BITWISE_AND, prims.bitwise_or.default: Op.BITWISE_OR,
+    prims.bitwise_xor.default: Op.BITWISE_XOR, prims.bitwise_not.default: Op.BITWISE_NOT,
 }
-VIEW_ATEN = {aten.view.default, aten._unsafe_view.default, aten.reshape.default,
-             aten.expand.default, aten.clone.default, aten.alias.default, aten.detach.default,
-             aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.unsqueeze.default,
-             prims.broadcast_in_dim.default}
-CAST_ATEN = {aten._to_copy.default, prims.convert_element_type.default}
+# prims.div divides integers with truncation: a float quotient only for float operands.
+DIVIDE_ATEN = {aten.div.Tensor_mode, aten.div.Scalar_mode, prims.div.default, prims.fmod.default}
+# (Targets the decomposition table rewrites, like reshape or zeros_like, never arrive: no rows.)
+VIEW_ATEN = {aten.view.default, aten.expand.default, aten.clone.default, aten.alias.default,
+             aten.squeeze.dims, aten.unsqueeze.default, aten.lift_fresh_copy.default}
+CAST_ATEN = {aten._to_copy.default, prims.convert_element_type.default, aten.copy.default}
 RAND_ATEN = {aten.rand_like.default, aten.rand.default}
+# Tensors filled with one value (empty ones hold whatever: 0): a broadcast scalar.
+FILL_ATEN = {aten.full.default, aten.full_like.default, aten.empty_permuted.default, aten.empty.memory_format,
+             aten.scalar_tensor.default, aten._efficientzerotensor.default}
+NOOP_ATEN = {aten._assert_tensor_metadata.default}   # checks the trace already made; no value
 REDUCE_ATEN = {aten.sum.dim_IntList: Op.SUM, aten.amax.default: Op.MAX, aten.amin.default: Op.MIN,
-               prims.sum.default: Op.SUM}
-POW_SPECIAL = {2: "square", 0.5: Op.SQRT, -0.5: Op.RSQRT, 1: Op.VIEW, -1: Op.RECIPROCAL}
+               prims.sum.default: Op.SUM, aten.prod.dim_int: Op.PROD, aten.argmax.default: Op.ARGMAX,
+               aten.argmin.default: Op.ARGMIN, aten.prod.default: Op.PROD}
+# A reduction over every dim finishes its M row results with one of these.
+TOTALS = {Op.SUM: aten.sum.default, Op.MAX: aten.amax.default, Op.MIN: aten.amin.default,
+          Op.PROD: aten.prod.default}
+EXTREME_ATEN = {aten.max.dim: (Op.MAX, Op.ARGMAX), aten.min.dim: (Op.MIN, Op.ARGMIN)}
+POW_SPECIAL = {2: "square", 3: "cube", 0.5: Op.SQRT, -0.5: Op.RSQRT, 1: Op.VIEW, -1: Op.RECIPROCAL}
+
+# Targets with a rule of their own in _Lowering.lower_tensor_op: what each becomes.
+SPECIAL_ATEN = {
+    aten.relu.default: "maximum(x, 0)",
+    aten.clamp.default: "maximum, minimum", aten.clamp.Tensor: "maximum, minimum",
+    aten.pow.Tensor_Scalar: "x*x, x*x*x, sqrt, rsqrt, reciprocal, a fill of 1, or pow",
+    aten.mean.dim: "sum * 1/count, over D or over M",
+    aten.mean.default: "row sums * 1/D in the kernel, then aten's mean of the M row results",
+    aten.var.correction: "sum -> mean, then the sum of squared deviations (over D)",
+    aten.var_mean.correction: "sum -> mean, then the sum of squared deviations (over D)",
+    aten.permute.default: "view when only size-1 dims move (else an extern)",
+    aten.slice.Tensor: "view when it keeps a whole dim (else an extern)",
+}
+
+# Ops memfuse knows it does not fuse, and why (the coverage table lists them too).
+EXTERN_REASONS = {
+    aten.mm.default: "matrix multiply: an aten (cuBLAS) call",
+    aten.bmm.default: "batched matrix multiply: an aten (cuBLAS) call",
+    aten.addmm.default: "matrix multiply: an aten (cuBLAS) call",
+    aten.permute.default: "permute reorders elements across rows: a strided view the kernels do not index",
+    aten.slice.Tensor: "a strided window of the tensor: the kernels read whole [M, D] rows",
+    aten.select.int: "selects one index of a dim: the kernels read whole [M, D] rows",
+    aten.cat.default: "concatenation writes one tensor from several spaces",
+    aten.flip.default: "flip reverses element order",
+    aten.slice_scatter.default: "writes a strided window into a tensor",
+    aten.scatter.src: "scatter: data-dependent addressing",
+    aten.gather.default: "gather: data-dependent addressing",
+    aten.index.Tensor: "indexing: data-dependent addressing",
+    aten.cumsum.default: "scan along a dim",
+    aten.cumprod.default: "scan along a dim",
+    aten.atan2.default: "needs atan, which Triton has only through libdevice",
+    aten.atan.default: "needs libdevice",
+    aten.asin.default: "needs libdevice",
+    aten.acos.default: "needs libdevice",
+    aten.sinh.default: "needs libdevice",
+    aten.cosh.default: "needs libdevice",
+    aten.asinh.default: "needs libdevice",
+    aten.acosh.default: "needs libdevice",
+    aten.atanh.default: "needs libdevice",
+    aten.erfc.default: "1 - erf(x) loses every digit for large x; an accurate erfc needs libdevice",
+    aten.erfinv.default: "needs libdevice",
+    aten.lgamma.default: "needs libdevice",
+    aten.digamma.default: "needs libdevice",
+}
+
+
+def lowering_table() -> dict:
+    """Every aten/prims target capture lowers to IR nodes -> what it becomes."""
+    table = {t: op.value for t, op in POINTWISE_ATEN.items()}
+    table.update({t: "div, trunc_divide, floor_divide or fmod" for t in DIVIDE_ATEN})
+    table.update({t: "view" for t in VIEW_ATEN})
+    table.update({t: "cast (view when the dtype stays)" for t in CAST_ATEN})
+    table.update({t: "view of a scalar constant" for t in FILL_ATEN})
+    table.update({t: "rand: philox(seed, element index)" for t in RAND_ATEN})
+    table.update({t: "nothing (a check the trace already made)" for t in NOOP_ATEN})
+    table.update({t: op.value for t, op in REDUCE_ATEN.items()})
+    table.update({t: f"{a.value} and {b.value}" for t, (a, b) in EXTREME_ATEN.items()})
+    table.update(SPECIAL_ATEN)
+    return table
 
 
 class NotFusible(Exception):
@@ -199,6 +344,7 @@ class _Lowering:
         self.constants: dict = {}
         self.fallbacks: list = []
         self.rng_streams = 0
+        self.tensor_constants: dict = {}   # constant name -> the 0-d tensor it came from
 
     def run(self, num_primals: int, trace_joint: bool) -> Captured:
         placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
@@ -208,6 +354,8 @@ class _Lowering:
         for node in self.gm.graph.nodes:
             if node.op == "call_function":
                 self.env[node] = self.lower(node)
+            elif node.op == "get_attr":
+                self.env[node] = self.lower_tensor_constant(node)
             elif node.op == "output":
                 outs = node.args[0]
                 self.graph.outputs = [self.env[o] if o is not None else None for o in outs]
@@ -216,8 +364,10 @@ class _Lowering:
             self.graph.inputs.insert(num_primals, "seed")
         num_tangents = len(placeholders) - num_primals
         verify(self.graph)
+        # a joint trace whose outputs need no gradient (ints, bools) holds the forward only
+        has_grads = trace_joint and num_tangents > 0
         return Captured(self.graph, num_primals, num_tangents,
-                        len(self.graph.outputs) - (num_primals if trace_joint else 0),
+                        len(self.graph.outputs) - (num_primals if has_grads else 0),
                         self.symbols, self.hints, has_seed, self.fallbacks)
 
     # -- helpers ---------------------------------------------------------------------
@@ -229,11 +379,15 @@ class _Lowering:
             unique = f"{base}_{k}"
         return self.graph.add(Node(unique, op, tuple(inputs), value, attr))
 
-    def const(self, value) -> str:
-        key = (type(value), value)
-        if key not in self.constants:
+    def const(self, value, dtype: Optional[torch.dtype] = None) -> str:
+        """A scalar constant; with `dtype`, the value rounded to it as a 0-d tensor of that dtype."""
+        if dtype is None:
             dtype = torch.bool if isinstance(value, bool) else torch.int64 if isinstance(value, int) \
                 else torch.float32
+        else:
+            value = torch.tensor(value, dtype=dtype).item()
+        key = (type(value), value, dtype)
+        if key not in self.constants:
             self.constants[key] = self.add(Op.CONSTANT, (), Value(dtype, Kind.SCALAR), Constant(value),
                                            name="const")
         return self.constants[key]
@@ -284,8 +438,12 @@ class _Lowering:
             if isinstance(source, tuple):
                 return source[node.args[1]]
             return self.add(Op.GETITEM, (source,), classify(val), Index(node.args[1]), name=node.name)
+        if target in NOOP_ATEN:
+            return None
         if target in (aten.var_mean.correction, aten.var.correction):
             return self.lower_var_mean(node, val)
+        if target in EXTREME_ATEN:
+            return self.lower_extreme(node, val)
         if not isinstance(val, torch.Tensor):
             raise NotFusible("produces a tuple")
         value = classify(val)
@@ -293,23 +451,44 @@ class _Lowering:
             raise NotFusible(f"shape {tuple(val.shape)} is outside the [M, D] space")
         if target in POINTWISE_ATEN:
             return self.lower_pointwise(node, POINTWISE_ATEN[target], value)
+        if target in DIVIDE_ATEN:
+            return self.lower_divide(node, value)
         if target is aten.relu.default:
             return self.pointwise(Op.MAXIMUM, [self.operand(node.args[0]), self.const(0.0)], value, node.name)
-        if target in (aten.clamp_min.default, aten.clamp_max.default, aten.clamp.default):
+        if target in (aten.clamp.default, aten.clamp.Tensor):
             return self.lower_clamp(node, value)
         if target is aten.pow.Tensor_Scalar:
             return self.lower_pow(node, value)
-        if target in VIEW_ATEN:
+        if target in VIEW_ATEN or self.keeps_order(node):
             return self.pointwise(Op.VIEW, [self.operand(node.args[0])], value, node.name)
         if target in CAST_ATEN:
             return self.lower_cast(node, value)
+        if target in FILL_ATEN:
+            return self.lower_fill(node, value)
         if target in RAND_ATEN:
             return self.lower_rand(node, value)
         if target in REDUCE_ATEN:
             return self.lower_reduction(node, REDUCE_ATEN[target], value)
-        if target is aten.mean.dim:
+        if target in (aten.mean.dim, aten.mean.default):
             return self.lower_mean(node, value)
-        raise NotFusible(f"no lowering for {target}")
+        raise NotFusible(EXTERN_REASONS.get(target, f"no lowering for {target}"))
+
+    def keeps_order(self, node) -> bool:
+        """A permute or slice that leaves every element where it was (moves size-1 dims, or
+        slices a whole dim): a plain view."""
+        source = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], torch.fx.Node) else None
+        if not isinstance(source, torch.Tensor):
+            return False
+        if node.target is aten.permute.default:
+            moved = [d % source.dim() for d in node.args[1] if source.shape[d] != 1]
+            return moved == sorted(moved)
+        if node.target is aten.slice.Tensor:
+            dim, start, end, step = (list(node.args[1:]) + [0, None, None, 1][len(node.args) - 1:])[:4]
+            size = source.shape[dim]
+            whole_end = end is None or (isinstance(end, int) and isinstance(size, int) and end >= size) \
+                or (isinstance(end, int) and end >= 2 ** 62)
+            return start in (0, None) and step == 1 and whole_end
+        return False
 
     def pointwise(self, op: Op, inputs, value: Value, name: str) -> str:
         self.check_fits(op, inputs, value)
@@ -317,23 +496,61 @@ class _Lowering:
 
     def lower_pointwise(self, node, op: Op, value: Value) -> str:
         args = [self.operand(a) for a in node.args]
-        if node.kwargs.get("rounding_mode") is not None:
-            raise NotFusible(f"rounding_mode={node.kwargs['rounding_mode']}")
         alpha = node.kwargs.get("alpha", 1)
         if alpha != 1:
             scaled = self.graph[args[1]].value
             args[1] = self.pointwise(Op.MUL, [args[1], self.operand(alpha)], scaled, f"{node.name}_alpha")
+        if op is Op.BITWISE_NOT and value.dtype == torch.bool:
+            op = Op.LOGICAL_NOT
+        if op in (Op.FMOD, Op.REMAINDER, Op.FLOOR_DIVIDE) and not value.is_floating:
+            raise NotFusible(f"integer {op.value}: eager raises on a zero divisor, a kernel cannot")
+        if op is Op.POW and not value.is_floating:
+            raise NotFusible("integer pow: integer results (and errors for negative exponents) as eager")
+        if op in COMPARISON:
+            args = self.promote(node, args)
+        return self.pointwise(op, args, value, node.name)
+
+    def promote(self, node, args: list) -> list:
+        """Comparisons run in the operands' common dtype (torch.result_type): a float scalar or
+        0-d tensor compared with a bf16 tensor is first rounded to bf16, as eager does."""
+        common = torch.result_type(*[a.meta["val"] if isinstance(a, torch.fx.Node) else a
+                                     for a in node.args[:2]])
+        promoted = []
+        for fx_arg, name in zip(node.args[:2], args):
+            have = self.graph[name].value
+            if not common.is_floating_point:   # integers: widen to the common type (uint8 vs int8)
+                if have.dtype is not None and have.dtype != common and self.graph[name].op is not Op.CONSTANT:
+                    widened = Value(common, have.kind, have.shape, have.m, have.d)
+                    name = self.add(Op.CAST, [name], widened, Cast(common), name=f"{node.name}_operand")
+            elif isinstance(fx_arg, (int, float)) and not isinstance(fx_arg, bool):
+                name = self.const(float(fx_arg), common)
+            elif self.graph[name].op is Op.CONSTANT and have.dtype != common:   # a 0-d tensor constant
+                name = self.const(float(self.graph[name].attr.value), common)
+            elif have.is_floating and have.dtype.itemsize > common.itemsize:
+                rounded = Value(common, have.kind, have.shape, have.m, have.d)
+                name = self.add(Op.CAST, [name], rounded, Cast(common), name=f"{node.name}_operand")
+            promoted.append(name)
+        return promoted + args[2:]
+
+    def lower_divide(self, node, value: Value) -> str:
+        """div with a rounding mode, and prims' div/fmod (truncating for integers)."""
+        mode = node.kwargs.get("rounding_mode", node.args[2] if len(node.args) > 2 else None)
+        if node.target is prims.fmod.default:
+            op = Op.FMOD
+        elif node.target is prims.div.default:
+            op = Op.DIV if value.is_floating else Op.TRUNC_DIVIDE
+        else:
+            op = {None: Op.DIV, "trunc": Op.TRUNC_DIVIDE, "floor": Op.FLOOR_DIVIDE}[mode]
+        if op is not Op.DIV and not value.is_floating:
+            raise NotFusible(f"integer {op.value}: eager raises on a zero divisor, a kernel cannot")
+        args = [self.operand(a) for a in node.args[:2]]
         return self.pointwise(op, args, value, node.name)
 
     def lower_clamp(self, node, value: Value) -> str:
+        """clamp(x, min, max) = minimum(maximum(x, min), max), NaN kept (scalar or tensor bounds)."""
         x = self.operand(node.args[0])
-        if node.target is aten.clamp.default:
-            low, high = (list(node.args[1:]) + [None, None])[:2]
-            low, high = node.kwargs.get("min", low), node.kwargs.get("max", high)
-        elif node.target is aten.clamp_min.default:
-            low, high = node.args[1], None
-        else:
-            low, high = None, node.args[1]
+        low, high = (list(node.args[1:]) + [None, None])[:2]
+        low, high = node.kwargs.get("min", low), node.kwargs.get("max", high)
         if low is not None:
             x = self.pointwise(Op.MAXIMUM, [x, self.operand(low)], value, f"{node.name}_min")
         if high is not None:
@@ -341,16 +558,26 @@ class _Lowering:
         return x
 
     def lower_pow(self, node, value: Value) -> str:
+        """x ** c: the exponents torch special-cases become the same ops; others call mf_pow."""
         x, exponent = self.operand(node.args[0]), node.args[1]
+        if not isinstance(exponent, (int, float)):
+            raise NotFusible(f"pow with a symbolic exponent {exponent}")
         special = POW_SPECIAL.get(exponent)
-        if special is None:
-            raise NotFusible(f"pow with exponent {exponent}")
+        if exponent == 0:
+            return self.lower_fill(node, value, fill=1)
         if special == "square":
             return self.pointwise(Op.MUL, [x, x], value, node.name)
-        return self.pointwise(special, [x], value, node.name)
+        if special == "cube":
+            square = self.pointwise(Op.MUL, [x, x], value, f"{node.name}_square")
+            return self.pointwise(Op.MUL, [square, x], value, node.name)
+        if special is not None and (value.is_floating or special is Op.VIEW):
+            return self.pointwise(special, [x], value, node.name)
+        if not value.is_floating:
+            raise NotFusible(f"integer pow with exponent {exponent}")
+        return self.pointwise(Op.POW, [x, self.const(float(exponent))], value, node.name)
 
     def lower_cast(self, node, value: Value) -> str:
-        source = node.args[0]
+        source = node.args[1] if node.target is aten.copy.default else node.args[0]
         device = node.kwargs.get("device")
         if device is not None and device != source.meta["val"].device:
             raise NotFusible(f"copies to device {device}")
@@ -359,6 +586,36 @@ class _Lowering:
         self.check_fits(op, [x], value)
         return self.add(op, [x], value, Cast(value.dtype) if op is Op.CAST else None, name=node.name)
 
+    def lower_fill(self, node, value: Value, fill=None) -> str:
+        """full/full_like/empty/scalar_tensor: one value broadcast over the result."""
+        if fill is None:
+            if node.target in (aten.full.default, aten.full_like.default):
+                fill = node.args[1]
+            elif node.target is aten.scalar_tensor.default:
+                fill = node.args[0]
+            else:
+                fill = 0    # empty: any value is right
+        if isinstance(fill, torch.fx.Node):   # a size-derived fill value
+            scalar = self.operand(fill)
+            if self.graph[scalar].value.dtype == value.dtype:
+                return self.add(Op.VIEW, [scalar], value, name=node.name)
+            return self.add(Op.CAST, [scalar], value, Cast(value.dtype), name=node.name)
+        if not isinstance(fill, (bool, int, float)):
+            raise NotFusible(f"fill value {fill!r}")
+        return self.add(Op.VIEW, [self.const(fill, value.dtype)], value, name=node.name)
+
+    def lower_tensor_constant(self, node) -> str:
+        """A tensor the function closed over: a scalar constant when it has one element,
+        else an extern step that hands the tensor out."""
+        tensor = getattr(self.gm, node.target)
+        value = classify(tensor)
+        if value.kind is Kind.SCALAR and tensor.dim() == 0 and tensor.dtype in (
+                torch.float32, torch.bool, torch.int64, torch.int32):
+            name = self.const(tensor.item(), tensor.dtype)
+            self.tensor_constants[name] = tensor
+            return name
+        return self.add(Op.EXTERN, [], value, Extern(TensorConstant(tensor), (), ()), name=node.name)
+
     def lower_rand(self, node, value: Value) -> str:
         if value.kind is not Kind.FULL or not value.is_floating:
             raise NotFusible("random values outside a FULL float [M, D] tensor")
@@ -366,9 +623,9 @@ class _Lowering:
         self.rng_streams += 1
         return self.add(Op.RAND, [self.seed()], value, Seeded(stream), name=node.name)
 
-    def reduction_axis(self, node, source: Value) -> Kind:
-        dims = node.args[1] if len(node.args) > 1 else None
+    def reduction_axis(self, dims, source: Value) -> Kind:
         rank = len(source.shape)
+        dims = [dims] if isinstance(dims, int) else dims
         if source.kind is not Kind.FULL or dims is None:
             raise NotFusible("reduction over a non-[M, D] tensor or over every dim")
         dims = sorted(d % rank for d in dims)
@@ -380,11 +637,44 @@ class _Lowering:
 
     def lower_reduction(self, node, op: Op, value: Value) -> str:
         x = self.operand(node.args[0])
-        axis = self.reduction_axis(node, self.graph[x].value)
+        source = self.graph[x].value
+        if op in (Op.ARGMAX, Op.ARGMIN):
+            if len(node.args) < 2 or node.args[1] is None:
+                raise NotFusible(f"{op.value} over every dim (a flat index)")
+            dims = [node.args[1]]
+        else:
+            dims = node.args[1] if len(node.args) > 1 else None
+            if self.everything(dims, source):
+                return self.lower_total(node, op, x, value)
+        axis = self.reduction_axis(dims, source)
         if node.kwargs.get("dtype") not in (None, value.dtype):
             raise NotFusible("reduction with a dtype argument")
+        self.check_reducible(op, axis, source, value)
         self.check_fits(op, [x], value)
         return self.add(op, [x], value, Reduce(axis), name=node.name)
+
+    @staticmethod
+    def check_reducible(op: Op, axis: Kind, source: Value, value: Value) -> None:
+        if op in (Op.ARGMAX, Op.ARGMIN) and axis is not Kind.ROW:
+            raise NotFusible(f"{op.value} over the leading dims")
+        if not source.is_floating and op is not Op.SUM:
+            raise NotFusible(f"{op.value} of integers: the kernels reduce floats")
+        if axis is Kind.COL and not (value.is_floating and value.dtype.itemsize <= 4):
+            raise NotFusible(f"a {value.dtype} reduction over the leading dims: partials are fp32")
+
+    def lower_extreme(self, node, val):
+        """max.dim / min.dim: the row's extreme and its first index, both over D."""
+        if len(node.args) < 2:
+            raise NotFusible("max/min over every dim")
+        x = self.operand(node.args[0])
+        source = self.graph[x].value
+        axis = self.reduction_axis([node.args[1]], source)
+        extreme, index = EXTREME_ATEN[node.target]
+        values, indices = classify(val[0]), classify(val[1])
+        self.check_reducible(index, axis, source, indices)
+        self.check_fits(extreme, [x], values)
+        return (self.add(extreme, [x], values, Reduce(axis), name=f"{node.name}_values"),
+                self.add(index, [x], indices, Reduce(axis), name=f"{node.name}_indices"))
 
     def count_reduced(self, source: Value, axis: Kind) -> str:
         """1 / (number of elements reduced): a constant over D, a SYMBOL over M."""
@@ -394,10 +684,47 @@ class _Lowering:
             return self.add(Op.SYMBOL, (), Value(torch.float32, Kind.SCALAR), Symbol(inverse), name="inv_count")
         return self.const(float(inverse))
 
+    @staticmethod
+    def everything(dims, source: Value) -> bool:
+        """Whether `dims` (None and [] mean all) covers every dim of an [M, D] value."""
+        if source.kind is not Kind.FULL:
+            return False
+        if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+            return True
+        dims = [dims] if isinstance(dims, int) else dims
+        return sorted(d % len(source.shape) for d in dims) == list(range(len(source.shape)))
+
+    def lower_total(self, node, op: Op, x: str, value: Value, mean: bool = False) -> str:
+        """A reduction to one value (a loss): each row reduced over D inside the kernel, then
+        one small aten call over the M row results (like the runtime's column-sum finish)."""
+        source = self.graph[x].value
+        if not source.is_floating and op is not Op.SUM:
+            raise NotFusible(f"{op.value} of integers: the kernels reduce floats")
+        dtype = value.dtype if not value.is_floating else \
+            torch.float64 if value.dtype == torch.float64 else torch.float32
+        row = Value(dtype, Kind.ROW, tuple(source.shape[:-1]) + (sympy.Integer(1),), m=source.m)
+        rows = self.add(op, [x], row, Reduce(Kind.ROW), name=f"{node.name}_rows")
+        if mean:
+            rows = self.add(Op.MUL, [rows, self.const(1.0 / source.d)], row, name=f"{node.name}_row_means")
+        finish = aten.mean.default if mean else TOTALS[op]
+        args = (ValueRef(rows), []) if op in (Op.MAX, Op.MIN) else (ValueRef(rows),)
+        total = self.add(Op.EXTERN, [rows], Value(dtype, Kind.SCALAR, ()), Extern(finish, args, ()),
+                         name=f"{node.name}_total")
+        if dtype == value.dtype:
+            return self.add(Op.VIEW, [total], value, name=node.name)
+        return self.add(Op.CAST, [total], value, Cast(value.dtype), name=node.name)
+
     def lower_mean(self, node, value: Value) -> str:
         x = self.operand(node.args[0])
         source = self.graph[x].value
-        axis = self.reduction_axis(node, source)
+        if not source.is_floating:
+            raise NotFusible("mean of integers")
+        dims = node.args[1] if len(node.args) > 1 else None
+        if self.everything(dims, source):
+            return self.lower_total(node, Op.SUM, x, value, mean=True)
+        axis = self.reduction_axis(dims, source)
+        if axis is Kind.COL and source.dtype.itemsize > 4:
+            raise NotFusible(f"a {source.dtype} mean over the leading dims: partials are fp32")
         total = self.add(Op.SUM, [x], value, Reduce(axis), name=f"{node.name}_sum")
         return self.pointwise(Op.MUL, [total, self.count_reduced(source, axis)], value, node.name)
 
@@ -405,7 +732,7 @@ class _Lowering:
         """Two passes over the row in registers: mean, then the sum of squared deviations."""
         x = self.operand(node.args[0])
         source = self.graph[x].value
-        axis = self.reduction_axis(node, source)
+        axis = self.reduction_axis(node.args[1] if len(node.args) > 1 else None, source)
         if axis is not Kind.ROW:
             raise NotFusible("variance over the leading dims")
         correction = node.kwargs.get("correction", 1)
@@ -429,6 +756,8 @@ class _Lowering:
                 name = self.env[arg]
                 if isinstance(name, tuple):
                     raise NotImplementedError(f"memfuse: extern {node.target} reads a lowered tuple")
+                if name in self.tensor_constants:   # aten wants the tensor, not its value
+                    return self.tensor_constants[name]
                 return ValueRef(name)
             if isinstance(arg, (list, tuple)):
                 return type(arg)(ref(a) for a in arg)
@@ -440,6 +769,19 @@ class _Lowering:
         self.fallbacks.append((node.name, str(node.target), reason))
         return self.add(Op.EXTERN, list(dict.fromkeys(inputs)), value, Extern(node.target, args, kwargs),
                         name=node.name)
+
+
+class TensorConstant:
+    """An extern target that returns a tensor the traced function closed over."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def __call__(self) -> torch.Tensor:
+        return self.tensor
+
+    def __repr__(self) -> str:
+        return f"constant{tuple(self.tensor.shape)}"
 
 
 def _refs(args) -> list:

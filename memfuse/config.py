@@ -16,8 +16,11 @@ def default_cache_dir() -> Path:
 
 @dataclass(frozen=True)
 class Config:
-    # Longest row (D) kept whole in registers by a persistent kernel; longer rows run via aten.
+    # Longest row (D) kept whole in registers by a persistent kernel; longer rows are looped.
     max_row_length: int = 16384
+    # Columns per chunk of a looped kernel (rows longer than max_row_length); rounded down to
+    # a power of two no larger than max_row_length.
+    loop_block_d: int = 2048
     # Without a GPU (Triton's interpreter): elements of one [BLOCK_M, BLOCK_D] tile, and the
     # grid of kernels with reductions over M. GPU launches use memfuse.tuning's configurations.
     tile_elements: int = 4096

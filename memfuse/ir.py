@@ -34,24 +34,34 @@ class Op(enum.Enum):
     CAST = "cast"
     NEG = "neg"; ABS = "abs"; EXP = "exp"; LOG = "log"; SQRT = "sqrt"; RSQRT = "rsqrt"
     SIGMOID = "sigmoid"; TANH = "tanh"; ERF = "erf"; RECIPROCAL = "reciprocal"
-    LOGICAL_NOT = "logical_not"
-    ADD = "add"; SUB = "sub"; MUL = "mul"; DIV = "div"
+    SIN = "sin"; COS = "cos"; TAN = "tan"; EXP2 = "exp2"; EXPM1 = "expm1"; LOG1P = "log1p"
+    LOG2 = "log2"; LOG10 = "log10"; FLOOR = "floor"; CEIL = "ceil"; ROUND = "round"; TRUNC = "trunc"
+    SIGN = "sign"; ISNAN = "isnan"; ISINF = "isinf"
+    LOGICAL_NOT = "logical_not"; BITWISE_NOT = "bitwise_not"
+    ADD = "add"; SUB = "sub"; MUL = "mul"; DIV = "div"; POW = "pow"
+    FMOD = "fmod"; REMAINDER = "remainder"; FLOOR_DIVIDE = "floor_divide"; TRUNC_DIVIDE = "trunc_divide"
     MAXIMUM = "maximum"; MINIMUM = "minimum"
     EQ = "eq"; NE = "ne"; LT = "lt"; LE = "le"; GT = "gt"; GE = "ge"
-    LOGICAL_AND = "logical_and"; LOGICAL_OR = "logical_or"
+    LOGICAL_AND = "logical_and"; LOGICAL_OR = "logical_or"; LOGICAL_XOR = "logical_xor"
+    BITWISE_AND = "bitwise_and"; BITWISE_OR = "bitwise_or"; BITWISE_XOR = "bitwise_xor"
     WHERE = "where"
     RAND = "rand"            # uniform [0, 1) from philox(seed, element index)
-    SUM = "sum"; MAX = "max"; MIN = "min"   # over D (ROW result) or over M (COL result)
+    SUM = "sum"; MAX = "max"; MIN = "min"; PROD = "prod"   # over D (ROW result) or over M (COL result)
+    ARGMAX = "argmax"; ARGMIN = "argmin"                   # over D only: the first extreme's index
     EXTERN = "extern"        # an aten call the code generator does not take
     GETITEM = "getitem"      # one element of an extern's tuple result
 
 
 UNARY = {Op.NEG, Op.ABS, Op.EXP, Op.LOG, Op.SQRT, Op.RSQRT, Op.SIGMOID, Op.TANH, Op.ERF,
-         Op.RECIPROCAL, Op.LOGICAL_NOT, Op.CAST}
-BINARY = {Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.MAXIMUM, Op.MINIMUM, Op.EQ, Op.NE,
-          Op.LT, Op.LE, Op.GT, Op.GE, Op.LOGICAL_AND, Op.LOGICAL_OR}
+         Op.RECIPROCAL, Op.SIN, Op.COS, Op.TAN, Op.EXP2, Op.EXPM1, Op.LOG1P, Op.LOG2, Op.LOG10,
+         Op.FLOOR, Op.CEIL, Op.ROUND, Op.TRUNC, Op.SIGN, Op.ISNAN, Op.ISINF, Op.LOGICAL_NOT,
+         Op.BITWISE_NOT, Op.CAST}
+BINARY = {Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.POW, Op.FMOD, Op.REMAINDER, Op.FLOOR_DIVIDE,
+          Op.TRUNC_DIVIDE, Op.MAXIMUM, Op.MINIMUM, Op.EQ, Op.NE, Op.LT, Op.LE, Op.GT, Op.GE,
+          Op.LOGICAL_AND, Op.LOGICAL_OR, Op.LOGICAL_XOR, Op.BITWISE_AND, Op.BITWISE_OR, Op.BITWISE_XOR}
+COMPARISON = {Op.EQ, Op.NE, Op.LT, Op.LE, Op.GT, Op.GE}
 POINTWISE = UNARY | BINARY | {Op.WHERE, Op.VIEW}
-REDUCTION = {Op.SUM, Op.MAX, Op.MIN}
+REDUCTION = {Op.SUM, Op.MAX, Op.MIN, Op.PROD, Op.ARGMAX, Op.ARGMIN}
 RANDOM = {Op.RAND}
 LEAF = {Op.INPUT, Op.SEED, Op.CONSTANT, Op.SYMBOL}
 EXTERNAL = {Op.EXTERN, Op.GETITEM}

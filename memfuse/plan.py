@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import networkx as nx
 
 from .capture import Captured
-from .ir import Graph, Kind, Node, Op, Reduce, Value, value_bytes
+from .ir import REDUCTION, Graph, Kind, Node, Op, Reduce, Value, value_bytes
 
 INFINITE = float("inf")
 FREE_LEAVES = {Op.SEED, Op.CONSTANT, Op.SYMBOL}   # available to both graphs at no cost
@@ -60,7 +60,7 @@ class Plan:
 def recomputable(node: Node) -> bool:
     if node.op in (Op.EXTERN, Op.GETITEM):
         return False
-    if node.op in (Op.SUM, Op.MAX, Op.MIN) and isinstance(node.attr, Reduce) and node.attr.axis is Kind.COL:
+    if node.op in REDUCTION and isinstance(node.attr, Reduce) and node.attr.axis is Kind.COL:
         return False   # a reduction over every row: recomputing it costs a whole extra pass
     return True
 

@@ -81,7 +81,8 @@ class KernelLaunch:
         if grid is None or grid[0] is not self.configs.get(device):
             grid = self._grid(device)
         config, most = grid
-        tiles = -(-rows // config.block_m)
+        # at least one tile: with M = 0 the column outputs (a weight grad of zeros) are still written
+        tiles = max(1, -(-rows // config.block_m))
         programs = min(tiles, most) if self.persistent else tiles
         if self.rows is None:
             programs = tiles = 1

@@ -134,7 +134,7 @@ def _barrier(graph: Graph, name: str) -> Optional[str]:
     node = graph[name]
     if node.op in EXTERNAL or _finishing(graph, node):
         return f"{name} is an extern call"
-    if node.op in (Op.SUM, Op.MAX, Op.MIN) and isinstance(node.attr, Reduce) and node.attr.axis is Kind.COL:
+    if node.op in REDUCTION and isinstance(node.attr, Reduce) and node.attr.axis is Kind.COL:
         return f"{name} reduces over every row (M): its result exists only after the whole pass"
     return None
 
@@ -195,11 +195,10 @@ def _fill_io(graph: Graph, group: KernelGroup, group_of: dict) -> None:
 
 
 def _codegen_limit(graph: Graph, group: KernelGroup, config: Config) -> Optional[str]:
-    """Why this group cannot be one persistent kernel (None when it can)."""
-    d = group.space.d
-    if d is not None and d > config.max_row_length:
-        return (f"row length D={d} exceeds the persistent limit {config.max_row_length} "
-                f"(Config.max_row_length); looped kernels are not generated yet, so this group runs through aten")
+    """Why no kernel can run this group (None when one can: persistent rows up to
+    Config.max_row_length, looped kernels past it)."""
+    if group.space.d == 0:
+        return "rows of length D=0: nothing for a kernel to walk"
     for name in group.nodes + group.inputs:
         dtype = graph[name].value.dtype
         if dtype is not None and dtype not in TRITON_DTYPES:

@@ -8,6 +8,7 @@ from ..config import Config
 from ..ir import Graph
 from ..schedule import KernelGroup
 from .cache import kernel_path, load_kernel
+from .looped_kernel import loop_block_d, write_looped_kernel
 from .row_kernel import Arg, KernelSource, write_row_kernel
 
 
@@ -19,7 +20,11 @@ class CompiledKernel:
 
 
 def generate(graph: Graph, group: KernelGroup, config: Config) -> CompiledKernel:
-    source = write_row_kernel(graph, group)
+    if group.space.d is not None and group.space.d > config.max_row_length:
+        block_d = loop_block_d(config.max_row_length, config.loop_block_d)
+        source = write_looped_kernel(graph, group, block_d)
+    else:
+        source = write_row_kernel(graph, group)
     fn = load_kernel(config.cache_dir, source.name, source.source)
     return CompiledKernel(source, fn, str(kernel_path(config.cache_dir, source.name, source.source)))
 

@@ -9,13 +9,14 @@ program. Every float is computed in fp32 and rounded once, at the store.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
 from ..ir import Graph, Kind, Node, Op, Value
-from ..ops import OPS, REDUCERS, TRITON_DTYPES, accumulate_dtype, compute_dtype
+from ..ops import ARG_REDUCE, HELPERS, OPS, REDUCE, REDUCERS, TRITON_DTYPES, accumulate_dtype, compute_dtype, helpers_for
 from ..schedule import KernelGroup
 
 RESERVED = {"pid", "num_programs", "cols", "col_mask", "rows", "row_mask", "mask", "offsets",
@@ -56,6 +57,11 @@ class _Lines:
         self.depth -= 1
 
 
+def _interpreted() -> bool:
+    """Kernels for Triton's CPU interpreter, whose fp32 -> bf16 conversion truncates."""
+    return os.environ.get("TRITON_INTERPRET", "") == "1"
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -79,11 +85,17 @@ class RowKernelWriter:
         self.d = group.space.d
         self.has_rows = group.space.m is not None
         self.block_d = _next_pow2(self.d) if self.d else 1
+        self.column_origin = "0"     # first column of the block `cols` covers (looped kernels: chunk)
         self.members = set(group.nodes)
         self.names: dict = {}
         self.kinds: dict = {}     # value name -> Kind of its register value
         self.sums = {op: [n for n in group.column_sums if graph[n].op is op] for op in REDUCERS}
         self.persistent = bool(group.column_sums)
+        self.helpers: list = []   # HELPERS entries the kernel calls
+
+    def use(self, helper: Optional[str]) -> None:
+        if helper is not None and helper not in self.helpers:
+            self.helpers.append(helper)
 
     # -- names and shapes ----------------------------------------------------------------
     def reg(self, name: str) -> str:
@@ -91,8 +103,11 @@ class RowKernelWriter:
             self.names[name] = f"{name}_v" if name in RESERVED else name
         return self.names[name]
 
-    def operand(self, name: str, want: Kind, cast_to: Optional[torch.dtype]) -> str:
-        """The register expression of `name`, broadcast to `want` and cast to `cast_to`."""
+    def operand(self, name: str, want: Kind, cast_to: Optional[torch.dtype],
+                consumer: Optional[torch.dtype] = None) -> str:
+        """The register expression of `name`, broadcast to `want` and cast to `cast_to`. A bf16 or
+        fp16 value computed here (held in fp32) is first rounded to its dtype when the consumer's
+        result has another dtype: eager materializes it there (x_bf16 * y).float())."""
         node = self.graph[name]
         if node.op is Op.CONSTANT:
             text = _literal(node.attr.value)
@@ -101,6 +116,9 @@ class RowKernelWriter:
             return text
         text = self.reg(name)
         kind = self.kinds[name]
+        if consumer is not None and consumer != node.value.dtype and name in self.members \
+                and node.value.dtype in (torch.float16, torch.bfloat16):
+            text = f"{self.narrow(text, node.value.dtype)}.to(tl.float32)"
         if want is Kind.FULL and kind is Kind.ROW:
             text = f"{text}[:, None]"
         elif want is Kind.FULL and kind is Kind.COL:
@@ -110,14 +128,25 @@ class RowKernelWriter:
             text = f"{text}.to({TRITON_DTYPES[cast_to]})"
         return text
 
+    def tensor_operand(self, name: str, text: str, cast_to: Optional[torch.dtype]) -> str:
+        node = self.graph[name]
+        if node.op is not Op.CONSTANT:
+            return text
+        dtype = cast_to or compute_dtype(node.value.dtype)
+        return f"tl.full([1], {text}, {TRITON_DTYPES[dtype]})"   # [1]: 0-d bools trip the interpreter
+
     # -- the kernel ----------------------------------------------------------------------
     def write(self) -> KernelSource:
         g = self.group
         args = self.signature_args()
+        body = _Lines()
+        body.indent()
+        self.body(body)
         out = _Lines()
         out("import triton")
         out("import triton.language as tl")
         out()
+        self.write_helpers(out)
         out()
         self.header(out)
         scalars = [a.name for a in args if a.role in ("scalar", "rows", "tiles")]
@@ -129,11 +158,18 @@ class RowKernelWriter:
         out("D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,")
         out.dedent()
         out("):")
-        out.indent()
-        self.body(out)
+        out.lines.extend(body.lines)
         constexprs = {"D": self.d or 1, "BLOCK_D": self.block_d}   # BLOCK_M: the launch config's
         return KernelSource(g.name, "\n".join(out.lines) + "\n", args, constexprs, self.persistent,
                             {op: names for op, names in self.sums.items() if names}, self.bytes_per_row())
+
+    def write_helpers(self, out: _Lines) -> None:
+        for name in helpers_for(self.helpers):
+            out()
+            out("@triton.jit")
+            for line in HELPERS[name][0].splitlines():
+                out(line)
+            out()
 
     def signature_args(self) -> list:
         args = []
@@ -217,7 +253,7 @@ class RowKernelWriter:
             out("tile = pid + step * num_programs")
         else:
             out("tile = pid")
-        out("rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)")
+        out("rows = tile.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)")   # int64: M may pass 2**31
         out("row_mask = rows < M")
         if self.d:
             out("mask = row_mask[:, None] & col_mask[None, :]")
@@ -261,23 +297,28 @@ class RowKernelWriter:
         target = self.reg(name)
         out_dtype = compute_dtype(node.value.dtype)
         shape = _register_kind([self.kinds[i] for i in node.inputs if i in self.kinds])
-        if node.op is Op.VIEW:
+        if node.op is Op.VIEW and self.graph[node.inputs[0]].op is Op.CONSTANT:   # a fill: a tensor, not a literal
+            out(f"{target} = tl.full([], {self.operand(node.inputs[0], shape, out_dtype)}, {TRITON_DTYPES[out_dtype]})")
+        elif node.op is Op.VIEW:
             out(f"{target} = {self.operand(node.inputs[0], shape, out_dtype)}")
         elif node.op is Op.CAST:
             out(f"{target} = {self.cast(node, shape)}")
         elif node.op is Op.RAND:
             shape = Kind.FULL
             self.rand(out, node)
-        elif node.op in REDUCERS:
+        elif node.op in REDUCE or node.op in ARG_REDUCE:
             shape = node.attr.axis
             self.reduce(out, node)
         elif node.op is Op.WHERE:
             condition = self.operand(node.inputs[0], shape, None)
-            branches = [self.operand(i, shape, out_dtype) for i in node.inputs[1:]]
+            branches = [self.operand(i, shape, out_dtype, node.value.dtype) for i in node.inputs[1:]]
             out(f"{target} = {OPS[node.op].triton.format(condition, *branches)}")
-        else:
-            cast_to = out_dtype if out_dtype.is_floating_point else None
-            operands = [self.operand(i, shape, cast_to) for i in node.inputs]
+        else:   # operands in the result's compute dtype (ints too: uint8 + int8 is int16)
+            cast_to = None if out_dtype == torch.bool else out_dtype
+            operands = [self.operand(i, shape, cast_to, node.value.dtype) for i in node.inputs]
+            if OPS[node.op].helper is not None:   # helpers take tensors, not Python numbers
+                operands = [self.tensor_operand(i, text, cast_to) for i, text in zip(node.inputs, operands)]
+                self.use(OPS[node.op].helper)
             out(f"{target} = {OPS[node.op].triton.format(*operands)}")
         self.kinds[name] = shape
 
@@ -291,7 +332,9 @@ class RowKernelWriter:
             out(f"{target} = tl.rand({seed}, offsets)")
             return
         out("# one philox call per 4 neighbouring elements")
-        out(f"{target}_quads = rows.to(tl.int64)[:, None] * (D // 4) + tl.arange(0, BLOCK_D // 4)[None, :]")
+        quads = "tl.arange(0, BLOCK_D // 4)" if self.column_origin == "0" else \
+            f"({self.column_origin} // 4 + tl.arange(0, BLOCK_D // 4))"
+        out(f"{target}_quads = rows.to(tl.int64)[:, None] * (D // 4) + {quads}[None, :]")
         out(f"{target}_0, {target}_1, {target}_2, {target}_3 = tl.rand4x({seed}, {target}_quads)")
         out(f"{target} = tl.reshape(tl.join(tl.join({target}_0, {target}_1), tl.join({target}_2, {target}_3)), "
             f"[BLOCK_M, BLOCK_D])")
@@ -299,36 +342,66 @@ class RowKernelWriter:
     def cast(self, node: Node, shape: Kind) -> str:
         src = node.inputs[0]
         target = node.attr.dtype
-        text = self.operand(src, shape, None)
+        text = self.operand(src, shape, None, target)
         if target == torch.bool:
             return f"({text} != 0)"
-        exact = self.graph[src].value.dtype == torch.bool   # 0 and 1 need no rounding
-        if target in (torch.float16, torch.bfloat16) and not exact:
-            return f"{text}.to({TRITON_DTYPES[target]}).to(tl.float32)"
+        if target in (torch.float16, torch.bfloat16):
+            if compute_dtype(self.graph[src].value.dtype) != torch.float32:   # ints, bools, fp64
+                text = f"{text}.to(tl.float32)"
+            return f"{self.narrow(text, target)}.to(tl.float32)"
         return f"{text}.to({TRITON_DTYPES[compute_dtype(target)]})"
 
-    def reduce(self, out: _Lines, node: Node) -> None:
-        reducer, neutral, _ = REDUCERS[node.op]
-        source = self.operand(node.inputs[0], Kind.FULL, accumulate_dtype(self.graph[node.inputs[0]].value.dtype))
-        masked = f"tl.where(mask, {source}, {neutral})"
-        if node.attr.axis is Kind.ROW:
-            out(f"{self.reg(node.name)} = {reducer}({masked}, axis=1)")
-            return
-        acc = f"{self.reg(node.name)}_acc"
-        if node.op is Op.SUM:
-            out(f"{acc} += tl.sum({masked}, axis=0)")
+    def narrow(self, text: str, dtype: torch.dtype) -> str:
+        """`text` (fp32) converted to `dtype`, rounding to nearest even as the GPU does."""
+        if dtype == torch.bfloat16 and _interpreted():
+            self.use("mf_rne_bf16")
+            return f"mf_rne_bf16({text}).to(tl.bfloat16)"
+        return f"{text}.to({TRITON_DTYPES[dtype]})"
+
+    def reduce_types(self, node: Node) -> tuple:
+        """(accumulator dtype, neutral literal) of a reduction: floats accumulate in fp32
+        (fp64 stays fp64), integer sums in the result's int dtype."""
+        src = self.graph[node.inputs[0]].value.dtype
+        if node.value.is_floating or node.op in ARG_REDUCE:
+            acc = torch.float64 if torch.float64 in (src, node.value.dtype) else torch.float32
         else:
-            combine = "tl.maximum" if node.op is Op.MAX else "tl.minimum"
-            out(f"{acc} = {combine}({acc}, {reducer}({masked}, axis=0))")
+            acc = node.value.dtype
+        if node.op in ARG_REDUCE:
+            return acc, "float('-inf')"
+        return acc, REDUCE[node.op].neutral if acc.is_floating_point else "0"
+
+    def reduce_source(self, node: Node) -> tuple:
+        """(masked source expression, accumulator dtype, neutral literal) of a reduction."""
+        acc, neutral = self.reduce_types(node)
+        source = self.operand(node.inputs[0], Kind.FULL, acc, node.value.dtype)
+        if node.op is Op.ARGMIN:
+            source = f"-{source}"
+        return f"tl.where(mask, {source}, {neutral})", acc, neutral
+
+    def reduce(self, out: _Lines, node: Node) -> None:
+        masked, _, _ = self.reduce_source(node)
+        target = self.reg(node.name)
+        if node.op in ARG_REDUCE:   # the first extreme of the row (NaN first): an int64 index
+            self.use("mf_arg_best")
+            out(f"{target}_best, {target} = mf_arg_best({masked}, cols)")
+            out(f"{target} = {target}.to(tl.int64)")
+            return
+        info = REDUCE[node.op]
+        self.use(info.helper)
+        if node.attr.axis is Kind.ROW:
+            out(f"{target} = {info.triton.format(masked, 1)}")
+            return
+        acc = f"{target}_acc"
+        out(f"{acc} = {info.combine.format(acc, info.triton.format(masked, 0))}")
 
     def store(self, out: _Lines, name: str) -> None:
         node = self.graph[name]
         kind = node.value.kind
         value = self.reg(name)
-        value = f"({value} != 0)" if node.value.dtype == torch.bool else f"{value}.to({TRITON_DTYPES[node.value.dtype]})"
+        value = f"({value} != 0)" if node.value.dtype == torch.bool else self.narrow(value, node.value.dtype)
         if self.kinds[name] is not kind:   # a broadcast (expand) that was never materialized
             block = {Kind.FULL: "[BLOCK_M, BLOCK_D]", Kind.ROW: "[BLOCK_M]", Kind.COL: "[BLOCK_D]"}[kind]
-            value = f"tl.broadcast_to({self.operand(name, kind, None)}, {block}).to({TRITON_DTYPES[node.value.dtype]})"
+            value = self.narrow(f"tl.broadcast_to({self.operand(name, kind, None)}, {block})", node.value.dtype)
         ptr = f"{name}_ptr"
         if kind is Kind.FULL:
             out(f"tl.store({ptr} + offsets, {value}, mask=mask)")
