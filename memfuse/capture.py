@@ -8,6 +8,7 @@ Anything the kernels cannot take becomes an EXTERN node with the reason recorded
 """
 from __future__ import annotations
 
+import logging
 import operator
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
@@ -94,17 +95,41 @@ def _export(fn: Callable, fakes: tuple, trace_joint: bool) -> torch.fx.GraphModu
 
 
 def _differentiable_outputs(captured: "Captured", fn: Callable, fakes: list) -> list:
-    """Forward outputs that receive a tangent: those eager autograd marks requires_grad (the
-    outputs AOTAutograd made tangents for, in order), found by running `fn` on the fake inputs."""
+    """Forward outputs that receive a tangent (those AOTAutograd made tangents for, in order):
+    the outputs eager autograd marks requires_grad, found by running `fn` on the fake inputs,
+    or where a meta kernel cannot take the symbolic shapes, by following float values from
+    the inputs that require grad through the traced graph."""
     if captured.num_tangents == 0:
         return []
-    with torch.enable_grad():
-        outputs = fn(*fakes)
-    chosen = [i for i, o in enumerate(outputs) if isinstance(o, torch.Tensor) and o.requires_grad]
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = fake_log.level
+    fake_log.setLevel(logging.CRITICAL)   # a meta kernel's failure here is expected and handled
+    try:
+        with torch.enable_grad():
+            outputs = fn(*fakes)
+        chosen = [i for i, o in enumerate(outputs) if isinstance(o, torch.Tensor) and o.requires_grad]
+    except RuntimeError:
+        chosen = _float_dependents(captured.aten_graph, [f.requires_grad for f in fakes],
+                                   captured.num_fwd_outputs)
+    finally:
+        fake_log.setLevel(level)
     if len(chosen) != captured.num_tangents:
         raise RuntimeError(f"memfuse: found {len(chosen)} differentiable outputs but the trace has "
                            f"{captured.num_tangents} tangents")
     return chosen
+
+
+def _float_dependents(gm: torch.fx.GraphModule, requires_grad: list, num_fwd_outputs: int) -> list:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    tracked = {n for n, rg in zip(placeholders, requires_grad) if rg}
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        values = val if isinstance(val, (tuple, list)) else [val]   # max.dim: (values, indices)
+        floating = any(isinstance(v, torch.Tensor) and v.dtype.is_floating_point for v in values)
+        if node.op == "call_function" and floating and any(i in tracked for i in node.all_input_nodes):
+            tracked.add(node)
+    outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0][:num_fwd_outputs]
+    return [i for i, o in enumerate(outputs) if o in tracked]
 
 
 def _fake_input(mode: FakeTensorMode, t: torch.Tensor, static: bool) -> torch.Tensor:
@@ -473,8 +498,9 @@ class _Lowering:
         if alpha != 1:
             scaled = self.graph[args[1]].value
             args[1] = self.pointwise(Op.MUL, [args[1], self.operand(alpha)], scaled, f"{node.name}_alpha")
-        if op is Op.BITWISE_NOT and value.dtype == torch.bool:
-            op = Op.LOGICAL_NOT
+        if value.dtype == torch.bool:   # bitwise ops on booleans are the logical ones
+            op = {Op.BITWISE_NOT: Op.LOGICAL_NOT, Op.BITWISE_AND: Op.LOGICAL_AND, Op.BITWISE_OR: Op.LOGICAL_OR,
+                  Op.BITWISE_XOR: Op.LOGICAL_XOR}.get(op, op)
         if op in (Op.FMOD, Op.REMAINDER, Op.FLOOR_DIVIDE) and not value.is_floating:
             raise NotFusible(f"integer {op.value}: eager raises on a zero divisor, a kernel cannot")
         if op is Op.POW and not value.is_floating:

@@ -133,7 +133,7 @@ class RowKernelWriter:
         if node.op is not Op.CONSTANT:
             return text
         dtype = cast_to or compute_dtype(node.value.dtype)
-        return f"tl.full([1], {text}, {TRITON_DTYPES[dtype]})"   # [1]: 0-d bools trip the interpreter
+        return f"tl.full([], {text}, {TRITON_DTYPES[dtype]})"
 
     # -- the kernel ----------------------------------------------------------------------
     def write(self) -> KernelSource:
