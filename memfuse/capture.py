@@ -266,7 +266,8 @@ REDUCE_ATEN = {aten.sum.dim_IntList: Op.SUM, aten.amax.default: Op.MAX, aten.ami
 TOTALS = {Op.SUM: aten.sum.default, Op.MAX: aten.amax.default, Op.MIN: aten.amin.default,
           Op.PROD: aten.prod.default}
 EXTREME_ATEN = {aten.max.dim: (Op.MAX, Op.ARGMAX), aten.min.dim: (Op.MIN, Op.ARGMIN)}
-POW_SPECIAL = {2: "square", 3: "cube", 0.5: Op.SQRT, -0.5: Op.RSQRT, 1: Op.VIEW, -1: Op.RECIPROCAL}
+# x ** c for the exponents torch's pow kernel special-cases (0, 2 and 3 have rules of their own)
+POW_AS_OP = {0.5: Op.SQRT, -0.5: Op.RSQRT, 1: Op.VIEW, -1: Op.RECIPROCAL}
 
 # Targets with a rule of their own in _Lowering.lower_tensor_op: what each becomes.
 SPECIAL_ATEN = {
@@ -478,7 +479,9 @@ class _Lowering:
         if not isinstance(source, torch.Tensor):
             return False
         if node.target is aten.permute.default:
-            moved = [d % source.dim() for d in node.args[1] if source.shape[d] != 1]
+            # (static 1s only: comparing a size symbol would add a guard to the trace)
+            moved = [d % source.dim() for d in node.args[1] if not (isinstance(source.shape[d], int)
+                                                                   and source.shape[d] == 1)]
             return moved == sorted(moved)
         if node.target is aten.slice.Tensor:
             dim, start, end, step = (list(node.args[1:]) + [0, None, None, 1][len(node.args) - 1:])[:4]
@@ -561,16 +564,16 @@ class _Lowering:
         x, exponent = self.operand(node.args[0]), node.args[1]
         if not isinstance(exponent, (int, float)):
             raise NotFusible(f"pow with a symbolic exponent {exponent}")
-        special = POW_SPECIAL.get(exponent)
         if exponent == 0:
             return self.lower_fill(node, value, fill=1)
-        if special == "square":
+        if exponent == 2:
             return self.pointwise(Op.MUL, [x, x], value, node.name)
-        if special == "cube":
+        if exponent == 3:
             square = self.pointwise(Op.MUL, [x, x], value, f"{node.name}_square")
             return self.pointwise(Op.MUL, [square, x], value, node.name)
-        if special is not None and (value.is_floating or special is Op.VIEW):
-            return self.pointwise(special, [x], value, node.name)
+        op = POW_AS_OP.get(exponent)
+        if op is not None and (value.is_floating or op is Op.VIEW):
+            return self.pointwise(op, [x], value, node.name)
         if not value.is_floating:
             raise NotFusible(f"integer pow with exponent {exponent}")
         return self.pointwise(Op.POW, [x, self.const(float(exponent))], value, node.name)

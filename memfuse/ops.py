@@ -113,6 +113,7 @@ ARG_REDUCE = {Op.ARGMAX: torch.argmax, Op.ARGMIN: torch.argmin}
 
 # The runtime's view of the reductions: (Triton reducer, neutral element, torch reference).
 REDUCERS = {op: (r.triton, r.neutral, r.torch) for op, r in REDUCE.items()}
+REDUCERS.update({op: ("mf_arg_best", "float('-inf')", reference) for op, reference in ARG_REDUCE.items()})
 
 
 # @triton.jit helpers, copied into each kernel file that uses them: name -> (source, helpers it calls).

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from ..ir import Graph, Kind, Node, Op, Value
-from ..ops import ARG_REDUCE, HELPERS, OPS, REDUCE, REDUCERS, TRITON_DTYPES, compute_dtype, helpers_for
+from ..ops import ARG_REDUCE, HELPERS, OPS, REDUCE, TRITON_DTYPES, compute_dtype, helpers_for
 from ..schedule import KernelGroup
 
 RESERVED = {"pid", "num_programs", "cols", "col_mask", "rows", "row_mask", "mask", "offsets",
@@ -89,7 +89,7 @@ class RowKernelWriter:
         self.members = set(group.nodes)
         self.names: dict = {}
         self.kinds: dict = {}     # value name -> Kind of its register value
-        self.sums = {op: [n for n in group.column_sums if graph[n].op is op] for op in REDUCERS}
+        self.sums = {op: [n for n in group.column_sums if graph[n].op is op] for op in REDUCE}
         self.persistent = bool(group.column_sums)
         self.helpers: list = []   # HELPERS entries the kernel calls
 
@@ -244,7 +244,7 @@ class RowKernelWriter:
             return
         for op, names in self.sums.items():
             for name in names:
-                out(f"{self.reg(name)}_acc = tl.full([BLOCK_D], {REDUCERS[op][1]}, tl.float32)")
+                out(f"{self.reg(name)}_acc = tl.full([BLOCK_D], {REDUCE[op].neutral}, tl.float32)")
         if self.persistent:
             out("num_programs = tl.num_programs(0)")
             out("for step in range(0, tiles_per_program):")
@@ -270,7 +270,7 @@ class RowKernelWriter:
             out("# partials over M: one row of D per program and reduction")
             for op, names in self.sums.items():
                 for j, name in enumerate(names):
-                    out(f"tl.store(partials_{op.value}_ptr + (pid * {len(names)} + {j}) * D + cols, "
+                    out(f"tl.store(partials_{op.value}_ptr + (pid.to(tl.int64) * {len(names)} + {j}) * D + cols, "
                         f"{self.reg(name)}_acc, mask=col_mask)")
 
     def load(self, out: _Lines, name: str) -> None:
