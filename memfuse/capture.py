@@ -280,6 +280,8 @@ SPECIAL_ATEN = {
     aten.var_mean.correction: "sum -> mean, then the sum of squared deviations (over D)",
     aten.permute.default: "view when only size-1 dims move (else an extern)",
     aten.slice.Tensor: "view when it keeps a whole dim (else an extern)",
+    aten.scatter.src: "where(column == index, src, self) for an index from argmax/argmin over D "
+                      "(max.dim's backward; else an extern)",
 }
 
 # Ops memfuse knows it does not fuse, and why (the coverage table lists them too).
@@ -468,6 +470,8 @@ class _Lowering:
             return self.lower_rand(node, value)
         if target in REDUCE_ATEN:
             return self.lower_reduction(node, REDUCE_ATEN[target], value)
+        if target is aten.scatter.src:
+            return self.lower_scatter(node, value)
         if target in (aten.mean.dim, aten.mean.default):
             return self.lower_mean(node, value)
         raise NotFusible(EXTERN_REASONS.get(target, f"no lowering for {target}"))
@@ -751,6 +755,26 @@ class _Lowering:
         var = self.add(Op.MUL, [squares, self.const(1.0 / max(source.d - correction, 0) if source.d > correction
                                                     else float("nan"))], stat, name=f"{node.name}_var")
         return (var, mean) if node.target is aten.var_mean.correction else var
+
+    def lower_scatter(self, node, value: Value) -> str:
+        """scatter(self, -1, index, src) with one index per row that an argmax/argmin of this
+        graph produced (max.dim's backward): where(column == index, src, self). Any other
+        index could be out of range, which eager reports: that stays an extern."""
+        base, dim, index, src = (self.operand(a) if isinstance(a, torch.fx.Node) else a for a in node.args[:4])
+        if value.kind is not Kind.FULL or dim % len(value.shape) != len(value.shape) - 1:
+            raise NotFusible(EXTERN_REASONS[aten.scatter.src])
+        origin = index
+        while self.graph[origin].op is Op.VIEW:
+            origin = self.graph[origin].inputs[0]
+        producer = self.graph[origin]
+        if producer.op not in (Op.ARGMAX, Op.ARGMIN) or self.graph[producer.inputs[0]].value.d != value.d \
+                or self.graph[index].value.kind is not Kind.ROW:
+            raise NotFusible(EXTERN_REASONS[aten.scatter.src])
+        column = self.add(Op.IOTA, [], Value(torch.int64, Kind.COL, (sympy.Integer(value.d),), d=value.d),
+                          name=f"{node.name}_column")
+        full_bool = Value(torch.bool, Kind.FULL, value.shape, value.m, value.d)
+        hit = self.pointwise(Op.EQ, [column, index], full_bool, f"{node.name}_hit")
+        return self.pointwise(Op.WHERE, [hit, src, base], value, node.name)
 
     def lower_extern(self, node, val, reason: str) -> str:
         def ref(arg):

@@ -54,6 +54,8 @@ class LoopedKernelWriter(RowKernelWriter):
             node = self.graph[name]
             if node.op is Op.RAND:
                 kinds[name] = Kind.FULL
+            elif node.op is Op.IOTA:
+                kinds[name] = Kind.COL
             elif node.op in REDUCE or node.op in ARG_REDUCE:
                 kinds[name] = node.attr.axis
             else:

@@ -302,6 +302,9 @@ class RowKernelWriter:
             out(f"{target} = {self.operand(node.inputs[0], shape, out_dtype)}")
         elif node.op is Op.CAST:
             out(f"{target} = {self.cast(node, shape)}")
+        elif node.op is Op.IOTA:
+            shape = Kind.COL
+            out(f"{target} = cols.to(tl.int64)")
         elif node.op is Op.RAND:
             shape = Kind.FULL
             draw = f"tl.rand({self.reg(node.inputs[0])} + {node.attr.stream}, offsets)"
