@@ -1,6 +1,7 @@
 """Test setup: kernels run through Triton's interpreter on CPU, into a throwaway cache.
 
-The `gpu` marker (registered in pyproject.toml) skips a test when CUDA is absent.
+The `gpu` marker (registered in pyproject.toml) skips a test when CUDA is absent or the
+interpreter is on; on a GPU machine run those with `TRITON_INTERPRET=0 pytest -m gpu tests`.
 """
 import os
 import tempfile
