@@ -8,6 +8,7 @@ Anything the kernels cannot take becomes an EXTERN node with the reason recorded
 """
 from __future__ import annotations
 
+import logging
 import operator
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
@@ -268,7 +269,8 @@ REDUCE_ATEN = {aten.sum.dim_IntList: Op.SUM, aten.amax.default: Op.MAX, aten.ami
 TOTALS = {Op.SUM: aten.sum.default, Op.MAX: aten.amax.default, Op.MIN: aten.amin.default,
           Op.PROD: aten.prod.default}
 EXTREME_ATEN = {aten.max.dim: (Op.MAX, Op.ARGMAX), aten.min.dim: (Op.MIN, Op.ARGMIN)}
-POW_SPECIAL = {2: "square", 3: "cube", 0.5: Op.SQRT, -0.5: Op.RSQRT, 1: Op.VIEW, -1: Op.RECIPROCAL}
+# x ** c for the exponents torch's pow kernel special-cases (0, 2 and 3 have rules of their own)
+POW_AS_OP = {0.5: Op.SQRT, -0.5: Op.RSQRT, 1: Op.VIEW, -1: Op.RECIPROCAL}
 
 # Targets with a rule of their own in _Lowering.lower_tensor_op: what each becomes.
 SPECIAL_ATEN = {
@@ -281,6 +283,8 @@ SPECIAL_ATEN = {
     aten.var_mean.correction: "sum -> mean, then the sum of squared deviations (over D)",
     aten.permute.default: "view when only size-1 dims move (else an extern)",
     aten.slice.Tensor: "view when it keeps a whole dim (else an extern)",
+    aten.scatter.src: "where(column == index, src, self) for an index from argmax/argmin over D "
+                      "(max.dim's backward; else an extern)",
 }
 
 # Ops memfuse knows it does not fuse, and why (the coverage table lists them too).
@@ -469,6 +473,8 @@ class _Lowering:
             return self.lower_rand(node, value)
         if target in REDUCE_ATEN:
             return self.lower_reduction(node, REDUCE_ATEN[target], value)
+        if target is aten.scatter.src:
+            return self.lower_scatter(node, value)
         if target in (aten.mean.dim, aten.mean.default):
             return self.lower_mean(node, value)
         raise NotFusible(EXTERN_REASONS.get(target, f"no lowering for {target}"))
@@ -480,7 +486,9 @@ class _Lowering:
         if not isinstance(source, torch.Tensor):
             return False
         if node.target is aten.permute.default:
-            moved = [d % source.dim() for d in node.args[1] if source.shape[d] != 1]
+            # (static 1s only: comparing a size symbol would add a guard to the trace)
+            moved = [d % source.dim() for d in node.args[1] if not (isinstance(source.shape[d], int)
+                                                                   and source.shape[d] == 1)]
             return moved == sorted(moved)
         if node.target is aten.slice.Tensor:
             dim, start, end, step = (list(node.args[1:]) + [0, None, None, 1][len(node.args) - 1:])[:4]
@@ -500,8 +508,9 @@ class _Lowering:
         if alpha != 1:
             scaled = self.graph[args[1]].value
             args[1] = self.pointwise(Op.MUL, [args[1], self.operand(alpha)], scaled, f"{node.name}_alpha")
-        if op is Op.BITWISE_NOT and value.dtype == torch.bool:
-            op = Op.LOGICAL_NOT
+        if value.dtype == torch.bool:   # bitwise ops on booleans are the logical ones
+            op = {Op.BITWISE_NOT: Op.LOGICAL_NOT, Op.BITWISE_AND: Op.LOGICAL_AND, Op.BITWISE_OR: Op.LOGICAL_OR,
+                  Op.BITWISE_XOR: Op.LOGICAL_XOR}.get(op, op)
         if op in (Op.FMOD, Op.REMAINDER, Op.FLOOR_DIVIDE) and not value.is_floating:
             raise NotFusible(f"integer {op.value}: eager raises on a zero divisor, a kernel cannot")
         if op is Op.POW and not value.is_floating:
@@ -562,16 +571,16 @@ class _Lowering:
         x, exponent = self.operand(node.args[0]), node.args[1]
         if not isinstance(exponent, (int, float)):
             raise NotFusible(f"pow with a symbolic exponent {exponent}")
-        special = POW_SPECIAL.get(exponent)
         if exponent == 0:
             return self.lower_fill(node, value, fill=1)
-        if special == "square":
+        if exponent == 2:
             return self.pointwise(Op.MUL, [x, x], value, node.name)
-        if special == "cube":
+        if exponent == 3:
             square = self.pointwise(Op.MUL, [x, x], value, f"{node.name}_square")
             return self.pointwise(Op.MUL, [square, x], value, node.name)
-        if special is not None and (value.is_floating or special is Op.VIEW):
-            return self.pointwise(special, [x], value, node.name)
+        op = POW_AS_OP.get(exponent)
+        if op is not None and (value.is_floating or op is Op.VIEW):
+            return self.pointwise(op, [x], value, node.name)
         if not value.is_floating:
             raise NotFusible(f"integer pow with exponent {exponent}")
         return self.pointwise(Op.POW, [x, self.const(float(exponent))], value, node.name)
@@ -749,6 +758,26 @@ class _Lowering:
         var = self.add(Op.MUL, [squares, self.const(1.0 / max(source.d - correction, 0) if source.d > correction
                                                     else float("nan"))], stat, name=f"{node.name}_var")
         return (var, mean) if node.target is aten.var_mean.correction else var
+
+    def lower_scatter(self, node, value: Value) -> str:
+        """scatter(self, -1, index, src) with one index per row that an argmax/argmin of this
+        graph produced (max.dim's backward): where(column == index, src, self). Any other
+        index could be out of range, which eager reports: that stays an extern."""
+        base, dim, index, src = (self.operand(a) if isinstance(a, torch.fx.Node) else a for a in node.args[:4])
+        if value.kind is not Kind.FULL or dim % len(value.shape) != len(value.shape) - 1:
+            raise NotFusible(EXTERN_REASONS[aten.scatter.src])
+        origin = index
+        while self.graph[origin].op is Op.VIEW:
+            origin = self.graph[origin].inputs[0]
+        producer = self.graph[origin]
+        if producer.op not in (Op.ARGMAX, Op.ARGMIN) or self.graph[producer.inputs[0]].value.d != value.d \
+                or self.graph[index].value.kind is not Kind.ROW:
+            raise NotFusible(EXTERN_REASONS[aten.scatter.src])
+        column = self.add(Op.IOTA, [], Value(torch.int64, Kind.COL, (sympy.Integer(value.d),), d=value.d),
+                          name=f"{node.name}_column")
+        full_bool = Value(torch.bool, Kind.FULL, value.shape, value.m, value.d)
+        hit = self.pointwise(Op.EQ, [column, index], full_bool, f"{node.name}_hit")
+        return self.pointwise(Op.WHERE, [hit, src, base], value, node.name)
 
     def lower_extern(self, node, val, reason: str) -> str:
         def ref(arg):

@@ -48,6 +48,7 @@ class Op(enum.Enum):
     RAND = "rand"            # uniform [0, 1) from philox(seed, element index)
     SUM = "sum"; MAX = "max"; MIN = "min"; PROD = "prod"   # over D (ROW result) or over M (COL result)
     ARGMAX = "argmax"; ARGMIN = "argmin"                   # over D only: the first extreme's index
+    IOTA = "iota"            # the column index 0..D-1 (a COL int64 value)
     EXTERN = "extern"        # an aten call the code generator does not take
     GETITEM = "getitem"      # one element of an extern's tuple result
 
@@ -60,7 +61,7 @@ BINARY = {Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.POW, Op.FMOD, Op.REMAINDER, Op.FLOO
           Op.TRUNC_DIVIDE, Op.MAXIMUM, Op.MINIMUM, Op.EQ, Op.NE, Op.LT, Op.LE, Op.GT, Op.GE,
           Op.LOGICAL_AND, Op.LOGICAL_OR, Op.LOGICAL_XOR, Op.BITWISE_AND, Op.BITWISE_OR, Op.BITWISE_XOR}
 COMPARISON = {Op.EQ, Op.NE, Op.LT, Op.LE, Op.GT, Op.GE}
-POINTWISE = UNARY | BINARY | {Op.WHERE, Op.VIEW}
+POINTWISE = UNARY | BINARY | {Op.WHERE, Op.VIEW, Op.IOTA}
 REDUCTION = {Op.SUM, Op.MAX, Op.MIN, Op.PROD, Op.ARGMAX, Op.ARGMIN}
 RANDOM = {Op.RAND}
 LEAF = {Op.INPUT, Op.SEED, Op.CONSTANT, Op.SYMBOL}

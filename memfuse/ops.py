@@ -38,7 +38,7 @@ OPS = {
     Op.SQRT: OpInfo("tl.sqrt({0})", torch.sqrt),
     Op.RSQRT: OpInfo("tl.rsqrt({0})", torch.rsqrt),
     Op.SIGMOID: OpInfo("tl.sigmoid({0})", torch.sigmoid),
-    Op.TANH: OpInfo("(2.0 * tl.sigmoid(2.0 * {0}) - 1.0)", torch.tanh),
+    Op.TANH: OpInfo("mf_tanh({0})", torch.tanh, "mf_tanh"),
     Op.ERF: OpInfo("tl.erf({0})", torch.erf),
     Op.RECIPROCAL: OpInfo("(1.0 / {0})", torch.reciprocal),
     Op.SIN: OpInfo("tl.sin({0})", torch.sin),
@@ -75,9 +75,10 @@ OPS = {
     Op.LE: OpInfo("({0} <= {1})", torch.le),
     Op.GT: OpInfo("({0} > {1})", torch.gt),
     Op.GE: OpInfo("({0} >= {1})", torch.ge),
-    Op.LOGICAL_AND: OpInfo("(({0} != 0) & ({1} != 0))", torch.logical_and),
-    Op.LOGICAL_OR: OpInfo("(({0} != 0) | ({1} != 0))", torch.logical_or),
-    Op.LOGICAL_XOR: OpInfo("(({0} != 0) ^ ({1} != 0))", torch.logical_xor),
+    # (where, not & | ^, between booleans: the interpreter cannot mix a 0-d boolean with a block)
+    Op.LOGICAL_AND: OpInfo("tl.where({0} != 0, {1} != 0, False)", torch.logical_and),
+    Op.LOGICAL_OR: OpInfo("tl.where({0} != 0, True, {1} != 0)", torch.logical_or),
+    Op.LOGICAL_XOR: OpInfo("(({0} != 0) != ({1} != 0))", torch.logical_xor),
     Op.BITWISE_AND: OpInfo("({0} & {1})", torch.bitwise_and),
     Op.BITWISE_OR: OpInfo("({0} | {1})", torch.bitwise_or),
     Op.BITWISE_XOR: OpInfo("({0} ^ {1})", torch.bitwise_xor),
@@ -112,6 +113,7 @@ ARG_REDUCE = {Op.ARGMAX: torch.argmax, Op.ARGMIN: torch.argmin}
 
 # The runtime's view of the reductions: (Triton reducer, neutral element, torch reference).
 REDUCERS = {op: (r.triton, r.neutral, r.torch) for op, r in REDUCE.items()}
+REDUCERS.update({op: ("mf_arg_best", "float('-inf')", reference) for op, reference in ARG_REDUCE.items()})
 
 
 # @triton.jit helpers, copied into each kernel file that uses them: name -> (source, helpers it calls).
@@ -126,6 +128,14 @@ HELPERS = {
     u = 1.0 + x
     near_zero = tl.where(u == 1.0, x, tl.log(u) * (x / (u - 1.0)))
     return tl.where(tl.abs(x) < 0.5, near_zero, tl.log(u))''', ()),
+    "mf_tanh": ('''def mf_tanh(x):
+    # tanh(|x|) = expm1(2|x|) / (expm1(2|x|) + 2), signed: accurate near 0 (2 sigmoid(2x) - 1 is
+    # not), exactly 1 from |x| = 20 on, NaN kept
+    a = tl.abs(x)
+    a = tl.where(a > 20.0, 20.0, a)
+    e = mf_expm1(2.0 * a)
+    t = e / (e + 2.0)
+    return tl.where(x < 0, -t, t)''', ("mf_expm1",)),
     "mf_round": ('''def mf_round(x):
     # round half to even, as torch.round: ties go to the even neighbour
     down = tl.floor(x)
@@ -148,7 +158,8 @@ HELPERS = {
     y_odd = y_integral & ((y64 - 2.0 * tl.floor(y64 * 0.5)) != 0.0)
     negative_base = tl.where(y_integral, tl.where(y_odd, -magnitude, magnitude), float('nan'))
     result = tl.where(x64 < 0, negative_base, magnitude)
-    one = (y64 == 0) | (x64 == 1) | ((x64 == -1) & (tl.abs(y64) == float('inf')))
+    one = tl.where(y64 == 0, True, x64 == 1)    # where, not |: x or y may be a 0-d scalar
+    one = tl.where(one, True, tl.where(x64 == -1, tl.abs(y64) == float('inf'), False))
     return tl.where(one, 1.0, result).to(x.dtype)''', ()),
     "mf_remainder": ('''def mf_remainder(a, b):
     # Python's %: the result takes the divisor's sign

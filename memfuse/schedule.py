@@ -125,9 +125,13 @@ def _node_space(graph: Graph, node) -> Space:
 
 
 def _finishing(graph: Graph, node) -> bool:
-    """A view or cast of a finished reduction over M (D elements): done by the runtime."""
-    return node.op in (Op.VIEW, Op.CAST) and node.value.kind in (Kind.COL, Kind.SCALAR) \
-        and _barrier(graph, node.inputs[0]) is not None
+    """A view or cast of a finished reduction over M (D elements): done by the runtime. Only
+    a reshape: a broadcast (expand) of the value is a kernel's job."""
+    if node.op not in (Op.VIEW, Op.CAST) or node.value.kind not in (Kind.COL, Kind.SCALAR):
+        return False
+    source = graph[node.inputs[0]].value
+    same_size = sympy.simplify(sympy.Mul(*source.shape) - sympy.Mul(*node.value.shape)) == 0
+    return same_size and _barrier(graph, node.inputs[0]) is not None
 
 
 def _barrier(graph: Graph, name: str) -> Optional[str]:

@@ -32,9 +32,10 @@ def as_list(out) -> list:
     return list(out) if isinstance(out, (tuple, list)) else [out]
 
 
-def run_both(fn, args, *, config=None, seed: int = 0) -> Both:
+def run_both(fn, args, *, config=None, seed: int = 0, reference: bool = False) -> Both:
     """Forward both ways from the same torch seed; backward with the same random output grads
-    through every floating output that requires grad."""
+    through every floating output that requires grad. With bf16/fp16 inputs (or `reference`)
+    also eager in float64, to arbitrate rounding differences."""
     fused_fn = memfuse.memory_efficient_fusion(fn, config=config)
     before = memfuse.stats()["kernels_launched"]
     fused_args = [a.detach().clone().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
@@ -48,7 +49,7 @@ def run_both(fn, args, *, config=None, seed: int = 0) -> Both:
     captured = [entry.captured for entry in fused_fn.cache.values()]
     fallbacks = [f for c in captured for f in c.fallbacks]
     both = Both(fused, eager, fused_grads, eager_grads, kernels, fallbacks, captured)
-    if any(isinstance(a, torch.Tensor) and a.dtype in (torch.bfloat16, torch.float16) for a in args):
+    if reference or any(isinstance(a, torch.Tensor) and a.dtype in (torch.bfloat16, torch.float16) for a in args):
         wide = [a.detach().double().requires_grad_(a.requires_grad) if _floating(a) else a for a in args]
         torch.manual_seed(seed)
         both.reference = as_list(fn(*wide))

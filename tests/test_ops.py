@@ -210,6 +210,7 @@ SAMPLES = {
     aten.argmax.default: [S(lambda a: aten.argmax.default(a, -1), "q", grad=False)],
     aten.argmin.default: [S(lambda a: aten.argmin.default(a, -1, True), "q", grad=False)],
     aten.max.dim: [S(lambda a: aten.max.dim(a, -1), "f")],
+    aten.scatter.src: [S(lambda a: aten.max.dim(a, -1)[0] * 2, "f")],   # max.dim's backward
     aten.min.dim: [S(lambda a: aten.min.dim(a, -1, True), "q")],
     aten.mean.dim: [S(lambda a: aten.mean.dim(a, [-1]), "f"), S(lambda a: aten.mean.dim(a, [0, 1]), "f")],
     aten.var.correction: [S(lambda a: aten.var.correction(a, [-1], correction=0), "f")],
@@ -359,6 +360,7 @@ EXTERNS = {
     aten.var.correction: (lambda x: x.var() * 2, "f"),
     aten.mm.default: (lambda x, w: (x @ w).relu(), "fs"),
     aten.erfc.default: (lambda x: torch.erfc(x) * 2, "f"),
+    aten.scatter.src: (lambda x, y: x.scatter(-1, (y.abs() * 3).long().clamp(max=7), y) * 2, "ff"),
 }
 
 

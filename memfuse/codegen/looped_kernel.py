@@ -54,6 +54,8 @@ class LoopedKernelWriter(RowKernelWriter):
             node = self.graph[name]
             if node.op is Op.RAND:
                 kinds[name] = Kind.FULL
+            elif node.op is Op.IOTA:
+                kinds[name] = Kind.COL
             elif node.op in REDUCE or node.op in ARG_REDUCE:
                 kinds[name] = node.attr.axis
             else:
@@ -235,7 +237,8 @@ class LoopedKernelWriter(RowKernelWriter):
             out(f"{target}_acc = {info.combine.format(f'{target}_acc', info.triton.format(masked, 1))}")
             return
         names = self.sums[node.op]
-        partial = f"partials_{node.op.value}_ptr + (pid * {len(names)} + {names.index(node.name)}) * D + cols"
+        row = f"pid.to(tl.int64) * {len(names)} + {names.index(node.name)}"
+        partial = f"partials_{node.op.value}_ptr + ({row}) * D + cols"
         # the first tile starts from the neutral element: the buffer is never zeroed
         out(f"{target}_prev = tl.load({partial}, mask=col_mask & (step > 0), other={neutral})")
         out(f"tl.store({partial}, {info.combine.format(f'{target}_prev', info.triton.format(masked, 0))}, "

@@ -89,7 +89,7 @@ class RowKernelWriter:
         self.members = set(group.nodes)
         self.names: dict = {}
         self.kinds: dict = {}     # value name -> Kind of its register value
-        self.sums = {op: [n for n in group.column_sums if graph[n].op is op] for op in REDUCERS}
+        self.sums = {op: [n for n in group.column_sums if graph[n].op is op] for op in REDUCE}
         self.persistent = bool(group.column_sums)
         self.helpers: list = []   # HELPERS entries the kernel calls
 
@@ -133,7 +133,7 @@ class RowKernelWriter:
         if node.op is not Op.CONSTANT:
             return text
         dtype = cast_to or compute_dtype(node.value.dtype)
-        return f"tl.full([1], {text}, {TRITON_DTYPES[dtype]})"   # [1]: 0-d bools trip the interpreter
+        return f"tl.full([], {text}, {TRITON_DTYPES[dtype]})"
 
     # -- the kernel ----------------------------------------------------------------------
     def write(self) -> KernelSource:
@@ -271,7 +271,7 @@ class RowKernelWriter:
             out("# partials over M: one row of D per program and reduction")
             for op, names in self.sums.items():
                 for j, name in enumerate(names):
-                    out(f"tl.store(partials_{op.value}_ptr + (pid * {len(names)} + {j}) * D + cols, "
+                    out(f"tl.store(partials_{op.value}_ptr + (pid.to(tl.int64) * {len(names)} + {j}) * D + cols, "
                         f"{self.reg(name)}_acc, mask=col_mask)")
 
     def load(self, out: _Lines, name: str) -> None:
@@ -303,6 +303,9 @@ class RowKernelWriter:
             out(f"{target} = {self.operand(node.inputs[0], shape, out_dtype)}")
         elif node.op is Op.CAST:
             out(f"{target} = {self.cast(node, shape)}")
+        elif node.op is Op.IOTA:
+            shape = Kind.COL
+            out(f"{target} = cols.to(tl.int64)")
         elif node.op is Op.RAND:
             shape = Kind.FULL
             self.rand(out, node)
