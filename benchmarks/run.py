@@ -112,10 +112,11 @@ def measure_cell(
         memory = measure.step_memory(step_fn, inputs)
         kernel_s = measure.kernel_seconds_per_step(step_fn, inputs, settings.profile_steps)
         sol_s = cell.sol_bytes / bandwidth
+        moves_bytes = mode != "floor"   # the floor launches nothing: a share of SOL means nothing there
         cell = dataclasses.replace(
             cell, kernel_s=kernel_s, saved_bytes=memory.saved_bytes, peak_bytes=memory.peak_bytes,
-            peak_abs_bytes=memory.peak_abs_bytes, step_sol=sol_s / step.median_s,
-            gpu_sol=sol_s / kernel_s if kernel_s else None,
+            peak_abs_bytes=memory.peak_abs_bytes, step_sol=sol_s / step.median_s if moves_bytes else None,
+            gpu_sol=sol_s / kernel_s if kernel_s and moves_bytes else None,
         )
     return dataclasses.replace(cell, stats=memfuse_stats() if mode.startswith("memfuse") else None)
 
