@@ -28,10 +28,6 @@ from .tuning import LaunchConfig, TuningCache, cpu_config, default_config
 log = logging.getLogger("memfuse")
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 # torch's integer sympy functions (sizes traced under Dynamo hold them, e.g. FloorDiv(s0, 2)).
 SIZE_FUNCTIONS = {
     "FloorDiv": lambda a, b: a // b, "CleanDiv": lambda a, b: a // b, "CeilDiv": lambda a, b: -(-a // b),

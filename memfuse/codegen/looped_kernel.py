@@ -35,7 +35,6 @@ class LoopedKernelWriter(RowKernelWriter):
         self.column_origin = "chunk"
         self.reg_kind = self.register_kinds()
         self.phase = self.phases()
-        self.pass_now = 0
 
     # -- static analysis: where each value lives, and in which pass it is ready ----------
     def kind_of(self, name: str) -> Kind:
@@ -169,7 +168,6 @@ class LoopedKernelWriter(RowKernelWriter):
         for name in self.group.inputs:
             if name in needed:
                 self.load(out, name)
-        self.pass_now = p
         for name in self.group.nodes:
             if name in needed and name in self.members:
                 self.compute(out, name)
