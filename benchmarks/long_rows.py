@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 
-import torch
 from triton.testing import do_bench
 
 import memfuse

@@ -28,7 +28,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from .capture import Captured, decomposition_table, lower_graph
 from .config import Config
 from .debug import STATS, dump
-from .ir import Graph, Op, Symbol, format_graph, verify
+from .ir import Graph, Symbol, format_graph, verify
 from .plan import Plan, plan
 from .runtime import Program, _draw_seed
 from .schedule import schedule

@@ -8,7 +8,6 @@ Anything the kernels cannot take becomes an EXTERN node with the reason recorded
 """
 from __future__ import annotations
 
-import logging
 import operator
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence

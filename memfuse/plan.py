@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import networkx as nx
 
 from .capture import Captured
-from .ir import REDUCTION, Graph, Kind, Node, Op, Reduce, Value, value_bytes
+from .ir import REDUCTION, Graph, Kind, Node, Op, Reduce, value_bytes
 
 INFINITE = float("inf")
 FREE_LEAVES = {Op.SEED, Op.CONSTANT, Op.SYMBOL}   # available to both graphs at no cost

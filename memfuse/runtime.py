@@ -20,7 +20,7 @@ from triton import knobs
 from .codegen import CompiledKernel, generate
 from .config import Config
 from .debug import STATS
-from .ir import Extern, Graph, Kind, Op, ValueRef
+from .ir import Graph, Kind, Op, ValueRef
 from .ops import OPS, REDUCERS, accumulate_dtype, compute_dtype
 from .schedule import ExternStep, KernelGroup, Schedule
 from .tuning import LaunchConfig, TuningCache, cpu_config, default_config

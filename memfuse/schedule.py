@@ -191,7 +191,6 @@ def _fill_io(graph: Graph, group: KernelGroup, group_of: dict) -> None:
                 inputs.append(inp)
     group.inputs = inputs
     for name in group.nodes:
-        node = graph[name]
         if _barrier(graph, name) is not None:
             group.column_sums.append(name)
         elif name in outputs or any(u not in members for u in users[name]):

@@ -1,6 +1,5 @@
 """The planner on joint graphs from memfuse.capture: what the forward saves, what the backward
 recomputes or regenerates, and how that compares with torch's own min-cut partitioner."""
-import functools
 
 import pytest
 import torch

@@ -12,9 +12,7 @@ Column reductions (over M) add into their program's row of the partials buffer c
 """
 from __future__ import annotations
 
-from typing import Optional
 
-import torch
 
 from ..ir import Graph, Kind, Node, Op
 from ..ops import ARG_REDUCE, REDUCE, TRITON_DTYPES

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from ..ir import Graph, Kind, Node, Op, Value
+from ..ir import Graph, Kind, Node, Op
 from ..ops import ARG_REDUCE, HELPERS, OPS, REDUCE, REDUCERS, TRITON_DTYPES, accumulate_dtype, compute_dtype, helpers_for
 from ..schedule import KernelGroup
 
