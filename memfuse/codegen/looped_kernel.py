@@ -118,15 +118,7 @@ class LoopedKernelWriter(RowKernelWriter):
         if not self.has_rows:
             self.column_pass(out)
             return
-        if self.persistent:
-            out("num_programs = tl.num_programs(0)")
-            out("for step in range(0, tiles_per_program):")
-            out.indent()
-            out("tile = pid + step * num_programs")
-        else:
-            out("tile = pid")
-        out("rows = tile.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)")
-        out("row_mask = rows < M")
+        self.tile_walk(out)
         for name in g.inputs:
             if self.graph[name].value.kind is Kind.ROW:
                 self.load(out, name)

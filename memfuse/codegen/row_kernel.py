@@ -246,15 +246,7 @@ class RowKernelWriter:
             for name in names:
                 acc = TRITON_DTYPES[accumulate_dtype(self.graph[name].value.dtype)]
                 out(f"{self.reg(name)}_acc = tl.full([BLOCK_D], {REDUCERS[op][1]}, {acc})")
-        if self.persistent:
-            out("num_programs = tl.num_programs(0)")
-            out("for step in range(0, tiles_per_program):")
-            out.indent()
-            out("tile = pid + step * num_programs")
-        else:
-            out("tile = pid")
-        out("rows = tile.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)")   # int64: M may pass 2**31
-        out("row_mask = rows < M")
+        self.tile_walk(out)
         if self.d:
             out("mask = row_mask[:, None] & col_mask[None, :]")
             out("offsets = rows.to(tl.int64)[:, None] * D + cols[None, :]")
@@ -273,6 +265,19 @@ class RowKernelWriter:
                 for j, name in enumerate(names):
                     out(f"tl.store(partials_{op.value}_ptr + (pid.to(tl.int64) * {len(names)} + {j}) * D + cols, "
                         f"{self.reg(name)}_acc, mask=col_mask)")
+
+    def tile_walk(self, out: _Lines) -> None:
+        """Open the walk over row tiles: a loop on a persistent grid (closed by the caller's
+        dedent), else one tile per program; then the tile's row indices."""
+        if self.persistent:
+            out("num_programs = tl.num_programs(0)")
+            out("for step in range(0, tiles_per_program):")
+            out.indent()
+            out("tile = pid + step * num_programs")
+        else:
+            out("tile = pid")
+        out("rows = tile.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)")   # int64: M may pass 2**31
+        out("row_mask = rows < M")
 
     def load(self, out: _Lines, name: str) -> None:
         node = self.graph[name]
