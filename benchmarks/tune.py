@@ -23,11 +23,10 @@ from memfuse.runtime import KernelLaunch
 from memfuse.tuning import LaunchConfig, TuningCache, default_config
 
 
-def kernel_time(program, launch: KernelLaunch) -> float:
-    """Median microseconds of one launch of `launch` (its finishing column sum included)."""
-    env, symbol_values, device = program.last_env
-    return 1000 * do_bench(lambda: program.launch(launch, dict(env), symbol_values, device),
-                           warmup=10, rep=40, return_mode="median")
+def kernel_time(launch: KernelLaunch) -> float:
+    """Median microseconds of `launch` on the arguments of its recorded call (its finishing
+    column sum included)."""
+    return 1000 * do_bench(lambda: launch(*launch.recorded), warmup=10, rep=40, return_mode="median")
 
 
 def tile_candidates(block_d: int, per_sm: int) -> list:
@@ -36,11 +35,11 @@ def tile_candidates(block_d: int, per_sm: int) -> list:
             for warps in (2, 4, 8, 16) if warps * 32 <= block_m * block_d // 4]
 
 
-def best_of(program, launch: KernelLaunch, configs: list, device) -> list:
+def best_of(launch: KernelLaunch, configs: list, device) -> list:
     timed = []
     for config in configs:
         launch.configs[device] = config
-        timed.append((kernel_time(program, launch), config))
+        timed.append((kernel_time(launch), config))
     return sorted(timed, key=lambda tc: tc[0])
 
 
@@ -58,39 +57,38 @@ def tune_workload(workload, results: list, cache: TuningCache, device_name: str,
 
     step(inputs)
     entry = next(iter(fused.cache.values()))
-    programs = [entry.function.forward, entry.function.backward]
-    for program in programs:
-        program.record_env = True
+    launches = [s for program in (entry.function.forward, entry.function.backward) for s in program.steps
+                if isinstance(s, KernelLaunch)]
+    for launch in launches:
+        launch.record = True
     step(inputs)
     device = inputs.tensors[0].device
     rows = inputs.tensors[0].numel() // inputs.tensors[0].shape[-1]
-    for program in programs:
-        for launch in [s for s in program.steps if isinstance(s, KernelLaunch)]:
-            source = launch.kernel.source
-            block_d = source.constexprs["BLOCK_D"]
-            default = default_config(block_d, source.persistent)
-            default_us = best_of(program, launch, [default], device)[0][0]
-            if source.persistent and exhaustive:
-                ranked = best_of(program, launch, [LaunchConfig(c.block_m, c.num_warps, per_sm)
-                                                   for c in tile_candidates(block_d, 0) for per_sm in (1, 2, 4, 8)],
-                                 device)
-            else:
-                ranked = best_of(program, launch, tile_candidates(block_d, 2 if source.persistent else 0), device)
-            if source.persistent and not exhaustive:
-                tile = ranked[0][1]
-                ranked = best_of(program, launch, [LaunchConfig(tile.block_m, tile.num_warps, per_sm)
-                                                   for per_sm in (1, 2, 4, 8)], device)
-            best_us, best = ranked[0]
-            if default_us <= best_us:
-                best_us, best = default_us, default
-            launch.configs[device] = best
-            cache.put(device_name, Path(launch.kernel.path).stem, best)
-            gbps = source.bytes_per_row * rows / (best_us * 1e-6) / 1e9
-            results.append(dict(workload=workload.name, kernel=source.name, block_d=block_d,
-                                persistent=source.persistent, default=vars(default), default_us=default_us,
-                                best=vars(best), best_us=best_us, best_gbps=gbps))
-            print(f"{workload.name:44s} {source.name:20s} default {default_us:8.1f} us  best {best_us:8.1f} us "
-                  f"{vars(best)}  {gbps:7.0f} GB/s", flush=True)
+    for launch in launches:
+        source = launch.kernel.source
+        block_d = source.constexprs["BLOCK_D"]
+        default = default_config(block_d, source.persistent)
+        default_us = best_of(launch, [default], device)[0][0]
+        if source.persistent and exhaustive:
+            ranked = best_of(launch, [LaunchConfig(c.block_m, c.num_warps, per_sm)
+                                      for c in tile_candidates(block_d, 0) for per_sm in (1, 2, 4, 8)], device)
+        else:
+            ranked = best_of(launch, tile_candidates(block_d, 2 if source.persistent else 0), device)
+        if source.persistent and not exhaustive:
+            tile = ranked[0][1]
+            ranked = best_of(launch, [LaunchConfig(tile.block_m, tile.num_warps, per_sm)
+                                      for per_sm in (1, 2, 4, 8)], device)
+        best_us, best = ranked[0]
+        if default_us <= best_us:
+            best_us, best = default_us, default
+        launch.configs[device] = best
+        cache.put(device_name, Path(launch.kernel.path).stem, best)
+        gbps = source.bytes_per_row * rows / (best_us * 1e-6) / 1e9
+        results.append(dict(workload=workload.name, kernel=source.name, block_d=block_d,
+                            persistent=source.persistent, default=vars(default), default_us=default_us,
+                            best=vars(best), best_us=best_us, best_gbps=gbps))
+        print(f"{workload.name:44s} {source.name:20s} default {default_us:8.1f} us  best {best_us:8.1f} us "
+              f"{vars(best)}  {gbps:7.0f} GB/s", flush=True)
 
 
 def main() -> None:

@@ -396,7 +396,9 @@ def write_dump(r: Report, folder: Path) -> Path:
     aten = entry.captured.aten_graph
     if aten is not None:
         files["joint.aten.py"] = aten.print_readable(print_output=False)
-    for program in (entry.function.forward, entry.function.backward):
+    for name, program in (("forward", entry.function.forward), ("backward", entry.function.backward)):
+        if program is not None:
+            files[f"{name}.program.py"] = program.source
         for prepared in (program.steps if program is not None else []):
             kernel = getattr(prepared, "kernel", None)
             if kernel is not None:

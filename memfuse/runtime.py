@@ -1,20 +1,20 @@
 """runtime: run scheduled graphs. One Program per graph (forward, backward), one autograd.Function.
 
-Everything a step needs is prepared once, when the program is built: the argument order of each
-kernel, lambdas for sizes derived from the input shapes, output allocation shapes. A call only
-reads the size symbols off the inputs, draws a seed, allocates, launches and finishes the
-column sums.
+Everything a step needs is worked out once, when the program is built, and written out as one
+Python function per program (`Program.source`): size expressions, allocations, kernel argument
+order, column-sum finishes. A call reads the size symbols off the inputs, draws a seed and runs
+that function.
 """
 from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
 import sympy
 import torch
+from sympy.printing.lambdarepr import LambdaPrinter
 from triton import knobs
 
 from .codegen import CompiledKernel, generate
@@ -46,55 +46,58 @@ def _size_fn(exprs, symbols: list) -> Callable:
                           [SIZE_FUNCTIONS, "math"])
 
 
-NEUTRAL = {Op.SUM: 0.0, Op.MAX: float("-inf"), Op.MIN: float("inf")}
-
-
 class KernelLaunch:
-    """One generated kernel, with everything a call needs prepared."""
+    """One generated kernel, with everything a call needs prepared.
 
-    def __init__(self, group: KernelGroup, kernel: CompiledKernel, rows: Optional[Callable],
-                 alloc: list, finish: list, partials_dtypes: dict, config: Config):
+    `__call__(device, rows, aligned, values)` takes the kernel's value arguments (inputs,
+    scalars, outputs, in signature order), appends the partial-sum buffers and the grid
+    scalars, launches, and returns the finished column sums: one [n, D] tensor per reduction
+    (None without column sums)."""
+
+    def __init__(self, group: KernelGroup, kernel: CompiledKernel, config: Config, partials_dtypes: dict):
         self.group = group
         self.kernel = kernel
         self.config = config
-        self.rows = rows                 # symbol values -> M (None: a kernel without rows)
-        self.alloc = alloc               # (name, dtype, shape fn) for each written value
-        self.finish = finish             # (reducer op, [(name, cast dtype or None, shape fn or None)])
         self.persistent = kernel.source.persistent
+        self.has_rows = group.space.m is not None
         self.d = kernel.source.constexprs["D"]
-        self.grids: dict = {}            # device -> (LaunchConfig, most programs)
+        self.reductions = list(kernel.source.column_sums.items())   # (op, [column-sum names])
         self.partials_dtypes = partials_dtypes   # reducer op -> dtype of its partials buffer
-        self.build_args = _argument_builder(kernel.source.args)
         self.launcher = Launcher(kernel)
-        self._partials: dict = {}
         self.configs: dict = {}          # device -> LaunchConfig
+        self.grids: dict = {}            # device -> (LaunchConfig, most programs)
+        self._partials: dict = {}
+        self.record = False              # keep the last call's arguments (benchmarks/tune.py)
+        self.recorded = None
 
-    def __call__(self, env: dict, symbol_values: tuple, device: torch.device) -> None:
-        rows = self.rows(*symbol_values) if self.rows is not None else 1
-        for name, dtype, shape in self.alloc:
-            env[name] = torch.empty(shape(*symbol_values), dtype=dtype, device=device)
+    def __call__(self, device: torch.device, rows: Optional[int], aligned: bool, values: tuple):
+        if self.record:
+            self.recorded = (device, rows, aligned, values)
         grid = self.grids.get(device)
         if grid is None or grid[0] is not self.configs.get(device):
             grid = self._grid(device)
         config, most = grid
-        # at least one tile: with M = 0 the column outputs (a weight grad of zeros) are still written
-        tiles = max(1, -(-rows // config.block_m))
-        programs = min(tiles, most) if self.persistent else tiles
-        if self.rows is None:
+        if rows is None:
             programs = tiles = 1
-        partials = self.partials(programs, device) if self.finish else None
-        if programs > 0:
-            self.launcher(programs, self.build_args(env, partials, rows, -(-tiles // programs), _contiguous),
-                          device, config)
-            STATS["kernels_launched"] += 1
-        for op, outputs in self.finish:
-            if programs > 0:
-                totals = partials[op].sum(0) if op is Op.SUM else REDUCERS[op][2](partials[op], 0)
-            else:
-                totals = torch.full((len(outputs), self.d), NEUTRAL[op], device=device)
-            for j, (name, cast, shape) in enumerate(outputs):
-                total = totals[j] if cast is None else totals[j].to(cast)
-                env[name] = total if shape is None else total.reshape(shape(*symbol_values))
+        else:
+            # at least one tile: with M = 0 the column outputs (a weight grad of zeros) are still written
+            tiles = max(1, -(-rows // config.block_m))
+            programs = min(tiles, most) if self.persistent else tiles
+        args = list(values)
+        partials = None
+        if self.reductions:
+            partials = self.partials(programs, device)
+            args.extend(partials)
+        if self.has_rows:
+            args.append(rows)
+            if self.persistent:
+                args.append(-(-tiles // programs))
+        self.launcher(programs, args, device, config, aligned)
+        STATS["kernels_launched"] += 1
+        if partials is None:
+            return None
+        return [buffer.sum(0) if op is Op.SUM else REDUCERS[op][2](buffer, 0)
+                for (op, _), buffer in zip(self.reductions, partials)]
 
     def _grid(self, device: torch.device) -> tuple:
         config = self.launch_config(device, self.config)
@@ -115,38 +118,17 @@ class KernelLaunch:
             self.configs[device] = chosen
         return chosen
 
-    def partials(self, programs: int, device: torch.device) -> dict:
-        """[programs, n, D] fp32 buffers, reused across calls: the finishing sum that reads
-        them is queued on the same stream before the next launch can overwrite them."""
+    def partials(self, programs: int, device: torch.device) -> list:
+        """[programs, n, D] buffers, one per reduction, reused across calls: the finishing sum
+        that reads them is queued on the same stream before the next launch can overwrite them."""
         key = (programs, device)
         buffers = self._partials.get(key)
         if buffers is None:
-            d = self.kernel.source.constexprs["D"]
-            buffers = {op: torch.empty((max(programs, 1), len(names), d), device=device,
-                                       dtype=self.partials_dtypes[op])
-                       for op, names in self.finish}
+            buffers = [torch.empty((max(programs, 1), len(names), self.d), device=device,
+                                   dtype=self.partials_dtypes[op])
+                       for op, names in self.reductions]
             self._partials[key] = buffers
         return buffers
-
-
-def _argument_builder(args: list) -> Callable:
-    """A function that lists a kernel's arguments from the environment: written out once as
-    Python, so a call walks no argument roles."""
-    items = []
-    namespace: dict = {}
-    for a in args:
-        if a.role == "read":
-            items.append(f"contiguous(env[{a.value!r}])")
-        elif a.role in ("write", "scalar"):
-            items.append(f"env[{a.value!r}]")
-        elif a.role == "partials":
-            namespace[f"reduce_{a.value}"] = Op(a.value)
-            items.append(f"partials[reduce_{a.value}]")
-        else:
-            items.append("rows" if a.role == "rows" else "tiles_per_program")
-    source = f"def build_args(env, partials, rows, tiles_per_program, contiguous):\n    return [{', '.join(items)}]\n"
-    exec(compile(source, "<memfuse argument builder>", "exec"), namespace)
-    return namespace["build_args"]
 
 
 class Launcher:
@@ -154,133 +136,216 @@ class Launcher:
 
     Triton's `kernel[grid](...)` re-binds and re-specializes every argument on each call (10-40 us
     on a GPU host). Every scalar of a memfuse kernel is `do_not_specialize`, so the only
-    specialization left is the 16-byte alignment of the pointers: the compiled kernel is kept per
-    alignment pattern and called directly. The interpreter, and any launch hook a profiler
-    installs, take the generic path."""
+    specialization left is the 16-byte alignment of the pointers: memfuse allocates outputs and
+    partials itself, so a call whose inputs are all aligned (the caller says so) runs the kernel
+    compiled for that case directly. The interpreter, unaligned inputs and any launch hook a
+    profiler installs take the generic path."""
 
     def __init__(self, kernel: CompiledKernel):
         self.fn = kernel.fn
         self.source = kernel.source
-        self.compiled: dict = {}
+        self.compiled: dict = {}         # (device index, LaunchConfig) -> compiled kernel, aligned inputs
         self.constexprs: dict = {}       # LaunchConfig -> keyword constexprs, positional constexprs
-        # memfuse allocates outputs and partials itself (aligned): only inputs can be unaligned
-        self.pointers = [i for i, a in enumerate(kernel.source.args) if a.role == "read"]
 
-    def __call__(self, programs: int, args: list, device: torch.device, config: LaunchConfig) -> None:
+    def __call__(self, programs: int, args: list, device: torch.device, config: LaunchConfig, aligned: bool) -> None:
         named = self.constexprs.get(config)
         if named is None:
             d, block_d = self.source.constexprs["D"], self.source.constexprs["BLOCK_D"]
             named = ({"D": d, "BLOCK_M": config.block_m, "BLOCK_D": block_d}, (d, config.block_m, block_d))
             self.constexprs[config] = named
         keywords, positional = named
-        if device.type != "cuda" or _launch_hooks_installed():
+        if device.type != "cuda" or not aligned or _launch_hooks_installed():
             self.fn[(programs,)](*args, **keywords, num_warps=config.num_warps)
             return
-        key = (device.index, config, tuple(args[i].data_ptr() % 16 == 0 for i in self.pointers))
-        compiled = self.compiled.get(key)
+        compiled = self.compiled.get((device.index, config))
         if compiled is None:
-            self.compiled[key] = self.fn[(programs,)](*args, **keywords, num_warps=config.num_warps)
+            self.compiled[(device.index, config)] = self.fn[(programs,)](*args, **keywords, num_warps=config.num_warps)
             return
         compiled.run(programs, 1, 1, _raw_stream(device.index), compiled.function, compiled.packed_metadata,
                      None, None, None, *args, *positional)
 
 
-@dataclass
 class AtenGroup:
-    graph: Graph
-    group: KernelGroup
-    rows: Optional[Callable]
-    shapes: dict                         # name -> shape fn, for materialized values
+    """A group the code generator declined, run op by op: `(inputs, symbol values) -> outputs`."""
 
-    def __call__(self, env: dict, symbol_values: tuple, device) -> None:
-        _run_aten_group(self.graph, self, env, symbol_values)
+    def __init__(self, graph: Graph, group: KernelGroup, rows: Optional[Callable], shapes: dict):
+        self.graph = graph
+        self.group = group
+        self.rows = rows
+        self.shapes = shapes             # name -> shape fn, for materialized values
 
-
-@dataclass
-class ExternCall:
-    name: str
-    target: object
-    args: tuple
-    kwargs: dict
-    getitem: Optional[int] = None
-    reshape: Optional[Callable] = None   # symbol values -> shape, for a view/cast of a finished value
-
-    def __call__(self, env: dict, symbol_values: tuple, device) -> None:
-        if self.getitem is not None:
-            env[self.name] = env[self.args[0]][self.getitem]
-        elif self.reshape is not None:   # self.target holds the dtype
-            env[self.name] = env[self.args[0]].reshape(self.reshape(*symbol_values)).to(self.target)
-        else:
-            args = _resolve(self.args, env)
-            kwargs = {k: _resolve(v, env) for k, v in self.kwargs.items()}
-            env[self.name] = self.target(*args, **kwargs)
-            STATS["extern_calls"] += 1
+    def __call__(self, inputs: dict, symbol_values: tuple) -> list:
+        return _run_aten_group(self.graph, self, inputs, symbol_values)
 
 
 class Program:
-    """A scheduled graph, ready to run: `run(inputs, symbol_values) -> outputs`."""
+    """A scheduled graph, ready to run: `run(inputs, symbol_values, device) -> outputs`.
+
+    `run` is one Python function written out when the program is built (`source`): each step
+    is a few lines of it (allocate outputs, launch a kernel, finish its column sums, call an
+    aten op), so a call walks no list of steps and no dictionary of values."""
 
     def __init__(self, schedule: Schedule, symbols: list, config: Config):
         self.graph = schedule.graph
         self.schedule = schedule
         self.symbols = symbols
         self.config = config
-        g = self.graph
-        self.constants = {n: node.attr.value for n, node in g.nodes.items() if node.op is Op.CONSTANT}
-        self.size_scalars = [(n, _size_fn(node.attr.expr, symbols), node.value.dtype.is_floating_point)
-                             for n, node in g.nodes.items() if node.op is Op.SYMBOL]
         self.steps = [self._prepare(step) for step in schedule.steps]
-        self.last_env = None             # filled when record_env is set (benchmarks/tune.py)
-        self.record_env = False
+        self.source, self.run = _ProgramWriter(self).write()
 
     def _shape_fn(self, name: str) -> Callable:
         return _size_fn(self.graph[name].value.shape, self.symbols)
 
-    def _rows_fn(self, group: KernelGroup) -> Optional[Callable]:
-        return None if group.space.m is None else _size_fn(group.space.m, self.symbols)
-
     def _prepare(self, step):
         g = self.graph
         if isinstance(step, ExternStep):
-            node = g[step.name]
-            if node.op is Op.GETITEM:
-                return ExternCall(step.name, None, (node.inputs[0],), {}, getitem=node.attr.index)
-            if node.op in (Op.VIEW, Op.CAST):
-                return ExternCall(step.name, node.value.dtype, (node.inputs[0],), {}, reshape=self._shape_fn(step.name))
-            return ExternCall(step.name, node.attr.target, node.attr.args, dict(node.attr.kwargs))
+            return step
         if step.aten_reason is not None:
             logging.getLogger("memfuse.fallbacks").info("memfuse: %s runs through aten: %s", step.name, step.aten_reason)
             STATS["fallbacks"] += 1
             shapes = {n: self._shape_fn(n) for n in step.outputs + step.column_sums}
-            return AtenGroup(g, step, self._rows_fn(step), shapes)
+            rows = None if step.space.m is None else _size_fn(step.space.m, self.symbols)
+            return AtenGroup(g, step, rows, shapes)
         kernel = generate(g, step, self.config)
         STATS["kernels_generated"] += 1
-        alloc = [(n, g[n].value.dtype, self._shape_fn(n)) for n in step.outputs]
-        finish, partials_dtypes = [], {}
-        for op, names in kernel.source.column_sums.items():
-            buffer_dtype = max((accumulate_dtype(g[n].value.dtype) for n in names), key=lambda t: t.itemsize)
-            partials_dtypes[op] = buffer_dtype
-            finish.append((op, [(n, None if g[n].value.dtype == buffer_dtype else g[n].value.dtype,
-                                 None if g[n].value.shape == (step.space.d,) else self._shape_fn(n))
-                                for n in names]))
-        return KernelLaunch(step, kernel, self._rows_fn(step), alloc, finish, partials_dtypes, self.config)
+        partials_dtypes = {op: max((accumulate_dtype(g[n].value.dtype) for n in names), key=lambda t: t.itemsize)
+                           for op, names in kernel.source.column_sums.items()}
+        return KernelLaunch(step, kernel, self.config, partials_dtypes)
 
-    # -- running ---------------------------------------------------------------------------
-    def run(self, inputs: list, symbol_values: tuple, device: torch.device) -> list:
-        env = dict(self.constants)
-        env.update(zip(self.graph.inputs, inputs))
-        for name, fn, is_float in self.size_scalars:
-            value = fn(*symbol_values)
-            env[name] = float(value) if is_float else int(value)
-        for step in self.steps:
-            step(env, symbol_values, device)
-        if self.record_env:
-            self.last_env = (dict(env), symbol_values, device)
-        return [env[o] if o is not None else None for o in self.graph.outputs]
 
-    def launch(self, step, env: dict, symbol_values: tuple, device) -> None:
-        """Run one step on a recorded environment (for tuning and timing)."""
-        step(env, symbol_values, device)
+class _ProgramWriter:
+    """Writes a Program's `run` as Python source. Local names: graph values keep their node
+    names; everything memfuse binds starts with `mf_`."""
+
+    def __init__(self, program: Program):
+        self.program = program
+        self.graph = program.graph
+        self.sizes = {s: sympy.Symbol(f"mf_s{i}") for i, s in enumerate(program.symbols)}
+        self.namespace: dict = {"mf_empty": torch.empty, "mf_STATS": STATS, "torch": torch}
+        self.lines: list = []
+        self.allocated: set = set()      # values memfuse allocates (aligned, contiguous)
+        self.contiguous: dict = {}       # value -> its local made contiguous for kernels
+
+    def write(self) -> tuple:
+        g = self.graph
+        self.line("def run(mf_inputs, mf_sizes, device):")
+        if g.inputs:
+            self.line(f"    {', '.join(g.inputs)}, = mf_inputs")
+        if self.sizes:
+            self.line(f"    {', '.join(str(s) for s in self.sizes.values())}, = mf_sizes")
+        for name, node in g.nodes.items():
+            if node.op is Op.CONSTANT:
+                self.namespace[name] = node.attr.value
+            elif node.op is Op.SYMBOL:
+                cast = "float" if node.value.dtype.is_floating_point else "int"
+                self.line(f"    {name} = {cast}({self.expr(node.attr.expr)})")
+        for step, prepared in zip(self.program.schedule.steps, self.program.steps):
+            if isinstance(prepared, KernelLaunch):
+                self.kernel(step, prepared)
+            elif isinstance(prepared, AtenGroup):
+                self.aten_group(step, prepared)
+            else:
+                self.extern(step.name)
+        outputs = ", ".join(o if o is not None else "None" for o in g.outputs)
+        self.line(f"    return [{outputs}]")
+        source = "\n".join(self.lines) + "\n"
+        name = f"<memfuse program {id(self.program):x}>"
+        exec(compile(source, name, "exec"), self.namespace)
+        return source, self.namespace["run"]
+
+    def line(self, text: str) -> None:
+        self.lines.append(text)
+
+    def expr(self, e) -> str:
+        """A size expression over the leading-dim symbols, as Python."""
+        if isinstance(e, (list, tuple)):
+            items = [self.expr(x) for x in e]
+            return f"({items[0]},)" if len(items) == 1 else f"({', '.join(items)})"
+        e = sympy.sympify(e).xreplace(self.sizes)
+        return _SIZE_PRINTER.doprint(e)
+
+    def bind(self, value, prefix: str) -> str:
+        name = f"mf_{prefix}_{len(self.namespace)}"
+        self.namespace[name] = value
+        return name
+
+    def kernel(self, group: KernelGroup, launch: KernelLaunch) -> None:
+        g = self.graph
+        self.line(f"    # {group.name}: a kernel over [M, D={group.space.d}]")
+        for name in group.outputs:
+            value = g[name].value
+            self.line(f"    {name} = mf_empty({self.expr(value.shape)}, dtype={value.dtype}, device=device)")
+            self.allocated.add(name)
+        values, checked = [], []
+        for arg in launch.kernel.source.args:
+            if arg.role == "read" and arg.value not in self.allocated:
+                local = self.contiguous.get(arg.value)
+                if local is None:   # an input or an aten result: may be strided or unaligned
+                    local = self.contiguous[arg.value] = f"mf_{arg.value}"
+                    self.line(f"    {local} = {arg.value} if {arg.value}.is_contiguous() else {arg.value}.contiguous()")
+                values.append(local)
+                checked.append(f"{local}.data_ptr()")
+            elif arg.role in ("read", "write", "scalar"):
+                values.append(arg.value)
+            elif arg.role not in ("partials", "rows", "tiles"):
+                raise NotImplementedError(f"memfuse: {group.name}: no runtime value for argument role {arg.role!r}")
+        rows = "None" if group.space.m is None else self.expr(group.space.m)
+        aligned = "True"
+        if checked:
+            aligned = "mf_aligned"
+            self.line(f"    mf_aligned = not (({' | '.join(checked)}) & 15)")
+        self.namespace[group.name] = launch
+        call = f"{group.name}(device, {rows}, {aligned}, ({', '.join(values)}{',' if len(values) == 1 else ''}))"
+        if not launch.reductions:
+            self.line(f"    {call}")
+            return
+        self.line(f"    mf_totals = {call}")
+        for i, (op, names) in enumerate(launch.reductions):
+            buffer_dtype = launch.partials_dtypes[op]
+            for j, name in enumerate(names):
+                value = g[name].value
+                total = f"mf_totals[{i}][{j}]"
+                if value.dtype != buffer_dtype:
+                    total += f".to({value.dtype})"
+                if tuple(value.shape) != (group.space.d,):
+                    total += f".reshape({self.expr(value.shape)})"
+                self.line(f"    {name} = {total}")   # a row of [n, D]: aligned only if D is
+
+    def aten_group(self, group: KernelGroup, step: AtenGroup) -> None:
+        runner = self.bind(step, "aten")
+        inputs = ", ".join(f"{n!r}: {n}" for n in group.inputs)
+        outputs = list(step.shapes)
+        self.line(f"    # {group.name}: through aten ({group.aten_reason})")
+        self.line(f"    {', '.join(outputs)}, = {runner}({{{inputs}}}, mf_sizes)")
+
+    def extern(self, name: str) -> None:
+        node = self.graph[name]
+        source = node.inputs[0] if node.inputs else None
+        if node.op is Op.GETITEM:
+            self.line(f"    {name} = {source}[{node.attr.index}]")
+        elif node.op in (Op.VIEW, Op.CAST):
+            cast = "" if self.graph[source].value.dtype == node.value.dtype else f".to({node.value.dtype})"
+            self.line(f"    {name} = {source}.reshape({self.expr(node.value.shape)}){cast}")
+        else:
+            target = self.bind(node.attr.target, "aten")
+            args = [self.argument(a) for a in node.attr.args]
+            args += [f"{k}={self.argument(v)}" for k, v in node.attr.kwargs]
+            self.line(f"    {name} = {target}({', '.join(args)})")
+            self.line("    mf_STATS['extern_calls'] += 1")
+
+    def argument(self, value) -> str:
+        if isinstance(value, ValueRef):
+            return value.name
+        if isinstance(value, (list, tuple)):
+            items = [self.argument(v) for v in value]
+            inner = ", ".join(items) + ("," if isinstance(value, tuple) and len(items) == 1 else "")
+            return f"({inner})" if isinstance(value, tuple) else f"[{inner}]"
+        if value is None or isinstance(value, (bool, int)):
+            return repr(value)
+        return self.bind(value, "arg")
+
+
+_SIZE_PRINTER = LambdaPrinter({"allow_unknown_functions": True, "fully_qualified_modules": False, "inline": True})
 
 
 _SM_COUNTS: dict = {}
@@ -305,14 +370,6 @@ def _contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
-def _resolve(arg, env):
-    if isinstance(arg, ValueRef):
-        return env[arg.name]
-    if isinstance(arg, (list, tuple)):
-        return type(arg)(_resolve(a, env) for a in arg)
-    return arg
-
-
 # -- groups the code generator declined, run op by op in the [M, D] layout ---------------------
 def _canonical(t, kind: Kind, rows: int, d: Optional[int]):
     if not isinstance(t, torch.Tensor):
@@ -326,7 +383,7 @@ def _canonical(t, kind: Kind, rows: int, d: Optional[int]):
     return t.reshape(())
 
 
-def _run_aten_group(graph: Graph, step: AtenGroup, env: dict, symbol_values: tuple) -> None:
+def _run_aten_group(graph: Graph, step: AtenGroup, env: dict, symbol_values: tuple) -> list:
     group = step.group
     rows = int(step.rows(*symbol_values)) if step.rows is not None else 1
     d = group.space.d
@@ -362,10 +419,11 @@ def _run_aten_group(graph: Graph, step: AtenGroup, env: dict, symbol_values: tup
         else:
             result = OPS[node.op].torch(*[read(i) for i in node.inputs])
         local[name] = result
+    results = []
     for name, shape in step.shapes.items():
-        value = local[name]
-        full = torch.broadcast_to(value, _canonical_shape(graph[name].value.kind, rows, d))
-        env[name] = full.to(graph[name].value.dtype).reshape(shape(*symbol_values)).contiguous()
+        full = torch.broadcast_to(local[name], _canonical_shape(graph[name].value.kind, rows, d))
+        results.append(full.to(graph[name].value.dtype).reshape(shape(*symbol_values)).contiguous())
+    return results
 
 
 def _canonical_shape(kind: Kind, rows: int, d: Optional[int]) -> tuple:
@@ -383,12 +441,12 @@ class CompiledFunction:
         self.has_seed = captured.has_seed
         self.num_fwd_outputs = plan.num_fwd_outputs
         self.differentiable = captured.differentiable_outputs
+        self.non_differentiable = [i for i in range(self.num_fwd_outputs) if i not in self.differentiable]
+        reads = ", ".join(f"inputs[{i}].shape[{d}]" for i, d in self.symbol_sources)
+        self.symbol_values = eval(f"lambda inputs: ({reads}{',' if len(self.symbol_sources) == 1 else ''})")
         self.forward = Program(build_schedule(plan.forward, "forward"), self.symbol_order, config)
         self.backward = None if plan.backward is None else \
             Program(build_schedule(plan.backward, "backward"), self.symbol_order, config)
-
-    def symbol_values(self, inputs) -> tuple:
-        return tuple(inputs[i].shape[d] for i, d in self.symbol_sources)
 
     def run_forward(self, inputs: list):
         symbol_values = self.symbol_values(inputs)
@@ -416,9 +474,8 @@ class _MemfuseFunction(torch.autograd.Function):
         ctx.save_for_backward(*saved)
         ctx.compiled, ctx.symbol_values, ctx.seed = compiled, symbol_values, seed
         ctx.device = inputs[0].device
-        non_diff = [o for i, o in enumerate(user_outputs) if i not in compiled.differentiable]
-        if non_diff:
-            ctx.mark_non_differentiable(*non_diff)
+        if compiled.non_differentiable:
+            ctx.mark_non_differentiable(*[user_outputs[i] for i in compiled.non_differentiable])
         return tuple(user_outputs)
 
     @staticmethod

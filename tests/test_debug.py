@@ -12,7 +12,9 @@ import torch
 import memfuse
 from benchmarks.workloads import layer_norm_block, smoke_registry
 from memfuse.debug import COUNTERS, TOPICS, configure_logging, describe_key_change, topic_log
-from memfuse.runtime import ExternCall, KernelLaunch
+from memfuse.ir import Op
+from memfuse.runtime import KernelLaunch
+from memfuse.schedule import ExternStep
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -68,7 +70,7 @@ def test_extern_calls_and_fallbacks_counters():
     fused(x, w).sum().backward()
     entry = next(iter(fused.cache.values()))
     aten_calls = [s for p in (entry.function.forward, entry.function.backward) for s in p.steps
-                  if isinstance(s, ExternCall) and s.getitem is None and s.reshape is None]
+                  if isinstance(s, ExternStep) and p.graph[s.name].op is Op.EXTERN]
     assert len(aten_calls) >= 3                       # mm forward, two mm backward
     stats = memfuse.stats()
     assert stats["extern_calls"] == len(aten_calls)
@@ -215,7 +217,8 @@ def test_dump_dir_writes_graphs_and_kernels(tmp_path, monkeypatch):
     folders = sorted(p.name for p in tmp_path.iterdir())
     assert folders == ["layer_norm_block.0"]
     dump = tmp_path / folders[0]
-    for name in ("joint.ir.txt", "forward.ir.txt", "backward.ir.txt", "joint.aten.py", "explain.txt", "plan.dot"):
+    for name in ("joint.ir.txt", "forward.ir.txt", "backward.ir.txt", "joint.aten.py", "explain.txt", "plan.dot",
+                 "forward.program.py", "backward.program.py"):
         assert (dump / name).stat().st_size > 0, name
     assert "torch.ops.aten.rand_like.default" in (dump / "joint.aten.py").read_text()
     assert "= rand(seed)" in (dump / "joint.ir.txt").read_text()

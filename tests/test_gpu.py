@@ -96,6 +96,30 @@ def test_direct_launch_matches_triton_launch(monkeypatch):
             assert torch.equal(a, c)
 
 
+def scale_tanh(x, w):
+    return torch.tanh(x * w)
+
+
+def test_unaligned_input_takes_the_generic_launch():
+    """An input 4 bytes off 16-byte alignment matches the aligned call: the directly launched
+    kernel was compiled for aligned pointers, so the program sends this call the generic way."""
+    storage = torch.randn(64 * 128 * 1024 + 1, device="cuda")
+    unaligned = storage[1:].view(64, 128, 1024).requires_grad_()
+    aligned = unaligned.detach().clone().requires_grad_()
+    w = torch.randn(1024, device="cuda", requires_grad=True)
+    fused = memfuse.memory_efficient_fusion(scale_tanh)
+    results = []
+    for x in (aligned, unaligned, aligned):
+        out = fused(x, w)
+        out.backward(torch.ones_like(out))
+        results.append((out.detach(), x.grad, w.grad))
+        x.grad = w.grad = None
+    for a, c in zip(results[0], results[1]):
+        assert torch.equal(a, c)
+    launch = fused.compiled_for(aligned, w).function.forward.steps[0]
+    assert launch.launcher.compiled, "the aligned calls took the direct path"
+
+
 def test_rms_norm_bf16_large_shape():
     inputs = make_inputs([256, 512, 4096], torch.bfloat16, 2)
     fused = memfuse.memory_efficient_fusion(rms_norm_block)
