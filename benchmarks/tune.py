@@ -1,9 +1,9 @@
 """Sweep launch configurations for each memfuse kernel of the benchmark workloads (GPU only).
 
-For every kernel: rows per tile x warps, then (persistent kernels) programs per SM at the best
-of those, each kernel timed alone with `triton.testing.do_bench` on the arguments of a recorded
-step. Prints the best per kernel next to the
-default table's choice, writes the winners to memfuse's tuning cache (so later runs on this
+For every kernel: rows per tile x warps, then (persistent kernels) programs per SM and then
+pipeline stages at the best of those, each kernel timed alone with `triton.testing.do_bench`
+on the arguments of a recorded step. Prints the best per kernel next to the default table's
+choice, writes the winners to memfuse's tuning cache (so later runs on this
 device use them) and to `tune.json` in --out.
 
     python -m benchmarks.tune [--workloads rms,layer_norm] [--out DIR]
@@ -11,6 +11,7 @@ device use them) and to `tune.json` in --out.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -78,6 +79,10 @@ def tune_workload(workload, results: list, cache: TuningCache, device_name: str,
             tile = ranked[0][1]
             ranked = best_of(launch, [LaunchConfig(tile.block_m, tile.num_warps, per_sm)
                                       for per_sm in (1, 2, 4, 8)], device)
+        if source.persistent:
+            tile = ranked[0][1]
+            ranked = best_of(launch, [dataclasses.replace(tile, num_stages=stages) for stages in (1, 2, 3, 4)],
+                             device)
         best_us, best = ranked[0]
         if default_us <= best_us:
             best_us, best = default_us, default

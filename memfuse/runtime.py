@@ -7,6 +7,7 @@ that function.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from pathlib import Path
@@ -16,6 +17,7 @@ import sympy
 import torch
 from sympy.printing.lambdarepr import LambdaPrinter
 from triton import knobs
+from triton.runtime.errors import OutOfResources
 
 from .codegen import CompiledKernel, generate
 from .config import Config
@@ -92,7 +94,16 @@ class KernelLaunch:
             args.append(rows)
             if self.persistent:
                 args.append(-(-tiles // programs))
-        self.launcher(programs, args, device, config, aligned)
+        try:
+            self.launcher(programs, args, device, config, aligned)
+        except OutOfResources:
+            if config.num_stages == 1:
+                raise
+            # a deeper pipeline than this kernel's tiles fit in shared memory: run unpipelined
+            log.info("memfuse: %s: %s does not fit, launching with num_stages=1", self.kernel.source.name, config)
+            self.configs[device] = dataclasses.replace(config, num_stages=1)
+            self.grids.pop(device)
+            return self(device, rows, aligned, values)
         STATS["kernels_launched"] += 1
         if partials is None:
             return None
@@ -151,7 +162,8 @@ class Launcher:
         named = self.constexprs.get(config)
         if named is None:
             d, block_d = self.source.constexprs["D"], self.source.constexprs["BLOCK_D"]
-            named = ({"D": d, "BLOCK_M": config.block_m, "BLOCK_D": block_d}, (d, config.block_m, block_d))
+            named = ({"D": d, "BLOCK_M": config.block_m, "BLOCK_D": block_d, "NUM_STAGES": config.num_stages},
+                     (d, config.block_m, block_d, config.num_stages))
             self.constexprs[config] = named
         keywords, positional = named
         if device.type != "cuda" or not aligned or _launch_hooks_installed():

@@ -19,31 +19,35 @@ class LaunchConfig:
     block_m: int              # rows per tile
     num_warps: int
     programs_per_sm: int      # persistent kernels only: the grid is SMs x this
+    num_stages: int = 1       # persistent kernels only: tiles in flight in the pipelined loop
 
 
-# (BLOCK_D upper bound, persistent) -> elements per tile, warps, programs per SM. Measured on an
-# H200 with benchmarks/tune.py (2026-11-21): one row per program with few warps for forwards
-# (many small programs hide latency best); 4-8 rows and 8-16 warps, 1-2 programs per SM for
-# backwards, whose programs also carry the fp32 column partials. Rows are tried in order.
+# (BLOCK_D upper bound, persistent) -> elements per tile, warps, programs per SM, pipeline
+# stages. Measured on an H200 with benchmarks/tune.py (2026-11-21): one row per program with few
+# warps for forwards (many small programs hide latency best); 4-8 rows and 8-16 warps, 1-2
+# programs per SM for backwards, whose programs also carry the fp32 column partials. A tile loop
+# pipelined 3 deep (the next tiles' loads in flight during this one's math) made the backwards
+# of D=1024 fp32 and D=4096 bf16 3% and 26% faster; the other buckets were not measured with
+# stages and stay unpipelined. Rows are tried in order.
 TABLE = [
-    # block_d <=, persistent, tile elements, warps, programs per SM
-    (512, False, 2048, 4, 0),
-    (512, True, 4096, 4, 4),
-    (1024, False, 1024, 2, 0),
-    (1024, True, 4096, 8, 2),
-    (2048, False, 2048, 4, 0),
-    (2048, True, 8192, 8, 2),
-    (4096, False, 4096, 4, 0),
-    (4096, True, 8192, 16, 1),
-    (1 << 30, False, 1, 16, 0),       # one row per tile
-    (1 << 30, True, 1, 16, 1),
+    # block_d <=, persistent, tile elements, warps, programs per SM, stages
+    (512, False, 2048, 4, 0, 1),
+    (512, True, 4096, 4, 4, 1),
+    (1024, False, 1024, 2, 0, 1),
+    (1024, True, 4096, 8, 1, 3),
+    (2048, False, 2048, 4, 0, 1),
+    (2048, True, 8192, 8, 2, 1),
+    (4096, False, 4096, 4, 0, 1),
+    (4096, True, 8192, 8, 1, 3),
+    (1 << 30, False, 1, 16, 0, 1),       # one row per tile
+    (1 << 30, True, 1, 16, 1, 1),
 ]
 
 
 def default_config(block_d: int, persistent: bool) -> LaunchConfig:
-    for bound, is_persistent, tile, warps, per_sm in TABLE:
+    for bound, is_persistent, tile, warps, per_sm, stages in TABLE:
         if block_d <= bound and persistent == is_persistent:
-            return LaunchConfig(max(1, tile // block_d), warps, per_sm)
+            return LaunchConfig(max(1, tile // block_d), warps, per_sm, stages)
     raise AssertionError("the table's last rows cover every block_d")
 
 

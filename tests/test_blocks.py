@@ -92,3 +92,33 @@ def test_many_tiles_and_a_persistent_backward(name):
     entry, = fused.cache.values()
     bwd, = entry.function.backward.steps[:1]
     assert bwd.kernel.source.persistent and bwd.launch_config(torch.device("cpu"), config).block_m == 2
+
+
+def test_a_pipeline_too_deep_for_shared_memory_runs_unpipelined():
+    """A GPU compile that runs out of shared memory with NUM_STAGES > 1 (the launcher raises
+    OutOfResources) is retried with one stage, which the kernel keeps from then on."""
+    from triton.runtime.errors import OutOfResources
+
+    from memfuse.tuning import LaunchConfig
+    tensors, consts, grad_output = block_inputs("layer_norm_block", (3, 5, 48))
+    fused = memfuse.memory_efficient_fusion(BLOCKS["layer_norm_block"].fn)
+    forward_backward(fused, tensors, consts, grad_output)
+    entry, = fused.cache.values()
+    backward = entry.function.backward.steps[0]
+    cpu = torch.device("cpu")
+    backward.configs[cpu] = LaunchConfig(2, 4, 0, num_stages=3)
+    launcher, stages = backward.launcher, []
+
+    def launch(programs, args, device, config, aligned):
+        stages.append(config.num_stages)
+        if config.num_stages > 1:
+            raise OutOfResources(300000, 232448, "shared memory")
+        launcher(programs, args, device, config, aligned)
+
+    backward.launcher = launch
+    for _ in range(2):
+        out, grads = forward_backward(fused, tensors, consts, grad_output)
+    ref_out, ref_grads = forward_backward(BLOCKS["layer_norm_block"].fn, tensors, consts, grad_output)
+    for grad, ref in zip(grads, ref_grads):
+        assert rel_error(grad, ref) <= 1e-5
+    assert stages == [3, 1, 1] and backward.configs[cpu].num_stages == 1

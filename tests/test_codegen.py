@@ -49,7 +49,7 @@ def launch(kernel, env: dict, rows: int, programs: int = None, tile_elements: in
         else:
             assert arg.role == "tiles", arg
             args.append(cdiv(tiles, programs))
-    kernel.fn[(programs,)](*args, **src.constexprs, BLOCK_M=rows_per_tile)
+    kernel.fn[(programs,)](*args, **src.constexprs, BLOCK_M=rows_per_tile, NUM_STAGES=1)
     return partials
 
 

@@ -37,7 +37,7 @@ class KernelSource:
     name: str
     source: str
     args: list                                    # Arg, in order (constexprs excluded)
-    constexprs: dict                              # D, BLOCK_D (BLOCK_M comes with the launch)
+    constexprs: dict                              # D, BLOCK_D (BLOCK_M, NUM_STAGES come with the launch)
     persistent: bool                              # loops over tiles with a fixed grid
     column_sums: dict = field(default_factory=dict)   # reducer op -> [value names] in partial order
     bytes_per_row: int = 0                        # bytes moved per row (both directions)
@@ -155,7 +155,7 @@ class RowKernelWriter:
         out.indent()
         for a in args:
             out(f"{a.name},{self.describe(a)}")
-        out("D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,")
+        out("D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, NUM_STAGES: tl.constexpr,")
         out.dedent()
         out("):")
         out.lines.extend(body.lines)
@@ -268,10 +268,12 @@ class RowKernelWriter:
 
     def tile_walk(self, out: _Lines) -> None:
         """Open the walk over row tiles: a loop on a persistent grid (closed by the caller's
-        dedent), else one tile per program; then the tile's row indices."""
+        dedent), else one tile per program; then the tile's row indices. The loop is software
+        pipelined NUM_STAGES deep (a launch choice): the next tiles' loads are in flight while
+        this one computes."""
         if self.persistent:
             out("num_programs = tl.num_programs(0)")
-            out("for step in range(0, tiles_per_program):")
+            out("for step in tl.range(0, tiles_per_program, num_stages=NUM_STAGES):")
             out.indent()
             out("tile = pid + step * num_programs")
         else:
