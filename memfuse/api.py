@@ -20,6 +20,7 @@ from .config import Config
 from .debug import STATS, describe_key_change, on_compile, topic_log
 from .ir import verify
 from .plan import plan
+from .precompile import enabled as precompile_enabled, precompile, start_driver
 from .runtime import CompiledFunction
 from .schedule import schedule
 
@@ -222,6 +223,9 @@ class FusedFunction:
         start = time.perf_counter()
         positions = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
         tensors = [values[i] for i in positions]
+        device = tensors[0].device
+        if precompile_enabled(device, self.config):
+            start_driver(device)       # Triton's driver set-up runs beside the trace
         single = []
 
         def traced(*tensor_args):
@@ -255,6 +259,7 @@ class FusedFunction:
                                           " (strict mode: MEMFUSE_STRICT=1 / Config.strict)")
         STATS["fallbacks"] += len(captured.fallbacks)
         function = CompiledFunction(the_plan, captured, config, lambda graph, kind: _scheduled(graph, config, kind))
+        precompile([function.forward, function.backward], device, config)
         STATS["compiles"] += 1
         cache_log.info("memfuse: compiled %s in %.3f s: saves %d bytes beyond the inputs", self._name(),
                        time.perf_counter() - start, the_plan.saved_bytes)

@@ -30,6 +30,7 @@ from .config import Config
 from .debug import STATS, dump
 from .ir import Graph, Symbol, format_graph, verify
 from .plan import Plan, plan
+from .precompile import precompile
 from .runtime import Program, _draw_seed
 from .schedule import schedule
 
@@ -97,6 +98,7 @@ class _Compilers:
         with unset_fake_temporarily():
             forward = self._program(the_plan.forward, captured, "forward")
             backward = self._program(the_plan.backward, captured, "backward")
+            precompile([forward, backward], device, self.config)
         saved = [s.name for s in the_plan.saved]
         saved_ints = [captured.joint[n].value.dtype is None for n in saved]
         forward_step = ForwardStep(forward, captured, the_plan.num_fwd_outputs, saved_ints, device)
@@ -122,6 +124,7 @@ class _Compilers:
         self._dump(captured, the_plan)
         with unset_fake_temporarily():
             forward = self._program(the_plan.forward, captured, "forward")
+            precompile([forward], _device(placeholders), self.config)
         STATS["compiles"] += 1
         log.info("memfuse: compiled %s (torch.compile, inference) in %.3f s", self.name,
                  time.perf_counter() - start)

@@ -31,3 +31,7 @@ class Config:
     cache_dir: Path = field(default_factory=default_cache_dir)
     # Run the IR verifier after every stage (tests turn it on; MEMFUSE_CHECK=1).
     check: bool = field(default_factory=lambda: _env_flag("MEMFUSE_CHECK"))
+    # On a GPU, compile a program's Triton kernels in parallel threads when it is built, instead
+    # of one by one at their first launch (memfuse.precompile). MEMFUSE_PRECOMPILE=0 turns it off.
+    precompile: bool = field(default_factory=lambda: os.environ.get("MEMFUSE_PRECOMPILE", "1").strip().lower()
+                             not in ("0", "false", "no", "off"))

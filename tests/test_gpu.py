@@ -153,3 +153,23 @@ def test_more_than_2_31_elements():
     ref.backward(grad[tail])
     assert relative_error(out[tail], ref) < 1e-2
     assert relative_error(x.grad[tail], x_tail.grad) < 1e-2
+
+
+def test_precompile_leaves_the_first_launch_nothing_to_compile():
+    """memfuse.precompile builds every kernel when the program is built; the first call's
+    launches must find them in Triton's kernel cache (same key: argument types, constexprs,
+    warps, alignment), not compile a second variant."""
+    from memfuse.runtime import KernelLaunch
+    inputs = make_inputs([8, 16, 1024], torch.float32, 3)
+    fused = memfuse.memory_efficient_fusion(layer_norm_block)
+    kwargs = dict(normalization_axis=2, dropout_prob=0.1)
+    function = fused.compiled_for(*inputs, **kwargs).function
+    device = torch.cuda.current_device()
+    kernels = [step.kernel.fn for program in (function.forward, function.backward)
+               for step in program.steps if isinstance(step, KernelLaunch)]
+    assert len(kernels) >= 2
+    before = [len(fn.device_caches[device][0]) for fn in kernels]
+    assert before == [1] * len(kernels)       # each compiled once, before any launch
+    fused(*inputs, **kwargs).backward(torch.randn_like(inputs[0]))
+    torch.cuda.synchronize()
+    assert [len(fn.device_caches[device][0]) for fn in kernels] == before

@@ -1,0 +1,114 @@
+"""The first call's cost: `import memfuse` leaves Dynamo unloaded (and the backend still registers),
+the decomposition table is built once, and the kernel precompile passes what the launch passes."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+import memfuse
+from memfuse import precompile
+from memfuse.capture import decomposition_table
+from memfuse.runtime import KernelLaunch, Launcher
+
+from helpers import BLOCKS, block_inputs
+
+ROOT = str(Path(__file__).resolve().parents[1])
+
+
+def run_python(code: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def test_import_does_not_import_dynamo():
+    run_python("import sys, memfuse\n"
+               "loaded = sorted(m for m in sys.modules if m.startswith('torch._dynamo'))\n"
+               "assert not loaded, loaded\n")
+
+
+def test_backend_registers_when_dynamo_loads():
+    """Registered by memfuse's import hook the moment Dynamo's registry loads, before Dynamo
+    ever reads the entry points (those are read lazily, at the first lookup by name)."""
+    run_python("import sys, memfuse\n"
+               "from torch._dynamo.backends import registry\n"
+               "assert registry._COMPILER_FNS['memfuse'] is memfuse.backend.memfuse_backend\n"
+               "assert not any(type(f).__name__ == '_RegisterOnImport' for f in sys.meta_path)\n")
+
+
+def test_torch_compile_by_name_in_a_fresh_process():
+    run_python("import torch, memfuse\n"
+               "f = torch.compile(lambda x: torch.nn.functional.layer_norm(x, (32,)), backend='memfuse')\n"
+               "x = torch.randn(4, 32, requires_grad=True)\n"
+               "f(x).sum().backward()\n"
+               "assert memfuse.stats()['compiles'] == 1, memfuse.stats()\n")
+
+
+def test_decomposition_table_is_built_once_and_handed_out_as_a_copy():
+    first = decomposition_table()
+    first.clear()
+    second = decomposition_table()
+    assert second and second is not first
+    assert torch.ops.aten.native_layer_norm.default in second
+
+
+def _compiled(name="layer_norm_block"):
+    tensors, consts, grad = block_inputs(name, (3, 5, 32), dropout_prob=0.1)
+    return memfuse.memory_efficient_fusion(BLOCKS[name].fn), tensors, consts, grad
+
+
+def _launches(function):
+    return [(program.graph, step) for program in (function.forward, function.backward)
+            for step in program.steps if isinstance(step, KernelLaunch)]
+
+
+def test_warmup_arguments_are_what_the_launch_passes(monkeypatch):
+    """Same dtype per tensor, same Python type per scalar, same constexprs and warps: Triton's
+    kernel cache key of the warm-up is the launch's (pointer alignment aside)."""
+    fused, tensors, consts, grad = _compiled()
+    launched = {}
+    original = Launcher.__call__
+
+    def record(self, programs, args, device, config):
+        launched.setdefault(self.fn, (args, config))
+        return original(self, programs, args, device, config)
+    monkeypatch.setattr(Launcher, "__call__", record)
+    fused(*tensors, **consts).backward(grad)
+    function = fused.compiled_for(*tensors, **consts).function
+    launches = _launches(function)
+    assert len(launches) >= 2 and len(launched) == len(launches)
+    device = torch.device("cpu")
+    for graph, launch in launches:
+        args, keywords = precompile.warmup_arguments(graph, launch, device, function.forward.config)
+        real, config = launched[launch.kernel.fn]
+        assert len(args) == len(real)
+        for mock, value in zip(args, real):
+            if isinstance(value, torch.Tensor):
+                assert mock == value.dtype
+            else:
+                assert type(mock) is type(value), (mock, value)
+        assert keywords == {"D": launch.kernel.source.constexprs["D"], "BLOCK_M": config.block_m,
+                            "BLOCK_D": launch.kernel.source.constexprs["BLOCK_D"], "num_warps": config.num_warps}
+
+
+def test_precompile_walks_every_kernel_without_a_gpu():
+    fused, tensors, consts, grad = _compiled("rms_norm_block")
+    function = fused.compiled_for(*tensors, **consts).function
+    config = function.forward.config
+    device = torch.device("cpu")
+    assert precompile.precompile([function.forward, function.backward], device, config) == 0   # CPU: off
+    count = precompile.precompile([function.forward, function.backward, None], device, config, force=True)
+    assert count == len(_launches(function))
+    fused(*tensors, **consts).backward(grad)       # and the program still runs
+
+
+def test_precompile_is_a_config_switch(monkeypatch):
+    monkeypatch.setenv("MEMFUSE_PRECOMPILE", "0")
+    assert not memfuse.Config().precompile
+    monkeypatch.delenv("MEMFUSE_PRECOMPILE")
+    assert memfuse.Config().precompile
+    assert not precompile.enabled(torch.device("cpu"), memfuse.Config())
+    assert precompile.enabled(torch.device("cuda", 0), memfuse.Config())
