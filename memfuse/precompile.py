@@ -87,7 +87,7 @@ def warmup_arguments(graph, launch: KernelLaunch, device: torch.device, config: 
     chosen = launch.launch_config(device, config)
     constexprs = launch.kernel.source.constexprs
     keywords = {"D": constexprs["D"], "BLOCK_M": chosen.block_m, "BLOCK_D": constexprs["BLOCK_D"],
-                "num_warps": chosen.num_warps}
+                "NUM_STAGES": chosen.num_stages, "num_warps": chosen.num_warps}
     return args, keywords
 
 
