@@ -137,6 +137,12 @@ def _argument_builder(args: list) -> Callable:
     for a in args:
         if a.role == "read":
             items.append(f"contiguous(env[{a.value!r}])")
+        elif a.role == "in_place":      # an input read by its own strides: no copy
+            items.append(f"env[{a.value!r}]")
+        elif a.role == "stride":        # of the tensor as the kernel reads it (made contiguous or not)
+            in_place = any(b.role == "in_place" and b.value == a.value for b in args)
+            tensor = f"env[{a.value!r}]" if in_place else f"contiguous(env[{a.value!r}])"
+            items.append(f"{tensor}.stride({a.dim})")
         elif a.role in ("write", "scalar"):
             items.append(f"env[{a.value!r}]")
         elif a.role == "partials":
@@ -164,7 +170,7 @@ class Launcher:
         self.compiled: dict = {}
         self.constexprs: dict = {}       # LaunchConfig -> keyword constexprs, positional constexprs
         # memfuse allocates outputs and partials itself (aligned): only inputs can be unaligned
-        self.pointers = [i for i, a in enumerate(kernel.source.args) if a.role == "read"]
+        self.pointers = [i for i, a in enumerate(kernel.source.args) if a.role in ("read", "in_place")]
 
     def __call__(self, programs: int, args: list, device: torch.device, config: LaunchConfig) -> None:
         named = self.constexprs.get(config)
@@ -191,6 +197,7 @@ class AtenGroup:
     group: KernelGroup
     rows: Optional[Callable]
     shapes: dict                         # name -> shape fn, for materialized values
+    view_shapes: dict = None             # STRIDED node -> shape fn
 
     def __call__(self, env: dict, symbol_values: tuple, device) -> None:
         _run_aten_group(self.graph, self, env, symbol_values)
@@ -252,7 +259,8 @@ class Program:
             logging.getLogger("memfuse.fallbacks").info("memfuse: %s runs through aten: %s", step.name, step.aten_reason)
             STATS["fallbacks"] += 1
             shapes = {n: self._shape_fn(n) for n in step.outputs + step.column_sums}
-            return AtenGroup(g, step, self._rows_fn(step), shapes)
+            views = {n: self._shape_fn(n) for n in step.nodes if g[n].op is Op.STRIDED}
+            return AtenGroup(g, step, self._rows_fn(step), shapes, views)
         kernel = generate(g, step, self.config)
         STATS["kernels_generated"] += 1
         alloc = [(n, g[n].value.dtype, self._shape_fn(n)) for n in step.outputs]
@@ -350,6 +358,14 @@ def _run_aten_group(graph: Graph, step: AtenGroup, env: dict, symbol_values: tup
                                       f"({group.aten_reason})")
         if node.op is Op.VIEW:
             result = read(node.inputs[0])
+        elif node.op is Op.STRIDED:
+            shape = step.view_shapes[name](*symbol_values)
+            values, inside = (_canonical(t, node.value.kind, rows, d)
+                              for t in _read_view(node, env[node.inputs[0]], shape, env))
+            if values.dtype.is_floating_point:
+                values = values.to(compute_dtype(values.dtype))
+            fallback = read(node.inputs[1]) if node.attr.has_fallback else torch.zeros((), dtype=values.dtype, device=values.device)
+            result = torch.where(inside, values, fallback)
         elif node.op is Op.CAST:
             result = read(node.inputs[0]).to(node.attr.dtype)
             if result.dtype.is_floating_point:
@@ -366,6 +382,30 @@ def _run_aten_group(graph: Graph, step: AtenGroup, env: dict, symbol_values: tup
         value = local[name]
         full = torch.broadcast_to(value, _canonical_shape(graph[name].value.kind, rows, d))
         env[name] = full.to(graph[name].value.dtype).reshape(shape(*symbol_values)).contiguous()
+
+
+def _read_view(node, root: torch.Tensor, shape, env: dict) -> tuple:
+    """A STRIDED node's (values, inside its window) by index arithmetic in torch (ir.Strided)."""
+    a = node.attr
+
+    def entry(e):
+        return int(env[e.name]) if isinstance(e, ValueRef) else e
+    shape = [int(n) for n in shape]
+    grids = torch.meshgrid(*[torch.arange(n, device=root.device) for n in shape], indexing="ij") if shape else []
+    flat = torch.zeros(shape, dtype=torch.int64, device=root.device)
+    inside = torch.ones(shape, dtype=torch.bool, device=root.device)
+    for k, w in enumerate(a.window or ()):
+        if w is not None:
+            inside &= (grids[k] >= entry(w[0])) & (grids[k] < entry(w[1]))
+    dense = root.contiguous()
+    for j, (coeffs, const) in enumerate(a.index):
+        index = sum((entry(c) * g for c, g in zip(coeffs, grids)), torch.zeros_like(flat)) + entry(const)
+        flat += index * dense.stride(j)
+    if dense.numel() == 0:
+        values = torch.zeros(shape, dtype=root.dtype, device=root.device)
+    else:
+        values = dense.reshape(-1)[torch.where(inside, flat, 0)]
+    return values, inside
 
 
 def _canonical_shape(kind: Kind, rows: int, d: Optional[int]) -> tuple:
