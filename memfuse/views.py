@@ -111,9 +111,10 @@ def reshape(shape: Sequence, new_shape: Sequence) -> Optional[tuple]:
 
 
 def column_moves(m: AccessMap) -> bool:
-    """Whether the view's last dim (longer than 1) reads anything but the root's last dim: its
-    rows are then not rows of the root (a transpose that changes D)."""
+    """Whether the view's last dim (longer than 1) steps through a leading dim of the root: its
+    rows are then not rows of the root (a transpose that changes D). A last dim that reads one
+    element per row (a broadcast, select's backward over columns) is a row operation."""
     last = len(m.shape) - 1
     if last < 0 or same(m.shape[last], 1):
         return False
-    return any(not same(row[last], 0) for row in m.coeffs[:-1]) or same(m.coeffs[-1][last], 0)
+    return any(not same(row[last], 0) for row in m.coeffs[:-1])
