@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import re
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -20,8 +21,9 @@ from torch._functorch.aot_autograd import aot_export_joint_simple
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
-from .ir import (COMPARISON, Cast, Constant, Extern, Graph, Index, Kind, Node, Op, Reduce, Seeded, Symbol,
-                 Value, ValueRef, fits, verify)
+from . import views
+from .ir import (COMPARISON, Cast, Constant, Extern, Graph, Index, Kind, Node, Op, Reduce, Seeded, Strided,
+                 Symbol, Value, ValueRef, fits, verify)
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -48,6 +50,9 @@ def _decomposition_table() -> dict:
     # where the op returns its logsumexp; the (undecomposed) backward then reads the weights as
     # the logsumexp: wrong gradients. torch's comment says inductor must exclude it; so do we.
     table.pop(aten._scaled_dot_product_flash_attention_for_cpu.default, None)
+    # select's backward is one windowed read (memfuse.views); decomposed, it becomes arange/where
+    # over shapes outside the [M, D] space
+    table.pop(aten.select_backward.default, None)
     return table
 
 
@@ -78,7 +83,8 @@ def capture(fn: Callable, args: Sequence[torch.Tensor], *, trace_joint: bool,
              for i, t in enumerate(args)]
     gm = _export(fn, tuple(fakes), trace_joint)
     symbols, hints = _symbol_sources(fakes)
-    captured = _Lowering(gm, symbols, hints).run(num_primals=len(args), trace_joint=trace_joint)
+    strided = {i for i, t in enumerate(args) if not t.is_contiguous()}   # read in place, by their strides
+    captured = _Lowering(gm, symbols, hints, strided).run(num_primals=len(args), trace_joint=trace_joint)
     captured.specialized = _unsupported_guards(shape_env)
     captured.aten_graph = gm
     captured.differentiable_outputs = _differentiable_outputs(captured, fn, fakes)
@@ -260,6 +266,9 @@ POINTWISE_ATEN = {
 # prims.div divides integers with truncation: a float quotient only for float operands.
 DIVIDE_ATEN = {aten.div.Tensor_mode, aten.div.Scalar_mode, prims.div.default, prims.fmod.default}
 # (Targets the decomposition table rewrites, like reshape or zeros_like, never arrive: no rows.)
+# Views that move elements: read in place from memory through an access map (memfuse.views).
+STRIDED_ATEN = {aten.permute.default, aten.slice.Tensor, aten.select.int, aten.cat.default,
+                aten.slice_scatter.default, aten.select_backward.default}
 VIEW_ATEN = {aten.view.default, aten.expand.default, aten.clone.default, aten.alias.default,
              aten.squeeze.dims, aten.unsqueeze.default, aten.lift_fresh_copy.default}
 CAST_ATEN = {aten._to_copy.default, prims.convert_element_type.default, aten.copy.default}
@@ -287,8 +296,14 @@ SPECIAL_ATEN = {
     aten.mean.default: "row sums * 1/D in the kernel, then aten's mean of the M row results",
     aten.var.correction: "sum -> mean, then the sum of squared deviations (over D)",
     aten.var_mean.correction: "sum -> mean, then the sum of squared deviations (over D)",
-    aten.permute.default: "view when only size-1 dims move (else an extern)",
-    aten.slice.Tensor: "view when it keeps a whole dim (else an extern)",
+    aten.permute.default: "view when only size-1 dims move; else a strided read of a tensor in memory "
+                          "(an extern when the last dim moves)",
+    aten.slice.Tensor: "view when it keeps a whole dim; else a strided read of a tensor in memory",
+    aten.select.int: "a strided read of a tensor in memory",
+    aten.split_with_sizes.default: "strided reads of a tensor in memory, one per part",
+    aten.cat.default: "windowed strided reads of the parts in memory, each where its range lies",
+    aten.slice_scatter.default: "a windowed strided read of the source over the base (step 1; else an extern)",
+    aten.select_backward.default: "a windowed strided read of the gradient over zeros",
     aten.scatter.src: "where(column == index, src, self) for an index from argmax/argmin over D "
                       "(max.dim's backward; else an extern)",
 }
@@ -298,12 +313,7 @@ EXTERN_REASONS = {
     aten.mm.default: "matrix multiply: an aten (cuBLAS) call",
     aten.bmm.default: "batched matrix multiply: an aten (cuBLAS) call",
     aten.addmm.default: "matrix multiply: an aten (cuBLAS) call",
-    aten.permute.default: "permute reorders elements across rows: a strided view the kernels do not index",
-    aten.slice.Tensor: "a strided window of the tensor: the kernels read whole [M, D] rows",
-    aten.select.int: "selects one index of a dim: the kernels read whole [M, D] rows",
-    aten.cat.default: "concatenation writes one tensor from several spaces",
     aten.flip.default: "flip reverses element order",
-    aten.slice_scatter.default: "writes a strided window into a tensor",
     aten.scatter.src: "scatter: data-dependent addressing",
     aten.gather.default: "gather: data-dependent addressing",
     aten.index.Tensor: "indexing: data-dependent addressing",
@@ -345,8 +355,12 @@ class NotFusible(Exception):
 
 
 class _Lowering:
-    def __init__(self, gm: torch.fx.GraphModule, symbols: dict, hints: dict):
+    def __init__(self, gm: torch.fx.GraphModule, symbols: dict, hints: dict, strided_inputs=frozenset()):
         self.gm = gm
+        self.strided_inputs = strided_inputs   # primal positions passed in with non-contiguous strides
+        self.maps: dict = {}           # STRIDED node -> its views.AccessMap (sympy), for composing views
+        self.in_place: dict = {}       # non-contiguous input -> the STRIDED node that reads it
+        self.size_symbols: dict = {}   # sympy expression -> SYMBOL node
         self.symbols = symbols
         self.hints = hints
         self.graph = Graph()
@@ -358,9 +372,11 @@ class _Lowering:
 
     def run(self, num_primals: int, trace_joint: bool) -> Captured:
         placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
-        for node in placeholders:
+        for position, node in enumerate(placeholders):
             self.env[node] = self.graph.add(Node(node.name, Op.INPUT, (), classify(node.meta["val"])))
             self.graph.inputs.append(node.name)
+            if position in self.strided_inputs and position < num_primals:
+                self.in_place[node.name] = None   # wrapped on first use (operand)
         for node in self.gm.graph.nodes:
             if node.op == "call_function":
                 self.env[node] = self.lower(node)
@@ -405,7 +421,10 @@ class _Lowering:
     def operand(self, arg) -> str:
         """The value name of an fx argument: a traced value, a Python number, or a size."""
         if isinstance(arg, torch.fx.Node):
-            return self.env[arg]
+            name = self.env[arg]
+            if isinstance(name, str) and name in self.in_place:
+                return self.read_in_place(name)
+            return name
         if isinstance(arg, (bool, int, float)):
             return self.const(arg)
         raise NotFusible(f"argument {arg!r} is not a tensor or number")
@@ -454,6 +473,8 @@ class _Lowering:
             return self.lower_var_mean(node, val)
         if target in EXTREME_ATEN:
             return self.lower_extreme(node, val)
+        if target is aten.split_with_sizes.default:
+            return self.lower_split(node, val)
         if not isinstance(val, torch.Tensor):
             raise NotFusible("produces a tuple")
         value = classify(val)
@@ -470,7 +491,9 @@ class _Lowering:
         if target is aten.pow.Tensor_Scalar:
             return self.lower_pow(node, value)
         if target in VIEW_ATEN or self.keeps_order(node):
-            return self.pointwise(Op.VIEW, [self.operand(node.args[0])], value, node.name)
+            return self.lower_view(node, value)
+        if target in STRIDED_ATEN:
+            return self.lower_strided(node, val, value)
         if target in CAST_ATEN:
             return self.lower_cast(node, value)
         if target in FILL_ATEN:
@@ -503,6 +526,169 @@ class _Lowering:
                 or (isinstance(end, int) and end >= 2 ** 62)
             return start in (0, None) and step == 1 and whole_end
         return False
+
+    # -- views read in place (memfuse.views) ---------------------------------------------
+    def lower_view(self, node, value: Value) -> str:
+        """A view that keeps the [M, D] order is a register copy; one that does not (a reshape
+        that splits D, a size-1 dim that changes the space) reads its source in place."""
+        x = self.operand(node.args[0])
+        if fits(self.graph[x].value, value, Op.VIEW):
+            return self.add(Op.VIEW, [x], value, name=node.name)
+        if node.target is aten.expand.default or self.graph[x].value.dtype != value.dtype:
+            raise NotFusible(f"{self.graph[x].value.kind.value} input {x} does not fit a "
+                             f"{value.kind.value} result in one [M, D] space")
+        source = self.access(x)
+        step = views.reshape(source.shape, value.shape)
+        if step is None:
+            raise NotFusible(f"a reshape that merges dims ({_shape(source.shape)} -> {_shape(value.shape)}): "
+                             f"not a strided view")
+        return self.strided(node.name, source.then(*step, value.shape), value, f"view{_shape(value.shape)}")
+
+    def access(self, name: str) -> "views.AccessMap":
+        """How `name` reads from memory: through the views it came from, down to a tensor the
+        program holds (an input, an extern result) or to a value a kernel must write first."""
+        if name in self.maps:
+            return self.maps[name]
+        node = self.graph[name]
+        if node.op is Op.VIEW and self.graph[node.inputs[0]].op is not Op.CONSTANT:
+            source = self.access(node.inputs[0])
+            step = views.reshape(source.shape, node.value.shape)
+            if step is not None:
+                return source.then(*step, node.value.shape)
+        return views.identity(name, node.value.shape, name not in self.in_place)
+
+    def read_in_place(self, name: str) -> str:
+        """The STRIDED node that reads a non-contiguous input by its own strides (no copy)."""
+        if self.in_place[name] is None:
+            value = self.graph[name].value
+            if value.kind in (Kind.SCALAR, Kind.TENSOR):
+                return name
+            self.in_place[name] = self.strided(f"{name}_in_place", views.identity(name, value.shape, False),
+                                               value, "its own strides")
+        return self.in_place[name]
+
+    def size_operand(self, expr):
+        """An access-map entry as the IR holds it: an int, or a ValueRef to a SYMBOL node."""
+        expr = sympy.expand(sympy.sympify(expr))
+        if expr.is_number:
+            return int(expr)
+        if expr not in self.size_symbols:
+            label = re.sub(r"\W+", "_", str(expr).replace("-", "minus").replace("+", "plus")).strip("_")
+            self.size_symbols[expr] = self.add(Op.SYMBOL, (), Value(torch.int64, Kind.SCALAR), Symbol(expr),
+                                               name=f"size_{label}")
+        return ValueRef(self.size_symbols[expr])
+
+    def strided(self, name: str, m: "views.AccessMap", value: Value, describe: str,
+                window: Optional[tuple] = None, fallback: Optional[str] = None) -> str:
+        if value.kind in (Kind.SCALAR, Kind.TENSOR):
+            raise NotFusible(f"a view of shape {_shape(value.shape)} is outside the [M, D] space")
+        if value.kind is not Kind.ROW and views.column_moves(m):
+            raise NotFusible("moves the last dim: D changes, which is not a row operation")
+        # the rows unravel over the leading dims (all dims of a row value): the outermost size is not needed
+        col = len(value.shape) - 1 if value.kind in (Kind.FULL, Kind.COL) else None
+        outer = next((k for k, s in enumerate(value.shape) if k != col and not views.same(s, 1)), None)
+        sizes = tuple(None if k == outer else self.size_operand(s) for k, s in enumerate(value.shape))
+        index = tuple((tuple(self.size_operand(c) for c in row), self.size_operand(const))
+                      for row, const in zip(m.coeffs, m.consts))
+        win = None if window is None else tuple(
+            None if w is None else (self.size_operand(w[0]), self.size_operand(w[1])) for w in window)
+        attr = Strided(sizes, index, win, m.contiguous_root, describe)
+        if fallback is not None:
+            self.check_fits(Op.STRIDED, [fallback], value)
+        inputs = [m.root] + ([fallback] if fallback is not None else []) + attr.scalars()
+        out = self.add(Op.STRIDED, inputs, value, attr, name=name)
+        if window is None:
+            self.maps[out] = views.AccessMap(m.root, tuple(value.shape), m.coeffs, m.consts, m.contiguous_root)
+        return out
+
+    def lower_strided(self, node, val, value: Value) -> str:
+        target = node.target
+        if target is aten.cat.default:
+            return self.lower_cat(node, value)
+        if target is aten.slice_scatter.default:
+            return self.lower_slice_scatter(node, value)
+        if target is aten.select_backward.default:
+            return self.lower_select_backward(node, value)
+        source = self.access(self.env_name(node.args[0]))
+        rank = len(source.shape)
+        if target is aten.permute.default:
+            step = views.permute(source.shape, node.args[1])
+            return self.strided(node.name, source.then(*step), value, f"permute{tuple(node.args[1])}")
+        dim = node.args[1] % rank
+        if target is aten.select.int:
+            index = self.index_expr(node.args[2], source.shape[dim])
+            return self.strided(node.name, source.then(*views.select(source.shape, dim, index)), value,
+                                f"select(dim={dim})")
+        start, step = self.index_expr((list(node.args[2:3]) + [None])[0] or 0, source.shape[dim]),             (list(node.args[4:5]) + [1])[0]
+        if not isinstance(step, int) or step < 1:
+            raise NotFusible(f"a slice with step {step}")
+        length = value.shape[dim]
+        return self.strided(node.name, source.then(*views.slice_(source.shape, dim, start, step, length)), value,
+                            f"slice(dim={dim})")
+
+    def env_name(self, arg) -> str:
+        """The value an fx argument names, past the in-place wrapper (views compose their maps)."""
+        if not isinstance(arg, torch.fx.Node) or not isinstance(self.env[arg], str):
+            raise NotFusible(f"argument {arg!r} is not a tensor")
+        return self.env[arg]
+
+    @staticmethod
+    def index_expr(index, size):
+        """A start or index as sympy, negative ones counted from the end."""
+        expr = to_expr(index.meta["val"]) if isinstance(index, torch.fx.Node) else to_expr(index)
+        if expr.is_number and expr < 0:
+            expr = expr + size
+        return expr
+
+    def lower_split(self, node, val) -> tuple:
+        """split_with_sizes (chunk, split): one strided read per part."""
+        source = self.access(self.env_name(node.args[0]))
+        dim = (node.args[2] if len(node.args) > 2 else 0) % len(source.shape)
+        parts, start = [], sympy.Integer(0)
+        for k, part in enumerate(val):
+            value = classify(part)
+            length = value.shape[dim]
+            step = views.slice_(source.shape, dim, start, 1, length)
+            parts.append(self.strided(f"{node.name}_{k}", source.then(*step), value, f"split part {k} (dim={dim})"))
+            start = start + length
+        return tuple(parts)
+
+    def lower_cat(self, node, value: Value) -> str:
+        """Each part read where its range along `dim` lies, over the parts before it."""
+        rank = len(value.shape)
+        dim = (node.args[1] if len(node.args) > 1 else 0) % rank
+        result, start = self.const(0, value.dtype), sympy.Integer(0)
+        for k, part in enumerate(node.args[0]):
+            source = self.access(self.env_name(part))
+            if len(source.shape) != rank or part.meta["val"].dtype != value.dtype:
+                raise NotFusible("a cat of parts of other ranks or dtypes")
+            end = start + source.shape[dim]
+            window = tuple((start, end) if j == dim else None for j in range(rank))
+            result = self.strided(f"{node.name}_part{k}", source.then(*views.shift(rank, dim, start), value.shape),
+                                  value, f"cat part {k} (dim={dim})", window, result)
+            start = end
+        return result
+
+    def lower_slice_scatter(self, node, value: Value) -> str:
+        base, src = self.operand(node.args[0]), self.access(self.env_name(node.args[1]))
+        rank = len(value.shape)
+        dim, start, end, step = (list(node.args[2:]) + [0, None, None, 1][len(node.args) - 2:])[:4]
+        dim = dim % rank
+        if step != 1:
+            raise NotFusible(f"a slice_scatter with step {step}")
+        start = self.index_expr(start or 0, value.shape[dim])
+        window = tuple((start, start + src.shape[dim]) if j == dim else None for j in range(rank))
+        return self.strided(node.name, src.then(*views.shift(rank, dim, start), value.shape), value,
+                            f"slice_scatter(dim={dim})", window, base)
+
+    def lower_select_backward(self, node, value: Value) -> str:
+        grad = self.access(self.env_name(node.args[0]))
+        rank = len(value.shape)
+        dim = node.args[2] % rank
+        index = self.index_expr(node.args[3], value.shape[dim])
+        window = tuple((index, index + 1) if j == dim else None for j in range(rank))
+        return self.strided(node.name, grad.then(*views.unselect(grad.shape, dim), value.shape), value,
+                            f"select_backward(dim={dim})", window, self.const(0, value.dtype))
 
     def pointwise(self, op: Op, inputs, value: Value, name: str) -> str:
         self.check_fits(op, inputs, value)
@@ -817,6 +1003,10 @@ class TensorConstant:
 
     def __repr__(self) -> str:
         return f"constant{tuple(self.tensor.shape)}"
+
+
+def _shape(shape) -> str:
+    return f"[{', '.join(str(s) for s in shape)}]"
 
 
 def _refs(args) -> list:

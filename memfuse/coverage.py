@@ -30,8 +30,12 @@ CONDITIONAL = [   # (when, reason logged): rows of the table above that still fa
     ("a reduction over the leading dims of fp64 or integers", "the column partials are fp32"),
     ("var / var_mean over the leading dims or over every dim", "two passes over M"),
     ("a value that does not fit the [M, D] space of its inputs", "e.g. a [B, 1, D] row meeting [B, T, D]"),
-    ("permute that moves a dim of size > 1; a slice with a step, an offset or an end",
-     "the kernels read whole [M, D] rows"),
+    ("a permute or transpose that moves the last dim (size > 1)", "D changes: not a row operation"),
+    ("slice_scatter with a step (a strided slice's backward)", "the index (c - start) / step is not affine"),
+    ("a reshape that merges dims of a view that moved elements", "the view is written, then aten reshapes "
+     "it (no copy)"),
+    ("a view of a value computed in the same kernel", "not a fallback: the kernel writes the value and "
+     "the next kernel reads it in place (`explain` lists it under why nodes did not fuse)"),
     ("a copy to another device", "an aten copy"),
 ]
 

@@ -31,6 +31,7 @@ class Op(enum.Enum):
     CONSTANT = "constant"
     SYMBOL = "symbol"        # a size-derived scalar, evaluated from the input shapes per call
     VIEW = "view"            # reshape/expand/clone that keeps the [M, D] element order
+    STRIDED = "strided"      # a view read in place from a tensor in memory, through an access map
     CAST = "cast"
     NEG = "neg"; ABS = "abs"; EXP = "exp"; LOG = "log"; SQRT = "sqrt"; RSQRT = "rsqrt"
     SIGMOID = "sigmoid"; TANH = "tanh"; ERF = "erf"; RECIPROCAL = "reciprocal"
@@ -66,7 +67,8 @@ REDUCTION = {Op.SUM, Op.MAX, Op.MIN, Op.PROD, Op.ARGMAX, Op.ARGMIN}
 RANDOM = {Op.RAND}
 LEAF = {Op.INPUT, Op.SEED, Op.CONSTANT, Op.SYMBOL}
 EXTERNAL = {Op.EXTERN, Op.GETITEM}
-FUSIBLE = POINTWISE | REDUCTION | RANDOM
+MEMORY_VIEWS = {Op.STRIDED}   # read their first input (the root) from memory, not from registers
+FUSIBLE = POINTWISE | REDUCTION | RANDOM | MEMORY_VIEWS
 
 
 @dataclass(frozen=True)
@@ -125,7 +127,36 @@ class ValueRef:
     name: str
 
 
-Attr = Union[None, Cast, Constant, Symbol, Seeded, Reduce, Extern, Index]
+@dataclass(frozen=True)
+class Strided:
+    """The access map of a STRIDED node: how element (i_0, ..., i_{r-1}) of the node's value is
+    found in its root (the node's first input, a tensor in memory). Root index j is
+    `sum_k index[j][0][k] * i_k + index[j][1]`; its memory offset multiplies those by the
+    root's strides, read per call, so permutes, slices and selects of any layout share it.
+    Entries are ints, or ValueRefs to SYMBOL inputs of the node (sizes known per call).
+
+    `window` (cat, slice_scatter, select_backward): per value dim, the range [start, end) the
+    root covers, or None for all of it; elsewhere the value is the node's second input (the
+    fallback), or 0 without one. `contiguous_root`: the root is made contiguous before the
+    read (its last stride is 1); False for an input passed in with other strides."""
+    sizes: tuple                        # the value's dims: int or ValueRef (None: the outermost row dim)
+    index: tuple                        # per root dim: (coefficients per value dim, constant)
+    window: Optional[tuple] = None      # per value dim: None or (start, end)
+    contiguous_root: bool = True
+    describe: str = ""                  # what it came from, for comments: "permute(1, 0, 2)"
+
+    @property
+    def has_fallback(self) -> bool:
+        return self.window is not None
+
+    def scalars(self) -> list:
+        """The SYMBOL inputs the map reads (its ValueRefs), in order of first use."""
+        refs = list(self.sizes) + [c for coeffs, const in self.index for c in (*coeffs, const)]
+        refs += [b for w in (self.window or ()) if w is not None for b in w]
+        return list(dict.fromkeys(r.name for r in refs if isinstance(r, ValueRef)))
+
+
+Attr = Union[None, Cast, Constant, Symbol, Seeded, Reduce, Extern, Index, Strided]
 
 
 @dataclass(frozen=True)
@@ -200,7 +231,8 @@ def verify(graph: Graph) -> None:
             if inp not in seen:
                 raise GraphError(f"memfuse IR: {node.name} reads {inp} before it is defined\n{format_graph(graph)}")
         if node.op in FUSIBLE:
-            for inp in node.inputs:
+            # a STRIDED node's root is read from memory, in whatever shape it has
+            for inp in node.inputs[1:] if node.op in MEMORY_VIEWS else node.inputs:
                 if not fits(graph[inp].value, node.value, node.op):
                     raise GraphError(f"memfuse IR: {node.name} ({node.op.value}, {node.value.kind.value}) "
                                      f"cannot read {inp} ({graph[inp].value.kind.value}) in one [M, D] space")

@@ -76,13 +76,13 @@ def warmup_arguments(graph, launch: KernelLaunch, device: torch.device, config: 
     where it passes a scalar, and the constexprs and warps of the device's launch config."""
     args = []
     for a in launch.kernel.source.args:
-        if a.role in ("read", "write"):
+        if a.role in ("read", "in_place", "write"):
             args.append(graph[a.value].value.dtype)
         elif a.role == "partials":
             args.append(launch.partials_dtypes[Op(a.value)])
         elif a.role == "scalar":
             args.append(1.5 if graph[a.value].value.dtype.is_floating_point else MOCK_INT)
-        else:                               # rows, tiles per program
+        else:                               # strides, rows, tiles per program
             args.append(MOCK_INT)
     chosen = launch.launch_config(device, config)
     constexprs = launch.kernel.source.constexprs

@@ -180,11 +180,12 @@ class Launcher:
 class AtenGroup:
     """A group the code generator declined, run op by op: `(inputs, symbol values) -> outputs`."""
 
-    def __init__(self, graph: Graph, group: KernelGroup, rows: Optional[Callable], shapes: dict):
+    def __init__(self, graph: Graph, group: KernelGroup, rows: Optional[Callable], shapes: dict, view_shapes: dict):
         self.graph = graph
         self.group = group
         self.rows = rows
         self.shapes = shapes             # name -> shape fn, for materialized values
+        self.view_shapes = view_shapes   # STRIDED node -> shape fn
 
     def __call__(self, inputs: dict, symbol_values: tuple) -> list:
         return _run_aten_group(self.graph, self, inputs, symbol_values)
@@ -217,7 +218,8 @@ class Program:
             STATS["fallbacks"] += 1
             shapes = {n: self._shape_fn(n) for n in step.outputs + step.column_sums}
             rows = None if step.space.m is None else _size_fn(step.space.m, self.symbols)
-            return AtenGroup(g, step, rows, shapes)
+            views = {n: self._shape_fn(n) for n in step.nodes if g[n].op is Op.STRIDED}
+            return AtenGroup(g, step, rows, shapes, views)
         kernel = generate(g, step, self.config)
         STATS["kernels_generated"] += 1
         partials_dtypes = {op: max((accumulate_dtype(g[n].value.dtype) for n in names), key=lambda t: t.itemsize)
@@ -291,12 +293,15 @@ class _ProgramWriter:
         values, checked = [], []
         for arg in launch.kernel.source.args:
             if arg.role == "read" and arg.value not in self.allocated:
-                local = self.contiguous.get(arg.value)
-                if local is None:   # an input or an aten result: may be strided or unaligned
-                    local = self.contiguous[arg.value] = f"mf_{arg.value}"
-                    self.line(f"    {local} = {arg.value} if {arg.value}.is_contiguous() else {arg.value}.contiguous()")
-                values.append(local)
-                checked.append(f"{local}.data_ptr()")
+                values.append(self.made_contiguous(arg.value))
+                checked.append(f"{values[-1]}.data_ptr()")
+            elif arg.role == "in_place":       # an input the kernel reads by its own strides
+                values.append(arg.value)
+                checked.append(f"{arg.value}.data_ptr()")
+            elif arg.role == "stride":         # of the tensor as the kernel reads it
+                in_place = any(b.role == "in_place" and b.value == arg.value for b in launch.kernel.source.args)
+                tensor = arg.value if in_place or arg.value in self.allocated else self.made_contiguous(arg.value)
+                values.append(f"{tensor}.stride({arg.dim})")
             elif arg.role in ("read", "write", "scalar"):
                 values.append(arg.value)
             elif arg.role not in ("partials", "rows", "tiles"):
@@ -322,6 +327,15 @@ class _ProgramWriter:
                 if tuple(value.shape) != (group.space.d,):
                     total += f".reshape({self.expr(value.shape)})"
                 self.line(f"    {name} = {total}")   # a row of [n, D]: aligned only if D is
+
+    def made_contiguous(self, value: str) -> str:
+        """The local holding `value` as kernels read it: an input or an aten result may be
+        strided (or unaligned); written once, before its first use."""
+        local = self.contiguous.get(value)
+        if local is None:
+            local = self.contiguous[value] = f"mf_{value}"
+            self.line(f"    {local} = {value} if {value}.is_contiguous() else {value}.contiguous()")
+        return local
 
     def aten_group(self, group: KernelGroup, step: AtenGroup) -> None:
         runner = self.bind(step, "aten")
@@ -419,6 +433,14 @@ def _run_aten_group(graph: Graph, step: AtenGroup, env: dict, symbol_values: tup
                                       f"({group.aten_reason})")
         if node.op is Op.VIEW:
             result = read(node.inputs[0])
+        elif node.op is Op.STRIDED:
+            shape = step.view_shapes[name](*symbol_values)
+            values, inside = (_canonical(t, node.value.kind, rows, d)
+                              for t in _read_view(node, env[node.inputs[0]], shape, env))
+            if values.dtype.is_floating_point:
+                values = values.to(compute_dtype(values.dtype))
+            fallback = read(node.inputs[1]) if node.attr.has_fallback else torch.zeros((), dtype=values.dtype, device=values.device)
+            result = torch.where(inside, values, fallback)
         elif node.op is Op.CAST:
             result = read(node.inputs[0]).to(node.attr.dtype)
             if result.dtype.is_floating_point:
@@ -436,6 +458,30 @@ def _run_aten_group(graph: Graph, step: AtenGroup, env: dict, symbol_values: tup
         full = torch.broadcast_to(local[name], _canonical_shape(graph[name].value.kind, rows, d))
         results.append(full.to(graph[name].value.dtype).reshape(shape(*symbol_values)).contiguous())
     return results
+
+
+def _read_view(node, root: torch.Tensor, shape, env: dict) -> tuple:
+    """A STRIDED node's (values, inside its window) by index arithmetic in torch (ir.Strided)."""
+    a = node.attr
+
+    def entry(e):
+        return int(env[e.name]) if isinstance(e, ValueRef) else e
+    shape = [int(n) for n in shape]
+    grids = torch.meshgrid(*[torch.arange(n, device=root.device) for n in shape], indexing="ij") if shape else []
+    flat = torch.zeros(shape, dtype=torch.int64, device=root.device)
+    inside = torch.ones(shape, dtype=torch.bool, device=root.device)
+    for k, w in enumerate(a.window or ()):
+        if w is not None:
+            inside &= (grids[k] >= entry(w[0])) & (grids[k] < entry(w[1]))
+    dense = root.contiguous()
+    for j, (coeffs, const) in enumerate(a.index):
+        index = sum((entry(c) * g for c, g in zip(coeffs, grids)), torch.zeros_like(flat)) + entry(const)
+        flat += index * dense.stride(j)
+    if dense.numel() == 0:
+        values = torch.zeros(shape, dtype=root.dtype, device=root.device)
+    else:
+        values = dense.reshape(-1)[torch.where(inside, flat, 0)]
+    return values, inside
 
 
 def _canonical_shape(kind: Kind, rows: int, d: Optional[int]) -> tuple:

@@ -2,7 +2,7 @@
 
 Each fusible node gets a stage: the largest stage of its inputs, plus one across anything a
 kernel cannot read in the same pass (an extern result, a reduction over M, a value from a group
-of another space). A node joins the groups of its inputs at its own stage when their spaces
+of another space, the root a STRIDED view reads from memory). A node joins the groups of its inputs at its own stage when their spaces
 agree (merging them), else any compatible group of its stage (horizontal fusion: the column
 sums of a backward land in its main kernel), else starts a new one. Every edge between groups
 then runs from a lower stage to a higher one, so the steps, ordered by stage, never wait on a
@@ -17,7 +17,7 @@ import sympy
 
 from .config import Config
 from .ops import TRITON_DTYPES
-from .ir import EXTERNAL, FUSIBLE, LEAF, REDUCTION, Graph, Kind, Op, Reduce, Value
+from .ir import EXTERNAL, FUSIBLE, LEAF, MEMORY_VIEWS, REDUCTION, Graph, Kind, Op, Reduce, Value
 
 
 @dataclass(frozen=True)
@@ -147,6 +147,11 @@ def _input_stage(graph, inp, stage, group_of, space, not_fused, name) -> int:
     barrier = _barrier(graph, inp)
     if barrier is not None:
         not_fused.append((name, inp, barrier))
+        return stage[inp] + 1
+    node = graph[name]
+    if node.op in MEMORY_VIEWS and inp == node.inputs[0] and inp in group_of:
+        not_fused.append((name, inp, f"reads {inp} in place ({node.attr.describe}): a kernel writes it "
+                                     f"to memory first"))
         return stage[inp] + 1
     if inp in group_of and not group_of[inp].space.agrees(space):
         not_fused.append((name, inp, f"iteration spaces differ: {group_of[inp].space} vs {space}"))

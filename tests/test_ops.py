@@ -170,8 +170,16 @@ SAMPLES = {
     aten.squeeze.dims: [S(lambda s: aten.squeeze.dims(s, [1]) * 2, "s")],
     aten.unsqueeze.default: [S(lambda a: aten.unsqueeze.default(a, 1) * 2, "f")],
     aten.lift_fresh_copy.default: [S(lambda a: a * torch.tensor(2.0) + torch.tensor([1.0] * 8), "f")],
-    aten.permute.default: [S(lambda s: aten.permute.default(s, [1, 0, 2]) * 2, "s")],
-    aten.slice.Tensor: [S(lambda a: aten.slice.Tensor(a, 1, 0, BIG) * 2, "f")],
+    # views that move elements: strided reads of a tensor in memory (tests/test_views.py has more)
+    aten.permute.default: [S(lambda s: aten.permute.default(s, [1, 0, 2]) * 2, "s"),
+                           S(lambda a: aten.permute.default(a, [1, 0, 2]) * 2, "f", name="strided")],
+    aten.slice.Tensor: [S(lambda a: aten.slice.Tensor(a, 1, 0, BIG) * 2, "f"),
+                        S(lambda a: a[:, 1:4, 2:7:2] * 2, "f", name="strided")],
+    aten.select.int: [S(lambda a: a[:, -1] * 2, "f")],
+    aten.split_with_sizes.default: [S(lambda a: (lambda p, q: p * q.sum(-1, keepdim=True))(*a.split([3, 5], -1)), "f")],
+    aten.cat.default: [S(lambda a, b: torch.cat([a, b * 2], -1), "ff"), S(lambda a, b: torch.cat([a, b], 1), "ff")],
+    aten.slice_scatter.default: [S(lambda a: a[:, 1:4] * 2, "f")],      # slice's backward
+    aten.select_backward.default: [S(lambda a: a[:, 2] * 2, "f")],       # select's backward
     # casts
     aten._to_copy.default: [S(lambda a: aten._to_copy.default(a, dtype=torch.bfloat16) * 2, "f"),
                             S(lambda a: aten._to_copy.default(a, dtype=torch.int32), "q", grad=False),
@@ -351,9 +359,9 @@ def test_dropout_backward_regenerates_the_forward_mask():
 
 # -- fallbacks: correct through aten, with the reason recorded; strict mode refuses them ----------
 EXTERNS = {
-    aten.permute.default: (lambda x: x.transpose(0, 1) * 2, "f"),
-    aten.slice.Tensor: (lambda x: x[:, :, 1:6:2] * 2, "f"),
-    aten.cat.default: (lambda x, y: torch.cat([x * 2, y], -1), "ff"),
+    aten.permute.default: (lambda x: x.transpose(1, 2) * 2, "f"),            # moves the last dim
+    aten.slice_scatter.default: (lambda x: x[:, :, 1:6:2] * 2, "f"),         # a step in slice's backward
+    aten.cat.default: (lambda x, y: torch.cat([x * 2, y.half()], -1), "ff"),  # parts of two dtypes
     aten.flip.default: (lambda x: x.flip(-1) + 1, "f"),
     aten.atan2.default: (lambda x, y: torch.atan2(x, y) * 2, "fn"),
     aten.cumsum.default: (lambda x: x.cumsum(-1) * 2, "f"),

@@ -53,6 +53,8 @@ class LoopedKernelWriter(RowKernelWriter):
                 kinds[name] = Kind.FULL
             elif node.op is Op.IOTA:
                 kinds[name] = Kind.COL
+            elif node.op is Op.STRIDED:
+                kinds[name] = node.value.kind
             elif node.op in REDUCE or node.op in ARG_REDUCE:
                 kinds[name] = node.attr.axis
             else:
@@ -83,8 +85,8 @@ class LoopedKernelWriter(RowKernelWriter):
             if name in seen or self.kind_of(name) not in CHUNKED:
                 continue
             seen.add(name)
-            if name in self.members:
-                stack.extend(self.graph[name].inputs)
+            if name in self.members:   # (a STRIDED view's root is read in place, not loaded)
+                stack.extend(self.graph[name].inputs[self.graph[name].op is Op.STRIDED:])
         return seen
 
     def last_pass(self) -> int:

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from ..ir import Graph, Kind, Node, Op
+from ..ir import Graph, Kind, Node, Op, ValueRef
 from ..ops import ARG_REDUCE, HELPERS, OPS, REDUCE, REDUCERS, TRITON_DTYPES, accumulate_dtype, compute_dtype, helpers_for
 from ..schedule import KernelGroup
 
@@ -28,8 +28,9 @@ RESERVED = {"pid", "num_programs", "cols", "col_mask", "rows", "row_mask", "mask
 class Arg:
     """One kernel argument, in launch order."""
     name: str                 # parameter name in the kernel
-    role: str                 # "read", "write", "scalar", "partials", "rows", "tiles"
+    role: str                 # "read", "in_place", "stride", "write", "scalar", "partials", "rows", "tiles"
     value: Optional[str] = None   # the graph value it carries (tensor or scalar args)
+    dim: Optional[int] = None     # "stride": which dim of the value
 
 
 @dataclass
@@ -92,6 +93,11 @@ class RowKernelWriter:
         self.sums = {op: [n for n in group.column_sums if graph[n].op is op] for op in REDUCE}
         self.persistent = bool(group.column_sums)
         self.helpers: list = []   # HELPERS entries the kernel calls
+        # tensors that STRIDED views read in place, with whether they are made contiguous first
+        self.roots = {graph[n].inputs[0]: graph[n].attr.contiguous_root for n in group.nodes
+                      if graph[n].op is Op.STRIDED}
+        plain = {i for n in group.nodes for i in graph[n].inputs[graph[n].op is Op.STRIDED:]}
+        self.roots_only = set(self.roots) - plain - set(group.outputs)   # never loaded as [M, D]
 
     def use(self, helper: Optional[str]) -> None:
         if helper is not None and helper not in self.helpers:
@@ -180,7 +186,10 @@ class RowKernelWriter:
             if node.op in (Op.SYMBOL, Op.SEED):
                 args.append(Arg(self.reg(name), "scalar", name))
             else:
-                args.append(Arg(f"{name}_ptr", "read", name))
+                args.append(Arg(f"{name}_ptr", "read" if self.roots.get(name, True) else "in_place", name))
+        for root, contiguous in self.roots.items():   # strides of the tensors read in place
+            dims = len(self.graph[root].value.shape) - contiguous   # a contiguous root's last stride is 1
+            args.extend(Arg(f"{root}_stride{j}", "stride", root, j) for j in range(dims))
         for name in self.group.outputs:
             args.append(Arg(f"{name}_ptr", "write", name))
         for op, names in self.sums.items():
@@ -193,11 +202,16 @@ class RowKernelWriter:
         return args
 
     def describe(self, arg: Arg) -> str:
-        if arg.role in ("read", "write"):
+        if arg.role in ("read", "write", "in_place"):
             v = self.graph[arg.value].value
-            shape = {Kind.FULL: "[M, D]", Kind.ROW: "[M]", Kind.COL: "[D]", Kind.SCALAR: "[1]"}[v.kind]
-            what = "input" if arg.role == "read" else "output"
+            shape = {Kind.FULL: "[M, D]", Kind.ROW: "[M]", Kind.COL: "[D]", Kind.SCALAR: "[1]"}.get(
+                v.kind, f"[{len(v.shape)} dims]")
+            what = {"read": "input", "write": "output", "in_place": "input, read by its own strides"}[arg.role]
+            if arg.value in self.roots_only:
+                what += " read in place (views)"
             return f"  # {shape} {str(v.dtype).replace('torch.', '')} {what}"
+        if arg.role == "stride":
+            return f"  # elements between neighbours along dim {arg.dim} of {arg.value} (per call)"
         if arg.role == "partials":
             return f"  # [programs, n, D] fp32 partial {arg.value}s over M, finished by the runtime"
         if arg.role == "scalar":
@@ -208,9 +222,11 @@ class RowKernelWriter:
 
     def bytes_per_row(self) -> int:
         total = 0
-        for name in self.group.inputs + self.group.outputs:
+        viewed = [n for n in self.group.nodes if self.graph[n].op is Op.STRIDED]
+        for name in self.group.inputs + self.group.outputs + viewed:
             v = self.graph[name].value
-            if v.dtype is None or self.graph[name].op in (Op.CONSTANT, Op.SYMBOL, Op.SEED):
+            if v.dtype is None or self.graph[name].op in (Op.CONSTANT, Op.SYMBOL, Op.SEED) \
+                    or name in self.roots_only:
                 continue
             per_row = {Kind.FULL: self.d or 1, Kind.ROW: 1}.get(v.kind, 0)
             total += per_row * v.dtype.itemsize
@@ -285,7 +301,7 @@ class RowKernelWriter:
         node = self.graph[name]
         kind = node.value.kind
         self.kinds[name] = kind
-        if node.op in (Op.CONSTANT, Op.SYMBOL, Op.SEED):
+        if node.op in (Op.CONSTANT, Op.SYMBOL, Op.SEED) or name in self.roots_only:
             return
         cast = compute_dtype(node.value.dtype)
         to = "" if node.value.dtype == torch.bool else f".to({TRITON_DTYPES[cast]})"
@@ -313,6 +329,9 @@ class RowKernelWriter:
         elif node.op is Op.IOTA:
             shape = Kind.COL
             out(f"{target} = cols.to(tl.int64)")
+        elif node.op is Op.STRIDED:
+            shape = node.value.kind
+            self.strided(out, node)
         elif node.op is Op.RAND:
             shape = Kind.FULL
             self.rand(out, node)
@@ -331,6 +350,79 @@ class RowKernelWriter:
                 self.use(OPS[node.op].helper)
             out(f"{target} = {OPS[node.op].triton.format(*operands)}")
         self.kinds[name] = shape
+
+    def strided(self, out: _Lines, node: Node) -> None:
+        """A view read in place: the row index unravels over the value's leading dims, each
+        index steps through the root by its stride, the columns by the last dim's."""
+        a, v, root = node.attr, self.reg(node.name), node.inputs[0]
+        kind, rank = node.value.kind, len(a.sizes)
+        col = rank - 1 if kind in (Kind.FULL, Kind.COL) else None     # the dim the columns walk
+        row_dims = [k for k in range(rank) if k != col and a.sizes[k] != 1]
+        root_strides = [f"{root}_stride{j}" for j in range(len(a.index))]
+        if a.contiguous_root:
+            root_strides[-1] = "1"
+        out(f"# {node.name}: {root} read in place through {a.describe}")
+        start = _sum(_times(self.entry(const), s) for (_, const), s in zip(a.index, root_strides))
+        strides = {}
+        for k in row_dims + ([col] if col is not None else []):
+            strides[k] = _sum(_times(self.entry(coeffs[k]), s) for (coeffs, _), s in zip(a.index, root_strides))
+            if not _simple(strides[k]):
+                out(f"{v}_stride{k} = {strides[k]}")
+                strides[k] = f"{v}_stride{k}"
+        index = {}
+        if kind is not Kind.COL:
+            inner = "1"
+            for k in reversed(row_dims):
+                quotient = "rows" if inner == "1" else f"(rows // {_paren(inner)})"
+                index[k] = f"{v}_i{k}"
+                out(f"{index[k]} = {quotient}" + (f" % {self.entry(a.sizes[k])}" if k != row_dims[0] else ""))
+                inner = _times(inner, self.entry(a.sizes[k]))
+            steps = [_times(index[k], strides[k]) for k in row_dims]
+            row = _sum([start] + (steps if row_dims else ["0 * rows"]))   # a vector even for one row
+        if col is not None:
+            index[col] = "cols"
+            column = "cols" if strides[col] == "1" else f"(cols * {_paren(strides[col])})"
+        inside = self.window(out, node, index, col)
+        if kind is Kind.FULL:
+            offsets, mask = f"{_paren(row)}[:, None] + {column}[None, :]", "mask"
+        elif kind is Kind.ROW:
+            offsets, mask = row, "row_mask"
+        else:
+            offsets, mask = _sum([start, column]), "col_mask"
+        out(f"{v}_offsets = {offsets}")
+        to = "" if node.value.dtype == torch.bool else f".to({TRITON_DTYPES[compute_dtype(node.value.dtype)]})"
+        mask = mask if inside is None else f"{mask} & {inside}"
+        out(f"{v} = tl.load({root}_ptr + {v}_offsets, mask={mask}, other=0){to}")
+        if inside is not None:
+            fallback = self.operand(node.inputs[1], kind, compute_dtype(node.value.dtype), node.value.dtype)
+            out(f"{v} = tl.where({inside}, {v}, {fallback})")
+
+    def window(self, out: _Lines, node: Node, index: dict, col: Optional[int]) -> Optional[str]:
+        """The mask of the elements the root covers (cat parts, scatters), None for all."""
+        if node.attr.window is None:
+            return None
+        v = self.reg(node.name)
+        rows, cols = [], []
+        zero = "(cols * 0)" if node.value.kind is Kind.COL else "(rows * 0)"   # the index along a dim of size 1
+        for k, w in enumerate(node.attr.window):
+            if w is not None:
+                i = index.get(k, zero)
+                part = f"({i} >= {self.entry(w[0])}) & ({i} < {self.entry(w[1])})"
+                (cols if k == col else rows).append(part)
+        kind = node.value.kind
+        if rows and kind is not Kind.COL:
+            out(f"{v}_rows_inside = {' & '.join(rows)}")
+        if cols:
+            out(f"{v}_cols_inside = {' & '.join(cols)}")
+        if kind is Kind.FULL:
+            if rows and cols:
+                return f"({v}_rows_inside[:, None] & {v}_cols_inside[None, :])"
+            return f"{v}_rows_inside[:, None]" if rows else f"{v}_cols_inside[None, :]"
+        return f"{v}_cols_inside" if kind is Kind.COL else f"{v}_rows_inside"
+
+    def entry(self, item) -> str:
+        """An access-map entry: an int literal, or the register of its SYMBOL input."""
+        return self.reg(item.name) if isinstance(item, ValueRef) else str(item)
 
     def rand(self, out: _Lines, node: Node) -> None:
         """Uniform [0, 1) per element, a pure function of (seed, row * D + col): the backward
@@ -421,6 +513,30 @@ class RowKernelWriter:
             out(f"tl.store({ptr} + cols, {value}, mask=col_mask)")
         else:
             out(f"tl.store({ptr}, {value})")
+
+
+def _simple(text: str) -> bool:
+    return text.lstrip("-").replace("_", "").isalnum()
+
+
+def _paren(text: str) -> str:
+    return text if _simple(text) else f"({text})"
+
+
+def _times(a: str, b: str) -> str:
+    """a * b as text, with the products by 0 and 1 done."""
+    if a == "0" or b == "0":
+        return "0"
+    if a == "1":
+        return b
+    if b == "1":
+        return a
+    return f"{_paren(a)} * {_paren(b)}"
+
+
+def _sum(terms) -> str:
+    terms = [t for t in terms if t != "0"]
+    return " + ".join(terms) if terms else "0"
 
 
 def _register_kind(kinds) -> Kind:

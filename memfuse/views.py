@@ -1,0 +1,120 @@
+"""Access maps: where each element of a view sits in the tensor it views (the root).
+
+A view of rank r over a root of rank R is an affine map on indices: root index j of element
+(i_0, ..., i_{r-1}) is `sum_k coeffs[j][k] * i_k + consts[j]`. Permute, slice, select, the
+reshapes that split dims or add/remove size-1 dims, and the shift of a cat's part are all
+such maps, and a view of a view is their product. Entries are sympy expressions over the size
+symbols, so one map serves every batch size; the root's strides, read per call, turn the root
+index into a memory offset (codegen). capture builds these; nothing here touches the graph.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import sympy
+
+ONE, ZERO = sympy.Integer(1), sympy.Integer(0)
+
+
+@dataclass(frozen=True)
+class AccessMap:
+    root: str                 # the tensor in memory
+    shape: tuple              # the view's dims (sympy)
+    coeffs: tuple             # [R][r]: root index j per view index k
+    consts: tuple             # [R]
+    contiguous_root: bool     # the root is made contiguous before the read
+
+    def then(self, coeffs, consts, shape) -> "AccessMap":
+        """This map followed by a view whose index into *this* view is coeffs . i' + consts."""
+        rank = len(shape)
+        new_coeffs = tuple(tuple(sympy.expand(sum((a * coeffs[k][n] for k, a in enumerate(row)), ZERO))
+                                 for n in range(rank)) for row in self.coeffs)
+        new_consts = tuple(sympy.expand(sum((a * consts[k] for k, a in enumerate(row)), ZERO) + c)
+                           for row, c in zip(self.coeffs, self.consts))
+        return AccessMap(self.root, tuple(shape), new_coeffs, new_consts, self.contiguous_root)
+
+
+def identity(root: str, shape: Sequence, contiguous_root: bool) -> AccessMap:
+    rank = len(shape)
+    coeffs = tuple(tuple(ONE if j == k else ZERO for k in range(rank)) for j in range(rank))
+    return AccessMap(root, tuple(shape), coeffs, (ZERO,) * rank, contiguous_root)
+
+
+def _unit(rank_in: int, rank_out: int, pairs) -> list:
+    rows = [[ZERO] * rank_out for _ in range(rank_in)]
+    for j, k, a in pairs:
+        rows[j][k] = a
+    return rows
+
+
+def permute(shape: Sequence, dims: Sequence[int]) -> tuple:
+    """(coeffs, consts, new shape): view dim k is source dim dims[k]."""
+    rank = len(shape)
+    dims = [d % rank for d in dims]
+    return _unit(rank, rank, [(dims[k], k, ONE) for k in range(rank)]), [ZERO] * rank, [shape[d] for d in dims]
+
+
+def slice_(shape: Sequence, dim: int, start, step: int, length) -> tuple:
+    rank = len(shape)
+    pairs = [(j, j, sympy.Integer(step) if j == dim else ONE) for j in range(rank)]
+    consts = [sympy.sympify(start) if j == dim else ZERO for j in range(rank)]
+    return _unit(rank, rank, pairs), consts, [length if j == dim else s for j, s in enumerate(shape)]
+
+
+def select(shape: Sequence, dim: int, index) -> tuple:
+    rank = len(shape)
+    pairs = [(j, j if j < dim else j - 1, ONE) for j in range(rank) if j != dim]
+    consts = [sympy.sympify(index) if j == dim else ZERO for j in range(rank)]
+    return _unit(rank, rank - 1, pairs), consts, [s for j, s in enumerate(shape) if j != dim]
+
+
+def unselect(shape: Sequence, dim: int) -> tuple:
+    """select's backward: the view has the source's dims plus one at `dim` (its window)."""
+    rank = len(shape) + 1
+    pairs = [(j, j if j < dim else j + 1, ONE) for j in range(rank - 1)]
+    return _unit(rank - 1, rank, pairs), [ZERO] * (rank - 1)
+
+
+def shift(rank: int, dim: int, start) -> tuple:
+    """A cat part or slice_scatter source placed at `start` along `dim`: index i' - start."""
+    pairs = [(j, j, ONE) for j in range(rank)]
+    consts = [-sympy.sympify(start) if j == dim else ZERO for j in range(rank)]
+    return _unit(rank, rank, pairs), consts
+
+
+def same(a, b) -> bool:
+    return sympy.expand(sympy.sympify(a) - sympy.sympify(b)) == 0
+
+
+def reshape(shape: Sequence, new_shape: Sequence) -> Optional[tuple]:
+    """A row-major reshape as an index map, when it only splits dims or adds/removes dims of
+    size 1 (None when it merges dims: not affine in the view's indices)."""
+    src = [j for j, s in enumerate(shape) if not same(s, 1)]
+    dst = [k for k, s in enumerate(new_shape) if not same(s, 1)]
+    pairs, k = [], 0
+    for j in src:
+        group, product = [], ONE
+        while k < len(dst) and not same(product, shape[j]):
+            group.append(dst[k])
+            product *= new_shape[dst[k]]
+            k += 1
+        if not group or not same(product, shape[j]):
+            return None
+        after = ONE
+        for kk in reversed(group):   # a split: the outer index counts blocks of the inner sizes
+            pairs.append((j, kk, after))
+            after *= new_shape[kk]
+    if k != len(dst):
+        return None
+    return _unit(len(shape), len(new_shape), pairs), [ZERO] * len(shape)
+
+
+def column_moves(m: AccessMap) -> bool:
+    """Whether the view's last dim (longer than 1) steps through a leading dim of the root: its
+    rows are then not rows of the root (a transpose that changes D). A last dim that reads one
+    element per row (a broadcast, select's backward over columns) is a row operation."""
+    last = len(m.shape) - 1
+    if last < 0 or same(m.shape[last], 1):
+        return False
+    return any(not same(row[last], 0) for row in m.coeffs[:-1])

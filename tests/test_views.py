@@ -1,0 +1,171 @@
+"""Views that move elements (permute, slice, select, split, cat and their backwards), read in
+place through access maps, against eager: outputs and every gradient, fp32 and bf16, on
+non-contiguous inputs, over several leading sizes with one compile, and never extern."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import memfuse
+from memfuse import Config
+from memfuse.ir import Op
+
+from compare import assert_same, run_both
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def swiglu(x):
+    a, b = x.chunk(2, -1)
+    return F.silu(a) * b
+
+
+def heads(x):
+    """[B, T, D] -> [B, H, T, D/H]: split D, move the heads before the sequence."""
+    b, t, d = x.shape
+    return (x.view(b, t, 2, d // 2).transpose(1, 2) * 2).sin()
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return x * 0.5 + torch.cat([-x[..., half:], x[..., :half]], -1)
+
+
+CASES = {   # name -> (fn, input shapes)
+    "permute_leading": (lambda x: (x.permute(1, 0, 2) * 2).sin(), [(3, 4, 8)]),
+    "transpose_then_row_sum": (lambda x: torch.softmax(x.transpose(0, 1), -1), [(3, 4, 8)]),
+    "slice_leading": (lambda x: x[:, 1:4].exp(), [(3, 6, 8)]),
+    "slice_columns": (lambda x: x[..., 2:7].exp(), [(3, 4, 8)]),
+    "slice_negative_start": (lambda x: x[:, -2:] * 3, [(3, 5, 8)]),
+    "select_leading": (lambda x: x[:, 1].exp(), [(3, 6, 8)]),
+    "select_last_row": (lambda x: x[:, -1] * 2, [(3, 6, 8)]),
+    "select_column": (lambda x: x[..., 0] * 2, [(3, 6, 8)]),
+    "chunk_swiglu": (swiglu, [(3, 4, 16)]),
+    "split_heads": (heads, [(3, 5, 8)], ["aten.view.default"]),   # the backward merges the heads back
+    "cat_columns": (lambda x, y: torch.cat([x.sin(), y], -1).exp(), [(3, 4, 8), (3, 4, 4)]),
+    "cat_rows": (lambda x, y: torch.cat([x, y * 2], 1).exp(), [(3, 4, 8), (3, 2, 8)]),
+    "rotate_half": (rotate_half, [(3, 4, 8)]),
+    "slice_of_permute": (lambda x: x.permute(1, 0, 2)[1:, :, 2:6] * 2, [(3, 4, 8)]),
+    "select_with_weight": (lambda x, w: F.layer_norm(x[:, 0], (8,), w), [(3, 4, 8), (8,)]),
+}
+
+
+def test_slice_with_a_step_fuses_forward_and_scatters_back_through_aten():
+    """The backward's slice_scatter with a step (index (c - start) / step) is not an affine map."""
+    both = run_both(lambda x: x[..., 1:8:2] * x[..., :4], [torch.randn(3, 4, 8, requires_grad=True)])
+    assert_same(both.fused, both.eager)
+    assert_same(both.fused_grads, both.eager_grads, scale=2.0, what="gradient")
+    assert [f[1] for f in both.fallbacks] == ["aten.slice_scatter.default"]
+    assert "step 2" in both.fallbacks[0][2]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("name", list(CASES))
+def test_view_matches_eager_and_fuses(name, dtype):
+    fn, shapes, *allowed = CASES[name]
+    args = [torch.randn(s).to(dtype).requires_grad_() for s in shapes]
+    before = memfuse.stats()["extern_calls"]
+    both = run_both(fn, args)
+    assert_same(both.fused, both.eager, reference=both.reference)
+    assert_same(both.fused_grads, both.eager_grads, scale=2.0, what="gradient", reference=both.reference_grads)
+    fallbacks = [f for f in both.fallbacks if f[1] not in (allowed[0] if allowed else [])]
+    assert not fallbacks, f"fell back to aten: {fallbacks}"
+    if not allowed:
+        assert memfuse.stats()["extern_calls"] == before
+    joint = both.captured[0].joint
+    assert any(n.op is Op.STRIDED for n in joint.nodes.values())
+
+
+NON_CONTIGUOUS = {   # name -> (fn, a non-contiguous input)
+    "transposed": (lambda x: (x * 2).sin(), lambda: torch.randn(4, 3, 8).transpose(0, 1)),
+    "sliced_columns": (lambda x: torch.softmax(x, -1), lambda: torch.randn(3, 4, 12)[..., 2:10]),
+    "sliced_rows_then_permute": (lambda x: x.permute(1, 0, 2).exp(), lambda: torch.randn(6, 4, 8)[::2]),
+    "last_dim_strided": (lambda x: x.sum(-1, keepdim=True) * x, lambda: torch.randn(3, 8, 4).transpose(1, 2)),
+}
+
+
+@pytest.mark.parametrize("name", list(NON_CONTIGUOUS))
+def test_non_contiguous_input_is_read_in_place(name):
+    fn, make = NON_CONTIGUOUS[name]
+    base = make()
+    assert not base.is_contiguous()
+    fused_fn = memfuse.memory_efficient_fusion(fn)
+    x = base.detach().requires_grad_()            # a leaf with the same (non-contiguous) strides
+    eager_x = base.detach().requires_grad_()
+    out, want = fused_fn(x), fn(eager_x)
+    grad = torch.randn_like(want)
+    out.backward(grad)
+    want.backward(grad)
+    assert_same([out], [want])
+    assert_same([x.grad], [eager_x.grad], scale=2.0, what="gradient")
+    entry = next(iter(fused_fn.cache.values()))
+    assert not entry.captured.fallbacks
+    joint = entry.captured.joint
+    reads = [n for n in joint.nodes.values() if n.op is Op.STRIDED and n.inputs[0] == joint.inputs[0]]
+    assert reads and all(not n.attr.contiguous_root for n in reads)
+
+
+def test_one_compile_serves_every_leading_size():
+    def fn(x, y):
+        return torch.cat([x.permute(1, 0, 2), y], -1)[..., 4:].sin()
+    fused = memfuse.memory_efficient_fusion(fn)
+    for b, t in [(3, 4), (5, 2), (4, 7)]:
+        x = torch.randn(b, t, 8, requires_grad=True)
+        y = torch.randn(t, b, 4, requires_grad=True)   # (sizes 2 and up: 1 is a compile key of its own)
+        out = fused(x, y)
+        xe, ye = x.detach().requires_grad_(), y.detach().requires_grad_()
+        want = fn(xe, ye)
+        grad = torch.randn_like(want)
+        out.backward(grad)
+        want.backward(grad)
+        torch.testing.assert_close(out, want)
+        torch.testing.assert_close(x.grad, xe.grad)
+        torch.testing.assert_close(y.grad, ye.grad)
+    stats = memfuse.stats()
+    assert stats["compiles"] == 1 and stats["recompiles"] == 0, stats
+    assert stats["extern_calls"] == 0, stats
+
+
+def test_non_contiguous_layouts_share_a_compile():
+    """Inputs of one compile key but other strides: strides are read per call."""
+    fused = memfuse.memory_efficient_fusion(lambda x: x.exp() * 2)
+    for x in [torch.randn(4, 3, 8).transpose(0, 1), torch.randn(3, 8, 8)[:, ::2], torch.randn(3, 4, 16)[..., ::2]]:
+        torch.testing.assert_close(fused(x), x.exp() * 2)
+    assert memfuse.stats()["compiles"] == 1
+
+
+def test_looped_kernels_read_views():
+    """Rows past Config.max_row_length: the strided reads run chunk by chunk."""
+    def fn(x, y):
+        return torch.softmax(torch.cat([x[:, 1:], y], -1), -1)
+    args = [torch.randn(3, 5, 24, requires_grad=True), torch.randn(3, 4, 8, requires_grad=True)]
+    both = run_both(fn, args, config=Config(max_row_length=16, loop_block_d=8))
+    assert_same(both.fused, both.eager)
+    assert_same(both.fused_grads, both.eager_grads, scale=2.0, what="gradient")
+    assert not both.fallbacks
+
+
+def test_explain_says_why_a_view_of_a_computed_value_ends_the_kernel():
+    def fn(x):
+        return x.sin().permute(1, 0, 2) * 2
+    report = memfuse.explain(fn, torch.randn(3, 4, 8, requires_grad=True))
+    assert not report.fallbacks
+    assert any("in place" in row.reason for row in report.not_fused), report.not_fused
+
+
+def test_moving_the_last_dim_stays_extern_with_its_reason():
+    both = run_both(lambda x: x.transpose(1, 2) * 2, [torch.randn(3, 4, 8, requires_grad=True)])
+    assert_same(both.fused, both.eager)
+    assert_same(both.fused_grads, both.eager_grads, what="gradient")
+    reasons = {f[1]: f[2] for f in both.fallbacks}
+    assert "moves the last dim" in reasons["aten.permute.default"]
+
+
+def test_generated_view_reads_are_readable():
+    fused = memfuse.memory_efficient_fusion(lambda x: x[:, 1:3].exp())
+    fused(torch.randn(3, 4, 8))
+    entry = next(iter(fused.cache.values()))
+    source = entry.function.forward.steps[0].kernel.source.source
+    assert "read in place through slice(dim=1)" in source
+    assert "_stride0" in source and "tl.load(" in source
