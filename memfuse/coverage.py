@@ -33,6 +33,8 @@ CONDITIONAL = [   # (when, reason logged): rows of the table above that still fa
     ("permute that moves a dim of size > 1; a slice with a step, an offset or an end",
      "the kernels read whole [M, D] rows"),
     ("a copy to another device", "an aten copy"),
+    (f"fp64 {', '.join(op.value for op, info in OPS.items() if not info.fp64)}",
+     "their helpers are accurate to fp32 only (fp32, bf16 and fp16 are fused)"),
 ]
 
 
