@@ -330,6 +330,7 @@ HELPERS = {
     r = tl.where(tl.abs(x) < 8388608.0, x - tl.floor(x + 0.5), 0.0)
     reflected = 1.1447298858494002 - tl.log(tl.abs(tl.sin(3.141592653589793 * r))) - positive
     reflected = tl.where(r == 0, float('inf'), reflected)
+    reflected = tl.where(x > -5.960464477539063e-08, -tl.log(-x), reflected)   # sin(pi x) would be subnormal
     return tl.where(x <= 0, reflected, positive)''', ("mf_log1p", "mf_lgamma_near2")),
     "mf_digamma": ('''def mf_digamma(x):
     # psi(x): the recurrence psi(a) = psi(a + 1) - 1/a up to a >= 6, then the asymptotic series
