@@ -24,6 +24,7 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, Stateles
 from . import views
 from .ir import (COMPARISON, Cast, Constant, Extern, Graph, Index, Kind, Node, Op, Reduce, Seeded, Strided,
                  Symbol, Value, ValueRef, fits, verify)
+from .ops import OPS
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -249,6 +250,11 @@ POINTWISE_ATEN = {
     aten.bitwise_and.Scalar: Op.BITWISE_AND, aten.bitwise_or.Tensor: Op.BITWISE_OR,
     aten.bitwise_or.Scalar: Op.BITWISE_OR, aten.bitwise_xor.Tensor: Op.BITWISE_XOR,
     aten.bitwise_xor.Scalar: Op.BITWISE_XOR, aten.where.self: Op.WHERE,
+    aten.atan.default: Op.ATAN, aten.atan2.default: Op.ATAN2, aten.asin.default: Op.ASIN,
+    aten.acos.default: Op.ACOS, aten.sinh.default: Op.SINH, aten.cosh.default: Op.COSH,
+    aten.asinh.default: Op.ASINH, aten.acosh.default: Op.ACOSH, aten.atanh.default: Op.ATANH,
+    aten.erfc.default: Op.ERFC, aten.erfinv.default: Op.ERFINV, aten.lgamma.default: Op.LGAMMA,
+    aten.digamma.default: Op.DIGAMMA,
     prims.add.default: Op.ADD, prims.sub.default: Op.SUB, prims.mul.default: Op.MUL,
     prims.neg.default: Op.NEG, prims.rsqrt.default: Op.RSQRT, prims.sqrt.default: Op.SQRT,
     prims.exp.default: Op.EXP, prims.log.default: Op.LOG, prims.abs.default: Op.ABS,
@@ -262,6 +268,11 @@ POINTWISE_ATEN = {
     prims.gt.default: Op.GT, prims.ge.default: Op.GE, prims.where.default: Op.WHERE,
     prims.bitwise_and.default: Op.BITWISE_AND, prims.bitwise_or.default: Op.BITWISE_OR,
     prims.bitwise_xor.default: Op.BITWISE_XOR, prims.bitwise_not.default: Op.BITWISE_NOT,
+    prims.atan.default: Op.ATAN, prims.atan2.default: Op.ATAN2, prims.asin.default: Op.ASIN,
+    prims.acos.default: Op.ACOS, prims.sinh.default: Op.SINH, prims.cosh.default: Op.COSH,
+    prims.asinh.default: Op.ASINH, prims.acosh.default: Op.ACOSH, prims.atanh.default: Op.ATANH,
+    prims.erfc.default: Op.ERFC, prims.erf_inv.default: Op.ERFINV, prims.lgamma.default: Op.LGAMMA,
+    prims.digamma.default: Op.DIGAMMA,
 }
 # prims.div divides integers with truncation: a float quotient only for float operands.
 DIVIDE_ATEN = {aten.div.Tensor_mode, aten.div.Scalar_mode, prims.div.default, prims.fmod.default}
@@ -319,19 +330,7 @@ EXTERN_REASONS = {
     aten.index.Tensor: "indexing: data-dependent addressing",
     aten.cumsum.default: "scan along a dim",
     aten.cumprod.default: "scan along a dim",
-    aten.atan2.default: "needs atan, which Triton has only through libdevice",
-    aten.atan.default: "needs libdevice",
-    aten.asin.default: "needs libdevice",
-    aten.acos.default: "needs libdevice",
-    aten.sinh.default: "needs libdevice",
-    aten.cosh.default: "needs libdevice",
-    aten.asinh.default: "needs libdevice",
-    aten.acosh.default: "needs libdevice",
-    aten.atanh.default: "needs libdevice",
-    aten.erfc.default: "1 - erf(x) loses every digit for large x; an accurate erfc needs libdevice",
-    aten.erfinv.default: "needs libdevice",
-    aten.lgamma.default: "needs libdevice",
-    aten.digamma.default: "needs libdevice",
+    aten.polygamma.default: "polygamma (digamma's derivative) has no interpreter-safe helper",
 }
 
 
@@ -707,6 +706,8 @@ class _Lowering:
             raise NotFusible(f"integer {op.value}: eager raises on a zero divisor, a kernel cannot")
         if op is Op.POW and not value.is_floating:
             raise NotFusible("integer pow: integer results (and errors for negative exponents) as eager")
+        if not OPS[op].fp64 and torch.float64 in [value.dtype] + [self.graph[a].value.dtype for a in args]:
+            raise NotFusible(f"fp64 {op.value}: its helper ({OPS[op].helper}) is accurate to fp32 only")
         if op in COMPARISON:
             args = self.promote(node, args)
         return self.pointwise(op, args, value, node.name)

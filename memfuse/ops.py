@@ -24,6 +24,7 @@ class OpInfo:
     triton: str                 # format string over the operand expressions {0}, {1}, {2}
     torch: Callable
     helper: Optional[str] = None   # the HELPERS entry the expression calls
+    fp64: bool = True              # False: the helper is accurate to fp32 only; fp64 values go to aten
 
 
 def _trunc_divide(a, b):
@@ -45,6 +46,19 @@ OPS = {
     Op.COS: OpInfo("tl.cos({0})", torch.cos),
     Op.TAN: OpInfo("(tl.sin({0}) / tl.cos({0}))", torch.tan),
     Op.EXP2: OpInfo("tl.exp2({0})", torch.exp2),
+    # inverse trigonometric and hyperbolic functions, erfc, erfinv, lgamma, digamma: helpers below
+    Op.ATAN: OpInfo("mf_atan({0})", torch.atan, "mf_atan", fp64=False),
+    Op.ASIN: OpInfo("mf_asin({0})", torch.asin, "mf_asin", fp64=False),
+    Op.ACOS: OpInfo("mf_acos({0})", torch.acos, "mf_acos", fp64=False),
+    Op.SINH: OpInfo("mf_sinh({0})", torch.sinh, "mf_sinh"),
+    Op.COSH: OpInfo("mf_cosh({0})", torch.cosh, "mf_cosh"),
+    Op.ASINH: OpInfo("mf_asinh({0})", torch.asinh, "mf_asinh"),
+    Op.ACOSH: OpInfo("mf_acosh({0})", torch.acosh, "mf_acosh"),
+    Op.ATANH: OpInfo("mf_atanh({0})", torch.atanh, "mf_atanh"),
+    Op.ERFC: OpInfo("mf_erfc({0})", torch.erfc, "mf_erfc", fp64=False),
+    Op.ERFINV: OpInfo("mf_erfinv({0})", torch.erfinv, "mf_erfinv", fp64=False),
+    Op.LGAMMA: OpInfo("mf_lgamma({0})", torch.lgamma, "mf_lgamma", fp64=False),
+    Op.DIGAMMA: OpInfo("mf_digamma({0})", torch.digamma, "mf_digamma", fp64=False),
     Op.EXPM1: OpInfo("mf_expm1({0})", torch.expm1, "mf_expm1"),
     Op.LOG1P: OpInfo("mf_log1p({0})", torch.log1p, "mf_log1p"),
     Op.LOG2: OpInfo("tl.log2({0})", torch.log2),
@@ -63,6 +77,7 @@ OPS = {
     Op.MUL: OpInfo("({0} * {1})", torch.mul),
     Op.DIV: OpInfo("({0} / {1})", torch.div),
     Op.POW: OpInfo("mf_pow({0}, {1})", torch.pow, "mf_pow"),
+    Op.ATAN2: OpInfo("mf_atan2({0}, {1})", torch.atan2, "mf_atan2", fp64=False),
     Op.FMOD: OpInfo("({0} % {1})", torch.fmod),          # float %: C fmod, exact
     Op.REMAINDER: OpInfo("mf_remainder({0}, {1})", torch.remainder, "mf_remainder"),
     Op.FLOOR_DIVIDE: OpInfo("mf_floor_divide({0}, {1})", torch.floor_divide, "mf_floor_divide"),
@@ -136,6 +151,207 @@ HELPERS = {
     e = mf_expm1(2.0 * a)
     t = e / (e + 2.0)
     return tl.where(x < 0, -t, t)''', ("mf_expm1",)),
+    # -- inverse trigonometric and hyperbolic functions ---------------------------------------
+    # fp32 algorithms (Cephes' single-precision ones where named); the tl.where chains keep
+    # torch's NaN, inf and signed-zero results: NaN fails every comparison, so it takes the last
+    # branch and flows through the arithmetic.
+    "mf_atan": ('''def mf_atan(x):
+    # Cephes atanf: |x| > tan(3pi/8): pi/2 + atan(-1/|x|); |x| > tan(pi/8): pi/4 + atan((|x|-1)/(|x|+1));
+    # then an odd degree-9 polynomial on [-tan(pi/8), tan(pi/8)]. atan(+-inf) = +-pi/2, atan(-0) = -0
+    a = tl.abs(x)
+    big = a > 2.414213562373095
+    mid = a > 0.41421356237309503
+    t = tl.where(big, -1.0 / a, tl.where(mid, (a - 1.0) / (a + 1.0), a))
+    base = tl.where(big, 1.5707963267948966, tl.where(mid, 0.7853981633974483, 0.0))
+    z = t * t
+    p = (((8.05374449538e-2 * z - 1.38776856032e-1) * z + 1.99777106478e-1) * z - 3.33329491539e-1) * z * t + t
+    r = base + p
+    return tl.where(x < 0, -r, tl.where(x == 0, x, r))''', ()),
+    "mf_atan2": ('''def mf_atan2(y, x):
+    # atan of min(|x|, |y|) / max(|x|, |y|) in [0, 1], then the octant: pi/2 - r where |y| > |x|,
+    # pi - r where x is negative (-0 too, by its sign bit), y's sign last; C's atan2 at zeros and infs
+    ax = tl.abs(x)
+    ay = tl.abs(y)
+    steep = ay > ax
+    t = tl.where(steep, ax / ay, ay / ax)
+    t = tl.where(ax == float('inf'), tl.where(ay == float('inf'), 1.0, t), t)   # inf / inf
+    t = tl.where(ax == 0, tl.where(ay == 0, 0.0, t), t)                         # 0 / 0
+    r = mf_atan(t)
+    r = tl.where(steep, 1.5707963267948966 - r, r)
+    x_negative = x.to(tl.float32).to(tl.int32, bitcast=True) < 0
+    r = tl.where(x_negative, 3.141592653589793 - r, r)
+    y_negative = y.to(tl.float32).to(tl.int32, bitcast=True) < 0
+    return tl.where(y_negative, -r, r)''', ("mf_atan",)),
+    "mf_asin_kernel": ('''def mf_asin_kernel(s, z):
+    # Cephes asinf's polynomial: asin(s) for |s| <= 0.5, z = s * s
+    p = (((4.2163199048e-2 * z + 2.4181311049e-2) * z + 4.5470025998e-2) * z + 7.4953002686e-2) * z
+    return s + s * (p + 1.6666752422e-1) * z''', ()),
+    "mf_asin": ('''def mf_asin(x):
+    # Cephes asinf: the polynomial up to |x| = 0.5, pi/2 - 2 asin(sqrt((1 - |x|) / 2)) beyond;
+    # |x| > 1 makes the square root NaN, as torch
+    a = tl.abs(x)
+    big = a > 0.5
+    z = tl.where(big, 0.5 * (1.0 - a), a * a)
+    s = tl.where(big, tl.sqrt(z), a)
+    p = mf_asin_kernel(s, z)
+    r = tl.where(big, 1.5707963267948966 - 2.0 * p, p)
+    return tl.where(x < 0, -r, tl.where(x == 0, x, r))''', ("mf_asin_kernel",)),
+    "mf_acos": ('''def mf_acos(x):
+    # Cephes acosf: pi/2 - asin(x) up to |x| = 0.5; beyond, with s = sqrt((1 - |x|) / 2),
+    # 2 asin(s) for x > 0.5 and pi - 2 asin(s) for x < -0.5 (no cancellation near +-1)
+    a = tl.abs(x)
+    big = a > 0.5
+    z = tl.where(big, 0.5 * (1.0 - a), x * x)
+    s = tl.where(big, tl.sqrt(z), x)
+    p = mf_asin_kernel(s, z)
+    return tl.where(big, tl.where(x > 0, 2.0 * p, 3.141592653589793 - 2.0 * p), 1.5707963267948966 - p)''',
+                ("mf_asin_kernel",)),
+    "mf_sinh": ('''def mf_sinh(x):
+    # (e + e / (e + 1)) / 2 with e = expm1(|x|): no cancellation near 0; from |x| = 20 on
+    # (exp(|x|/2) / 2) * exp(|x|/2), finite up to the dtype's largest sinh; -0 kept
+    a = tl.abs(x)
+    e = mf_expm1(tl.where(a > 20.0, 20.0, a))
+    half = tl.exp(0.5 * a)
+    r = tl.where(a > 20.0, (0.5 * half) * half, 0.5 * (e + e / (e + 1.0)))
+    return tl.where(x < 0, -r, tl.where(x == 0, x, r))''', ("mf_expm1",)),
+    "mf_cosh": ('''def mf_cosh(x):
+    # (exp(|x|) + exp(-|x|)) / 2; from |x| = 20 on (exp(|x|/2) / 2) * exp(|x|/2), finite as far as cosh is
+    a = tl.abs(x)
+    e = tl.exp(tl.where(a > 20.0, 20.0, a))
+    half = tl.exp(0.5 * a)
+    return tl.where(a > 20.0, (0.5 * half) * half, 0.5 * e + 0.5 / e)''', ()),
+    "mf_asinh": ('''def mf_asinh(x):
+    # (glibc asinhf) log1p(a + a^2 / (1 + sqrt(1 + a^2))) up to a = |x| = 2, log(2a + 1 / (a + sqrt(a^2 + 1)))
+    # up to 2^28, log(a) + log(2) beyond (a^2 would overflow); signed, -0 kept
+    a = tl.abs(x)
+    square = a * a
+    root = tl.sqrt(square + 1.0)
+    small = mf_log1p(a + square / (1.0 + root))
+    medium = tl.log(2.0 * a + 1.0 / (a + root))
+    large = tl.log(a) + 0.6931471805599453
+    r = tl.where(a > 268435456.0, large, tl.where(a > 2.0, medium, small))
+    return tl.where(x < 0, -r, tl.where(x == 0, x, r))''', ("mf_log1p",)),
+    "mf_acosh": ('''def mf_acosh(x):
+    # (glibc acoshf) log1p(t + sqrt(2t + t^2)), t = x - 1, up to x = 2; log(2x - 1 / (x + sqrt(x^2 - 1)))
+    # up to 2^28; log(x) + log(2) beyond; NaN below 1
+    t = x - 1.0
+    small = mf_log1p(t + tl.sqrt(2.0 * t + t * t))
+    medium = tl.log(2.0 * x - 1.0 / (x + tl.sqrt(x * x - 1.0)))
+    large = tl.log(x) + 0.6931471805599453
+    r = tl.where(x > 268435456.0, large, tl.where(x > 2.0, medium, small))
+    return tl.where(x < 1.0, float('nan'), r)''', ("mf_log1p",)),
+    "mf_atanh": ('''def mf_atanh(x):
+    # log1p(2a / (1 - a)) / 2, a = |x|: +-inf at +-1, NaN beyond; signed, -0 kept
+    a = tl.abs(x)
+    r = 0.5 * mf_log1p(2.0 * a / (1.0 - a))
+    return tl.where(x < 0, -r, tl.where(x == 0, x, r))''', ("mf_log1p",)),
+    # -- error and gamma functions -------------------------------------------------------------
+    "mf_erfc": ('''def mf_erfc(x):
+    # Numerical Recipes' erfcc (a Chebyshev fit, relative error < 1.2e-7 for z >= 0):
+    # erfc(z) = t exp(-z^2 + P(t)), t = 1 / (1 + z/2); erfc(-z) = 2 - erfc(z). exp(-z^2) is taken as
+    # exp(-m^2) exp((m - z)(m + z)), m = z rounded to 1/64 (m^2 exact): z^2 rounded would move the
+    # exponent by ~z^2 * 6e-8 (5e-6 relative at z = 9). erfc is 0 in fp32 from z = 10.1 on.
+    z = tl.abs(x)
+    z = tl.where(z > 12.0, 12.0, z)
+    t = 1.0 / (1.0 + 0.5 * z)
+    p = 1.48851587 + t * (-0.82215223 + t * 0.17087277)
+    p = -0.18628806 + t * (0.27886807 + t * (-1.13520398 + t * p))
+    p = -1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 + t * p)))
+    m = tl.floor(z * 64.0 + 0.5) * 0.015625
+    r = t * (tl.exp(-m * m) * tl.exp((m - z) * (m + z) + p))
+    return tl.where(x < 0, 2.0 - r, r)''', ()),
+    "mf_erfinv": ('''def mf_erfinv(x):
+    # Giles, "Approximating the erfinv function" (GPU Gems 4), single precision: polynomials in
+    # w = -log(1 - x^2), central (w < 5) and tail; +-inf at +-1, NaN beyond
+    w = -tl.log((1.0 - x) * (1.0 + x))
+    c = w - 2.5
+    central = 2.81022636e-08
+    central = 3.43273939e-07 + central * c
+    central = -3.5233877e-06 + central * c
+    central = -4.39150654e-06 + central * c
+    central = 0.00021858087 + central * c
+    central = -0.00125372503 + central * c
+    central = -0.00417768164 + central * c
+    central = 0.246640727 + central * c
+    central = 1.50140941 + central * c
+    s = tl.sqrt(w) - 3.0
+    tail = -0.000200214257
+    tail = 0.000100950558 + tail * s
+    tail = 0.00134934322 + tail * s
+    tail = -0.00367342844 + tail * s
+    tail = 0.00573950773 + tail * s
+    tail = -0.0076224613 + tail * s
+    tail = 0.00943887047 + tail * s
+    tail = 1.00167406 + tail * s
+    tail = 2.83297682 + tail * s
+    r = tl.where(w < 5.0, central, tail) * x
+    return tl.where(tl.abs(x) == 1.0, x * float('inf'), r)''', ()),
+    "mf_lgamma_near2": ('''def mf_lgamma_near2(t):
+    # lgamma(2 + t) for |t| <= 0.5: its Taylor series, coefficient k = (-1)^k (zeta(k) - 1) / k
+    # (k >= 2) and 1 - euler_gamma (k = 1), to degree 14 (truncation below 1e-10)
+    p = 4.374866789907488e-06
+    p = -9.439488275268397e-06 + p * t
+    p = 2.050721277567069e-05 + p * t
+    p = -4.492623673813314e-05 + p * t
+    p = 9.945751278180853e-05 + p * t
+    p = -0.00022315475845357939 + p * t
+    p = 0.0005096695247430425 + p * t
+    p = -0.001192753911703261 + p * t
+    p = 0.0028905103307415234 + p * t
+    p = -0.007385551028673986 + p * t
+    p = 0.020580808427784546 + p * t
+    p = -0.0673523010531981 + p * t
+    p = 0.3224670334241132 + p * t
+    p = 0.42278433509846713 + p * t
+    return p * t''', ()),
+    "mf_lgamma": ('''def mf_lgamma(x):
+    # log|Gamma(x)|. For a > 0 (a = x, or 1 - x for x <= 0): below 0.5 lgamma(a + 2) - log(a) - log1p(a);
+    # below 1.5 lgamma(a + 1) - log1p(a - 1); below 8 the recurrence lgamma(a) = lgamma(a - 1) + log(a - 1)
+    # down into [1.5, 2.5); lgamma(2 + t) by its series; from 8 on Stirling's series. For x <= 0 the
+    # reflection log(pi / |sin(pi x)|) - lgamma(1 - x): +inf at the non-positive integers, as torch
+    a = tl.where(x <= 0, 1.0 - x, x)
+    z = a
+    product = tl.full(a.shape, 1.0, a.dtype)
+    for _ in tl.static_range(6):
+        down = z >= 2.5
+        product = tl.where(down, product * (z - 1.0), product)
+        z = tl.where(down, z - 1.0, z)
+    t = tl.where(a < 0.5, a, tl.where(a < 1.5, a - 1.0, z - 2.0))
+    shift = tl.where(a < 0.5, -tl.log(a) - mf_log1p(a), tl.where(a < 1.5, -mf_log1p(a - 1.0), tl.log(product)))
+    near = mf_lgamma_near2(t) + shift
+    log_a = tl.log(a)
+    inverse_square = 1.0 / (a * a)
+    series = (0.08333333333333333 - inverse_square * (0.002777777777777778 - inverse_square * (
+        0.0007936507936507937 - inverse_square * 0.0005952380952380953))) / a
+    stirling = a * (log_a - 1.0) - 0.5 * log_a + 0.9189385332046728 + series
+    positive = tl.where(a < 8.0, near, stirling)
+    positive = tl.where(a == float('inf'), a, positive)
+    # x - its nearest integer (0 from 2^23 on, where every float is one): |sin(pi x)| = |sin(pi r)|
+    r = tl.where(tl.abs(x) < 8388608.0, x - tl.floor(x + 0.5), 0.0)
+    reflected = 1.1447298858494002 - tl.log(tl.abs(tl.sin(3.141592653589793 * r))) - positive
+    reflected = tl.where(r == 0, float('inf'), reflected)
+    reflected = tl.where(x > -5.960464477539063e-08, -tl.log(-x), reflected)   # sin(pi x) would be subnormal
+    return tl.where(x <= 0, reflected, positive)''', ("mf_log1p", "mf_lgamma_near2")),
+    "mf_digamma": ('''def mf_digamma(x):
+    # psi(x): the recurrence psi(a) = psi(a + 1) - 1/a up to a >= 6, then the asymptotic series
+    # log(a) - 1/(2a) - sum B_2k / (2k a^2k); for x < 0 the reflection psi(1 - x) - pi / tan(pi x), NaN at
+    # the negative integers; -inf at +0 and +inf at -0, as torch
+    negative = x < 0
+    a = tl.where(negative, 1.0 - x, x)
+    acc = tl.zeros(a.shape, a.dtype)
+    for _ in tl.static_range(6):
+        up = a < 6.0
+        acc = tl.where(up, acc - 1.0 / a, acc)
+        a = tl.where(up, a + 1.0, a)
+    z = 1.0 / (a * a)
+    tail = z * (0.08333333333333333 - z * (0.008333333333333333 - z * (
+        0.003968253968253968 - z * (0.004166666666666667 - z * 0.007575757575757576))))
+    psi = acc + (tl.log(a) - 0.5 / a - tail)
+    r = tl.where(tl.abs(x) < 8388608.0, x - tl.floor(x + 0.5), 0.0)   # tan(pi x) = tan(pi r)
+    angle = 3.141592653589793 * r
+    reflected = psi - 3.141592653589793 * tl.cos(angle) / tl.sin(angle)
+    reflected = tl.where(r == 0, float('nan'), reflected)
+    return tl.where(negative, reflected, psi)''', ()),
     "mf_round": ('''def mf_round(x):
     # round half to even, as torch.round: ties go to the even neighbour
     down = tl.floor(x)

@@ -178,7 +178,7 @@ class Launcher:
 
 
 class AtenGroup:
-    """A group the code generator declined, run op by op: `(inputs, symbol values) -> outputs`."""
+    """A group the code generator declined, run op by op: `(inputs, symbol values, device) -> outputs`."""
 
     def __init__(self, graph: Graph, group: KernelGroup, rows: Optional[Callable], shapes: dict, view_shapes: dict):
         self.graph = graph
@@ -187,8 +187,8 @@ class AtenGroup:
         self.shapes = shapes             # name -> shape fn, for materialized values
         self.view_shapes = view_shapes   # STRIDED node -> shape fn
 
-    def __call__(self, inputs: dict, symbol_values: tuple) -> list:
-        return _run_aten_group(self.graph, self, inputs, symbol_values)
+    def __call__(self, inputs: dict, symbol_values: tuple, device) -> list:
+        return _run_aten_group(self.graph, self, inputs, symbol_values, device)
 
 
 class Program:
@@ -342,7 +342,7 @@ class _ProgramWriter:
         inputs = ", ".join(f"{n!r}: {n}" for n in group.inputs)
         outputs = list(step.shapes)
         self.line(f"    # {group.name}: through aten ({group.aten_reason})")
-        self.line(f"    {', '.join(outputs)}, = {runner}({{{inputs}}}, mf_sizes)")
+        self.line(f"    {', '.join(outputs)}, = {runner}({{{inputs}}}, mf_sizes, device)")
 
     def extern(self, name: str) -> None:
         node = self.graph[name]
@@ -409,7 +409,7 @@ def _canonical(t, kind: Kind, rows: int, d: Optional[int]):
     return t.reshape(())
 
 
-def _run_aten_group(graph: Graph, step: AtenGroup, env: dict, symbol_values: tuple) -> list:
+def _run_aten_group(graph: Graph, step: AtenGroup, env: dict, symbol_values: tuple, device) -> list:
     group = step.group
     rows = int(step.rows(*symbol_values)) if step.rows is not None else 1
     d = group.space.d
@@ -428,10 +428,12 @@ def _run_aten_group(graph: Graph, step: AtenGroup, env: dict, symbol_values: tup
 
     for name in group.nodes:
         node = graph[name]
-        if node.op is Op.RAND:
+        if node.op is Op.RAND and rows * d != 0:
             raise NotImplementedError(f"memfuse: {name}: random values in a group that runs through aten "
                                       f"({group.aten_reason})")
-        if node.op is Op.VIEW:
+        if node.op is Op.RAND:   # no elements (rows of length 0): no random values to draw
+            result = torch.empty(rows, d, dtype=compute_dtype(node.value.dtype), device=device)
+        elif node.op is Op.VIEW:
             result = read(node.inputs[0])
         elif node.op is Op.STRIDED:
             shape = step.view_shapes[name](*symbol_values)

@@ -174,3 +174,18 @@ def test_block_with_dropout_matches_eager_with_the_same_mask(name, tiles):
     # the check can fail: eager without dropout is far from the fused result
     no_drop_out, no_drop_grads = forward_backward(block, tensors, dict(consts, dropout_prob=0.0), grad_output)
     assert rel_error(out, no_drop_out) > 1e-3 and rel_error(grads[0], no_drop_grads[0]) > 1e-3
+
+
+@pytest.mark.parametrize("shape", [(4, 0), (2, 3, 0), (0, 8)], ids=str)
+def test_dropout_of_an_empty_tensor(shape):
+    """Rows of length 0 run through aten (no kernel to walk them); dropout there draws nothing
+    and returns the empty result, forward and backward, as eager does."""
+    def fn(x, b):
+        return F.dropout(x + b, 0.5) * 2
+    x, b = torch.randn(*shape, requires_grad=True), torch.randn(shape[-1], requires_grad=True)
+    out = memfuse.memory_efficient_fusion(fn)(x, b)
+    want = fn(x.detach(), b.detach())
+    assert (out.shape, out.dtype) == (want.shape, want.dtype)
+    out.sum().backward()
+    assert x.grad.shape == x.shape and b.grad.shape == b.shape
+    assert not x.grad.any() and not b.grad.any()

@@ -34,12 +34,16 @@ UNARY = {
     "clamp": "{0}.clamp(-1, 1)", "pow": "({0}.abs() + 0.5) ** 1.5", "cube": "{0} ** 3",
     "rsqrt": "torch.rsqrt({0} * {0} + 1)", "reciprocal": "1 / ({0}.abs() + 1)",
     "float_cast": "{0}.float()", "expm1": "torch.expm1(torch.tanh({0}))", "cos": "torch.cos({0})",
+    "atan": "torch.atan({0})", "asinh": "torch.asinh({0})", "sinh": "torch.sinh(torch.tanh({0}))",
+    "asin": "torch.asin(torch.tanh({0}) * 0.9)", "erfc": "torch.erfc({0})",
+    "lgamma": "torch.lgamma({0}.abs() + 0.5)",
 }
 BINARY = {
     "add": "{0} + {1}", "sub": "{0} - {1}", "mul": "{0} * {1}", "maximum": "torch.maximum({0}, {1})",
     "minimum": "torch.minimum({0}, {1})", "div": "{0} / ({1}.abs() + 1)",
     "where": "torch.where({0} > {1}, {0}, {1} * 0.5)", "lerp": "torch.lerp({0}, {1}, 0.25)",
     "addcmul": "torch.addcmul({0}, {0}, {1}, value=0.5)", "scaled_add": "torch.add({0}, {1}, alpha=-2)",
+    "atan2": "torch.atan2({0}, {1}.abs() + 0.5)",
 }
 ROWWISE = {
     "sum": "{0}.sum(-1, keepdim=True)", "mean": "{0}.mean(-1, keepdim=True)",

@@ -196,3 +196,23 @@ def test_views_on_gpu_with_unaligned_and_non_contiguous_inputs():
         assert relative_error(x.grad, xe.grad) < 1e-5 and relative_error(h.grad, he.grad) < 1e-5
     # (no compile count: a sliced input's strides are symbols the trace guards on, one compile per size)
     assert memfuse.stats()["extern_calls"] == 0
+
+
+@pytest.mark.parametrize("name", ["atan", "asin", "acos", "sinh", "cosh", "asinh", "acosh", "atanh", "erfc",
+                                  "erfinv", "lgamma", "digamma"])
+def test_math_helpers_over_their_domains_on_the_gpu(name):
+    """The interpreter-tested math helpers compiled for real: tl.exp/log/sin/erf on the GPU are
+    not numpy's (exp, for one, may go through ex2.approx), so the fp32 bound is checked here too."""
+    from test_math_ops import OPS, RTOL, assert_accurate, grid
+    fn, values, _, atol = OPS[name]
+    x = grid(values).cuda()
+    got = memfuse.memory_efficient_fusion(lambda a: fn(a))(x)
+    assert_accurate(got.cpu(), fn(x).cpu(), fn(x.double()).cpu(), rtol=RTOL, atol=atol, what=f"{name} on the GPU")
+
+
+def test_atan2_over_its_domain_on_the_gpu():
+    from test_math_ops import RTOL, TINY, assert_accurate, atan2_domain, grid
+    y, x = (grid(v).cuda() for v in atan2_domain())
+    got = memfuse.memory_efficient_fusion(torch.atan2)(y, x)
+    assert_accurate(got.cpu(), torch.atan2(y, x).cpu(), torch.atan2(y.double(), x.double()).cpu(), rtol=RTOL,
+                    atol=TINY, what="atan2 on the GPU")

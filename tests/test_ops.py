@@ -26,8 +26,8 @@ SHAPE = (3, 5, 8)
 
 def make(spec: str, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
     """One input by letter: f normal, u uniform(-1, 1), p positive, n nonzero, q quarters
-    (ties for rounding), m nonzero quarters, c column [8], r row [3, 5, 1], s [3, 1, 8],
-    b bool, i int32."""
+    (ties for rounding), m nonzero quarters, g at least 1 (acosh), c column [8], r row [3, 5, 1],
+    s [3, 1, 8], b bool, i int32."""
     def randn(*shape):
         return torch.randn(*shape, generator=generator)
 
@@ -44,6 +44,7 @@ def make(spec: str, dtype: torch.dtype, generator: torch.Generator) -> torch.Ten
         "n": lambda: (rand(*SHAPE) + 0.5) * torch.where(randn(*SHAPE) > 0, 1.0, -1.0),
         "q": lambda: quarters(-20, 20),
         "m": lambda: quarters(1, 8) * torch.where(randn(*SHAPE) > 0, 1.0, -1.0),
+        "g": lambda: 1.0 + randn(*SHAPE).abs() * 2,
         "c": lambda: randn(SHAPE[-1]),
         "r": lambda: randn(SHAPE[0], SHAPE[1], 1),
         "s": lambda: randn(SHAPE[0], 1, SHAPE[2]),
@@ -139,6 +140,20 @@ SAMPLES = {
     aten.trunc.default: [unary(aten.trunc.default, "q")],
     aten.sign.default: [unary(aten.sign.default, "q"), unary(aten.sign.default, "i", grad=False)],
     aten.isnan.default: [S(lambda a: aten.isnan.default(a / a), "q", grad=False)],
+    # inverse trigonometric and hyperbolic, erfc, erfinv, lgamma, digamma (domains: tests/test_math_ops.py)
+    aten.atan.default: [unary(aten.atan.default), S(lambda a: aten.atan.default(a * 10), "f")],
+    aten.atan2.default: [binary(aten.atan2.default), binary(aten.atan2.default, "fc"), binary(aten.atan2.default, "rf")],
+    aten.asin.default: [S(lambda a: aten.asin.default(a * 0.9), "u")],
+    aten.acos.default: [S(lambda a: aten.acos.default(a * 0.9), "u")],
+    aten.sinh.default: [unary(aten.sinh.default), S(lambda a: aten.sinh.default(a * 1e-3), "f")],
+    aten.cosh.default: [unary(aten.cosh.default)],
+    aten.asinh.default: [unary(aten.asinh.default), S(lambda a: aten.asinh.default(a * 100), "f")],
+    aten.acosh.default: [unary(aten.acosh.default, "g")],
+    aten.atanh.default: [S(lambda a: aten.atanh.default(a * 0.9), "u")],
+    aten.erfc.default: [unary(aten.erfc.default), S(lambda a: aten.erfc.default(a * 3), "f")],
+    aten.erfinv.default: [S(lambda a: aten.erfinv.default(a * 0.9), "u")],
+    aten.lgamma.default: [unary(aten.lgamma.default, "p"), S(lambda a: aten.lgamma.default(a * 4), "f")],
+    aten.digamma.default: [S(lambda a: aten.digamma.default(a * 4), "f")],
     aten.isinf.default: [S(lambda a: aten.isinf.default(1.0 / a), "q", grad=False)],
     # comparisons and logic
     **{t: [binary(t, "qq", grad=False)] for t in (aten.eq.Tensor, aten.ne.Tensor, aten.lt.Tensor, aten.le.Tensor,
@@ -234,6 +249,8 @@ PRIM_SPECS = {   # prims (no autograd formulas: forward only)
     "log1p": "u", "reciprocal": "n", "floor": "q", "ceil": "q", "trunc": "q", "sign": "q", "tan": "u",
     "eq": "qq", "ne": "qq", "lt": "qq", "le": "qq", "gt": "qq", "ge": "qq",
     "bitwise_and": "ii", "bitwise_or": "ii", "bitwise_xor": "ii", "bitwise_not": "i",
+    "atan2": "ff", "asin": "u", "acos": "u", "acosh": "g", "atanh": "u", "erf_inv": "u", "lgamma": "p",
+    "digamma": "p",
 }
 
 
@@ -363,11 +380,10 @@ EXTERNS = {
     aten.slice_scatter.default: (lambda x: x[:, :, 1:6:2] * 2, "f"),         # a step in slice's backward
     aten.cat.default: (lambda x, y: torch.cat([x * 2, y.half()], -1), "ff"),  # parts of two dtypes
     aten.flip.default: (lambda x: x.flip(-1) + 1, "f"),
-    aten.atan2.default: (lambda x, y: torch.atan2(x, y) * 2, "fn"),
+    aten.polygamma.default: (lambda x: torch.polygamma(1, x) * 2, "p"),
     aten.cumsum.default: (lambda x: x.cumsum(-1) * 2, "f"),
     aten.var.correction: (lambda x: x.var() * 2, "f"),
     aten.mm.default: (lambda x, w: (x @ w).relu(), "fs"),
-    aten.erfc.default: (lambda x: torch.erfc(x) * 2, "f"),
     aten.scatter.src: (lambda x, y: x.scatter(-1, (y.abs() * 3).long().clamp(max=7), y) * 2, "ff"),
 }
 
@@ -386,9 +402,9 @@ def test_extern_op_is_correct_and_reported(target):
 
 
 def test_strict_mode_names_the_op():
-    fused = memfuse.memory_efficient_fusion(lambda x: torch.atan2(x, x + 1), config=memfuse.Config(strict=True))
-    with pytest.raises(NotImplementedError, match=r"aten\.atan2\.default.*libdevice.*strict"):
-        fused(torch.randn(4, 8))
+    fused = memfuse.memory_efficient_fusion(lambda x: torch.polygamma(1, x + 1), config=memfuse.Config(strict=True))
+    with pytest.raises(NotImplementedError, match=r"aten\.polygamma\.default.*interpreter-safe.*strict"):
+        fused(torch.rand(4, 8))
 
 
 def test_strict_mode_from_the_environment(monkeypatch):
