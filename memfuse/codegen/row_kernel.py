@@ -79,9 +79,10 @@ def _literal(value) -> str:
 
 
 class RowKernelWriter:
-    def __init__(self, graph: Graph, group: KernelGroup):
+    def __init__(self, graph: Graph, group: KernelGroup, seed_from_memory: bool = False):
         self.graph = graph
         self.group = group
+        self.seed_from_memory = seed_from_memory   # the seed is a [1] tensor (CUDA graphs), not a scalar
         self.d = group.space.d
         self.has_rows = group.space.m is not None
         self.block_d = _next_pow2(self.d) if self.d else 1
@@ -177,7 +178,9 @@ class RowKernelWriter:
             node = self.graph[name]
             if node.op is Op.CONSTANT:
                 continue
-            if node.op in (Op.SYMBOL, Op.SEED):
+            if node.op is Op.SEED and self.seed_from_memory:
+                args.append(Arg(f"{name}_ptr", "read", name))
+            elif node.op in (Op.SYMBOL, Op.SEED):
                 args.append(Arg(self.reg(name), "scalar", name))
             else:
                 args.append(Arg(f"{name}_ptr", "read", name))
@@ -193,6 +196,8 @@ class RowKernelWriter:
         return args
 
     def describe(self, arg: Arg) -> str:
+        if arg.role == "read" and self.graph[arg.value].op is Op.SEED:
+            return "  # [1] int64 dropout seed, read from memory: a CUDA-graph replay advances it"
         if arg.role in ("read", "write"):
             v = self.graph[arg.value].value
             shape = {Kind.FULL: "[M, D]", Kind.ROW: "[M]", Kind.COL: "[D]", Kind.SCALAR: "[1]"}[v.kind]
@@ -285,6 +290,9 @@ class RowKernelWriter:
         node = self.graph[name]
         kind = node.value.kind
         self.kinds[name] = kind
+        if node.op is Op.SEED and self.seed_from_memory:
+            out(f"{self.reg(name)} = tl.load({name}_ptr)")
+            return
         if node.op in (Op.CONSTANT, Op.SYMBOL, Op.SEED):
             return
         cast = compute_dtype(node.value.dtype)
@@ -433,5 +441,5 @@ def _register_kind(kinds) -> Kind:
     return Kind.FULL
 
 
-def write_row_kernel(graph: Graph, group: KernelGroup) -> KernelSource:
-    return RowKernelWriter(graph, group).write()
+def write_row_kernel(graph: Graph, group: KernelGroup, seed_from_memory: bool = False) -> KernelSource:
+    return RowKernelWriter(graph, group, seed_from_memory).write()
