@@ -19,10 +19,11 @@ What is static, per captured instance:
   way torch's cudagraph trees check it). Otherwise another instance is captured (a fused function
   called twice before one backward, an output kept across steps), up to
   `Config.cuda_graphs_limit` instances per function; calls beyond it run without graphs.
-- gradients are returned as the graph's own tensors, still referenced here, so AccumulateGrad
-  copies them into a fresh `.grad` (or adds them to an existing one) instead of stealing them:
-  a later replay never rewrites a `.grad`. Gradients from `torch.autograd.grad` are the graph's
-  buffers: valid until the next replay of the same instance (clone to keep them).
+- gradients are returned without a copy, as views of graph memory. AccumulateGrad adopts one as
+  a leaf's `.grad` when that `.grad` is None; the instance is then busy until the `.grad` is
+  dropped (`zero_grad()`, `.grad = None`). Accumulating without zeroing therefore alternates two
+  instances: the second adds into the `.grad` the first one handed over. Gradients that
+  `torch.autograd.grad` returns, or a hook keeps, hold their instance the same way.
 - dropout: kernels read the seed from a [1] int64 tensor (Config.seed_from_memory). Each instance
   owns one, drawn from torch's CPU generator when it is captured (so `torch.manual_seed` before
   the first call reproduces a run); the forward graph advances it in place before its kernels,
@@ -345,9 +346,9 @@ class _GraphedFunction(torch.autograd.Function):
                 "Run the backward before calling the fused function again, or use cuda_graphs=False.")
         instance.replay_backward(borrowed, grad_outputs)
         instance.waiting = None
-        # the graph's own tensors, still referenced by the instance: AccumulateGrad copies or adds
-        # them, it never steals them into a .grad that the next replay would rewrite
-        return (None, *instance.grads)
+        # graph memory, no copy: AccumulateGrad may adopt a gradient as a .grad, and the instance
+        # then stays busy (busy()) until that .grad is dropped, so no replay rewrites it
+        return (None, *[g.detach() if g is not None else None for g in instance.grads])
 
 
 def _initial_seed(device: torch.device) -> torch.Tensor:

@@ -32,11 +32,16 @@ def emulated(monkeypatch):
     monkeypatch.setattr(graphs, "default_recorder", graphs.EagerRecorder)
 
 
-def step(fused, tensors, grad_output, **consts):
-    """One training step as a loop writes it: the output is dropped once the backward ran."""
+def step(fused, tensors, grad_output, zero_grad=True, **consts):
+    """One training step as a loop writes it: the output is dropped once the backward ran, and
+    the gradients too (returned as copies) unless they accumulate."""
     out = fused(*tensors, **consts)
     out.backward(grad_output)
-    return out.detach().clone()
+    grads = [t.grad.clone() for t in tensors]
+    if zero_grad:
+        for t in tensors:
+            t.grad = None
+    return out.detach().clone(), grads
 
 
 # -- the seed read from memory ----------------------------------------------------------------
@@ -103,11 +108,10 @@ def test_replays_match_the_normal_mode(emulated, name):
     fused = memfuse.memory_efficient_fusion(fn, cuda_graphs=True)
     leaves = leaves_like(tensors)
     for _ in range(3):
-        out = step(fused, leaves, grad_output, **consts)
+        out, grads = step(fused, leaves, grad_output, **consts)
         assert rel_error(out, ref_out) <= 1e-6
-        for leaf, ref in zip(leaves, ref_grads):
-            assert rel_error(leaf.grad, ref) <= 1e-6
-            leaf.grad = None
+        for grad, ref in zip(grads, ref_grads):
+            assert rel_error(grad, ref) <= 1e-6
     assert memfuse.stats()["graph_captures"] == 1
     assert memfuse.stats()["graph_replays"] == 3
 
@@ -142,25 +146,37 @@ def test_manual_seed_reproduces_a_graphed_run(emulated):
     for _ in range(2):
         torch.manual_seed(7)
         fused = memfuse.memory_efficient_fusion(bias_dropout, cuda_graphs=True)
-        runs.append([step(fused, (x, b), torch.ones(40, 48), p=0.5) for _ in range(2)])
-        x.grad = b.grad = None
+        runs.append([step(fused, (x, b), torch.ones(40, 48), p=0.5)[0] for _ in range(2)])
     for first, second in zip(*runs):
         assert torch.equal(first, second)
     assert not torch.equal(runs[0][0], runs[0][1])
 
 
-def test_parameter_grads_accumulate_over_steps(emulated):
+def test_grads_accumulate_over_steps_without_zeroing(emulated):
+    """The first backward's gradients become the .grad tensors (no copy), so that instance stays
+    busy while they are held: a second instance serves the next steps and adds into them."""
     x, b = make()
     fused = memfuse.memory_efficient_fusion(bias_dropout, cuda_graphs=True)
-    g1, g2 = torch.rand(40, 48), torch.rand(40, 48)
-    step(fused, (x, b), g1, p=0.0)
-    assert x.grad.untyped_storage().data_ptr() not in [g.untyped_storage().data_ptr() for s in
-                                                         fused.graphs.signatures.values() for i in s.instances
-                                                         for g in i.grads if g is not None]
-    step(fused, (x, b), g2, p=0.0)
-    torch.testing.assert_close(b.grad, (g1 + g2).sum(0))
-    torch.testing.assert_close(x.grad, g1 + g2)
-    assert memfuse.stats()["graph_captures"] == 1
+    g = [torch.rand(40, 48) for _ in range(3)]
+    for i in range(3):
+        step(fused, (x, b), g[i], zero_grad=False, p=0.0)
+        torch.testing.assert_close(b.grad, sum(g[:i + 1]).sum(0))
+        torch.testing.assert_close(x.grad, sum(g[:i + 1]))
+    assert memfuse.stats()["graph_captures"] == 2
+    x.grad = b.grad = None                              # zero_grad(): the first instance is free again
+    _, (x_grad, _) = step(fused, (x, b), g[0], p=0.0)
+    torch.testing.assert_close(x_grad, g[0])
+    assert memfuse.stats()["graph_captures"] == 2
+
+
+def test_grads_from_autograd_grad_are_never_rewritten(emulated):
+    x, b = make()
+    fused = memfuse.memory_efficient_fusion(bias_dropout, cuda_graphs=True)
+    first = torch.autograd.grad(fused(x, b, 0.0), (x, b), torch.ones(40, 48))
+    second = torch.autograd.grad(fused(x, b, 0.0), (x, b), torch.full((40, 48), 2.0))
+    torch.testing.assert_close(first[1], torch.full((48,), 40.0))
+    torch.testing.assert_close(second[1], torch.full((48,), 80.0))
+    assert memfuse.stats()["graph_captures"] == 2
 
 
 def test_input_changed_in_place_gives_new_results(emulated):
@@ -181,7 +197,7 @@ def test_a_new_shape_captures_a_new_graph_and_an_old_one_replays(emulated):
     small, b = make(rows=40)
     large, _ = make(rows=56)
     for x, captures in ((small, 1), (large, 2), (small, 2), (large, 2)):
-        out = step(fused, (x, b), torch.ones(x.shape), p=0.0)
+        out, _ = step(fused, (x, b), torch.ones(x.shape), p=0.0)
         torch.testing.assert_close(out, (x + b).detach())
         assert memfuse.stats()["graph_captures"] == captures
     assert memfuse.stats()["compiles"] == 1           # one program: the shapes differ in M only
@@ -196,9 +212,9 @@ def test_a_new_tensor_each_call_is_copied_in(emulated):
     for i in range(4):
         x = torch.full((40, 48), float(i + 1), requires_grad=True)
         keep.append(x)                                # distinct addresses on every call
-        out = step(fused, (x, b), torch.ones(40, 48), p=0.0)
+        out, (x_grad, _) = step(fused, (x, b), torch.ones(40, 48), p=0.0)
         torch.testing.assert_close(out, (x + b).detach())
-        assert torch.equal(x.grad, torch.ones(40, 48))
+        assert torch.equal(x_grad, torch.ones(40, 48))
     assert memfuse.stats()["graph_captures"] == 2
 
 
@@ -244,7 +260,7 @@ def test_past_the_limit_calls_run_without_graphs(emulated, caplog):
     with caplog.at_level(logging.WARNING, logger="memfuse"):
         for rows in (40, 56, 64, 56):
             x, _ = make(rows=rows)
-            out = step(fused, (x, b), torch.ones(x.shape), p=0.0)
+            out, _ = step(fused, (x, b), torch.ones(x.shape), p=0.0)
             torch.testing.assert_close(out, (x + b).detach())
     assert memfuse.stats()["graph_captures"] == 1
     assert len([r for r in caplog.records if "cuda_graphs_limit" in r.getMessage()]) == 1
@@ -255,6 +271,7 @@ def test_backward_after_a_later_replay_raises(emulated):
     fused = memfuse.memory_efficient_fusion(bias_dropout, cuda_graphs=True)
     loss = fused(x, b, 0.0).sum()                       # the output itself is not held
     loss.backward(retain_graph=True)
+    x.grad = b.grad = None
     fused(x, b, 0.0)                                    # the backward ran: the instance is replayed
     assert memfuse.stats()["graph_captures"] == 1
     with pytest.raises(RuntimeError, match="overwritten by a later forward replay"):
@@ -273,13 +290,16 @@ def test_fused_module(emulated):
     torch.testing.assert_close(fused(x).detach(), ref)
     weight_grad = torch.autograd.grad(block(x.detach()).sum(), block[0].weight)[0]
     torch.testing.assert_close(block[0].weight.grad, 2 * weight_grad)
-    assert memfuse.stats()["graph_captures"] == 1
+    assert memfuse.stats()["graph_captures"] == 2       # the .grad tensors hold the first instance
 
 
-def test_accumulate_grad_copies_a_gradient_that_is_still_referenced():
-    """The premise of returning the graph's own gradient tensors: AccumulateGrad steals a returned
-    gradient into .grad only when nothing else references it (a detached view would be stolen)."""
+def test_accumulate_grad_adopts_a_returned_gradient_and_the_use_count_shows_it():
+    """The premise of returning graph memory as gradients: AccumulateGrad makes a detached view of
+    it the .grad (no copy), and the storage's use count tells while that .grad is held."""
+    from torch.multiprocessing.reductions import StorageWeakRef
     held = torch.ones(4)
+    ref = StorageWeakRef(held.untyped_storage())
+    alone = torch._C._storage_Use_Count(ref.cdata)
 
     class Returns(torch.autograd.Function):
         @staticmethod
@@ -288,13 +308,14 @@ def test_accumulate_grad_copies_a_gradient_that_is_still_referenced():
 
         @staticmethod
         def backward(ctx, grad):
-            return held
+            return held.detach()
 
     x = torch.zeros(4, requires_grad=True)
     Returns.apply(x).sum().backward()
-    assert x.grad.data_ptr() != held.data_ptr()
-    Returns.apply(x).sum().backward()
-    assert torch.equal(x.grad, torch.full((4,), 2.0)) and torch.equal(held, torch.ones(4))
+    assert x.grad.data_ptr() == held.data_ptr()
+    assert torch._C._storage_Use_Count(ref.cdata) > alone
+    x.grad = None
+    assert torch._C._storage_Use_Count(ref.cdata) == alone
 
 
 def test_generated_seed_kernel_is_readable(tmp_path):
