@@ -116,7 +116,7 @@ class GraphedFunction:
             return self._without_graphs(values)
         if signature is None:
             entry, _ = self.fused._lookup(values)
-            signature = self.signatures[key] = _Signature(entry)
+            signature = self.signatures[key] = _Signature(entry, self.fused._name())
         instance = self._instance(signature, tensors)
         if instance is None:
             return _format(signature.entry, signature.entry.function(tensors))
@@ -167,8 +167,9 @@ def _format(entry, outputs):
 
 
 class _Signature:
-    def __init__(self, entry):
+    def __init__(self, entry, name: str):
         self.entry = entry               # api._CacheEntry: the compiled programs
+        self.name = name                 # the fused function's name, for messages
         self.instances: list = []
         self.owned: set = set()          # tensor positions always copied into graph buffers
 
@@ -210,7 +211,14 @@ class _Instance:
                     borrowed.append((i, t.data_ptr()))
                     inputs.append(t.detach())
             instance = _Instance(compiled, inputs, borrowed, getattr(recorder, "rebinds", False))
-            instance._capture(recorder, device)
+            try:
+                instance._capture(recorder, device)
+            except RuntimeError as e:
+                raise RuntimeError(
+                    f"memfuse: {signature.name}: cuda_graphs=True: capturing its programs into a CUDA graph failed "
+                    f"({e}). A step that syncs with the host or allocates outside the graph's pool (an aten "
+                    f"fallback: MEMFUSE_LOG=fallbacks lists them) cannot be captured; use cuda_graphs=False "
+                    f"for this function.") from e
         instance.unbind()                # borrowed tensors are not kept: only their addresses
         instance.returned = _storage_counts(instance.outputs + instance.grads)
         return instance
