@@ -104,17 +104,17 @@ class GraphedFunction:
         self.told: set = set()           # reasons already logged
 
     def __call__(self, values: list):
-        tensors = [v for v in values if isinstance(v, torch.Tensor)]
-        if not tensors or not self.recorder.supports(tensors[0].device):
-            self._tell("cpu", "cuda_graphs=True ignored for %s tensors: CUDA graphs need CUDA tensors; "
-                       "running without graphs", tensors[0].device.type if tensors else "no")
-            return self._without_graphs(values)
         try:
             key = self.fused._exact_key(values)
             signature = self.signatures.get(key)
         except TypeError:                # an unhashable argument: the normal path names it
             return self._without_graphs(values)
+        tensors = [v for v in values if isinstance(v, torch.Tensor)]
         if signature is None:
+            if not tensors or not self.recorder.supports(tensors[0].device):
+                self._tell("device", "cuda_graphs=True ignored for %s tensors: CUDA graphs need CUDA tensors; "
+                           "running without graphs", tensors[0].device.type if tensors else "no")
+                return self._without_graphs(values)
             entry, _ = self.fused._lookup(values)
             signature = self.signatures[key] = _Signature(entry, self.fused._name())
         instance = self._instance(signature, tensors)
@@ -188,6 +188,7 @@ class _Instance:
         self.forward: Callable[[], None] = _nothing
         self.backward: Optional[Callable[[], None]] = None
         self.outputs: list = []          # the user outputs (graph memory)
+        self.non_differentiable = [i for i in range(compiled.num_fwd_outputs) if i not in compiled.differentiable]
         self.keep: list = []             # saved values in graph memory, kept for the backward graph
         self.tangents: list = []         # [(output index, graph buffer)]
         self.grads: list = []            # one per input (graph memory or None)
@@ -272,9 +273,13 @@ class _Instance:
     def busy(self) -> bool:
         """A pending backward needs this instance's saved values, or a tensor it returned is
         still held outside (a replay would rewrite it)."""
-        if self.waiting is not None and self.waiting() is not None:
+        waiting = self.waiting
+        if waiting is not None and waiting() is not None:
             return True
-        return any(torch._C._storage_Use_Count(ref.cdata) > count for ref, count in self.returned)
+        for ref, count in self.returned:
+            if _use_count(ref.cdata) > count:
+                return True
+        return False
 
     def moved(self, tensors: list) -> list:
         """Borrowed positions whose tensor is not at the captured address."""
@@ -288,9 +293,8 @@ class _Instance:
 
     def bind(self, borrowed: list) -> None:
         """Emulated graphs only: the borrowed tensors a replay reads (a CUDA graph reads addresses)."""
-        if self.rebinds:
-            for i, t in zip(self.borrowed_positions, borrowed):
-                self.inputs[i] = t.detach()
+        for i, t in zip(self.borrowed_positions, borrowed):
+            self.inputs[i] = t.detach()
 
     def unbind(self) -> None:
         for i in self.borrowed_positions:
@@ -298,19 +302,25 @@ class _Instance:
 
     def replay_forward(self, tensors) -> None:
         self.copy_inputs(tensors)
-        self.bind([tensors[i] for i in self.borrowed_positions])
         self.generation += 1
-        self.forward()
-        self.unbind()
+        if self.rebinds:
+            self.bind([tensors[i] for i in self.borrowed_positions])
+            self.forward()
+            self.unbind()
+        else:
+            self.forward()
 
     def replay_backward(self, borrowed: list, grad_outputs) -> None:
         for i, buffer in self.tangents:
             grad = grad_outputs[i]
             if grad.data_ptr() != buffer.data_ptr():
                 buffer.copy_(grad)
-        self.bind(borrowed)
-        self.backward()
-        self.unbind()
+        if self.rebinds:
+            self.bind(borrowed)
+            self.backward()
+            self.unbind()
+        else:
+            self.backward()
 
     def __call__(self, tensors: list) -> tuple:
         if self.backward is None:
@@ -318,6 +328,9 @@ class _Instance:
                 self.replay_forward(tensors)
             return tuple(o.detach() for o in self.outputs)
         return _GraphedFunction.apply(self, *tensors)
+
+
+_use_count = torch._C._storage_Use_Count
 
 
 def _nothing() -> None:
@@ -337,11 +350,10 @@ class _GraphedFunction(torch.autograd.Function):
         instance.waiting = weakref.ref(ctx)
         # borrowed inputs stay alive (and version-checked) until the backward graph has read them
         ctx.save_for_backward(*[tensors[i] for i in instance.borrowed_positions])
-        outputs = tuple(o.detach() for o in instance.outputs)   # new tensors: autograd owns their grad_fn
-        non_diff = [o for i, o in enumerate(outputs) if i not in instance.compiled.differentiable]
-        if non_diff:
-            ctx.mark_non_differentiable(*non_diff)
-        return outputs
+        outputs = [o.detach() for o in instance.outputs]    # new tensors: autograd owns their grad_fn
+        if instance.non_differentiable:
+            ctx.mark_non_differentiable(*[outputs[i] for i in instance.non_differentiable])
+        return tuple(outputs)
 
     @staticmethod
     def backward(ctx, *grad_outputs):
