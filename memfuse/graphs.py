@@ -62,7 +62,8 @@ class CudaGraphRecorder:
 
     def capture(self, body: Callable[[], list], device: torch.device) -> tuple[list, Callable[[], None]]:
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):     # its own memory pool: see _Instance.capture
+        # its own memory pool (see _Instance.capture); other threads' CUDA calls may go on
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             results = body()
         return results, graph.replay
 
