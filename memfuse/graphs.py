@@ -189,7 +189,7 @@ class _Instance:
         self.forward: Callable[[], None] = _nothing
         self.backward: Optional[Callable[[], None]] = None
         self.outputs: list = []          # the user outputs (graph memory)
-        self.non_differentiable = [i for i in range(compiled.num_fwd_outputs) if i not in compiled.differentiable]
+        self.non_differentiable = compiled.non_differentiable   # output positions
         self.keep: list = []             # saved values in graph memory, kept for the backward graph
         self.tangents: list = []         # [(output index, graph buffer)]
         self.grads: list = []            # one per input (graph memory or None)
