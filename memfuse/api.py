@@ -7,6 +7,7 @@ Leading sizes are not in the key: a new batch or sequence size reuses the progra
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import logging
@@ -18,6 +19,7 @@ import torch
 from .capture import capture
 from .config import Config
 from .debug import STATS, describe_key_change, on_compile, topic_log
+from .graphs import GraphedFunction
 from .ir import verify
 from .plan import plan
 from .precompile import enabled as precompile_enabled, precompile, start_driver
@@ -31,26 +33,34 @@ CONSTANT_TYPES = (bool, int, float, type(None), str, torch.dtype)
 EXACT_CACHE_SIZE = 4096   # distinct exact argument shapes remembered in the front cache
 
 
-def memory_efficient_fusion(fn: Callable, *, config: Optional[Config] = None):
+def memory_efficient_fusion(fn: Callable, *, config: Optional[Config] = None, cuda_graphs: bool = False):
     """Wrap `fn` (tensors and constants -> tensor or tuple of tensors): same signature, same
     results as eager within float tolerance, forward and backward fused into Triton kernels.
-    An nn.Module becomes a `FusedModule` (module.py) sharing its parameters and state_dict keys."""
+    An nn.Module becomes a `FusedModule` (module.py) sharing its parameters and state_dict keys.
+
+    `cuda_graphs=True` (opt-in, for static shapes): each call signature's forward and backward
+    programs are captured into CUDA graphs and replayed (graphs.py; docs/usage.md says what is
+    static). Outputs live in graph memory, rewritten by a later replay once nothing holds them."""
+    config = config or Config()
+    if cuda_graphs:
+        config = dataclasses.replace(config, seed_from_memory=True)
     if isinstance(fn, torch.nn.Module):
         from .module import FusedModule
-        return FusedModule(fn, config or Config())
+        return FusedModule(fn, config, cuda_graphs=cuda_graphs)
     if not callable(fn):
         raise TypeError(f"memfuse.memory_efficient_fusion: fn must be callable, got {type(fn).__name__}")
-    return FusedFunction(fn, config or Config())
+    return FusedFunction(fn, config, cuda_graphs=cuda_graphs)
 
 
 class FusedFunction:
     """`static_prefix`: the first N tensor arguments keep every dim static and their whole shape
     joins the compile key (a module's parameters and buffers; nn.Parameter arguments always do)."""
 
-    def __init__(self, fn: Callable, config: Config, *, static_prefix: int = 0):
+    def __init__(self, fn: Callable, config: Config, *, static_prefix: int = 0, cuda_graphs: bool = False):
         self.fn = fn
         self.config = config
         self.static_prefix = static_prefix
+        self.graphs = GraphedFunction(self) if cuda_graphs else None   # CUDA-graph replays (graphs.py)
         self.cache: dict = {}
         self.shape_specialized: set = set()   # keys whose traces guard on the leading sizes
         self.recipes: dict = {}               # (n positional, keywords) -> binding recipe
@@ -70,6 +80,8 @@ class FusedFunction:
         functools.update_wrapper(self, fn, updated=())
 
     def __call__(self, *args, **kwargs):
+        if self.graphs is not None:
+            return self.graphs(self._bind(args, kwargs))
         compiled, tensors = self._lookup(self._bind(args, kwargs))
         outputs = compiled.function(tensors)
         return outputs[0] if compiled.single_output else tuple(outputs)

@@ -35,3 +35,10 @@ class Config:
     # of one by one at their first launch (memfuse.precompile). MEMFUSE_PRECOMPILE=0 turns it off.
     precompile: bool = field(default_factory=lambda: os.environ.get("MEMFUSE_PRECOMPILE", "1").strip().lower()
                              not in ("0", "false", "no", "off"))
+    # Kernels read the dropout seed from a 1-element int64 tensor (`seed_ptr`) instead of taking
+    # it as a scalar argument: a CUDA-graph replay cannot take a new Python int, but the graph
+    # can advance a seed in memory. `memory_efficient_fusion(fn, cuda_graphs=True)` sets it.
+    seed_from_memory: bool = False
+    # CUDA-graph mode: most graph pairs (forward + backward) one fused function captures, over
+    # all its call signatures; calls past it run without graphs (logged once).
+    cuda_graphs_limit: int = 32

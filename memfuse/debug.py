@@ -27,6 +27,8 @@ COUNTERS = {
     "kernels_launched": "Triton kernel launches (runtime.Program._launch, every call)",
     "extern_calls": "aten calls made at run time for extern steps (matmul, ...)",
     "fallbacks": "ops (capture) and kernel groups (schedule) sent to aten, counted once per compile",
+    "graph_captures": "CUDA-graph instances captured (graphs.GraphedFunction, cuda_graphs=True)",
+    "graph_replays": "calls served by replaying captured CUDA graphs (cuda_graphs=True)",
 }
 
 TOPICS = ("graphs", "plan", "kernels", "cache", "recompiles", "fallbacks")

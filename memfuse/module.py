@@ -52,7 +52,7 @@ class FusedModule(nn.Module):
     """`memory_efficient_fusion(module)`: the same parameters, buffers and state_dict keys as
     `module`, a fused forward and backward. Read the original through `.original`."""
 
-    def __init__(self, module: nn.Module, config: Config):
+    def __init__(self, module: nn.Module, config: Config, *, cuda_graphs: bool = False):
         super().__init__()
         state = self.__dict__
         for name in SHARED_STATE:
@@ -60,6 +60,7 @@ class FusedModule(nn.Module):
         state["_version"] = getattr(module, "_version", 1)     # state_dict metadata, per module type
         state["_memfuse_original"] = module
         state["_memfuse_config"] = config
+        state["_memfuse_cuda_graphs"] = cuda_graphs
         state["_memfuse_calls"] = {}                           # CallKey -> _ModuleCall
         self.training = module.training
 
@@ -77,7 +78,8 @@ class FusedModule(nn.Module):
         call = self._memfuse_calls.get(key)
         if call is None:
             _check_not_sharded(module, names, tensors)
-            call = self._memfuse_calls[key] = _ModuleCall(module, key, self._memfuse_config)
+            call = self._memfuse_calls[key] = _ModuleCall(module, key, self._memfuse_config,
+                                                          self._memfuse_cuda_graphs)
         values = (*tensors, *args, *kwargs.values())
         if key.autocast[1]:
             # The trace ran under autocast and holds its casts; the compiled steps must not be
@@ -126,12 +128,12 @@ class _ModuleCall:
     *kwarg_values) -> tensor leaves of the module's output. The output's structure is recorded
     at trace time and rebuilt by `unflatten`."""
 
-    def __init__(self, module: nn.Module, key: CallKey, config: Config):
+    def __init__(self, module: nn.Module, key: CallKey, config: Config, cuda_graphs: bool = False):
         self.module = module
         self.key = key
         self.structure: Optional[tuple] = None     # (pytree spec, leaf slots, non-tensor leaves)
         self.__qualname__ = type(module).__qualname__
-        self.fused = FusedFunction(self, config, static_prefix=len(key.state))
+        self.fused = FusedFunction(self, config, static_prefix=len(key.state), cuda_graphs=cuda_graphs)
 
     def __call__(self, *values):
         key = self.key

@@ -499,6 +499,7 @@ class CompiledFunction:
         self.symbol_order = list(captured.symbols)
         self.symbol_sources = [captured.symbols[s] for s in self.symbol_order]
         self.has_seed = captured.has_seed
+        self.seed_from_memory = config.seed_from_memory   # kernels read a [1] seed tensor
         self.num_fwd_outputs = plan.num_fwd_outputs
         self.differentiable = captured.differentiable_outputs
         self.non_differentiable = [i for i in range(self.num_fwd_outputs) if i not in self.differentiable]
@@ -510,7 +511,7 @@ class CompiledFunction:
 
     def run_forward(self, inputs: list):
         symbol_values = self.symbol_values(inputs)
-        seed = [_draw_seed()] if self.has_seed else []
+        seed = self.draw_seed(inputs[0].device)
         outs = self.forward.run(list(inputs) + seed, symbol_values, inputs[0].device)
         return outs, symbol_values, seed
 
@@ -518,6 +519,14 @@ class CompiledFunction:
         if self.backward is None:
             return tuple(self.run_forward(inputs)[0][:self.num_fwd_outputs])
         return _MemfuseFunction.apply(self, *inputs)
+
+    def draw_seed(self, device: torch.device) -> list:
+        """The seed input of a call: [] without random ops, else a fresh draw, as a Python int
+        or, for kernels that read it from memory, a [1] tensor on `device`."""
+        if not self.has_seed:
+            return []
+        seed = _draw_seed()
+        return [torch.tensor([seed], dtype=torch.int64, device=device)] if self.seed_from_memory else [seed]
 
 
 def _draw_seed() -> int:

@@ -216,3 +216,168 @@ def test_atan2_over_its_domain_on_the_gpu():
     got = memfuse.memory_efficient_fusion(torch.atan2)(y, x)
     assert_accurate(got.cpu(), torch.atan2(y, x).cpu(), torch.atan2(y.double(), x.double()).cpu(), rtol=RTOL,
                     atol=TINY, what="atan2 on the GPU")
+
+
+# -- cuda_graphs=True: the same checks with real CUDA graphs (tests/test_graphs.py emulates them) --
+def graph_step(fused, inputs, grad, **kwargs):
+    """One training step: forward, backward, then copies of the output and the grads, grads set
+    to None (so the instance is free for the next step)."""
+    out = fused(*inputs, **kwargs)
+    out.backward(grad)
+    grads = [t.grad.clone() for t in inputs]
+    for t in inputs:
+        t.grad = None
+    return out.detach().clone(), grads
+
+
+@pytest.mark.parametrize("name", BLOCKS)
+def test_cuda_graphs_match_the_normal_mode(name):
+    fn, kwargs, n_params = BLOCKS[name]
+    inputs = make_inputs([64, 128, 1024], torch.float32, n_params)
+    grad = torch.randn(64, 128, 1024, device="cuda")
+    ref_out, ref_grads = graph_step(memfuse.memory_efficient_fusion(fn), inputs, grad, dropout_prob=0.0, **kwargs)
+    fused = memfuse.memory_efficient_fusion(fn, cuda_graphs=True)
+    before = memfuse.stats()
+    for _ in range(3):
+        out, grads = graph_step(fused, inputs, grad, dropout_prob=0.0, **kwargs)
+        assert relative_error(out, ref_out) < 1e-6
+        for ours, theirs in zip(grads, ref_grads):
+            assert relative_error(ours, theirs) < 1e-6
+    after = memfuse.stats()
+    assert after["graph_captures"] - before["graph_captures"] == 1
+    assert after["graph_replays"] - before["graph_replays"] == 3
+
+
+@pytest.mark.parametrize("name", BLOCKS)
+def test_cuda_graphs_dropout_fresh_masks_shared_by_the_backward(name):
+    """Each replay draws a new mask; the eager block applying the mask a replay drew gives the
+    replay's output and gradients (the backward graph regenerated the forward graph's mask)."""
+    from test_dropout import with_dropout_output, with_mask
+    fn, kwargs, n_params = BLOCKS[name]
+    inputs = make_inputs([64, 128, 1024], torch.float32, n_params)
+    with torch.no_grad():
+        inputs[0].abs_().add_(0.5)                  # input1 + bias1 != 0: a zero means dropped
+        inputs[3].abs_()                            # bias1 (the RMSNorm block: bias)
+    grad = torch.randn(64, 128, 1024, device="cuda")
+    fused = memfuse.memory_efficient_fusion(with_dropout_output(fn), cuda_graphs=True)
+    masks = []
+    for _ in range(2):
+        out, dropped = fused(*inputs, dropout_prob=0.1, **kwargs)
+        out.backward(grad)
+        mask = dropped.detach() != 0
+        rate = mask.float().mean().item()
+        assert abs(rate - 0.9) < 0.005, rate
+        grads = [t.grad.clone() for t in inputs]
+        for t in inputs:
+            t.grad = None
+        ref_inputs = [t.detach().clone().requires_grad_() for t in inputs]
+        ref = with_mask(fn, mask)(*ref_inputs, dropout_prob=0.1, **kwargs)
+        ref.backward(grad)
+        assert relative_error(out.detach(), ref) < 1e-5
+        for ours, theirs in zip(grads, [t.grad for t in ref_inputs]):
+            assert relative_error(ours, theirs) < 1e-5
+        masks.append(mask)
+        del out, dropped
+    assert not torch.equal(masks[0], masks[1]), "two replays drew the same mask"
+
+
+def test_cuda_graphs_manual_seed_reproduces_a_run():
+    x = (torch.rand(64, 128, 1024, device="cuda") + 0.5).requires_grad_()
+    b = torch.nn.Parameter(torch.zeros(1024, device="cuda"))
+    grad = torch.ones(64, 128, 1024, device="cuda")
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(11)
+        fused = memfuse.memory_efficient_fusion(bias_dropout, cuda_graphs=True)
+        runs.append([graph_step(fused, (x, b), grad) for _ in range(2)])
+    for (out1, grads1), (out2, grads2) in zip(*runs):
+        assert torch.equal(out1, out2)
+        assert all(torch.equal(g1, g2) for g1, g2 in zip(grads1, grads2))
+        assert torch.equal(grads1[0] != 0, out1 != 0), "the backward used another mask"
+    assert not torch.equal(runs[0][0][0], runs[0][1][0])
+
+
+def test_cuda_graphs_a_new_shape_captures_a_new_graph():
+    fn, kwargs, n_params = BLOCKS["layer_norm"]
+    params = make_inputs([64, 128, 1024], torch.float32, n_params)[2:]
+    shapes = [(64, 128, 1024), (32, 128, 1024), (64, 128, 1024), (32, 128, 1024)]
+    inputs = {s: make_inputs(s, torch.float32, 0, seed=len(s) + s[0]) + params for s in set(shapes)}
+    normal = memfuse.memory_efficient_fusion(fn)
+    fused = memfuse.memory_efficient_fusion(fn, cuda_graphs=True)
+    before = memfuse.stats()["graph_captures"]
+    for shape, captures in zip(shapes, (1, 2, 2, 2)):
+        grad = torch.randn(*shape, device="cuda")
+        out, grads = graph_step(fused, inputs[shape], grad, dropout_prob=0.0, **kwargs)
+        ref_out, ref_grads = graph_step(normal, inputs[shape], grad, dropout_prob=0.0, **kwargs)
+        assert relative_error(out, ref_out) < 1e-6
+        assert all(relative_error(a, b) < 1e-6 for a, b in zip(grads, ref_grads))
+        assert memfuse.stats()["graph_captures"] - before == captures
+
+
+def test_cuda_graphs_parameter_grads_accumulate_without_zeroing():
+    fn, kwargs, n_params = BLOCKS["layer_norm"]
+    inputs = make_inputs([64, 128, 1024], torch.float32, n_params)
+    grads = [torch.randn(64, 128, 1024, device="cuda") for _ in range(3)]
+    expected = [torch.zeros_like(t) for t in inputs]
+    normal = memfuse.memory_efficient_fusion(fn)
+    for g in grads:
+        _, step_grads = graph_step(normal, inputs, g, dropout_prob=0.0, **kwargs)
+        expected = [e + s for e, s in zip(expected, step_grads)]
+    fused = memfuse.memory_efficient_fusion(fn, cuda_graphs=True)
+    for g in grads:                                 # no zeroing: .grad accumulates
+        fused(*inputs, dropout_prob=0.0, **kwargs).backward(g)
+    for t, e in zip(inputs, expected):
+        assert relative_error(t.grad, e) < 1e-5
+
+
+def test_cuda_graphs_see_an_input_changed_in_place():
+    fn, kwargs, n_params = BLOCKS["rms_norm"]
+    inputs = make_inputs([64, 128, 1024], torch.float32, n_params)
+    grad = torch.randn(64, 128, 1024, device="cuda")
+    normal = memfuse.memory_efficient_fusion(fn)
+    fused = memfuse.memory_efficient_fusion(fn, cuda_graphs=True)
+    for _ in range(3):
+        out, grads = graph_step(fused, inputs, grad, dropout_prob=0.0, **kwargs)
+        ref_out, ref_grads = graph_step(normal, inputs, grad, dropout_prob=0.0, **kwargs)
+        assert relative_error(out, ref_out) < 1e-6
+        assert all(relative_error(a, b) < 1e-6 for a, b in zip(grads, ref_grads))
+        with torch.no_grad():                      # an optimizer step and a new batch, in place
+            inputs[0].mul_(1.5).add_(0.25)
+            inputs[2].sub_(0.1)
+    assert memfuse.stats()["graph_captures"] == 1
+
+
+def test_cuda_graphs_without_grad_and_with_a_new_tensor_each_call():
+    fn, kwargs, n_params = BLOCKS["layer_norm"]
+    params = make_inputs([64, 128, 1024], torch.float32, n_params)[2:]
+    normal = memfuse.memory_efficient_fusion(fn)
+    fused = memfuse.memory_efficient_fusion(fn, cuda_graphs=True)
+    with torch.no_grad():
+        for seed in range(4):
+            inputs = make_inputs([64, 128, 1024], torch.float32, 0, seed=seed) + params
+            out = fused(*inputs, dropout_prob=0.0, **kwargs)
+            ref = normal(*inputs, dropout_prob=0.0, **kwargs)
+            assert relative_error(out, ref) < 1e-6
+            del out
+    assert memfuse.stats()["graph_captures"] <= 2
+
+
+def test_cuda_graphs_fused_module():
+    block = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.LayerNorm(1024),
+                                torch.nn.Dropout(0.0)).cuda()
+    fused = memfuse.memory_efficient_fusion(block, cuda_graphs=True)
+    x = torch.randn(64, 128, 1024, device="cuda")
+    grad = torch.randn(64, 128, 1024, device="cuda")
+    for _ in range(3):
+        out = fused(x)
+        out.backward(grad)
+        ours = [p.grad.clone() for p in block.parameters()]
+        block.zero_grad()
+        ref = block(x)
+        ref.backward(grad)
+        assert relative_error(out.detach(), ref.detach()) < 1e-4
+        for a, b in zip(ours, [p.grad for p in block.parameters()]):
+            assert relative_error(a, b) < 1e-4
+        block.zero_grad()
+        del out
+    assert memfuse.stats()["graph_captures"] == 1

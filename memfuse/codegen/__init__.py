@@ -22,9 +22,9 @@ class CompiledKernel:
 def generate(graph: Graph, group: KernelGroup, config: Config) -> CompiledKernel:
     if group.space.d is not None and group.space.d > config.max_row_length:
         block_d = loop_block_d(config.max_row_length, config.loop_block_d)
-        source = write_looped_kernel(graph, group, block_d)
+        source = write_looped_kernel(graph, group, block_d, config.seed_from_memory)
     else:
-        source = write_row_kernel(graph, group)
+        source = write_row_kernel(graph, group, config.seed_from_memory)
     fn = load_kernel(config.cache_dir, source.name, source.source)
     return CompiledKernel(source, fn, str(kernel_path(config.cache_dir, source.name, source.source)))
 

@@ -27,8 +27,8 @@ def _prev_pow2(n: int) -> int:
 
 
 class LoopedKernelWriter(RowKernelWriter):
-    def __init__(self, graph: Graph, group: KernelGroup, block_d: int):
-        super().__init__(graph, group)
+    def __init__(self, graph: Graph, group: KernelGroup, block_d: int, seed_from_memory: bool = False):
+        super().__init__(graph, group, seed_from_memory)
         self.block_d = block_d
         self.column_origin = "chunk"
         self.reg_kind = self.register_kinds()
@@ -248,5 +248,5 @@ def loop_block_d(max_row_length: int, loop_block_d: int) -> int:
     return max(1, min(_prev_pow2(max_row_length), _prev_pow2(loop_block_d)))
 
 
-def write_looped_kernel(graph: Graph, group: KernelGroup, block_d: int) -> KernelSource:
-    return LoopedKernelWriter(graph, group, block_d).write()
+def write_looped_kernel(graph: Graph, group: KernelGroup, block_d: int, seed_from_memory: bool = False) -> KernelSource:
+    return LoopedKernelWriter(graph, group, block_d, seed_from_memory).write()

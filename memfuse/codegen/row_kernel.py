@@ -80,9 +80,10 @@ def _literal(value) -> str:
 
 
 class RowKernelWriter:
-    def __init__(self, graph: Graph, group: KernelGroup):
+    def __init__(self, graph: Graph, group: KernelGroup, seed_from_memory: bool = False):
         self.graph = graph
         self.group = group
+        self.seed_from_memory = seed_from_memory   # the seed is a [1] tensor (CUDA graphs), not a scalar
         self.d = group.space.d
         self.has_rows = group.space.m is not None
         self.block_d = _next_pow2(self.d) if self.d else 1
@@ -183,7 +184,9 @@ class RowKernelWriter:
             node = self.graph[name]
             if node.op is Op.CONSTANT:
                 continue
-            if node.op in (Op.SYMBOL, Op.SEED):
+            if node.op is Op.SEED and self.seed_from_memory:
+                args.append(Arg(f"{name}_ptr", "read", name))
+            elif node.op in (Op.SYMBOL, Op.SEED):
                 args.append(Arg(self.reg(name), "scalar", name))
             else:
                 args.append(Arg(f"{name}_ptr", "read" if self.roots.get(name, True) else "in_place", name))
@@ -202,6 +205,8 @@ class RowKernelWriter:
         return args
 
     def describe(self, arg: Arg) -> str:
+        if arg.role == "read" and self.graph[arg.value].op is Op.SEED:
+            return "  # [1] int64 dropout seed, read from memory: a CUDA-graph replay advances it"
         if arg.role in ("read", "write", "in_place"):
             v = self.graph[arg.value].value
             shape = {Kind.FULL: "[M, D]", Kind.ROW: "[M]", Kind.COL: "[D]", Kind.SCALAR: "[1]"}.get(
@@ -301,6 +306,9 @@ class RowKernelWriter:
         node = self.graph[name]
         kind = node.value.kind
         self.kinds[name] = kind
+        if node.op is Op.SEED and self.seed_from_memory:
+            out(f"{self.reg(name)} = tl.load({name}_ptr)")
+            return
         if node.op in (Op.CONSTANT, Op.SYMBOL, Op.SEED) or name in self.roots_only:
             return
         cast = compute_dtype(node.value.dtype)
@@ -549,5 +557,5 @@ def _register_kind(kinds) -> Kind:
     return Kind.FULL
 
 
-def write_row_kernel(graph: Graph, group: KernelGroup) -> KernelSource:
-    return RowKernelWriter(graph, group).write()
+def write_row_kernel(graph: Graph, group: KernelGroup, seed_from_memory: bool = False) -> KernelSource:
+    return RowKernelWriter(graph, group, seed_from_memory).write()
