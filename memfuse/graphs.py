@@ -367,9 +367,10 @@ class _GraphedFunction(torch.autograd.Function):
                 "Run the backward before calling the fused function again, or use cuda_graphs=False.")
         instance.replay_backward(borrowed, grad_outputs)
         instance.waiting = None
-        # graph memory, no copy: AccumulateGrad may adopt a gradient as a .grad, and the instance
-        # then stays busy (busy()) until that .grad is dropped, so no replay rewrites it
-        return (None, *[g.detach() if g is not None else None for g in instance.grads])
+        # copies, not graph memory: on the GPU, gradients returned as views of the graph's
+        # buffers were rewritten by a later replay when .grad accumulated across steps
+        # (tests/test_gpu.py::test_cuda_graphs_parameter_grads_accumulate_without_zeroing)
+        return (None, *[g.clone() if g is not None else None for g in instance.grads])
 
 
 def _initial_seed(device: torch.device) -> torch.Tensor:

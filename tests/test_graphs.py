@@ -162,11 +162,11 @@ def test_grads_accumulate_over_steps_without_zeroing(emulated):
         step(fused, (x, b), g[i], zero_grad=False, p=0.0)
         torch.testing.assert_close(b.grad, sum(g[:i + 1]).sum(0))
         torch.testing.assert_close(x.grad, sum(g[:i + 1]))
-    assert memfuse.stats()["graph_captures"] == 2
+    assert memfuse.stats()["graph_captures"] == 1       # gradients are copies: one instance serves
     x.grad = b.grad = None                              # zero_grad(): the first instance is free again
     _, (x_grad, _) = step(fused, (x, b), g[0], p=0.0)
     torch.testing.assert_close(x_grad, g[0])
-    assert memfuse.stats()["graph_captures"] == 2
+    assert memfuse.stats()["graph_captures"] == 1       # gradients are copies: one instance serves
 
 
 def test_grads_from_autograd_grad_are_never_rewritten(emulated):
@@ -176,7 +176,7 @@ def test_grads_from_autograd_grad_are_never_rewritten(emulated):
     second = torch.autograd.grad(fused(x, b, 0.0), (x, b), torch.full((40, 48), 2.0))
     torch.testing.assert_close(first[1], torch.full((48,), 40.0))
     torch.testing.assert_close(second[1], torch.full((48,), 80.0))
-    assert memfuse.stats()["graph_captures"] == 2
+    assert memfuse.stats()["graph_captures"] == 1       # gradients are copies: one instance serves
 
 
 def test_input_changed_in_place_gives_new_results(emulated):
@@ -290,7 +290,7 @@ def test_fused_module(emulated):
     torch.testing.assert_close(fused(x).detach(), ref)
     weight_grad = torch.autograd.grad(block(x.detach()).sum(), block[0].weight)[0]
     torch.testing.assert_close(block[0].weight.grad, 2 * weight_grad)
-    assert memfuse.stats()["graph_captures"] == 2       # the .grad tensors hold the first instance
+    assert memfuse.stats()["graph_captures"] == 1       # gradients are copies: one instance serves
 
 
 def test_accumulate_grad_adopts_a_returned_gradient_and_the_use_count_shows_it():
