@@ -13,17 +13,14 @@ What is static, per captured instance:
   tensor that comes back at the same address) or *owned* (a graph buffer it is copied into, when
   its address differs). A signature starts with every contiguous argument borrowed; a call with a
   borrowed argument elsewhere turns that position into a copied one and captures anew (once).
-- outputs, saved values and gradients live in the graph's memory and are rewritten by its next
+- outputs and saved values live in the graph's memory and are rewritten by its next
   replay. An instance is replayed only when it is free: its last forward's backward has run (or
   can no longer run), and nobody outside holds a tensor it returned (the storage use count, the
   way torch's cudagraph trees check it). Otherwise another instance is captured (a fused function
   called twice before one backward, an output kept across steps), up to
   `Config.cuda_graphs_limit` instances per function; calls beyond it run without graphs.
-- gradients are returned without a copy, as views of graph memory. AccumulateGrad adopts one as
-  a leaf's `.grad` when that `.grad` is None; the instance is then busy until the `.grad` is
-  dropped (`zero_grad()`, `.grad = None`). Accumulating without zeroing therefore alternates two
-  instances: the second adds into the `.grad` the first one handed over. Gradients that
-  `torch.autograd.grad` returns, or a hook keeps, hold their instance the same way.
+- gradients are returned as copies of the graph's buffers: returned as views, a `.grad`
+  accumulated across steps on the GPU was rewritten by a later replay.
 - dropout: kernels read the seed from a [1] int64 tensor (Config.seed_from_memory). Each instance
   owns one, drawn from torch's CPU generator when it is captured (so `torch.manual_seed` before
   the first call reproduces a run); the forward graph advances it in place before its kernels,
@@ -222,7 +219,7 @@ class _Instance:
                     f"fallback: MEMFUSE_LOG=fallbacks lists them) cannot be captured; use cuda_graphs=False "
                     f"for this function.") from e
         instance.unbind()                # borrowed tensors are not kept: only their addresses
-        instance.returned = _storage_counts(instance.outputs + instance.grads)
+        instance.returned = _storage_counts(instance.outputs)
         return instance
 
     def _capture(self, recorder, device: torch.device) -> None:

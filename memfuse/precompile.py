@@ -85,10 +85,7 @@ def warmup_arguments(graph, launch: KernelLaunch, device: torch.device, config: 
         else:                               # strides, rows, tiles per program
             args.append(MOCK_INT)
     chosen = launch.launch_config(device, config)
-    constexprs = launch.kernel.source.constexprs
-    keywords = {"D": constexprs["D"], "BLOCK_M": chosen.block_m, "BLOCK_D": constexprs["BLOCK_D"],
-                "NUM_STAGES": chosen.num_stages, "num_warps": chosen.num_warps}
-    return args, keywords
+    return args, {**launch.launcher.keywords(chosen), "num_warps": chosen.num_warps}
 
 
 def _warm_up(graph, launch: KernelLaunch, device: torch.device, config: Config) -> None:

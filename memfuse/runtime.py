@@ -158,13 +158,16 @@ class Launcher:
         self.compiled: dict = {}         # (device index, LaunchConfig) -> compiled kernel, aligned inputs
         self.constexprs: dict = {}       # LaunchConfig -> keyword constexprs, positional constexprs
 
+    def keywords(self, config: LaunchConfig) -> dict:
+        """The kernel's constexprs for a launch configuration, in signature order."""
+        return {"D": self.source.constexprs["D"], "BLOCK_M": config.block_m,
+                "BLOCK_D": self.source.constexprs["BLOCK_D"], "NUM_STAGES": config.num_stages}
+
     def __call__(self, programs: int, args: list, device: torch.device, config: LaunchConfig, aligned: bool) -> None:
         named = self.constexprs.get(config)
         if named is None:
-            d, block_d = self.source.constexprs["D"], self.source.constexprs["BLOCK_D"]
-            named = ({"D": d, "BLOCK_M": config.block_m, "BLOCK_D": block_d, "NUM_STAGES": config.num_stages},
-                     (d, config.block_m, block_d, config.num_stages))
-            self.constexprs[config] = named
+            keywords = self.keywords(config)
+            named = self.constexprs[config] = (keywords, tuple(keywords.values()))
         keywords, positional = named
         if device.type != "cuda" or not aligned or _launch_hooks_installed():
             self.fn[(programs,)](*args, **keywords, num_warps=config.num_warps)

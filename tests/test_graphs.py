@@ -293,31 +293,6 @@ def test_fused_module(emulated):
     assert memfuse.stats()["graph_captures"] == 1       # gradients are copies: one instance serves
 
 
-def test_accumulate_grad_adopts_a_returned_gradient_and_the_use_count_shows_it():
-    """The premise of returning graph memory as gradients: AccumulateGrad makes a detached view of
-    it the .grad (no copy), and the storage's use count tells while that .grad is held."""
-    from torch.multiprocessing.reductions import StorageWeakRef
-    held = torch.ones(4)
-    ref = StorageWeakRef(held.untyped_storage())
-    alone = torch._C._storage_Use_Count(ref.cdata)
-
-    class Returns(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, grad):
-            return held.detach()
-
-    x = torch.zeros(4, requires_grad=True)
-    Returns.apply(x).sum().backward()
-    assert x.grad.data_ptr() == held.data_ptr()
-    assert torch._C._storage_Use_Count(ref.cdata) > alone
-    x.grad = None
-    assert torch._C._storage_Use_Count(ref.cdata) == alone
-
-
 def test_generated_seed_kernel_is_readable(tmp_path):
     """The variant's parameter comment says where the seed comes from."""
     config = memfuse.Config(seed_from_memory=True, cache_dir=tmp_path)
