@@ -19,8 +19,14 @@ What is static, per captured instance:
   way torch's cudagraph trees check it). Otherwise another instance is captured (a fused function
   called twice before one backward, an output kept across steps), up to
   `Config.cuda_graphs_limit` instances per function; calls beyond it run without graphs.
-- gradients are returned as copies of the graph's buffers: returned as views, a `.grad`
-  accumulated across steps on the GPU was rewritten by a later replay.
+- gradients are returned without a copy, as views of graph memory. AccumulateGrad adopts one as
+  a leaf's `.grad` when that `.grad` is None; the instance is then busy until the `.grad` is
+  dropped (`zero_grad()`, `.grad = None`). Accumulating without zeroing therefore alternates two
+  instances: the second adds into the `.grad` the first one handed over. Gradients that
+  `torch.autograd.grad` returns, or a hook keeps, hold their instance the same way. A buffer the
+  backward program returns for two inputs (x and residual, without dropout) goes back as one
+  tensor object twice, as on the normal path, so AccumulateGrad copies it for one of them (two
+  views would both be adopted, and the two `.grad`s would share memory).
 - dropout: kernels read the seed from a [1] int64 tensor (Config.seed_from_memory). Each instance
   owns one, drawn from torch's CPU generator when it is captured (so `torch.manual_seed` before
   the first call reproduces a run); the forward graph advances it in place before its kernels,
@@ -219,7 +225,7 @@ class _Instance:
                     f"fallback: MEMFUSE_LOG=fallbacks lists them) cannot be captured; use cuda_graphs=False "
                     f"for this function.") from e
         instance.unbind()                # borrowed tensors are not kept: only their addresses
-        instance.returned = _storage_counts(instance.outputs)
+        instance.returned = _storage_counts(instance.outputs + instance.grads)
         return instance
 
     def _capture(self, recorder, device: torch.device) -> None:
@@ -320,6 +326,14 @@ class _Instance:
         else:
             self.backward()
 
+    def returned_grads(self) -> list:
+        """Detached views of the gradient buffers: one tensor object per buffer object."""
+        views: dict = {}
+        for g in self.grads:
+            if g is not None and id(g) not in views:
+                views[id(g)] = g.detach()
+        return [None if g is None else views[id(g)] for g in self.grads]
+
     def __call__(self, tensors: list) -> tuple:
         if self.backward is None:
             with torch.no_grad():
@@ -364,10 +378,7 @@ class _GraphedFunction(torch.autograd.Function):
                 "Run the backward before calling the fused function again, or use cuda_graphs=False.")
         instance.replay_backward(borrowed, grad_outputs)
         instance.waiting = None
-        # copies, not graph memory: on the GPU, gradients returned as views of the graph's
-        # buffers were rewritten by a later replay when .grad accumulated across steps
-        # (tests/test_gpu.py::test_cuda_graphs_parameter_grads_accumulate_without_zeroing)
-        return (None, *[g.clone() if g is not None else None for g in instance.grads])
+        return (None, *instance.returned_grads())
 
 
 def _initial_seed(device: torch.device) -> torch.Tensor:
