@@ -71,8 +71,18 @@ class KernelLaunch:
         self._partials: dict = {}
         self.record = False              # keep the last call's arguments (benchmarks/tune.py)
         self.recorded = None
+        self.direct: dict = {}           # device -> DirectLaunch, once compiled there for aligned inputs
 
     def __call__(self, device: torch.device, rows: Optional[int], aligned: bool, values: tuple):
+        if aligned and not self.record:
+            direct = self.direct.get(device)
+            if direct is not None and direct.config is self.configs.get(device) and not _launch_hooks_installed():
+                return direct(rows, values)
+        return self._launch(device, rows, aligned, values)
+
+    def _launch(self, device: torch.device, rows: Optional[int], aligned: bool, values: tuple):
+        """The general path: the first call on a device, the interpreter, unaligned inputs, launch
+        hooks, a recorded call; a compiled aligned launch on a GPU sets up the direct one."""
         if self.record:
             self.recorded = (device, rows, aligned, values)
         grid = self.grids.get(device)
@@ -103,8 +113,17 @@ class KernelLaunch:
             log.info("memfuse: %s: %s does not fit, launching with num_stages=1", self.kernel.source.name, config)
             self.configs[device] = dataclasses.replace(config, num_stages=1)
             self.grids.pop(device)
-            return self(device, rows, aligned, values)
+            return self._launch(device, rows, aligned, values)
         STATS["kernels_launched"] += 1
+        direct = self.direct.get(device)
+        if aligned and device.type == "cuda" and (direct is None or direct.config is not config):
+            compiled = self.launcher.compiled.get((device.index, config))
+            if compiled is not None:
+                self.direct[device] = DirectLaunch(self, device, config, most, compiled)
+        return self.finish(partials)
+
+    def finish(self, partials: Optional[list]) -> Optional[list]:
+        """The column totals from the per-program partial buffers."""
         if partials is None:
             return None
         return [buffer.sum(0) if op is Op.SUM else REDUCERS[op][2](buffer, 0)
@@ -178,6 +197,46 @@ class Launcher:
             return
         compiled.run(programs, 1, 1, _raw_stream(device.index), compiled.function, compiled.packed_metadata,
                      None, None, None, *args, *positional)
+
+
+class DirectLaunch:
+    """The hot path of one KernelLaunch on one GPU: the grid arithmetic and a call of Triton's
+    compiled launcher, nothing else. On a host-bound step every Python call between the program
+    and the driver shows (DESIGN.md, host floor). Valid for one LaunchConfig: KernelLaunch drops to
+    its general path when the configuration changes (tuning, an out-of-resources retry)."""
+
+    __slots__ = ("launch", "device", "config", "block_m", "most", "persistent", "stream_index", "run", "function",
+                 "metadata", "constexprs")
+
+    def __init__(self, launch: KernelLaunch, device: torch.device, config: LaunchConfig, most: int, compiled):
+        self.launch = launch
+        self.device = device
+        self.config = config
+        self.block_m = config.block_m
+        self.most = most
+        self.persistent = launch.persistent
+        self.stream_index = device.index      # a CUDA tensor's device always names its index
+        self.run = compiled.run
+        self.function = compiled.function
+        self.metadata = compiled.packed_metadata
+        self.constexprs = tuple(launch.launcher.keywords(config).values())
+
+    def __call__(self, rows: Optional[int], values: tuple):
+        launch = self.launch
+        if rows is None:                 # a kernel over [D] alone
+            programs, grid_args = 1, ()
+        elif self.persistent:
+            tiles = -(-rows // self.block_m) or 1
+            programs = tiles if tiles < self.most else self.most
+            grid_args = (rows, -(-tiles // programs))
+        else:
+            programs = -(-rows // self.block_m) or 1
+            grid_args = (rows,)
+        partials = launch.partials(programs, self.device) if launch.reductions else None
+        self.run(programs, 1, 1, _raw_stream(self.stream_index), self.function, self.metadata, None, None, None,
+                 *values, *(partials or ()), *grid_args, *self.constexprs)
+        STATS["kernels_launched"] += 1
+        return launch.finish(partials)
 
 
 class AtenGroup:

@@ -78,21 +78,31 @@ def test_dropout_one_mask_forward_and_backward():
 
 
 def test_direct_launch_matches_triton_launch(monkeypatch):
-    """The launch path that skips Triton's launcher computes bit-identical results."""
+    """The direct launch (runtime.DirectLaunch, every call after a function's first) computes
+    bit-identical results to Triton's generic launch path."""
     from memfuse import runtime
     x = torch.randn(64, 128, 1024, device="cuda", requires_grad=True)
     b = torch.randn(1024, device="cuda", requires_grad=True)
     monkeypatch.setattr(runtime, "_draw_seed", lambda: 1234)
-    results = []
-    for hooks in (True, False, False):         # generic path, then direct twice
-        monkeypatch.setattr(runtime, "_launch_hooks_installed", lambda hooks=hooks: hooks)
-        fused = memfuse.memory_efficient_fusion(bias_dropout)
+
+    def step(fused):
         out = fused(x, b)
         out.backward(torch.ones_like(out))
-        results.append((out.detach().clone(), x.grad.clone(), b.grad.clone()))
+        result = (out.detach().clone(), x.grad.clone(), b.grad.clone())
         x.grad = b.grad = None
-    for other in results[1:]:
-        for a, c in zip(results[0], other):
+        return result
+    monkeypatch.setattr(runtime, "_launch_hooks_installed", lambda: True)     # the generic path
+    generic = step(memfuse.memory_efficient_fusion(bias_dropout))
+    monkeypatch.setattr(runtime, "_launch_hooks_installed", lambda: False)
+    direct_calls = []
+    original = runtime.DirectLaunch.__call__
+    monkeypatch.setattr(runtime.DirectLaunch, "__call__",
+                        lambda self, *args: direct_calls.append(1) or original(self, *args))
+    fused = memfuse.memory_efficient_fusion(bias_dropout)
+    results = [step(fused) for _ in range(3)]
+    assert len(direct_calls) == 4       # forward and backward of the second and third steps
+    for result in results:
+        for a, c in zip(generic, result):
             assert torch.equal(a, c)
 
 
