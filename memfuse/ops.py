@@ -31,6 +31,10 @@ def _trunc_divide(a, b):
     return torch.div(a, b, rounding_mode="trunc")
 
 
+def _trigamma(x):
+    return torch.polygamma(1, x)
+
+
 OPS = {
     Op.NEG: OpInfo("-{0}", torch.neg),
     Op.ABS: OpInfo("tl.abs({0})", torch.abs),
@@ -46,7 +50,7 @@ OPS = {
     Op.COS: OpInfo("tl.cos({0})", torch.cos),
     Op.TAN: OpInfo("(tl.sin({0}) / tl.cos({0}))", torch.tan),
     Op.EXP2: OpInfo("tl.exp2({0})", torch.exp2),
-    # inverse trigonometric and hyperbolic functions, erfc, erfinv, lgamma, digamma: helpers below
+    # inverse trigonometric and hyperbolic functions, erfc, erfinv, lgamma, digamma, trigamma: helpers below
     Op.ATAN: OpInfo("mf_atan({0})", torch.atan, "mf_atan", fp64=False),
     Op.ASIN: OpInfo("mf_asin({0})", torch.asin, "mf_asin", fp64=False),
     Op.ACOS: OpInfo("mf_acos({0})", torch.acos, "mf_acos", fp64=False),
@@ -59,6 +63,7 @@ OPS = {
     Op.ERFINV: OpInfo("mf_erfinv({0})", torch.erfinv, "mf_erfinv", fp64=False),
     Op.LGAMMA: OpInfo("mf_lgamma({0})", torch.lgamma, "mf_lgamma", fp64=False),
     Op.DIGAMMA: OpInfo("mf_digamma({0})", torch.digamma, "mf_digamma", fp64=False),
+    Op.TRIGAMMA: OpInfo("mf_trigamma({0})", _trigamma, "mf_trigamma", fp64=False),
     Op.EXPM1: OpInfo("mf_expm1({0})", torch.expm1, "mf_expm1"),
     Op.LOG1P: OpInfo("mf_log1p({0})", torch.log1p, "mf_log1p"),
     Op.LOG2: OpInfo("tl.log2({0})", torch.log2),
@@ -372,6 +377,29 @@ HELPERS = {
                    3.141592653589793 * tl.cos(angle) / tl.sin(angle))
     reflected = tl.where(r == 0, float('nan'), psi - cot)
     return tl.where(negative, reflected, psi)''', ()),
+    "mf_trigamma": ('''def mf_trigamma(x):
+    # psi'(x) = polygamma(1, x): the recurrence psi'(a) = psi'(a + 1) + 1/a^2 up to a >= 6, then the
+    # asymptotic series 1/a + 1/(2a^2) + sum B_2k / a^(2k+1); for x <= 0 the reflection
+    # (pi / sin(pi x))^2 - psi'(1 - x). +inf at the poles 0, -1, -2, ... (torch returns pi^2 over a rounded
+    # sin(pi x)^2 there: 1.3e15 at -1 in fp32), NaN at -inf. 1/a is squared after the division, so no
+    # division sees a subnormal unless the result overflows anyway
+    negative = x <= 0
+    a = tl.where(negative, 1.0 - x, x)
+    acc = tl.zeros(a.shape, a.dtype)
+    for _ in tl.static_range(6):
+        up = a < 6.0
+        inverse = 1.0 / a
+        acc = tl.where(up, acc + inverse * inverse, acc)
+        a = tl.where(up, a + 1.0, a)
+    inverse = 1.0 / a
+    z = inverse * inverse
+    tail = 0.16666666666666666 - z * (0.03333333333333333 - z * (0.023809523809523808 - z * 0.03333333333333333))
+    psi1 = acc + inverse * (1.0 + inverse * (0.5 + inverse * tail))
+    r = tl.where(tl.abs(x) < 8388608.0, x - tl.floor(x + 0.5), 0.0)   # sin(pi x)^2 = sin(pi r)^2
+    cosecant = 3.141592653589793 / tl.sin(3.141592653589793 * r)
+    reflected = tl.where(r == 0, float('inf'), cosecant * cosecant - psi1)
+    reflected = tl.where(x == float('-inf'), float('nan'), reflected)
+    return tl.where(negative, reflected, psi1)''', ()),
     "mf_round": ('''def mf_round(x):
     # round half to even, as torch.round: ties go to the even neighbour
     down = tl.floor(x)

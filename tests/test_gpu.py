@@ -199,7 +199,7 @@ def test_views_on_gpu_with_unaligned_and_non_contiguous_inputs():
 
 
 @pytest.mark.parametrize("name", ["tanh", "atan", "asin", "acos", "sinh", "cosh", "asinh", "acosh", "atanh", "erfc",
-                                  "erfinv", "lgamma", "digamma"])
+                                  "erfinv", "lgamma", "digamma", "trigamma"])
 def test_math_helpers_over_their_domains_on_the_gpu(name):
     """The interpreter-tested math helpers compiled for real: tl.exp/log/sin/erf on the GPU are
     not numpy's (exp, for one, may go through ex2.approx), so the fp32 bound is checked here too."""

@@ -1,5 +1,6 @@
 """The math helpers over their whole domains (tanh, atan, atan2, asin, acos, sinh, cosh, asinh,
-acosh, atanh, erfc, erfinv, lgamma, digamma), forward and backward, through the generated kernels.
+acosh, atanh, erfc, erfinv, lgamma, digamma, trigamma), forward and backward, through the
+generated kernels.
 
 tests/test_ops.py checks each target on a few ordinary samples; here every op meets tiny
 (subnormal too), moderate and huge magnitudes, its tails, its exact special points and NaN/inf.
@@ -40,6 +41,19 @@ def domain(*parts) -> torch.Tensor:
     return torch.cat([torch.as_tensor(p, dtype=torch.float32).flatten() for p in parts + (SPECIAL,)])
 
 
+def trigamma(x):
+    return torch.polygamma(1, x)
+
+
+def off_the_poles(values: torch.Tensor) -> torch.Tensor:
+    """Without the values that are negative integers in fp32 or rounded to bf16: trigamma's poles,
+    where torch returns pi^2 over a rounded sin(pi x)^2 (finite, and far from fp64's value) and
+    memfuse +inf (test_trigamma_poles)."""
+    def poles(v):
+        return (v < 0) & (v == v.round())
+    return values[~(poles(values) | poles(values.bfloat16().float()))]
+
+
 # op -> (torch function, forward domain, backward domain (finite gradients), absolute floor)
 NEAR_POLES = span(-9.95, 9.95, 1991)[span(-9.95, 9.95, 1991).frac().abs() > 0.02]
 OPS = {
@@ -63,6 +77,8 @@ OPS = {
                torch.cat([NEAR_POLES, magnitudes(-6, 6, signed=False)]), 1e-5),
     "digamma": (torch.digamma, domain(magnitudes(-40, 38), span(-20, 20), span(0.5, 3), span(-10, 10, 21)),
                 torch.cat([NEAR_POLES, magnitudes(-3, 3, signed=False)]), 1e-5),
+    "trigamma": (trigamma, off_the_poles(domain(magnitudes(-40, 38), span(-20, 20), span(0.5, 3), span(-3, 0.5, 3001))),
+                 torch.cat([NEAR_POLES, magnitudes(-3, 3, signed=False)]), TINY),
 }
 PAIRS = domain(magnitudes(-40, 38, 400), span(-5, 5, 401))   # atan2(y, x): y from a shuffle of these
 
@@ -152,8 +168,8 @@ def test_backward_fp32_is_fused_and_accurate(name):
     fn, _, values, atol = OPS[name]
     before = memfuse.stats()["extern_calls"]
     ours, eager, reference = gradients(fn, grid(values[values.isfinite()]))
-    # digamma's derivative is polygamma(1, x), which has no helper: the one aten call left
-    assert memfuse.stats()["extern_calls"] - before == (1 if name == "digamma" else 0)
+    # trigamma's derivative is polygamma(2, x), which has no helper: the one aten call left
+    assert memfuse.stats()["extern_calls"] - before == (1 if name == "trigamma" else 0)
     assert_accurate(ours[0], eager[0], reference[0], rtol=2 * RTOL, atol=atol, what=f"{name} gradient")
 
 
@@ -177,6 +193,23 @@ def test_lgamma_backward_is_digamma_in_the_kernel(capsys):
     assert [op for k in report.kernels_of("backward") for _, op in k.ops] == ["digamma", "mul"]
     ours, _, reference = gradients(torch.lgamma, x)
     torch.testing.assert_close(ours[0], reference[0].float(), rtol=2e-5, atol=2e-5)
+
+
+def test_digamma_backward_is_trigamma_in_the_kernel():
+    x = (torch.rand(8, 16) * 5 - 2.5).requires_grad_()
+    report = memfuse.explain(torch.digamma, x)
+    assert not report.fallbacks and not report.externs
+    assert [op for k in report.kernels_of("backward") for _, op in k.ops] == ["trigamma", "mul"]
+
+
+def test_trigamma_poles():
+    """+inf at 0 and the negative integers (torch: pi^2 over a rounded sin(pi x)^2, 1.3e15 at -1 in
+    fp32), NaN at -inf and 0 at +inf as torch."""
+    x = torch.tensor([0.0, -0.0, -1.0, -2.0, -100.0, -8388608.0, -3.4e38, float("-inf"), float("inf")])
+    got, externs = fused_call(trigamma, x.reshape(1, -1))
+    assert externs == 0
+    inf, nan = float("inf"), float("nan")
+    torch.testing.assert_close(got.flatten(), torch.tensor([inf] * 7 + [nan, 0.0]), equal_nan=True, rtol=0, atol=0)
 
 
 FP64_GENERIC = ["tanh", "sinh", "cosh", "asinh", "acosh", "atanh"]
