@@ -295,6 +295,7 @@ REDUCE_ATEN = {aten.sum.dim_IntList: Op.SUM, aten.amax.default: Op.MAX, aten.ami
 TOTALS = {Op.SUM: aten.sum.default, Op.MAX: aten.amax.default, Op.MIN: aten.amin.default,
           Op.PROD: aten.prod.default}
 EXTREME_ATEN = {aten.max.dim: (Op.MAX, Op.ARGMAX), aten.min.dim: (Op.MIN, Op.ARGMIN)}
+POLYGAMMA_ORDERS = {0: Op.DIGAMMA, 1: Op.TRIGAMMA}   # polygamma(n, x): the orders with a helper
 # x ** c for the exponents torch's pow kernel special-cases (0, 2 and 3 have rules of their own)
 POW_AS_OP = {0.5: Op.SQRT, -0.5: Op.RSQRT, 1: Op.VIEW, -1: Op.RECIPROCAL}
 
@@ -317,6 +318,7 @@ SPECIAL_ATEN = {
     aten.select_backward.default: "a windowed strided read of the gradient over zeros",
     aten.scatter.src: "where(column == index, src, self) for an index from argmax/argmin over D "
                       "(max.dim's backward; else an extern)",
+    aten.polygamma.default: "digamma (order 0), trigamma (order 1: digamma's derivative); higher orders: an extern",
 }
 
 # Ops memfuse knows it does not fuse, and why (the coverage table lists them too).
@@ -330,7 +332,6 @@ EXTERN_REASONS = {
     aten.index.Tensor: "indexing: data-dependent addressing",
     aten.cumsum.default: "scan along a dim",
     aten.cumprod.default: "scan along a dim",
-    aten.polygamma.default: "polygamma (digamma's derivative) has no interpreter-safe helper",
 }
 
 
@@ -505,6 +506,8 @@ class _Lowering:
             return self.lower_scatter(node, value)
         if target in (aten.mean.dim, aten.mean.default):
             return self.lower_mean(node, value)
+        if target is aten.polygamma.default:
+            return self.lower_polygamma(node, value)
         raise NotFusible(EXTERN_REASONS.get(target, f"no lowering for {target}"))
 
     def keeps_order(self, node) -> bool:
@@ -693,8 +696,9 @@ class _Lowering:
         self.check_fits(op, inputs, value)
         return self.add(op, inputs, value, name=name)
 
-    def lower_pointwise(self, node, op: Op, value: Value) -> str:
-        args = [self.operand(a) for a in node.args]
+    def lower_pointwise(self, node, op: Op, value: Value, args: Optional[list] = None) -> str:
+        """`op` over the node's arguments (or over `args`, when some of them are attributes)."""
+        args = [self.operand(a) for a in node.args] if args is None else args
         alpha = node.kwargs.get("alpha", 1)
         if alpha != 1:
             scaled = self.graph[args[1]].value
@@ -747,6 +751,14 @@ class _Lowering:
             raise NotFusible(f"integer {op.value}: eager raises on a zero divisor, a kernel cannot")
         args = [self.operand(a) for a in node.args[:2]]
         return self.pointwise(op, args, value, node.name)
+
+    def lower_polygamma(self, node, value: Value) -> str:
+        """polygamma(n, x): orders 0 and 1 have helpers (digamma and trigamma, digamma's derivative)."""
+        order, x = node.args
+        op = POLYGAMMA_ORDERS.get(order)
+        if op is None:
+            raise NotFusible(f"polygamma of order {order}: only orders 0 and 1 (digamma, trigamma) have helpers")
+        return self.lower_pointwise(node, op, value, [self.operand(x)])
 
     def lower_clamp(self, node, value: Value) -> str:
         """clamp(x, min, max) = minimum(maximum(x, min), max), NaN kept (scalar or tensor bounds)."""

@@ -37,6 +37,7 @@ CONDITIONAL = [   # (when, reason logged): rows of the table above that still fa
     ("a view of a value computed in the same kernel", "not a fallback: the kernel writes the value and "
      "the next kernel reads it in place (`explain` lists it under why nodes did not fuse)"),
     ("a copy to another device", "an aten copy"),
+    ("polygamma of order 2 or more", "no helper (orders 0 and 1 are digamma and trigamma)"),
     (f"fp64 {', '.join(op.value for op, info in OPS.items() if not info.fp64)}",
      "their helpers are accurate to fp32 only (fp32, bf16 and fp16 are fused)"),
 ]

@@ -40,6 +40,7 @@ class Op(enum.Enum):
     SIGN = "sign"; ISNAN = "isnan"; ISINF = "isinf"
     ATAN = "atan"; ASIN = "asin"; ACOS = "acos"; SINH = "sinh"; COSH = "cosh"; ASINH = "asinh"
     ACOSH = "acosh"; ATANH = "atanh"; ERFC = "erfc"; ERFINV = "erfinv"; LGAMMA = "lgamma"; DIGAMMA = "digamma"
+    TRIGAMMA = "trigamma"     # polygamma(1, x): digamma's derivative
     LOGICAL_NOT = "logical_not"; BITWISE_NOT = "bitwise_not"
     ADD = "add"; SUB = "sub"; MUL = "mul"; DIV = "div"; POW = "pow"; ATAN2 = "atan2"
     FMOD = "fmod"; REMAINDER = "remainder"; FLOOR_DIVIDE = "floor_divide"; TRUNC_DIVIDE = "trunc_divide"
@@ -60,7 +61,7 @@ UNARY = {Op.NEG, Op.ABS, Op.EXP, Op.LOG, Op.SQRT, Op.RSQRT, Op.SIGMOID, Op.TANH,
          Op.RECIPROCAL, Op.SIN, Op.COS, Op.TAN, Op.EXP2, Op.EXPM1, Op.LOG1P, Op.LOG2, Op.LOG10,
          Op.FLOOR, Op.CEIL, Op.ROUND, Op.TRUNC, Op.SIGN, Op.ISNAN, Op.ISINF, Op.LOGICAL_NOT,
          Op.BITWISE_NOT, Op.CAST, Op.ATAN, Op.ASIN, Op.ACOS, Op.SINH, Op.COSH, Op.ASINH, Op.ACOSH,
-         Op.ATANH, Op.ERFC, Op.ERFINV, Op.LGAMMA, Op.DIGAMMA}
+         Op.ATANH, Op.ERFC, Op.ERFINV, Op.LGAMMA, Op.DIGAMMA, Op.TRIGAMMA}
 BINARY = {Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.POW, Op.ATAN2, Op.FMOD, Op.REMAINDER, Op.FLOOR_DIVIDE,
           Op.TRUNC_DIVIDE, Op.MAXIMUM, Op.MINIMUM, Op.EQ, Op.NE, Op.LT, Op.LE, Op.GT, Op.GE,
           Op.LOGICAL_AND, Op.LOGICAL_OR, Op.LOGICAL_XOR, Op.BITWISE_AND, Op.BITWISE_OR, Op.BITWISE_XOR}

@@ -31,6 +31,10 @@ def _trunc_divide(a, b):
     return torch.div(a, b, rounding_mode="trunc")
 
 
+def _trigamma(x):
+    return torch.polygamma(1, x)
+
+
 OPS = {
     Op.NEG: OpInfo("-{0}", torch.neg),
     Op.ABS: OpInfo("tl.abs({0})", torch.abs),
@@ -46,7 +50,7 @@ OPS = {
     Op.COS: OpInfo("tl.cos({0})", torch.cos),
     Op.TAN: OpInfo("(tl.sin({0}) / tl.cos({0}))", torch.tan),
     Op.EXP2: OpInfo("tl.exp2({0})", torch.exp2),
-    # inverse trigonometric and hyperbolic functions, erfc, erfinv, lgamma, digamma: helpers below
+    # inverse trigonometric and hyperbolic functions, erfc, erfinv, lgamma, digamma, trigamma: helpers below
     Op.ATAN: OpInfo("mf_atan({0})", torch.atan, "mf_atan", fp64=False),
     Op.ASIN: OpInfo("mf_asin({0})", torch.asin, "mf_asin", fp64=False),
     Op.ACOS: OpInfo("mf_acos({0})", torch.acos, "mf_acos", fp64=False),
@@ -59,6 +63,7 @@ OPS = {
     Op.ERFINV: OpInfo("mf_erfinv({0})", torch.erfinv, "mf_erfinv", fp64=False),
     Op.LGAMMA: OpInfo("mf_lgamma({0})", torch.lgamma, "mf_lgamma", fp64=False),
     Op.DIGAMMA: OpInfo("mf_digamma({0})", torch.digamma, "mf_digamma", fp64=False),
+    Op.TRIGAMMA: OpInfo("mf_trigamma({0})", _trigamma, "mf_trigamma", fp64=False),
     Op.EXPM1: OpInfo("mf_expm1({0})", torch.expm1, "mf_expm1"),
     Op.LOG1P: OpInfo("mf_log1p({0})", torch.log1p, "mf_log1p"),
     Op.LOG2: OpInfo("tl.log2({0})", torch.log2),
@@ -145,12 +150,13 @@ HELPERS = {
     return tl.where(tl.abs(x) < 0.5, near_zero, tl.log(u))''', ()),
     "mf_tanh": ('''def mf_tanh(x):
     # tanh(|x|) = expm1(2|x|) / (expm1(2|x|) + 2), signed: accurate near 0 (2 sigmoid(2x) - 1 is
-    # not), exactly 1 from |x| = 20 on, NaN kept
+    # not), exactly 1 from |x| = 20 on, NaN kept; x itself below fp32's smallest normal (-0 included),
+    # where tanh(x) = x and e / (e + 2) would divide a subnormal
     a = tl.abs(x)
     a = tl.where(a > 20.0, 20.0, a)
     e = mf_expm1(2.0 * a)
     t = e / (e + 2.0)
-    return tl.where(x < 0, -t, t)''', ("mf_expm1",)),
+    return tl.where(a < 1.1754943508222875e-38, x, tl.where(x < 0, -t, t))''', ("mf_expm1",)),
     # -- inverse trigonometric and hyperbolic functions ---------------------------------------
     # fp32 algorithms (Cephes' single-precision ones where named); the tl.where chains keep
     # torch's NaN, inf and signed-zero results: NaN fails every comparison, so it takes the last
@@ -167,21 +173,29 @@ HELPERS = {
     p = (((8.05374449538e-2 * z - 1.38776856032e-1) * z + 1.99777106478e-1) * z - 3.33329491539e-1) * z * t + t
     r = base + p
     return tl.where(x < 0, -r, tl.where(x == 0, x, r))''', ()),
+    "mf_copysign": ('''def mf_copysign(magnitude, sign):
+    # |magnitude| with sign's sign bit (fp32), set on the bits: no arithmetic that could lose a zero's sign
+    bits = (magnitude.to(tl.uint32, bitcast=True) & 0x7FFFFFFF) | (sign.to(tl.uint32, bitcast=True) & 0x80000000)
+    return bits.to(tl.float32, bitcast=True)''', ()),
     "mf_atan2": ('''def mf_atan2(y, x):
     # atan of min(|x|, |y|) / max(|x|, |y|) in [0, 1], then the octant: pi/2 - r where |y| > |x|,
-    # pi - r where x is negative (-0 too, by its sign bit), y's sign last; C's atan2 at zeros and infs
+    # pi - r where x is negative (-0 too, by its sign bit); C's atan2 at zeros and infs. On the GPU a
+    # division may flush subnormal operands to 0 and -r compiles to 0 - r (+0 for r = 0), so operands
+    # below 2^-64 are scaled by 2^64 (exact, same quotient) and y's sign bit is copied onto the result
     ax = tl.abs(x)
     ay = tl.abs(y)
+    tiny = tl.maximum(ax, ay) < 5.421010862427522e-20
+    ax = tl.where(tiny, ax * 1.8446744073709552e19, ax)
+    ay = tl.where(tiny, ay * 1.8446744073709552e19, ay)
     steep = ay > ax
     t = tl.where(steep, ax / ay, ay / ax)
     t = tl.where(ax == float('inf'), tl.where(ay == float('inf'), 1.0, t), t)   # inf / inf
     t = tl.where(ax == 0, tl.where(ay == 0, 0.0, t), t)                         # 0 / 0
     r = mf_atan(t)
     r = tl.where(steep, 1.5707963267948966 - r, r)
-    x_negative = x.to(tl.float32).to(tl.int32, bitcast=True) < 0
+    x_negative = x.to(tl.int32, bitcast=True) < 0
     r = tl.where(x_negative, 3.141592653589793 - r, r)
-    y_negative = y.to(tl.float32).to(tl.int32, bitcast=True) < 0
-    return tl.where(y_negative, -r, r)''', ("mf_atan",)),
+    return mf_copysign(r, y)''', ("mf_atan", "mf_copysign")),
     "mf_asin_kernel": ('''def mf_asin_kernel(s, z):
     # Cephes asinf's polynomial: asin(s) for |s| <= 0.5, z = s * s
     p = (((4.2163199048e-2 * z + 2.4181311049e-2) * z + 4.5470025998e-2) * z + 7.4953002686e-2) * z
@@ -208,12 +222,13 @@ HELPERS = {
                 ("mf_asin_kernel",)),
     "mf_sinh": ('''def mf_sinh(x):
     # (e + e / (e + 1)) / 2 with e = expm1(|x|): no cancellation near 0; from |x| = 20 on
-    # (exp(|x|/2) / 2) * exp(|x|/2), finite up to the dtype's largest sinh; -0 kept
+    # (exp(|x|/2) / 2) * exp(|x|/2), finite up to the dtype's largest sinh; x itself below fp32's
+    # smallest normal (-0 included), where sinh(x) = x and e / (e + 1) would divide a subnormal
     a = tl.abs(x)
     e = mf_expm1(tl.where(a > 20.0, 20.0, a))
     half = tl.exp(0.5 * a)
     r = tl.where(a > 20.0, (0.5 * half) * half, 0.5 * (e + e / (e + 1.0)))
-    return tl.where(x < 0, -r, tl.where(x == 0, x, r))''', ("mf_expm1",)),
+    return tl.where(a < 1.1754943508222875e-38, x, tl.where(x < 0, -r, r))''', ("mf_expm1",)),
     "mf_cosh": ('''def mf_cosh(x):
     # (exp(|x|) + exp(-|x|)) / 2; from |x| = 20 on (exp(|x|/2) / 2) * exp(|x|/2), finite as far as cosh is
     a = tl.abs(x)
@@ -241,10 +256,11 @@ HELPERS = {
     r = tl.where(x > 268435456.0, large, tl.where(x > 2.0, medium, small))
     return tl.where(x < 1.0, float('nan'), r)''', ("mf_log1p",)),
     "mf_atanh": ('''def mf_atanh(x):
-    # log1p(2a / (1 - a)) / 2, a = |x|: +-inf at +-1, NaN beyond; signed, -0 kept
+    # log1p(2a / (1 - a)) / 2, a = |x|: +-inf at +-1, NaN beyond; signed; x itself below fp32's
+    # smallest normal (-0 included), where atanh(x) = x and 2a / (1 - a) would divide a subnormal
     a = tl.abs(x)
     r = 0.5 * mf_log1p(2.0 * a / (1.0 - a))
-    return tl.where(x < 0, -r, tl.where(x == 0, x, r))''', ("mf_log1p",)),
+    return tl.where(a < 1.1754943508222875e-38, x, tl.where(x < 0, -r, r))''', ("mf_log1p",)),
     # -- error and gamma functions -------------------------------------------------------------
     "mf_erfc": ('''def mf_erfc(x):
     # Numerical Recipes' erfcc (a Chebyshev fit, relative error < 1.2e-7 for z >= 0):
@@ -310,6 +326,11 @@ HELPERS = {
     # down into [1.5, 2.5); lgamma(2 + t) by its series; from 8 on Stirling's series. For x <= 0 the
     # reflection log(pi / |sin(pi x)|) - lgamma(1 - x): +inf at the non-positive integers, as torch
     a = tl.where(x <= 0, 1.0 - x, x)
+    # log|x| for the branches of tiny |x|: a subnormal |x| scaled by 2^64 first (the GPU may flush it to 0)
+    magnitude = tl.abs(x)
+    scaled = magnitude < 1.1754943508222875e-38
+    log_magnitude = tl.log(tl.where(scaled, magnitude * 1.8446744073709552e19, magnitude))
+    log_magnitude = log_magnitude - tl.where(scaled, 44.3614195558365, 0.0)
     z = a
     product = tl.full(a.shape, 1.0, a.dtype)
     for _ in tl.static_range(6):
@@ -317,7 +338,7 @@ HELPERS = {
         product = tl.where(down, product * (z - 1.0), product)
         z = tl.where(down, z - 1.0, z)
     t = tl.where(a < 0.5, a, tl.where(a < 1.5, a - 1.0, z - 2.0))
-    shift = tl.where(a < 0.5, -tl.log(a) - mf_log1p(a), tl.where(a < 1.5, -mf_log1p(a - 1.0), tl.log(product)))
+    shift = tl.where(a < 0.5, -log_magnitude - mf_log1p(a), tl.where(a < 1.5, -mf_log1p(a - 1.0), tl.log(product)))
     near = mf_lgamma_near2(t) + shift
     log_a = tl.log(a)
     inverse_square = 1.0 / (a * a)
@@ -330,28 +351,55 @@ HELPERS = {
     r = tl.where(tl.abs(x) < 8388608.0, x - tl.floor(x + 0.5), 0.0)
     reflected = 1.1447298858494002 - tl.log(tl.abs(tl.sin(3.141592653589793 * r))) - positive
     reflected = tl.where(r == 0, float('inf'), reflected)
-    reflected = tl.where(x > -5.960464477539063e-08, -tl.log(-x), reflected)   # sin(pi x) would be subnormal
+    reflected = tl.where(x > -5.960464477539063e-08, -log_magnitude, reflected)   # sin(pi x) would be subnormal
     return tl.where(x <= 0, reflected, positive)''', ("mf_log1p", "mf_lgamma_near2")),
     "mf_digamma": ('''def mf_digamma(x):
     # psi(x): the recurrence psi(a) = psi(a + 1) - 1/a up to a >= 6, then the asymptotic series
-    # log(a) - 1/(2a) - sum B_2k / (2k a^2k); for x < 0 the reflection psi(1 - x) - pi / tan(pi x), NaN at
-    # the negative integers; -inf at +0 and +inf at -0, as torch
+    # log(a) - 1/(2a) - sum B_2k / (2k a^2k); for x < 0 the reflection psi(1 - x) - pi cot(pi x), NaN at
+    # the negative integers; -inf at +0 and +inf at -0, as torch. The GPU may flush subnormal operands of
+    # a division or of sin to 0 (cot(pi x) came out infinite for subnormal x on the H200): 1/a is taken
+    # as (1 / (2^24 a)) 2^24, exact, and pi cot(pi r) = 1/r - pi^2 r / 3 (to fp32) for |r| < 2^-12
     negative = x < 0
     a = tl.where(negative, 1.0 - x, x)
     acc = tl.zeros(a.shape, a.dtype)
     for _ in tl.static_range(6):
         up = a < 6.0
-        acc = tl.where(up, acc - 1.0 / a, acc)
+        acc = tl.where(up, acc - (1.0 / (a * 16777216.0)) * 16777216.0, acc)
         a = tl.where(up, a + 1.0, a)
     z = 1.0 / (a * a)
     tail = z * (0.08333333333333333 - z * (0.008333333333333333 - z * (
         0.003968253968253968 - z * (0.004166666666666667 - z * 0.007575757575757576))))
     psi = acc + (tl.log(a) - 0.5 / a - tail)
-    r = tl.where(tl.abs(x) < 8388608.0, x - tl.floor(x + 0.5), 0.0)   # tan(pi x) = tan(pi r)
+    r = tl.where(tl.abs(x) < 8388608.0, x - tl.floor(x + 0.5), 0.0)   # cot(pi x) = cot(pi r)
     angle = 3.141592653589793 * r
-    reflected = psi - 3.141592653589793 * tl.cos(angle) / tl.sin(angle)
-    reflected = tl.where(r == 0, float('nan'), reflected)
+    near_pole = tl.abs(r) < 2.44140625e-4
+    cot = tl.where(near_pole, (1.0 / (r * 16777216.0)) * 16777216.0 - 3.2898681336964524 * r,
+                   3.141592653589793 * tl.cos(angle) / tl.sin(angle))
+    reflected = tl.where(r == 0, float('nan'), psi - cot)
     return tl.where(negative, reflected, psi)''', ()),
+    "mf_trigamma": ('''def mf_trigamma(x):
+    # psi'(x) = polygamma(1, x): the recurrence psi'(a) = psi'(a + 1) + 1/a^2 up to a >= 6, then the
+    # asymptotic series 1/a + 1/(2a^2) + sum B_2k / a^(2k+1); for x <= 0 the reflection
+    # (pi / sin(pi x))^2 - psi'(1 - x). +inf at the poles 0, -1, -2, ... (torch returns pi^2 over a rounded
+    # sin(pi x)^2 there: 1.3e15 at -1 in fp32), NaN at -inf. 1/a is squared after the division, so no
+    # division sees a subnormal unless the result overflows anyway
+    negative = x <= 0
+    a = tl.where(negative, 1.0 - x, x)
+    acc = tl.zeros(a.shape, a.dtype)
+    for _ in tl.static_range(6):
+        up = a < 6.0
+        inverse = 1.0 / a
+        acc = tl.where(up, acc + inverse * inverse, acc)
+        a = tl.where(up, a + 1.0, a)
+    inverse = 1.0 / a
+    z = inverse * inverse
+    tail = 0.16666666666666666 - z * (0.03333333333333333 - z * (0.023809523809523808 - z * 0.03333333333333333))
+    psi1 = acc + inverse * (1.0 + inverse * (0.5 + inverse * tail))
+    r = tl.where(tl.abs(x) < 8388608.0, x - tl.floor(x + 0.5), 0.0)   # sin(pi x)^2 = sin(pi r)^2
+    cosecant = 3.141592653589793 / tl.sin(3.141592653589793 * r)
+    reflected = tl.where(r == 0, float('inf'), cosecant * cosecant - psi1)
+    reflected = tl.where(x == float('-inf'), float('nan'), reflected)
+    return tl.where(negative, reflected, psi1)''', ()),
     "mf_round": ('''def mf_round(x):
     # round half to even, as torch.round: ties go to the even neighbour
     down = tl.floor(x)

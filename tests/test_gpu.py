@@ -208,11 +208,8 @@ def test_views_on_gpu_with_unaligned_and_non_contiguous_inputs():
     assert memfuse.stats()["extern_calls"] == 0
 
 
-@pytest.mark.parametrize("name", ["atan", "asin", "acos", "sinh", "cosh", "asinh", "acosh", "atanh", "erfc",
-                                  "erfinv", "lgamma",
-                                  pytest.param("digamma", marks=pytest.mark.xfail(strict=True, reason=(
-                                      "open defect (H200, 2026-11-21): inf where torch gives ~3e38 next to "
-                                      "the poles at negative integers")))])
+@pytest.mark.parametrize("name", ["tanh", "atan", "asin", "acos", "sinh", "cosh", "asinh", "acosh", "atanh", "erfc",
+                                  "erfinv", "lgamma", "digamma", "trigamma"])
 def test_math_helpers_over_their_domains_on_the_gpu(name):
     """The interpreter-tested math helpers compiled for real: tl.exp/log/sin/erf on the GPU are
     not numpy's (exp, for one, may go through ex2.approx), so the fp32 bound is checked here too."""
@@ -223,7 +220,6 @@ def test_math_helpers_over_their_domains_on_the_gpu(name):
     assert_accurate(got.cpu(), fn(x).cpu(), fn(x.double()).cpu(), rtol=RTOL, atol=atol, what=f"{name} on the GPU")
 
 
-@pytest.mark.xfail(strict=True, reason="open defect (H200, 2026-11-21): the sign of some zero results differs from torch")
 def test_atan2_over_its_domain_on_the_gpu():
     from test_math_ops import RTOL, TINY, assert_accurate, atan2_domain, grid
     y, x = (grid(v).cuda() for v in atan2_domain())
