@@ -36,7 +36,7 @@ def _trigamma(x):
 
 
 OPS = {
-    Op.NEG: OpInfo("-{0}", torch.neg),
+    Op.NEG: OpInfo("({0} * -1)", torch.neg),   # Triton 3.6 compiles -x as 0 - x: +0 for +0, where torch gives -0
     Op.ABS: OpInfo("tl.abs({0})", torch.abs),
     Op.EXP: OpInfo("tl.exp({0})", torch.exp),
     Op.LOG: OpInfo("tl.log({0})", torch.log),

@@ -277,3 +277,17 @@ def test_forward_fp32_with_the_gpus_arithmetic(name, gpu_arithmetic):
     got, externs = fused_call(fn, *inputs)
     assert externs == 0
     assert_accurate(got, fn(*inputs), fn(*(v.double() for v in inputs)), rtol=RTOL, atol=atol, what=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int32])
+def test_negation_keeps_signed_zeros_with_the_gpus_arithmetic(dtype, gpu_arithmetic):
+    """neg(+0) is -0 in torch; Triton 3.6's unary minus (0 - x) gives +0, so memfuse negates by
+    multiplying with -1 (exact, NaN and integers included)."""
+    x = torch.tensor([0.0, -0.0, 1.5, -2.0, float("inf"), float("nan")]).to(dtype).repeat(8, 1)
+    got, externs = fused_call(lambda a: -torch.neg(torch.neg(a)) * 3, x)
+    expected = -torch.neg(torch.neg(x)) * 3
+    assert externs == 0
+    torch.testing.assert_close(got, expected, equal_nan=True)
+    if dtype.is_floating_point:       # a NaN's sign bit means nothing
+        numbers = ~expected.isnan()
+        assert torch.equal(torch.signbit(got[numbers]), torch.signbit(expected[numbers]))
