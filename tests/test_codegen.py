@@ -28,29 +28,40 @@ def block_m(kernel, tile_elements: int = Config().tile_elements) -> int:
 
 
 def launch(kernel, env: dict, rows: int, programs: int = None, tile_elements: int = Config().tile_elements) -> dict:
-    """Launch a generated kernel by its argument roles; returns env with outputs and partials."""
+    """Launch a generated kernel by its argument roles. Outputs go into env, and so do the
+    column totals (each column sum's row of its [n, D] totals tensor); returns the partials
+    buffers and the ticket counter (key "counter")."""
     src = kernel.source
     rows_per_tile = block_m(kernel, tile_elements)
     tiles = cdiv(rows, rows_per_tile)
     programs = programs or tiles
-    partials = {}
+    d = src.constexprs["D"]
+    buffers = {}
     args = []
     for arg in src.args:
-        if arg.role == "read" or arg.role == "scalar":
+        if arg.role in ("read", "scalar", "write"):
             args.append(env[arg.value])
-        elif arg.role == "write":
-            args.append(env[arg.value])
+        elif arg.role == "totals":
+            dtype = getattr(torch, arg.value)
+            names = src.totals[dtype]
+            totals = torch.full((len(names), d), float("nan")).to(dtype)
+            env.update(zip(names, totals))
+            args.append(totals)
         elif arg.role == "partials":
-            count = len(next(v for op, v in src.column_sums.items() if op.value == arg.value))
-            partials[arg.value] = torch.full((programs, count, src.constexprs["D"]), float("nan"))
-            args.append(partials[arg.value])
+            op = next(op for op in src.column_sums if op.value == arg.value)
+            shape = (programs, len(src.column_sums[op]), d)
+            buffers[arg.value] = torch.full(shape, float("nan"), dtype=src.partials_dtypes[op])
+            args.append(buffers[arg.value])
+        elif arg.role == "counter":
+            buffers["counter"] = torch.zeros(1, dtype=torch.int32)
+            args.append(buffers["counter"])
         elif arg.role == "rows":
             args.append(rows)
         else:
             assert arg.role == "tiles", arg
             args.append(cdiv(tiles, programs))
     kernel.fn[(programs,)](*args, **src.constexprs, BLOCK_M=rows_per_tile, NUM_STAGES=1)
-    return partials
+    return buffers
 
 
 # -- the LayerNorm block's forward kernel ------------------------------------------------------
@@ -177,10 +188,11 @@ def test_hand_built_row_and_column_reductions_match_torch(tmp_path):
     rows = 9                                                     # 5 tiles over 2 programs
     a, b = torch.randn(rows, D), torch.randn(D)
     env = {"a": a, "b": b, "r": torch.full((rows, 1), float("nan"))}
-    partials = launch(kernel, env, rows, programs=2, tile_elements=config.tile_elements)
+    buffers = launch(kernel, env, rows, programs=2, tile_elements=config.tile_elements)
     torch.testing.assert_close(env["r"], (a * b).sum(1, keepdim=True), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(partials["sum"].sum(0)[0], a.sum(0), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(partials["max"].amax(0)[0], (a * b).amax(0), rtol=0, atol=0)
+    torch.testing.assert_close(env["s"], a.sum(0), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(env["m"], (a * b).amax(0), rtol=0, atol=0)
+    assert buffers["counter"].item() == 0                          # the last program reset it
 
 
 def bf16_truncated(x: torch.Tensor) -> torch.Tensor:
