@@ -319,16 +319,25 @@ class RowKernelWriter:
         the last ticket has acquired every earlier release; a second barrier orders all of its
         threads' loads after that acquire, and the loads read at L2 (`.cg`, the GPU's point of
         coherence), never a line this SM's L1 kept from earlier. Only that program enters the
-        finish (a branch on a scalar); the others are done. It walks the programs in blocks of
-        BLOCK_M in index order, so the totals do not depend on which program finished last, and
-        sets the counter back to 0 for the next launch or CUDA-graph replay."""
-        out("# finish: the last program to write its partials combines every program's, in program order")
+        finish (a branch on a scalar); the others are done. It sets the counter back to 0 for
+        the next launch or CUDA-graph replay."""
+        out("# finish: the last program to write its partials combines every program's")
         out("tl.debug_barrier()  # all threads' partial stores come before the ticket (its release)")
         out('ticket = tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu")')
         out("if ticket == num_programs - 1:")
         out.indent()
         out("tl.debug_barrier()  # the ticket (its acquire) comes before any thread reads the partials")
         chunked = self.open_finish_columns(out)
+        self.combine_partials(out)
+        if chunked:
+            out.dedent()
+        out("tl.store(done_ptr, 0)  # the next launch (or graph replay) counts from zero")
+        out.dedent()
+
+    def combine_partials(self, out: _Lines) -> None:
+        """The totals of the columns `cols` covers: every program's partials, BLOCK_M programs
+        at a time in program order (the same order on every call, whichever program finished
+        last), combined in the partials' dtype and stored rounded to each value's dtype."""
         for op, names in self.sums.items():
             for name in names:
                 acc = TRITON_DTYPES[self.partials_dtypes[op]]
@@ -349,15 +358,9 @@ class RowKernelWriter:
         for dtype, names in self.totals.items():
             for j, name in enumerate(names):
                 total = f"{self.reg(name)}_total"
-                if dtype == torch.bool:
-                    total = f"({total} != 0)"
-                elif dtype != self.partials_dtypes[self.graph[name].op]:
+                if dtype != self.partials_dtypes[self.graph[name].op]:   # bf16 / fp16 values: round once
                     total = self.narrow(total, dtype)
                 out(f"tl.store(totals_{dtype_name(dtype)}_ptr + {j} * D + cols, {total}, mask=col_mask)")
-        if chunked:
-            out.dedent()
-        out("tl.store(done_ptr, 0)  # the next launch (or graph replay) counts from zero")
-        out.dedent()
 
     def open_finish_columns(self, out: _Lines) -> bool:
         """Open the finish's walk over columns; True when it opened a loop to close. A row is
