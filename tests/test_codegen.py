@@ -6,7 +6,9 @@ from pathlib import Path
 import sympy
 import torch
 
-from helpers import BLOCKS, block_inputs, rel_error
+from helpers import BLOCKS, block_inputs, forward_backward, rel_error
+
+import memfuse
 from memfuse.capture import capture
 from memfuse.codegen import generate
 from memfuse.config import Config
@@ -224,3 +226,39 @@ def test_hand_built_bf16_rounds_once_at_the_store(tmp_path):
     assert bool(((env["out"] == nearest) | (env["out"] == toward_zero)).all())
     twice = ((a * b) + a)                                        # eager bf16 rounds the product too
     assert not bool(((twice == nearest) | (twice == toward_zero)).all()), "the check can tell"
+
+
+# -- the LayerNorm block's backward kernel: column sums finished by its last program ------------
+def test_layer_norm_backward_finishes_its_column_sums_and_reads_like_the_tutorial():
+    """The weight and bias grads: partials, a ticket, and in the last program one named total
+    per column sum, read back from every program's partials at L2."""
+    tensors, consts, grad_output = block_inputs("layer_norm_block", SHAPE)
+    fused = memfuse.memory_efficient_fusion(BLOCKS["layer_norm_block"].fn)
+    forward_backward(fused, tensors, consts, grad_output)
+    entry, = fused.cache.values()
+    backward = entry.function.backward
+    launch = backward.steps[0]
+    sums = launch.group.column_sums
+    text = launch.kernel.source.source
+    assert "totals_float32_ptr,  # [3, D] float32 column totals over M" in text
+    assert "done_ptr,  # [1] int32 programs done with their partials" in text
+    finish = [line.strip() for line in text[text.index("# finish:"):].splitlines()]
+    # a ticket per program, one branch for the last: named values, one statement a line
+    assert finish[1].startswith("tl.debug_barrier()  # all threads' partial stores come before the ticket")
+    assert finish[2] == 'ticket = tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu")'
+    assert finish[3] == "if ticket == num_programs - 1:"
+    assert finish[4].startswith("tl.debug_barrier()  # the ticket (its acquire) comes before")
+    assert "for first in range(0, num_programs, BLOCK_M):" in finish
+    assert "programs = (first + tl.arange(0, BLOCK_M)).to(tl.int64)" in finish
+    for j, name in enumerate(sums):
+        assert f"{name}_total = tl.full([BLOCK_D], 0.0, tl.float32)" in finish
+        load, = [line for line in finish if line.startswith(f"{name}_partials = tl.load(")]
+        assert load.endswith('other=0.0, cache_modifier=".cg")')
+        assert f"{name}_total = ({name}_total + tl.sum({name}_partials, axis=0))" in finish
+        assert f"tl.store(totals_float32_ptr + {j} * D + cols, {name}_total, mask=col_mask)" in finish
+    assert finish[-1].startswith("tl.store(done_ptr, 0)")
+    # the program takes the totals' rows: no reduction, no cast after the launch
+    program = backward.source
+    assert ".sum(" not in program and ".to(" not in program and "mf_totals = " not in program
+    for j, name in enumerate(sums):
+        assert re.search(rf"^    {name} = mf_totals_float32\[{j}\]", program, re.MULTILINE), program
