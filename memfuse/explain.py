@@ -68,7 +68,7 @@ class KernelRow:
     ops: tuple                         # (node name, op name), in order
     inputs: tuple                      # values read (tensors and per-call scalars)
     outputs: tuple                     # values written for later steps
-    column_sums: tuple                 # reductions over M, finished by the runtime
+    column_sums: tuple                 # reductions over M, finished by the kernel's last program
     rows: Optional[int]                # M at the example sizes (None: no rows)
     d: Optional[int]
     bytes_per_row: int                 # from the generated source (0 for aten groups)
