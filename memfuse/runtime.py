@@ -57,9 +57,10 @@ class KernelLaunch:
     finishes them itself (its last program writes the totals): one launch, nothing after it.
 
     The partials and the counter are per kernel and device, shared by every launch of this
-    kernel there: launches on one stream run in order, so each finds the counter at 0 and its
-    partials its own. Two launches of the same kernel running at once on different streams
-    would mix their partials and tickets: unsafe, and memfuse never does it."""
+    kernel there (and baked into every CUDA graph that captured it): launches on one stream run
+    in order, so each finds the counter at 0 and the partials free. Two launches of the same
+    kernel running at once on different streams (one fused function called concurrently from
+    two streams) would mix their partials and tickets: unsafe, and not supported."""
 
     def __init__(self, group: KernelGroup, kernel: CompiledKernel, config: Config):
         self.group = group
