@@ -322,7 +322,8 @@ def _measure_saved(r: Rank, parallel, model, optimizer, result: CaseResult) -> N
     result.saved_block_param_bytes = sum(n for n, is_param in storages.values() if is_param)
     if r.device.type == "cuda":
         result.forward_bytes = gather(after - before)
-    del packed, storages
+    packed.clear()              # the saved storages: freed before the backward
+    del storages
     loss = loss_of(logits, targets)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()

@@ -25,8 +25,8 @@ from memfuse.tuning import LaunchConfig, TuningCache, default_config
 
 
 def kernel_time(launch: KernelLaunch) -> float:
-    """Median microseconds of `launch` on the arguments of its recorded call (its finishing
-    column sum included)."""
+    """Median microseconds of `launch` on the arguments of its recorded call (column sums
+    included: the kernel's last program finishes them)."""
     return 1000 * do_bench(lambda: launch(*launch.recorded), warmup=10, rep=40, return_mode="median")
 
 

@@ -910,7 +910,7 @@ class _Lowering:
 
     def lower_total(self, node, op: Op, x: str, value: Value, mean: bool = False) -> str:
         """A reduction to one value (a loss): each row reduced over D inside the kernel, then
-        one small aten call over the M row results (like the runtime's column-sum finish)."""
+        one small aten call over the M row results."""
         source = self.graph[x].value
         if not source.is_floating and op is not Op.SUM:
             raise NotFusible(f"{op.value} of integers: the kernels reduce floats")

@@ -83,7 +83,7 @@ class PlanDrawing:
 
     def to_dot(self) -> str:
         """DOT text with one cluster per band; render it with `dot -Tsvg` where graphviz exists."""
-        lines = [f"digraph memfuse_plan {{", f"  label={_quote(self.title)};", "  rankdir=LR;",
+        lines = ["digraph memfuse_plan {", f"  label={_quote(self.title)};", "  rankdir=LR;",
                  "  node [shape=box, style=filled, fontsize=10];"]
         for band in BANDS:
             members = [n for n in self.nodes.values() if ROLES[n.role][0] == band]

@@ -16,7 +16,7 @@ import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import sympy
 import torch
@@ -25,6 +25,9 @@ from .debug import STATS, topic_log
 from .ir import EXTERNAL, LEAF, RANDOM, REDUCTION, Graph, Op, format_graph, value_bytes
 from .plan import Decision
 from .schedule import ExternStep, KernelGroup
+
+if TYPE_CHECKING:
+    from .draw import PlanDrawing
 
 FAMILIES = ("pointwise", "reductions", "random", "extern", "leaves")
 
@@ -68,7 +71,7 @@ class KernelRow:
     ops: tuple                         # (node name, op name), in order
     inputs: tuple                      # values read (tensors and per-call scalars)
     outputs: tuple                     # values written for later steps
-    column_sums: tuple                 # reductions over M, finished by the runtime
+    column_sums: tuple                 # reductions over M, finished by the kernel's last program
     rows: Optional[int]                # M at the example sizes (None: no rows)
     d: Optional[int]
     bytes_per_row: int                 # from the generated source (0 for aten groups)
@@ -144,7 +147,7 @@ class Report:
         from .draw import plan_drawing
         return plan_drawing(self.entry.captured, self.entry.plan, title=self.name)
 
-    def draw(self, path) -> "PlanDrawing":
+    def draw(self, path) -> PlanDrawing:
         """Write the min-cut picture to `path` (.png, .svg, .pdf or .dot); returns the drawing."""
         drawing = self.drawing()
         drawing.save(path)
@@ -280,7 +283,7 @@ def _saved_lines(r: Report) -> list:
                      f"{human_bytes(s.bytes):>9}  {what}: {s.reason}")
     lines.append(f"  beyond the inputs: {human_bytes(r.saved_bytes)} planned")
     if r.memfuse_saved is not None:
-        lines.append(f"  measured on the example args (saved_tensors_hooks, unique storages not among the inputs):")
+        lines.append("  measured on the example args (saved_tensors_hooks, unique storages not among the inputs):")
         lines.append(f"    memfuse          {human_bytes(r.memfuse_saved.bytes):>9} in {r.memfuse_saved.tensors} tensors")
     if r.eager_saved is not None:
         lines.append(f"    eager autograd   {human_bytes(r.eager_saved.bytes):>9} in {r.eager_saved.tensors} tensors")

@@ -78,8 +78,12 @@ def warmup_arguments(graph, launch: KernelLaunch, device: torch.device, config: 
     for a in launch.kernel.source.args:
         if a.role in ("read", "in_place", "write"):
             args.append(graph[a.value].value.dtype)
+        elif a.role == "totals":
+            args.append(getattr(torch, a.value))
         elif a.role == "partials":
             args.append(launch.partials_dtypes[Op(a.value)])
+        elif a.role == "counter":
+            args.append(torch.int32)
         elif a.role == "scalar":
             args.append(1.5 if graph[a.value].value.dtype.is_floating_point else MOCK_INT)
         else:                               # strides, rows, tiles per program

@@ -2,7 +2,7 @@
 
 Everything a step needs is worked out once, when the program is built, and written out as one
 Python function per program (`Program.source`): size expressions, allocations, kernel argument
-order, column-sum finishes. A call reads the size symbols off the inputs, draws a seed and runs
+order, the column sums' rows. A call reads the size symbols off the inputs, draws a seed and runs
 that function.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from sympy.printing.lambdarepr import LambdaPrinter
 from triton import knobs
 from triton.runtime.errors import OutOfResources
 
-from .codegen import CompiledKernel, generate
+from .codegen import CompiledKernel, dtype_name, generate
 from .config import Config
 from .debug import STATS
 from .ir import Graph, Kind, Op, ValueRef
@@ -52,11 +52,17 @@ class KernelLaunch:
     """One generated kernel, with everything a call needs prepared.
 
     `__call__(device, rows, aligned, values)` takes the kernel's value arguments (inputs,
-    scalars, outputs, in signature order), appends the partial-sum buffers and the grid
-    scalars, launches, and returns the finished column sums: one [n, D] tensor per reduction
-    (None without column sums)."""
+    scalars, outputs and column totals, in signature order), appends the partial-sum buffers,
+    the counter of programs done and the grid scalars, and launches. A kernel with column sums
+    finishes them itself (its last program writes the totals): one launch, nothing after it.
 
-    def __init__(self, group: KernelGroup, kernel: CompiledKernel, config: Config, partials_dtypes: dict):
+    The partials and the counter are per kernel and device, shared by every launch of this
+    kernel there (and baked into every CUDA graph that captured it): launches on one stream run
+    in order, so each finds the counter at 0 and the partials free. Two launches of the same
+    kernel running at once on different streams (one fused function called concurrently from
+    two streams) would mix their partials and tickets: unsafe, and not supported."""
+
+    def __init__(self, group: KernelGroup, kernel: CompiledKernel, config: Config):
         self.group = group
         self.kernel = kernel
         self.config = config
@@ -64,11 +70,12 @@ class KernelLaunch:
         self.has_rows = group.space.m is not None
         self.d = kernel.source.constexprs["D"]
         self.reductions = list(kernel.source.column_sums.items())   # (op, [column-sum names])
-        self.partials_dtypes = partials_dtypes   # reducer op -> dtype of its partials buffer
+        self.partials_dtypes = kernel.source.partials_dtypes   # reducer op -> dtype of its partials buffer
         self.launcher = Launcher(kernel)
         self.configs: dict = {}          # device -> LaunchConfig
         self.grids: dict = {}            # device -> (LaunchConfig, most programs)
         self._partials: dict = {}
+        self._counters: dict = {}        # device -> [1] int32 programs done, 0 between launches
         self.record = False              # keep the last call's arguments (benchmarks/tune.py)
         self.recorded = None
         self.direct: dict = {}           # device -> DirectLaunch, once compiled there for aligned inputs
@@ -96,10 +103,9 @@ class KernelLaunch:
             tiles = max(1, -(-rows // config.block_m))
             programs = min(tiles, most) if self.persistent else tiles
         args = list(values)
-        partials = None
         if self.reductions:
-            partials = self.partials(programs, device)
-            args.extend(partials)
+            args.extend(self.partials(programs, device))
+            args.append(self.counter(device))
         if self.has_rows:
             args.append(rows)
             if self.persistent:
@@ -120,14 +126,6 @@ class KernelLaunch:
             compiled = self.launcher.compiled.get((device.index, config))
             if compiled is not None:
                 self.direct[device] = DirectLaunch(self, device, config, most, compiled)
-        return self.finish(partials)
-
-    def finish(self, partials: Optional[list]) -> Optional[list]:
-        """The column totals from the per-program partial buffers."""
-        if partials is None:
-            return None
-        return [buffer.sum(0) if op is Op.SUM else REDUCERS[op][2](buffer, 0)
-                for (op, _), buffer in zip(self.reductions, partials)]
 
     def _grid(self, device: torch.device) -> tuple:
         config = self.launch_config(device, self.config)
@@ -149,8 +147,8 @@ class KernelLaunch:
         return chosen
 
     def partials(self, programs: int, device: torch.device) -> list:
-        """[programs, n, D] buffers, one per reduction, reused across calls: the finishing sum
-        that reads them is queued on the same stream before the next launch can overwrite them."""
+        """[programs, n, D] buffers, one per reduction, reused across calls: the launch's last
+        program has read them before the next launch on the stream can overwrite them."""
         key = (programs, device)
         buffers = self._partials.get(key)
         if buffers is None:
@@ -159,6 +157,14 @@ class KernelLaunch:
                        for op, names in self.reductions]
             self._partials[key] = buffers
         return buffers
+
+    def counter(self, device: torch.device) -> torch.Tensor:
+        """The [1] int32 ticket counter of the kernel on `device`: zeroed once here, then set back
+        to 0 by each launch's last program (so a CUDA-graph replay also starts from 0)."""
+        counter = self._counters.get(device)
+        if counter is None:
+            counter = self._counters[device] = torch.zeros(1, dtype=torch.int32, device=device)
+        return counter
 
 
 class Launcher:
@@ -232,11 +238,10 @@ class DirectLaunch:
         else:
             programs = -(-rows // self.block_m) or 1
             grid_args = (rows,)
-        partials = launch.partials(programs, self.device) if launch.reductions else None
+        column_sums = (*launch.partials(programs, self.device), launch.counter(self.device)) if launch.reductions else ()
         self.run(programs, 1, 1, _raw_stream(self.stream_index), self.function, self.metadata, None, None, None,
-                 *values, *(partials or ()), *grid_args, *self.constexprs)
+                 *values, *column_sums, *grid_args, *self.constexprs)
         STATS["kernels_launched"] += 1
-        return launch.finish(partials)
 
 
 class AtenGroup:
@@ -257,8 +262,8 @@ class Program:
     """A scheduled graph, ready to run: `run(inputs, symbol_values, device) -> outputs`.
 
     `run` is one Python function written out when the program is built (`source`): each step
-    is a few lines of it (allocate outputs, launch a kernel, finish its column sums, call an
-    aten op), so a call walks no list of steps and no dictionary of values."""
+    is a few lines of it (allocate outputs, launch a kernel, take its column sums' rows, call
+    an aten op), so a call walks no list of steps and no dictionary of values."""
 
     def __init__(self, schedule: Schedule, symbols: list, config: Config):
         self.graph = schedule.graph
@@ -284,9 +289,7 @@ class Program:
             return AtenGroup(g, step, rows, shapes, views)
         kernel = generate(g, step, self.config)
         STATS["kernels_generated"] += 1
-        partials_dtypes = {op: max((accumulate_dtype(g[n].value.dtype) for n in names), key=lambda t: t.itemsize)
-                           for op, names in kernel.source.column_sums.items()}
-        return KernelLaunch(step, kernel, self.config, partials_dtypes)
+        return KernelLaunch(step, kernel, self.config)
 
 
 class _ProgramWriter:
@@ -352,6 +355,10 @@ class _ProgramWriter:
             value = g[name].value
             self.line(f"    {name} = mf_empty({self.expr(value.shape)}, dtype={value.dtype}, device=device)")
             self.allocated.add(name)
+        totals = {}                      # dtype name -> local of the [n, D] totals the kernel writes
+        for dtype, names in launch.kernel.source.totals.items():
+            totals[dtype_name(dtype)] = local = f"mf_totals_{dtype_name(dtype)}"
+            self.line(f"    {local} = mf_empty(({len(names)}, {group.space.d}), dtype={dtype}, device=device)")
         values, checked = [], []
         for arg in launch.kernel.source.args:
             if arg.role == "read" and arg.value not in self.allocated:
@@ -366,7 +373,9 @@ class _ProgramWriter:
                 values.append(f"{tensor}.stride({arg.dim})")
             elif arg.role in ("read", "write", "scalar"):
                 values.append(arg.value)
-            elif arg.role not in ("partials", "rows", "tiles"):
+            elif arg.role == "totals":
+                values.append(totals[arg.value])
+            elif arg.role not in ("partials", "counter", "rows", "tiles"):
                 raise NotImplementedError(f"memfuse: {group.name}: no runtime value for argument role {arg.role!r}")
         rows = "None" if group.space.m is None else self.expr(group.space.m)
         aligned = "True"
@@ -374,20 +383,12 @@ class _ProgramWriter:
             aligned = "mf_aligned"
             self.line(f"    mf_aligned = not (({' | '.join(checked)}) & 15)")
         self.namespace[group.name] = launch
-        call = f"{group.name}(device, {rows}, {aligned}, ({', '.join(values)}{',' if len(values) == 1 else ''}))"
-        if not launch.reductions:
-            self.line(f"    {call}")
-            return
-        self.line(f"    mf_totals = {call}")
-        for i, (op, names) in enumerate(launch.reductions):
-            buffer_dtype = launch.partials_dtypes[op]
+        self.line(f"    {group.name}(device, {rows}, {aligned}, ({', '.join(values)}{',' if len(values) == 1 else ''}))")
+        for dtype, names in launch.kernel.source.totals.items():
             for j, name in enumerate(names):
-                value = g[name].value
-                total = f"mf_totals[{i}][{j}]"
-                if value.dtype != buffer_dtype:
-                    total += f".to({value.dtype})"
-                if tuple(value.shape) != (group.space.d,):
-                    total += f".reshape({self.expr(value.shape)})"
+                total = f"{totals[dtype_name(dtype)]}[{j}]"
+                if tuple(g[name].value.shape) != (group.space.d,):
+                    total += f".reshape({self.expr(g[name].value.shape)})"
                 self.line(f"    {name} = {total}")   # a row of [n, D]: aligned only if D is
 
     def made_contiguous(self, value: str) -> str:

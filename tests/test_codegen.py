@@ -6,7 +6,9 @@ from pathlib import Path
 import sympy
 import torch
 
-from helpers import BLOCKS, block_inputs, rel_error
+from helpers import BLOCKS, block_inputs, forward_backward, rel_error
+
+import memfuse
 from memfuse.capture import capture
 from memfuse.codegen import generate
 from memfuse.config import Config
@@ -28,29 +30,40 @@ def block_m(kernel, tile_elements: int = Config().tile_elements) -> int:
 
 
 def launch(kernel, env: dict, rows: int, programs: int = None, tile_elements: int = Config().tile_elements) -> dict:
-    """Launch a generated kernel by its argument roles; returns env with outputs and partials."""
+    """Launch a generated kernel by its argument roles. Outputs go into env, and so do the
+    column totals (each column sum's row of its [n, D] totals tensor); returns the partials
+    buffers and the ticket counter (key "counter")."""
     src = kernel.source
     rows_per_tile = block_m(kernel, tile_elements)
     tiles = cdiv(rows, rows_per_tile)
     programs = programs or tiles
-    partials = {}
+    d = src.constexprs["D"]
+    buffers = {}
     args = []
     for arg in src.args:
-        if arg.role == "read" or arg.role == "scalar":
+        if arg.role in ("read", "scalar", "write"):
             args.append(env[arg.value])
-        elif arg.role == "write":
-            args.append(env[arg.value])
+        elif arg.role == "totals":
+            dtype = getattr(torch, arg.value)
+            names = src.totals[dtype]
+            totals = torch.full((len(names), d), float("nan")).to(dtype)
+            env.update(zip(names, totals))
+            args.append(totals)
         elif arg.role == "partials":
-            count = len(next(v for op, v in src.column_sums.items() if op.value == arg.value))
-            partials[arg.value] = torch.full((programs, count, src.constexprs["D"]), float("nan"))
-            args.append(partials[arg.value])
+            op = next(op for op in src.column_sums if op.value == arg.value)
+            shape = (programs, len(src.column_sums[op]), d)
+            buffers[arg.value] = torch.full(shape, float("nan"), dtype=src.partials_dtypes[op])
+            args.append(buffers[arg.value])
+        elif arg.role == "counter":
+            buffers["counter"] = torch.zeros(1, dtype=torch.int32)
+            args.append(buffers["counter"])
         elif arg.role == "rows":
             args.append(rows)
         else:
             assert arg.role == "tiles", arg
             args.append(cdiv(tiles, programs))
     kernel.fn[(programs,)](*args, **src.constexprs, BLOCK_M=rows_per_tile, NUM_STAGES=1)
-    return partials
+    return buffers
 
 
 # -- the LayerNorm block's forward kernel ------------------------------------------------------
@@ -177,10 +190,11 @@ def test_hand_built_row_and_column_reductions_match_torch(tmp_path):
     rows = 9                                                     # 5 tiles over 2 programs
     a, b = torch.randn(rows, D), torch.randn(D)
     env = {"a": a, "b": b, "r": torch.full((rows, 1), float("nan"))}
-    partials = launch(kernel, env, rows, programs=2, tile_elements=config.tile_elements)
+    buffers = launch(kernel, env, rows, programs=2, tile_elements=config.tile_elements)
     torch.testing.assert_close(env["r"], (a * b).sum(1, keepdim=True), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(partials["sum"].sum(0)[0], a.sum(0), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(partials["max"].amax(0)[0], (a * b).amax(0), rtol=0, atol=0)
+    torch.testing.assert_close(env["s"], a.sum(0), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(env["m"], (a * b).amax(0), rtol=0, atol=0)
+    assert buffers["counter"].item() == 0                          # the last program reset it
 
 
 def bf16_truncated(x: torch.Tensor) -> torch.Tensor:
@@ -212,3 +226,39 @@ def test_hand_built_bf16_rounds_once_at_the_store(tmp_path):
     assert bool(((env["out"] == nearest) | (env["out"] == toward_zero)).all())
     twice = ((a * b) + a)                                        # eager bf16 rounds the product too
     assert not bool(((twice == nearest) | (twice == toward_zero)).all()), "the check can tell"
+
+
+# -- the LayerNorm block's backward kernel: column sums finished by its last program ------------
+def test_layer_norm_backward_finishes_its_column_sums_and_reads_like_the_tutorial():
+    """The weight and bias grads: partials, a ticket, and in the last program one named total
+    per column sum, read back from every program's partials at L2."""
+    tensors, consts, grad_output = block_inputs("layer_norm_block", SHAPE)
+    fused = memfuse.memory_efficient_fusion(BLOCKS["layer_norm_block"].fn)
+    forward_backward(fused, tensors, consts, grad_output)
+    entry, = fused.cache.values()
+    backward = entry.function.backward
+    launch = backward.steps[0]
+    sums = launch.group.column_sums
+    text = launch.kernel.source.source
+    assert "totals_float32_ptr,  # [3, D] float32 column totals over M" in text
+    assert "done_ptr,  # [1] int32 programs done with their partials" in text
+    finish = [line.strip() for line in text[text.index("# finish:"):].splitlines()]
+    # a ticket per program, one branch for the last: named values, one statement a line
+    assert finish[1].startswith("tl.debug_barrier()  # all threads' partial stores come before the ticket")
+    assert finish[2] == 'ticket = tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu")'
+    assert finish[3] == "if ticket == num_programs - 1:"
+    assert finish[4].startswith("tl.debug_barrier()  # the ticket (its acquire) comes before")
+    assert "for first in range(0, num_programs, BLOCK_M):" in finish
+    assert "programs = (first + tl.arange(0, BLOCK_M)).to(tl.int64)" in finish
+    for j, name in enumerate(sums):
+        assert f"{name}_total = tl.full([BLOCK_D], 0.0, tl.float32)" in finish
+        load, = [line for line in finish if line.startswith(f"{name}_partials = tl.load(")]
+        assert load.endswith('other=0.0, cache_modifier=".cg")')
+        assert f"{name}_total = ({name}_total + tl.sum({name}_partials, axis=0))" in finish
+        assert f"tl.store(totals_float32_ptr + {j} * D + cols, {name}_total, mask=col_mask)" in finish
+    assert finish[-1].startswith("tl.store(done_ptr, 0)")
+    # the program takes the totals' rows: no reduction, no cast after the launch
+    program = backward.source
+    assert ".sum(" not in program and ".to(" not in program and "mf_totals = " not in program
+    for j, name in enumerate(sums):
+        assert re.search(rf"^    {name} = mf_totals_float32\[{j}\]", program, re.MULTILINE), program

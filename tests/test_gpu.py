@@ -145,6 +145,64 @@ def test_rms_norm_bf16_large_shape():
         assert relative_error(ours, theirs) < 1e-2
 
 
+def weighted_row_sum(x, w):
+    return (x * w).sum(-1)
+
+
+COLUMN_SUM_CASES = {   # fn, its constants, input shape, dtype, tensors that are parameters
+    "layer_norm_fp32": (layer_norm_block, {"normalization_axis": 2, "dropout_prob": 0.0}, [64, 128, 1024],
+                        torch.float32, 3),
+    "rms_norm_bf16_4096": (rms_norm_block, {"normalization_axis": 2, "dropout_prob": 0.0, "keepdim": True},
+                           [8, 512, 4096], torch.bfloat16, 2),
+    "looped_fp32": (weighted_row_sum, {}, [512, 2 ** 15], torch.float32, 1),    # D past max_row_length
+}
+
+
+@pytest.mark.parametrize("programs_per_sm", [None, 8], ids=["tuned_grid", "8_programs_per_sm"])
+@pytest.mark.parametrize("case", COLUMN_SUM_CASES)
+def test_column_sums_finish_in_one_launch_with_the_same_bits_every_time(case, programs_per_sm):
+    """The backward's column sums (weight and bias grads) are finished by the kernel's last
+    program: one launch per backward, the same bits on every call whichever program finishes
+    last, the ticket counter back at 0, and eager's values."""
+    import dataclasses
+
+    from memfuse.runtime import KernelLaunch
+    fn, kwargs, shape, dtype, n_params = COLUMN_SUM_CASES[case]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(*shape, device="cuda", dtype=dtype, generator=g).requires_grad_()
+    extra = [] if n_params == 1 else [torch.rand(*shape, device="cuda", dtype=dtype, generator=g).requires_grad_()]
+    params = [torch.nn.Parameter(torch.randn(shape[-1], device="cuda", dtype=dtype, generator=g))
+              for _ in range(n_params)]
+    inputs = [x, *extra, *params]
+    grad = torch.randn(shape[:-1] if fn is weighted_row_sum else shape, device="cuda", dtype=dtype, generator=g)
+    fused = memfuse.memory_efficient_fusion(fn)
+    backward = fused.compiled_for(*inputs, **kwargs).function.backward
+    launch, = [s for s in backward.steps if isinstance(s, KernelLaunch) and s.reductions]
+    device = x.device
+    if programs_per_sm is not None:
+        launch.configs[device] = dataclasses.replace(launch.launch_config(device, launch.config),
+                                                     programs_per_sm=programs_per_sm)
+    runs = []
+    for _ in range(20):
+        out = fused(*inputs, **kwargs)
+        before = memfuse.stats()["kernels_launched"]
+        out.backward(grad)
+        assert memfuse.stats()["kernels_launched"] - before == 1
+        runs.append([t.grad for t in inputs])
+        for t in inputs:
+            t.grad = None
+    torch.cuda.synchronize()
+    assert launch.counter(device).item() == 0
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert torch.equal(a, b)
+    ref_inputs = [t.detach().float().requires_grad_() for t in inputs]
+    fn(*ref_inputs, **kwargs).backward(grad.float())
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    for ours, theirs in zip(runs[0], [t.grad for t in ref_inputs]):
+        assert relative_error(ours, theirs) < tolerance
+
+
 def test_more_than_2_31_elements():
     rows, d = 2 ** 21 + 3, 1024                  # 2**31 + 3072 elements
     x = torch.randn(rows, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)

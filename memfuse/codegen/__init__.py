@@ -9,7 +9,7 @@ from ..ir import Graph
 from ..schedule import KernelGroup
 from .cache import kernel_path, load_kernel
 from .looped_kernel import loop_block_d, write_looped_kernel
-from .row_kernel import Arg, KernelSource, write_row_kernel
+from .row_kernel import Arg, KernelSource, dtype_name, write_row_kernel
 
 
 @dataclass
@@ -29,4 +29,4 @@ def generate(graph: Graph, group: KernelGroup, config: Config) -> CompiledKernel
     return CompiledKernel(source, fn, str(kernel_path(config.cache_dir, source.name, source.source)))
 
 
-__all__ = ["Arg", "CompiledKernel", "KernelSource", "generate"]
+__all__ = ["Arg", "CompiledKernel", "KernelSource", "dtype_name", "generate"]

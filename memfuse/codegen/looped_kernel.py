@@ -8,7 +8,8 @@ the [M, D] outputs of phase p. Between passes the finished row values are combin
 registers (mean, rstd). LayerNorm's forward is three passes: the sum, the squared deviations
 from the mean, then normalize and store. Random values are regenerated in every pass from
 the same offsets (row * D + col), so they match the persistent kernel's bit for bit.
-Column reductions (over M) add into their program's row of the partials buffer chunk by chunk.
+Column reductions (over M) add into their program's row of the partials buffer chunk by chunk;
+the last program combines the rows into the totals, chunk by chunk (`finish_column_sums`).
 """
 from __future__ import annotations
 
@@ -133,6 +134,7 @@ class LoopedKernelWriter(RowKernelWriter):
         self.row_values(out, self.last_pass() + 1)
         if self.persistent:
             out.dedent()
+            self.finish_column_sums(out)
 
     def row_values(self, out: _Lines, p: int) -> None:
         """Per-row values of phase p: finished reductions, then what combines them."""
@@ -233,6 +235,14 @@ class LoopedKernelWriter(RowKernelWriter):
         out(f"{target}_prev = tl.load({partial}, mask=col_mask & (step > 0), other={neutral})")
         out(f"tl.store({partial}, {info.combine.format(f'{target}_prev', info.triton.format(masked, 0))}, "
             f"mask=col_mask)")
+
+    def open_finish_columns(self, out: _Lines) -> bool:
+        """The finish walks the row in chunks of BLOCK_D columns, as the passes do."""
+        out("for chunk in range(0, D, BLOCK_D):")
+        out.indent()
+        out("cols = chunk + tl.arange(0, BLOCK_D)")
+        out("col_mask = cols < D")
+        return True
 
     def finish(self, out: _Lines, node: Node) -> None:
         target = self.reg(node.name)

@@ -3,9 +3,10 @@
 The kernel walks tiles of BLOCK_M rows x BLOCK_D columns. Column vectors (weights) and scalars
 are loaded once per program, before the rows. Reductions over D are `tl.sum(..., axis=1)` in
 registers; reductions over M accumulate fp32 partial sums per program in registers, written
-once at the end to a [programs, n, D] buffer that the runtime finishes with one small sum.
-Kernels with such partials loop over tiles (a persistent grid); the others take one tile per
-program. Every float is computed in fp32 and rounded once, at the store.
+once at the end to a [programs, n, D] buffer; the last program to finish combines every
+program's partials into the [n, D] totals (`finish_column_sums`), so the kernel is the whole
+column sum. Kernels with such partials loop over tiles (a persistent grid); the others take one
+tile per program. Every float is computed in fp32 and rounded once, at the store.
 """
 from __future__ import annotations
 
@@ -21,14 +22,16 @@ from ..schedule import KernelGroup
 
 RESERVED = {"pid", "num_programs", "cols", "col_mask", "rows", "row_mask", "mask", "offsets",
             "tile", "step", "tl", "triton", "M", "D", "BLOCK_M", "BLOCK_D", "seed", "tiles_per_program",
-            "float", "range", "int", "partials", "partials_max", "partials_min"}
+            "float", "range", "int", "partials", "partials_max", "partials_min",
+            "ticket", "first", "programs", "partials_mask", "done"}
 
 
 @dataclass(frozen=True)
 class Arg:
     """One kernel argument, in launch order."""
     name: str                 # parameter name in the kernel
-    role: str                 # "read", "in_place", "stride", "write", "scalar", "partials", "rows", "tiles"
+    role: str                 # "read", "in_place", "stride", "write", "scalar", "totals", "partials",
+    #                           "counter", "rows", "tiles"
     value: Optional[str] = None   # the graph value it carries (tensor or scalar args)
     dim: Optional[int] = None     # "stride": which dim of the value
 
@@ -41,6 +44,8 @@ class KernelSource:
     constexprs: dict                              # D, BLOCK_D (BLOCK_M, NUM_STAGES come with the launch)
     persistent: bool                              # loops over tiles with a fixed grid
     column_sums: dict = field(default_factory=dict)   # reducer op -> [value names] in partial order
+    partials_dtypes: dict = field(default_factory=dict)   # reducer op -> dtype of its partials buffer
+    totals: dict = field(default_factory=dict)    # dtype -> [column-sum names], the rows of one [n, D] tensor
     bytes_per_row: int = 0                        # bytes moved per row (both directions)
 
 
@@ -92,6 +97,11 @@ class RowKernelWriter:
         self.names: dict = {}
         self.kinds: dict = {}     # value name -> Kind of its register value
         self.sums = {op: [n for n in group.column_sums if graph[n].op is op] for op in REDUCE}
+        self.partials_dtypes = {op: max((accumulate_dtype(graph[n].value.dtype) for n in names), key=lambda t: t.itemsize)
+                                for op, names in self.sums.items() if names}
+        self.totals: dict = {}    # dtype -> column sums of that dtype: the rows of one [n, D] output
+        for name in group.column_sums:
+            self.totals.setdefault(graph[name].value.dtype, []).append(name)
         self.persistent = bool(group.column_sums)
         self.helpers: list = []   # HELPERS entries the kernel calls
         # tensors that STRIDED views read in place, with whether they are made contiguous first
@@ -168,7 +178,8 @@ class RowKernelWriter:
         out.lines.extend(body.lines)
         constexprs = {"D": self.d or 1, "BLOCK_D": self.block_d}   # BLOCK_M: the launch config's
         return KernelSource(g.name, "\n".join(out.lines) + "\n", args, constexprs, self.persistent,
-                            {op: names for op, names in self.sums.items() if names}, self.bytes_per_row())
+                            {op: names for op, names in self.sums.items() if names}, self.partials_dtypes,
+                            self.totals, self.bytes_per_row())
 
     def write_helpers(self, out: _Lines) -> None:
         for name in helpers_for(self.helpers):
@@ -195,9 +206,13 @@ class RowKernelWriter:
             args.extend(Arg(f"{root}_stride{j}", "stride", root, j) for j in range(dims))
         for name in self.group.outputs:
             args.append(Arg(f"{name}_ptr", "write", name))
+        for dtype in self.totals:
+            args.append(Arg(f"totals_{dtype_name(dtype)}_ptr", "totals", dtype_name(dtype)))
         for op, names in self.sums.items():
             if names:
                 args.append(Arg(f"partials_{op.value}_ptr", "partials", op.value))
+        if self.group.column_sums:
+            args.append(Arg("done_ptr", "counter"))
         if self.has_rows:
             args.append(Arg("M", "rows"))
             if self.persistent:
@@ -217,8 +232,14 @@ class RowKernelWriter:
             return f"  # {shape} {str(v.dtype).replace('torch.', '')} {what}"
         if arg.role == "stride":
             return f"  # elements between neighbours along dim {arg.dim} of {arg.value} (per call)"
+        if arg.role == "totals":
+            names = self.totals[getattr(torch, arg.value)]
+            return f"  # [{len(names)}, D] {arg.value} column totals over M ({', '.join(names)}), by the last program"
         if arg.role == "partials":
-            return f"  # [programs, n, D] fp32 partial {arg.value}s over M, finished by the runtime"
+            dtype = dtype_name(self.partials_dtypes[Op(arg.value)])
+            return f"  # [programs, n, D] {dtype} partial {arg.value}s over M, one row of D per program and value"
+        if arg.role == "counter":
+            return "  # [1] int32 programs done with their partials; the last one sets it back to 0"
         if arg.role == "scalar":
             return "  # per-call scalar"
         if arg.role == "rows":
@@ -286,6 +307,65 @@ class RowKernelWriter:
                 for j, name in enumerate(names):
                     out(f"tl.store(partials_{op.value}_ptr + (pid.to(tl.int64) * {len(names)} + {j}) * D + cols, "
                         f"{self.reg(name)}_acc, mask=col_mask)")
+            self.finish_column_sums(out)
+
+    def finish_column_sums(self, out: _Lines) -> None:
+        """The last program to write its partials combines every program's into the totals: the
+        kernel is the whole column sum, one launch and no finishing call on the host.
+
+        Memory model (PTX): a program's threads store their partials, meet at a barrier, and one
+        thread takes a ticket with an acq_rel atomic at GPU scope: the barrier orders the other
+        threads' stores before the atomic, whose release publishes them. The program that draws
+        the last ticket has acquired every earlier release; a second barrier orders all of its
+        threads' loads after that acquire, and the loads read at L2 (`.cg`, the GPU's point of
+        coherence), never a line this SM's L1 kept from earlier. Only that program enters the
+        finish (a branch on a scalar); the others are done. It sets the counter back to 0 for
+        the next launch or CUDA-graph replay."""
+        out("# finish: the last program to write its partials combines every program's")
+        out("tl.debug_barrier()  # all threads' partial stores come before the ticket (its release)")
+        out('ticket = tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu")')
+        out("if ticket == num_programs - 1:")
+        out.indent()
+        out("tl.debug_barrier()  # the ticket (its acquire) comes before any thread reads the partials")
+        chunked = self.open_finish_columns(out)
+        self.combine_partials(out)
+        if chunked:
+            out.dedent()
+        out("tl.store(done_ptr, 0)  # the next launch (or graph replay) counts from zero")
+        out.dedent()
+
+    def combine_partials(self, out: _Lines) -> None:
+        """The totals of the columns `cols` covers: every program's partials, BLOCK_M programs
+        at a time in program order (the same order on every call, whichever program finished
+        last), combined in the partials' dtype and stored rounded to each value's dtype."""
+        for op, names in self.sums.items():
+            for name in names:
+                acc = TRITON_DTYPES[self.partials_dtypes[op]]
+                out(f"{self.reg(name)}_total = tl.full([BLOCK_D], {REDUCE[op].neutral}, {acc})")
+        out("for first in range(0, num_programs, BLOCK_M):")
+        out.indent()
+        out("programs = (first + tl.arange(0, BLOCK_M)).to(tl.int64)")
+        out("partials_mask = (programs < num_programs)[:, None] & col_mask[None, :]")
+        for op, names in self.sums.items():
+            info = REDUCE[op]
+            for j, name in enumerate(names):
+                self.use(info.helper)
+                value = self.reg(name)
+                out(f"{value}_partials = tl.load(partials_{op.value}_ptr + (programs[:, None] * {len(names)} + {j}) * D "
+                    f"+ cols[None, :], mask=partials_mask, other={info.neutral}, cache_modifier=\".cg\")")
+                out(f"{value}_total = {info.combine.format(f'{value}_total', info.triton.format(f'{value}_partials', 0))}")
+        out.dedent()
+        for dtype, names in self.totals.items():
+            for j, name in enumerate(names):
+                total = f"{self.reg(name)}_total"
+                if dtype != self.partials_dtypes[self.graph[name].op]:   # bf16 / fp16 values: round once
+                    total = self.narrow(total, dtype)
+                out(f"tl.store(totals_{dtype_name(dtype)}_ptr + {j} * D + cols, {total}, mask=col_mask)")
+
+    def open_finish_columns(self, out: _Lines) -> bool:
+        """Open the finish's walk over columns; True when it opened a loop to close. A row is
+        whole in registers here: `cols` already covers it."""
+        return False
 
     def tile_walk(self, out: _Lines) -> None:
         """Open the walk over row tiles: a loop on a persistent grid (closed by the caller's
@@ -521,6 +601,11 @@ class RowKernelWriter:
             out(f"tl.store({ptr} + cols, {value}, mask=col_mask)")
         else:
             out(f"tl.store({ptr}, {value})")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> "bfloat16": names of kernel arguments per dtype."""
+    return str(dtype).replace("torch.", "")
 
 
 def _simple(text: str) -> bool:
