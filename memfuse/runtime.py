@@ -104,6 +104,9 @@ class KernelLaunch:
             programs = min(tiles, most) if self.persistent else tiles
         args = list(values)
         if self.reductions:
+            if programs > FINISH_GROUPS_MAX ** 2:
+                raise ValueError(f"memfuse: {self.kernel.source.name}: {programs} programs, more than the column-sum "
+                                 f"finish counts ({FINISH_GROUPS_MAX ** 2})")
             args.extend(self.partials(programs, device))
             args.append(self.counter(device))
         if self.has_rows:
@@ -159,11 +162,12 @@ class KernelLaunch:
         return buffers
 
     def counter(self, device: torch.device) -> torch.Tensor:
-        """The [1] int32 ticket counter of the kernel on `device`: zeroed once here, then set back
-        to 0 by each launch's last program (so a CUDA-graph replay also starts from 0)."""
+        """The kernel's int32 ticket counters on `device` (the groups' last, then one per group of
+        the finish: row_kernel.finish_column_sums): zeroed once here, then set back to 0 by the
+        programs that finish each level (so a CUDA-graph replay also starts from 0)."""
         counter = self._counters.get(device)
         if counter is None:
-            counter = self._counters[device] = torch.zeros(1, dtype=torch.int32, device=device)
+            counter = self._counters[device] = torch.zeros(1 + FINISH_GROUPS_MAX, dtype=torch.int32, device=device)
         return counter
 
 
@@ -438,6 +442,7 @@ _SIZE_PRINTER = LambdaPrinter({"allow_unknown_functions": True, "fully_qualified
 
 
 _SM_COUNTS: dict = {}
+FINISH_GROUPS_MAX = 256   # groups of about sqrt(programs) programs: grids up to 65536 programs
 
 
 def _launch_hooks_installed() -> bool:

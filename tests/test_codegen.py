@@ -14,6 +14,7 @@ from memfuse.codegen import generate
 from memfuse.config import Config
 from memfuse.ir import Graph, Kind, Node, Op, Reduce, Value, verify
 from memfuse.plan import plan
+from memfuse.runtime import FINISH_GROUPS_MAX
 from memfuse.schedule import schedule
 from memfuse.tuning import cpu_config
 
@@ -55,7 +56,7 @@ def launch(kernel, env: dict, rows: int, programs: int = None, tile_elements: in
             buffers[arg.value] = torch.full(shape, float("nan"), dtype=src.partials_dtypes[op])
             args.append(buffers[arg.value])
         elif arg.role == "counter":
-            buffers["counter"] = torch.zeros(1, dtype=torch.int32)
+            buffers["counter"] = torch.zeros(1 + FINISH_GROUPS_MAX, dtype=torch.int32)
             args.append(buffers["counter"])
         elif arg.role == "rows":
             args.append(rows)
@@ -194,7 +195,7 @@ def test_hand_built_row_and_column_reductions_match_torch(tmp_path):
     torch.testing.assert_close(env["r"], (a * b).sum(1, keepdim=True), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(env["s"], a.sum(0), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(env["m"], (a * b).amax(0), rtol=0, atol=0)
-    assert buffers["counter"].item() == 0                          # the last program reset it
+    assert not buffers["counter"].any()                            # the finishing programs reset them
 
 
 def bf16_truncated(x: torch.Tensor) -> torch.Tensor:
@@ -241,20 +242,29 @@ def test_layer_norm_backward_finishes_its_column_sums_and_reads_like_the_tutoria
     sums = launch.group.column_sums
     text = launch.kernel.source.source
     assert "totals_float32_ptr,  # [3, D] float32 column totals over M" in text
-    assert "done_ptr,  # [1] int32 programs done with their partials" in text
+    assert "done_ptr,  # int32 tickets: [0] groups finished, [1 + g] programs of group g done" in text
     finish = [line.strip() for line in text[text.index("# finish:"):].splitlines()]
-    # a ticket per program, one branch for the last: named values, one statement a line
-    assert finish[1].startswith("tl.debug_barrier()  # all threads' partial stores come before the ticket")
-    assert finish[2] == 'ticket = tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu")'
-    assert finish[3] == "if ticket == num_programs - 1:"
-    assert finish[4].startswith("tl.debug_barrier()  # the ticket (its acquire) comes before")
-    assert "for first in range(0, num_programs, BLOCK_M):" in finish
-    assert "programs = (first + tl.arange(0, BLOCK_M)).to(tl.int64)" in finish
+    # a ticket per program in its group, a branch for the group's last, a ticket per group, a
+    # branch for the last group: named values, one statement a line
+    assert "group_size = tl.ceil(tl.sqrt(num_programs.to(tl.float32))).to(tl.int32)" in finish
+    assert 'ticket = tl.atomic_add(done_ptr + 1 + group, 1, sem="acq_rel", scope="gpu")' in finish
+    assert "group_end = tl.minimum(num_programs, group_first + group_size)" in finish
+    assert "if ticket == group_end - group_first - 1:" in finish
+    assert 'group_ticket = tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu")' in finish
+    assert "if group_ticket == groups - 1:" in finish
+    for ticket in ("ticket = ", "group_ticket = "):
+        at = next(i for i, line in enumerate(finish) if line.startswith(ticket))
+        assert finish[at - 1].startswith("tl.debug_barrier()") and finish[at + 2].startswith("tl.debug_barrier()")
+    assert "for block in range(group_first, group_end, BLOCK_M):" in finish
+    assert "for block in range(0, num_programs, BLOCK_M * group_size):" in finish
+    assert "programs = (block + tl.arange(0, BLOCK_M) * group_size).to(tl.int64)" in finish
     for j, name in enumerate(sums):
-        assert f"{name}_total = tl.full([BLOCK_D], 0.0, tl.float32)" in finish
-        load, = [line for line in finish if line.startswith(f"{name}_partials = tl.load(")]
-        assert load.endswith('other=0.0, cache_modifier=".cg")')
+        assert finish.count(f"{name}_total = tl.full([BLOCK_D], 0.0, tl.float32)") == 2
+        loads = [line for line in finish if line.startswith(f"{name}_partials = tl.load(")]
+        assert len(loads) == 2 and all(load.endswith('other=0.0, cache_modifier=".cg")') for load in loads)
         assert f"{name}_total = ({name}_total + tl.sum({name}_partials, axis=0))" in finish
+        assert (f"tl.store(partials_sum_ptr + (group_first * {len(sums)} + {j}) * D + cols, {name}_total, "
+                "mask=col_mask)") in finish
         assert f"tl.store(totals_float32_ptr + {j} * D + cols, {name}_total, mask=col_mask)" in finish
     assert finish[-1].startswith("tl.store(done_ptr, 0)")
     # the program takes the totals' rows: no reduction, no cast after the launch

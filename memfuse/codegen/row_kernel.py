@@ -239,7 +239,7 @@ class RowKernelWriter:
             dtype = dtype_name(self.partials_dtypes[Op(arg.value)])
             return f"  # [programs, n, D] {dtype} partial {arg.value}s over M, one row of D per program and value"
         if arg.role == "counter":
-            return "  # [1] int32 programs done with their partials; the last one sets it back to 0"
+            return "  # int32 tickets: [0] groups finished, [1 + g] programs of group g done; reset to 0"
         if arg.role == "scalar":
             return "  # per-call scalar"
         if arg.role == "rows":
@@ -310,42 +310,66 @@ class RowKernelWriter:
             self.finish_column_sums(out)
 
     def finish_column_sums(self, out: _Lines) -> None:
-        """The last program to write its partials combines every program's into the totals: the
-        kernel is the whole column sum, one launch and no finishing call on the host.
+        """The programs combine their partials into the totals themselves: the kernel is the
+        whole column sum, one launch and no finishing call on the host. In two levels, so no
+        single program reads every partial (one SM's share of L2 bandwidth would make that the
+        kernel's tail): the programs form groups of about sqrt(programs); the last program of a
+        group to write its partials combines the group's rows into the group's first row, and
+        the last group to finish combines those rows into the totals.
 
         Memory model (PTX): a program's threads store their partials, meet at a barrier, and one
         thread takes a ticket with an acq_rel atomic at GPU scope: the barrier orders the other
         threads' stores before the atomic, whose release publishes them. The program that draws
-        the last ticket has acquired every earlier release; a second barrier orders all of its
-        threads' loads after that acquire, and the loads read at L2 (`.cg`, the GPU's point of
-        coherence), never a line this SM's L1 kept from earlier. Only that program enters the
-        finish (a branch on a scalar); the others are done. It sets the counter back to 0 for
+        a group's last ticket has acquired every earlier release of the group; a second barrier
+        orders all of its threads' loads after that acquire, and the loads read at L2 (`.cg`, the
+        GPU's point of coherence), never a line this SM's L1 kept from earlier. The group's row
+        is published to the last group the same way. Both levels combine rows in program order
+        (deterministic, whichever program finished last) and set their counters back to 0 for
         the next launch or CUDA-graph replay."""
-        out("# finish: the last program to write its partials combines every program's")
+        out("# finish: the last program of each group combines the group's partials into its first row,")
+        out("# then the last group to finish combines the groups' rows into the totals")
+        out("group_size = tl.ceil(tl.sqrt(num_programs.to(tl.float32))).to(tl.int32)")
+        out("groups = tl.cdiv(num_programs, group_size)")
+        out("group = pid // group_size")
+        out("group_first = group * group_size")
+        out("group_end = tl.minimum(num_programs, group_first + group_size)")
         out("tl.debug_barrier()  # all threads' partial stores come before the ticket (its release)")
-        out('ticket = tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu")')
-        out("if ticket == num_programs - 1:")
+        out('ticket = tl.atomic_add(done_ptr + 1 + group, 1, sem="acq_rel", scope="gpu")')
+        out("if ticket == group_end - group_first - 1:")
         out.indent()
-        out("tl.debug_barrier()  # the ticket (its acquire) comes before any thread reads the partials")
+        out("tl.debug_barrier()  # the ticket (its acquire) comes before any thread reads the group's partials")
         chunked = self.open_finish_columns(out)
-        self.combine_partials(out)
+        self.combine_partials(out, "group_first", "group_end", "1", totals=False)
         if chunked:
             out.dedent()
-        out("tl.store(done_ptr, 0)  # the next launch (or graph replay) counts from zero")
+        out("tl.store(done_ptr + 1 + group, 0)  # the next launch (or graph replay) counts from zero")
+        out("tl.debug_barrier()  # the group's row comes before its ticket for the last group")
+        out('group_ticket = tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu")')
+        out("if group_ticket == groups - 1:")
+        out.indent()
+        out("tl.debug_barrier()  # the ticket (its acquire) comes before any thread reads the groups' rows")
+        chunked = self.open_finish_columns(out)
+        self.combine_partials(out, "0", "num_programs", "group_size", totals=True)
+        if chunked:
+            out.dedent()
+        out("tl.store(done_ptr, 0)")
+        out.dedent()
         out.dedent()
 
-    def combine_partials(self, out: _Lines) -> None:
-        """The totals of the columns `cols` covers: every program's partials, BLOCK_M programs
-        at a time in program order (the same order on every call, whichever program finished
-        last), combined in the partials' dtype and stored rounded to each value's dtype."""
+    def combine_partials(self, out: _Lines, first: str, end: str, step: str, totals: bool) -> None:
+        """Combine the partials rows first, first + step, ... (below `end`) of the columns `cols`
+        covers, BLOCK_M rows at a time in order, in the partials' dtype; then store the result
+        into row `first` (a group's row) or, rounded to each value's dtype, into the totals."""
         for op, names in self.sums.items():
             for name in names:
                 acc = TRITON_DTYPES[self.partials_dtypes[op]]
                 out(f"{self.reg(name)}_total = tl.full([BLOCK_D], {REDUCE[op].neutral}, {acc})")
-        out("for first in range(0, num_programs, BLOCK_M):")
+        out(f"for block in range({first}, {end}, BLOCK_M * {step}):" if step != "1"
+            else f"for block in range({first}, {end}, BLOCK_M):")
         out.indent()
-        out("programs = (first + tl.arange(0, BLOCK_M)).to(tl.int64)")
-        out("partials_mask = (programs < num_programs)[:, None] & col_mask[None, :]")
+        spacing = "" if step == "1" else f" * {step}"
+        out(f"programs = (block + tl.arange(0, BLOCK_M){spacing}).to(tl.int64)")
+        out(f"partials_mask = (programs < {end})[:, None] & col_mask[None, :]")
         for op, names in self.sums.items():
             info = REDUCE[op]
             for j, name in enumerate(names):
@@ -355,6 +379,12 @@ class RowKernelWriter:
                     f"+ cols[None, :], mask=partials_mask, other={info.neutral}, cache_modifier=\".cg\")")
                 out(f"{value}_total = {info.combine.format(f'{value}_total', info.triton.format(f'{value}_partials', 0))}")
         out.dedent()
+        if not totals:
+            for op, names in self.sums.items():
+                for j, name in enumerate(names):
+                    out(f"tl.store(partials_{op.value}_ptr + ({first} * {len(names)} + {j}) * D + cols, "
+                        f"{self.reg(name)}_total, mask=col_mask)")
+            return
         for dtype, names in self.totals.items():
             for j, name in enumerate(names):
                 total = f"{self.reg(name)}_total"
