@@ -308,6 +308,14 @@ class _ProgramWriter:
         self.lines: list = []
         self.allocated: set = set()      # values memfuse allocates (aligned, contiguous)
         self.contiguous: dict = {}       # value -> its local made contiguous for kernels
+        self.pending: dict = {}          # value read only by one reshape -> (expression, its shape)
+        self.totals_locals: dict = {}    # totals local -> kernels before this one that named theirs so
+        users: dict = {}
+        for node in self.graph.nodes.values():
+            for i in node.inputs:
+                users.setdefault(i, []).append(node)
+        self.users = users
+        self.extern_steps = {step.name for step in program.schedule.steps if isinstance(step, ExternStep)}
 
     def write(self) -> tuple:
         g = self.graph
@@ -361,7 +369,11 @@ class _ProgramWriter:
             self.allocated.add(name)
         totals = {}                      # dtype name -> local of the [n, D] totals the kernel writes
         for dtype, names in launch.kernel.source.totals.items():
-            totals[dtype_name(dtype)] = local = f"mf_totals_{dtype_name(dtype)}"
+            local = f"mf_totals_{dtype_name(dtype)}"
+            taken = self.totals_locals[local] = self.totals_locals.get(local, -1) + 1
+            if taken:                    # a pending row of an earlier kernel's totals may still read it
+                local += f"_{taken}"
+            totals[dtype_name(dtype)] = local
             self.line(f"    {local} = mf_empty(({len(names)}, {group.space.d}), dtype={dtype}, device=device)")
         values, checked = [], []
         for arg in launch.kernel.source.args:
@@ -389,11 +401,21 @@ class _ProgramWriter:
         self.namespace[group.name] = launch
         self.line(f"    {group.name}(device, {rows}, {aligned}, ({', '.join(values)}{',' if len(values) == 1 else ''}))")
         for dtype, names in launch.kernel.source.totals.items():
-            for j, name in enumerate(names):
-                total = f"{totals[dtype_name(dtype)]}[{j}]"
-                if tuple(g[name].value.shape) != (group.space.d,):
-                    total += f".reshape({self.expr(g[name].value.shape)})"
-                self.line(f"    {name} = {total}")   # a row of [n, D]: aligned only if D is
+            for j, name in enumerate(names):   # a row of [n, D]: aligned only if D is
+                self.reshaped(name, f"{totals[dtype_name(dtype)]}[{j}]", (group.space.d,))
+
+    def reshaped(self, name: str, source: str, source_shape: tuple) -> None:
+        """`name = source` reshaped to name's shape. When a reshape (a VIEW node) is the value's only
+        reader, the line waits for it: a chain of reshapes is one call, or none (each costs host
+        time on every call, and the backward's weight grads come as [D] -> [1, 1, D] -> [D])."""
+        shape = tuple(self.graph[name].value.shape)
+        readers = self.users.get(name, [])
+        if len(readers) == 1 and readers[0].op is Op.VIEW and readers[0].name in self.extern_steps \
+                and name not in self.graph.outputs:
+            self.pending[name] = (source, source_shape)
+            return
+        reshape = "" if shape == tuple(source_shape) else f".reshape({self.expr(shape)})"
+        self.line(f"    {name} = {source}{reshape}")
 
     def made_contiguous(self, value: str) -> str:
         """The local holding `value` as kernels read it: an input or an aten result may be
@@ -416,6 +438,8 @@ class _ProgramWriter:
         source = node.inputs[0] if node.inputs else None
         if node.op is Op.GETITEM:
             self.line(f"    {name} = {source}[{node.attr.index}]")
+        elif node.op is Op.VIEW and source in self.pending:
+            self.reshaped(name, *self.pending.pop(source))
         elif node.op in (Op.VIEW, Op.CAST):
             cast = "" if self.graph[source].value.dtype == node.value.dtype else f".to({node.value.dtype})"
             self.line(f"    {name} = {source}.reshape({self.expr(node.value.shape)}){cast}")
