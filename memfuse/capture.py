@@ -209,8 +209,11 @@ def classify(fake) -> Value:
     """Place a traced tensor in the [M, D] space (module docstring of ir.py)."""
     if not isinstance(fake, torch.Tensor):
         return Value(None, Kind.TENSOR)
-    shape = tuple(to_expr(s) for s in fake.shape)
-    dtype = fake.dtype
+    return place(fake.dtype, tuple(to_expr(s) for s in fake.shape))
+
+
+def place(dtype: torch.dtype, shape: tuple) -> Value:
+    """The Value of a tensor of this dtype and (sympy) shape."""
     if len(shape) == 0 or all(s == 1 for s in shape):
         return Value(dtype, Kind.SCALAR, shape)
     last = shape[-1]
@@ -359,6 +362,7 @@ class _Lowering:
         self.strided_inputs = strided_inputs   # primal positions passed in with non-contiguous strides
         self.maps: dict = {}           # STRIDED node -> its views.AccessMap (sympy), for composing views
         self.in_place: dict = {}       # non-contiguous input -> the STRIDED node that reads it
+        self.broadcasts: dict = {}     # (value, shape) -> the STRIDED node that reads it broadcast
         self.size_symbols: dict = {}   # sympy expression -> SYMBOL node
         self.symbols = symbols
         self.hints = hints
@@ -533,6 +537,10 @@ class _Lowering:
         x = self.operand(node.args[0])
         if fits(self.graph[x].value, value, Op.VIEW):
             return self.add(Op.VIEW, [x], value, name=node.name)
+        if node.target is aten.expand.default and self.broadcast(x, value) != x:
+            read = self.broadcast(x, value)
+            return read if self.graph[read].value.shape == value.shape else \
+                self.add(Op.VIEW, [read], value, name=node.name)
         if node.target is aten.expand.default or self.graph[x].value.dtype != value.dtype:
             raise NotFusible(f"{self.graph[x].value.kind.value} input {x} does not fit a "
                              f"{value.kind.value} result in one [M, D] space")
@@ -565,6 +573,25 @@ class _Lowering:
             self.in_place[name] = self.strided(f"{name}_in_place", views.identity(name, value.shape, False),
                                                value, "its own strides")
         return self.in_place[name]
+
+    def broadcast(self, name: str, value: Value) -> str:
+        """An operand whose leading dims broadcast against `value`'s ([B, D], [1, B, D] or [T, 1, D]
+        against [T, B, D]): read in place with stride 0 along the repeated dims, to `value`'s
+        leading dims and its own last dim (a [..., 1] operand stays a row value, broadcast over
+        the columns in registers). An operand that fits, or does not broadcast, comes back as is."""
+        src = self.graph[name].value
+        if src.kind in (Kind.SCALAR, Kind.TENSOR) or value.kind not in (Kind.FULL, Kind.ROW) \
+                or fits(src, value, Op.VIEW):
+            return name
+        shape = tuple(value.shape[:-1]) + (src.shape[-1],)
+        key = (name, shape)
+        if key not in self.broadcasts:
+            step = views.expand(src.shape, shape)
+            if step is None:
+                return name
+            self.broadcasts[key] = self.strided(f"{name}_broadcast", self.access(name).then(*step, shape),
+                                                place(src.dtype, shape), f"broadcast to {_shape(shape)}")
+        return self.broadcasts[key]
 
     def size_operand(self, expr):
         """An access-map entry as the IR holds it: an int, or a ValueRef to a SYMBOL node."""
@@ -690,6 +717,7 @@ class _Lowering:
                             f"select_backward(dim={dim})", window, self.const(0, value.dtype))
 
     def pointwise(self, op: Op, inputs, value: Value, name: str) -> str:
+        inputs = [self.broadcast(i, value) for i in inputs]
         self.check_fits(op, inputs, value)
         return self.add(op, inputs, value, name=name)
 

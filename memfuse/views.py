@@ -83,6 +83,21 @@ def shift(rank: int, dim: int, start) -> tuple:
     return _unit(rank, rank, pairs), consts
 
 
+def expand(shape: Sequence, new_shape: Sequence) -> tuple | None:
+    """A broadcast (dims aligned from the right): a size-1 or missing dim of the source repeats
+    along the new one, index coefficient 0 (stride 0). None when the shapes do not broadcast."""
+    extra = len(new_shape) - len(shape)
+    if extra < 0:
+        return None
+    pairs = []
+    for j, size in enumerate(shape):
+        if same(size, new_shape[j + extra]):
+            pairs.append((j, j + extra, ONE))
+        elif not same(size, 1):
+            return None
+    return _unit(len(shape), len(new_shape), pairs), [ZERO] * len(shape)
+
+
 def same(a, b) -> bool:
     return sympy.expand(sympy.sympify(a) - sympy.sympify(b)) == 0
 

@@ -154,6 +154,32 @@ def test_explain_says_why_a_view_of_a_computed_value_ends_the_kernel():
     assert any("in place" in row.reason for row in report.not_fused), report.not_fused
 
 
+BROADCASTS = {   # name -> (fn, input shapes): operands whose leading dims repeat against the result's
+    "rows_over_time": (lambda a, b: (a * b).sin(), [(4, 8), (3, 4, 8)]),
+    "leading_one": (lambda a, b: (a * b).sin(), [(1, 4, 8), (3, 4, 8)]),
+    "middle_one": (lambda a, b: (a + b).tanh(), [(3, 1, 8), (3, 4, 8)]),
+    "row_vector": (lambda a, b: a * b, [(4, 1), (3, 4, 8)]),
+    "expand": (lambda a, b: a.expand(3, 4, 8) * b, [(4, 8), (3, 4, 8)]),
+    "two_leading_dims": (lambda a, b: torch.where(a > 0, a, b), [(4, 8), (2, 3, 4, 8)]),
+    "layer_norm_of_sum": (lambda a, b: F.layer_norm(a + b, (8,)), [(4, 8), (3, 4, 8)]),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("name", list(BROADCASTS))
+def test_leading_dim_broadcast_is_a_stride_0_read(name, dtype):
+    """The forward reads the broadcast operand in place with stride 0 along the repeated dims;
+    its gradient sums over them."""
+    fn, shapes = BROADCASTS[name]
+    args = [torch.randn(s).to(dtype).requires_grad_() for s in shapes]
+    both = run_both(fn, args)
+    assert_same(both.fused, both.eager, reference=both.reference)
+    assert_same(both.fused_grads, both.eager_grads, scale=2.0, what="gradient", reference=both.reference_grads)
+    joint = both.captured[0].joint
+    assert any(n.op is Op.STRIDED and n.attr.describe.startswith("broadcast") for n in joint.nodes.values())
+    assert all(f[1] == "aten.sum.dim_IntList" for f in both.fallbacks), both.fallbacks
+
+
 def test_moving_the_last_dim_stays_extern_with_its_reason():
     both = run_both(lambda x: x.transpose(1, 2) * 2, [torch.randn(3, 4, 8, requires_grad=True)])
     assert_same(both.fused, both.eager)
