@@ -24,7 +24,7 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, Stateles
 from . import views
 from .ir import (COMPARISON, Cast, Constant, Extern, Graph, Index, Kind, Node, Op, Reduce, Seeded, Strided,
                  Symbol, Value, ValueRef, fits, verify)
-from .ops import OPS
+from .ops import OPS, accumulate_dtype
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -605,10 +605,12 @@ class _Lowering:
         return ValueRef(self.size_symbols[expr])
 
     def strided(self, name: str, m: "views.AccessMap", value: Value, describe: str,
-                window: Optional[tuple] = None, fallback: Optional[str] = None) -> str:
+                window: Optional[tuple] = None, fallback: Optional[str] = None, summed: tuple = ()) -> str:
+        """A STRIDED node reading `m.root` through `m`; `summed`: the sizes of the dims after the
+        value's that the read adds up (a sum over leading dims)."""
         if value.kind in (Kind.SCALAR, Kind.TENSOR):
             raise NotFusible(f"a view of shape {_shape(value.shape)} is outside the [M, D] space")
-        if value.kind is not Kind.ROW and views.column_moves(m):
+        if value.kind is not Kind.ROW and views.column_moves(m, len(value.shape)):
             raise NotFusible("moves the last dim: D changes, which is not a row operation")
         # the rows unravel over the leading dims (all dims of a row value): the outermost size is not needed
         col = len(value.shape) - 1 if value.kind in (Kind.FULL, Kind.COL) else None
@@ -618,12 +620,12 @@ class _Lowering:
                       for row, const in zip(m.coeffs, m.consts))
         win = None if window is None else tuple(
             None if w is None else (self.size_operand(w[0]), self.size_operand(w[1])) for w in window)
-        attr = Strided(sizes, index, win, m.contiguous_root, describe)
+        attr = Strided(sizes, index, win, m.contiguous_root, describe, tuple(self.size_operand(s) for s in summed))
         if fallback is not None:
             self.check_fits(Op.STRIDED, [fallback], value)
         inputs = [m.root] + ([fallback] if fallback is not None else []) + attr.scalars()
         out = self.add(Op.STRIDED, inputs, value, attr, name=name)
-        if window is None:
+        if window is None and not summed:
             self.maps[out] = views.AccessMap(m.root, tuple(value.shape), m.coeffs, m.consts, m.contiguous_root)
         return out
 
@@ -853,6 +855,49 @@ class _Lowering:
         self.rng_streams += 1
         return self.add(Op.RAND, [self.seed()], value, Seeded(stream), name=node.name)
 
+    @staticmethod
+    def leading_subset(dims, source: Value) -> tuple | None:
+        """(dims, whether D is summed too) of a sum over some, not all, of the leading dims of
+        `source` (for a row value: of its dims other than a last 1), dims sorted; None for a
+        reduction over all of them, over D alone, or over everything."""
+        rank = len(source.shape)
+        if source.kind not in (Kind.FULL, Kind.ROW) or dims is None or isinstance(dims, int) or not dims:
+            return None
+        dims = sorted(d % rank for d in dims)
+        with_d = source.kind is Kind.FULL and dims[-1] == rank - 1
+        leading = [j for j in range(rank) if (j < rank - 1 or source.kind is Kind.ROW)
+                   and not views.same(source.shape[j], 1)]
+        subset = dims[:-1] if with_d else dims
+        return (subset, with_d) if subset and set(subset) < set(leading) else None
+
+    def leading_sum(self, node, x: str, dims: list, value: Value, keepdim: bool, name: str | None = None) -> str:
+        """A sum over some of the leading dims ([T, B, D] -> [B, D]: a broadcast's gradient): each
+        element of the result adds up its T elements of `x`, read in place (x is written first
+        when a kernel computes it)."""
+        if node.kwargs.get("dtype") not in (None, value.dtype):
+            raise NotFusible("reduction with a dtype argument")
+        source = self.access(x)
+        coeffs, consts, shape = views.sum_over(source.shape, dims, keepdim)
+        summed = shape[len(shape) - len(dims):]
+        return self.strided(name or node.name, source.then(coeffs, consts, shape), value, f"sum over dims {dims}",
+                            summed=tuple(summed))
+
+    def lower_leading_sum(self, node, x: str, dims: list, with_d: bool, value: Value, name: str) -> str:
+        """A sum over some leading dims, and over D when `with_d` ([T, B, D] -> [B, 1]: the gradient
+        of a [B, 1] operand): the rows are summed in a kernel first, as fp32, into a row value."""
+        source = self.graph[x].value
+        keepdim = len(value.shape) == len(source.shape)
+        if not with_d:
+            return self.leading_sum(node, x, dims, value, keepdim, name)
+        acc = accumulate_dtype(value.dtype) if value.is_floating else value.dtype
+        rows = self.add(Op.SUM, [x], place(acc, tuple(source.shape[:-1]) + (sympy.Integer(1),)), Reduce(Kind.ROW),
+                        name=f"{name}_rows")
+        kept = tuple(sympy.Integer(1) if j in dims else s for j, s in enumerate(self.graph[rows].value.shape))
+        total = self.leading_sum(node, rows, dims, place(acc, kept), True, f"{name}_total")
+        if acc == value.dtype:
+            return self.add(Op.VIEW, [total], value, name=name)
+        return self.add(Op.CAST, [total], value, Cast(value.dtype), name=name)
+
     def reduction_axis(self, dims, source: Value) -> Kind:
         rank = len(source.shape)
         dims = [dims] if isinstance(dims, int) else dims
@@ -876,6 +921,9 @@ class _Lowering:
             dims = node.args[1] if len(node.args) > 1 else None
             if self.everything(dims, source):
                 return self.lower_total(node, op, x, value)
+            subset = self.leading_subset(dims, source)
+            if subset is not None and op is Op.SUM:
+                return self.lower_leading_sum(node, x, *subset, value, node.name)
         axis = self.reduction_axis(dims, source)
         if node.kwargs.get("dtype") not in (None, value.dtype):
             raise NotFusible("reduction with a dtype argument")
@@ -908,7 +956,10 @@ class _Lowering:
 
     def count_reduced(self, source: Value, axis: Kind) -> str:
         """1 / (number of elements reduced): a constant over D, a SYMBOL over M."""
-        count = sympy.Integer(source.d) if axis is Kind.ROW else source.m
+        return self.inverse(sympy.Integer(source.d) if axis is Kind.ROW else source.m)
+
+    def inverse(self, count: sympy.Expr) -> str:
+        """1 / count as a scalar: a constant, or a SYMBOL when it depends on the sizes."""
         inverse = 1 / count
         if inverse.free_symbols:
             return self.add(Op.SYMBOL, (), Value(torch.float32, Kind.SCALAR), Symbol(inverse), name="inv_count")
@@ -952,6 +1003,12 @@ class _Lowering:
         dims = node.args[1] if len(node.args) > 1 else None
         if self.everything(dims, source):
             return self.lower_total(node, Op.SUM, x, value, mean=True)
+        subset = self.leading_subset(dims, source)
+        if subset is not None:
+            dims, with_d = subset
+            total = self.lower_leading_sum(node, x, dims, with_d, value, f"{node.name}_sum")
+            count = sympy.Mul(*[source.shape[j] for j in dims]) * (source.d if with_d else 1)
+            return self.pointwise(Op.MUL, [total, self.inverse(count)], value, node.name)
         axis = self.reduction_axis(dims, source)
         if axis is Kind.COL and source.dtype.itemsize > 4:
             raise NotFusible(f"a {source.dtype} mean over the leading dims: partials are fp32")

@@ -466,15 +466,17 @@ def _run_aten_group(graph: Graph, step: AtenGroup, env: dict, symbol_values: tup
 
 
 def _read_view(node, root: torch.Tensor, shape, env: dict) -> tuple:
-    """A STRIDED node's (values, inside its window) by index arithmetic in torch (ir.Strided)."""
+    """A STRIDED node's (values, inside its window) by index arithmetic in torch (ir.Strided);
+    the summed dims are indexed after the value's, then added up."""
     a = node.attr
 
     def entry(e):
         return int(env[e.name]) if isinstance(e, ValueRef) else e
-    shape = [int(n) for n in shape]
+    value_shape = [int(n) for n in shape]
+    shape = value_shape + [entry(n) for n in a.summed]
     grids = torch.meshgrid(*[torch.arange(n, device=root.device) for n in shape], indexing="ij") if shape else []
     flat = torch.zeros(shape, dtype=torch.int64, device=root.device)
-    inside = torch.ones(shape, dtype=torch.bool, device=root.device)
+    inside = torch.ones(value_shape, dtype=torch.bool, device=root.device)
     for k, w in enumerate(a.window or ()):
         if w is not None:
             inside &= (grids[k] >= entry(w[0])) & (grids[k] < entry(w[1]))
@@ -484,8 +486,13 @@ def _read_view(node, root: torch.Tensor, shape, env: dict) -> tuple:
         flat += index * dense.stride(j)
     if dense.numel() == 0:
         values = torch.zeros(shape, dtype=root.dtype, device=root.device)
+    elif a.summed:
+        values = dense.reshape(-1)[flat]
     else:
         values = dense.reshape(-1)[torch.where(inside, flat, 0)]
+    if a.summed:
+        dtype = accumulate_dtype(node.value.dtype) if node.value.is_floating else node.value.dtype
+        values = values.to(dtype).sum(tuple(range(len(value_shape), len(shape))))
     return values, inside
 
 

@@ -2,8 +2,9 @@
 
 A view of rank r over a root of rank R is an affine map on indices: root index j of element
 (i_0, ..., i_{r-1}) is `sum_k coeffs[j][k] * i_k + consts[j]`. Permute, slice, select, the
-reshapes that split dims or add/remove size-1 dims, and the shift of a cat's part are all
-such maps, and a view of a view is their product. Entries are sympy expressions over the size
+reshapes that split dims or add/remove size-1 dims, broadcasts (coefficient 0) and the shift
+of a cat's part are all such maps, and a view of a view is their product. A sum over leading
+dims is a map with extra index dims that the read adds up. Entries are sympy expressions over the size
 symbols, so one map serves every batch size; the root's strides, read per call, turn the root
 index into a memory offset (codegen). capture builds these; nothing here touches the graph.
 """
@@ -98,6 +99,18 @@ def expand(shape: Sequence, new_shape: Sequence) -> tuple | None:
     return _unit(len(shape), len(new_shape), pairs), [ZERO] * len(shape)
 
 
+def sum_over(shape: Sequence, dims: Sequence[int], keepdim: bool) -> tuple:
+    """(coeffs, consts, shape) of a sum over `dims` as a map: the result's dims (the summed ones
+    kept as size 1 with keepdim) followed by one index dim per summed dim, which the read adds up."""
+    kept = [j for j in range(len(shape)) if j not in dims or keepdim]
+    result = [ONE if j in dims else shape[j] for j in kept]
+    position = {j: k for k, j in enumerate(kept) if j not in dims}
+    position.update({j: len(kept) + n for n, j in enumerate(dims)})
+    rank = len(kept) + len(dims)
+    return _unit(len(shape), rank, [(j, position[j], ONE) for j in range(len(shape))]), \
+        [ZERO] * len(shape), result + [shape[j] for j in dims]
+
+
 def same(a, b) -> bool:
     return sympy.expand(sympy.sympify(a) - sympy.sympify(b)) == 0
 
@@ -125,11 +138,12 @@ def reshape(shape: Sequence, new_shape: Sequence) -> Optional[tuple]:
     return _unit(len(shape), len(new_shape), pairs), [ZERO] * len(shape)
 
 
-def column_moves(m: AccessMap) -> bool:
+def column_moves(m: AccessMap, rank: int | None = None) -> bool:
     """Whether the view's last dim (longer than 1) steps through a leading dim of the root: its
     rows are then not rows of the root (a transpose that changes D). A last dim that reads one
-    element per row (a broadcast, select's backward over columns) is a row operation."""
-    last = len(m.shape) - 1
+    element per row (a broadcast, select's backward over columns) is a row operation. `rank`:
+    the value's dims, when summed dims follow them in the map."""
+    last = (len(m.shape) if rank is None else rank) - 1
     if last < 0 or same(m.shape[last], 1):
         return False
     return any(not same(row[last], 0) for row in m.coeffs[:-1])

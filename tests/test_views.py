@@ -177,7 +177,64 @@ def test_leading_dim_broadcast_is_a_stride_0_read(name, dtype):
     assert_same(both.fused_grads, both.eager_grads, scale=2.0, what="gradient", reference=both.reference_grads)
     joint = both.captured[0].joint
     assert any(n.op is Op.STRIDED and n.attr.describe.startswith("broadcast") for n in joint.nodes.values())
-    assert all(f[1] == "aten.sum.dim_IntList" for f in both.fallbacks), both.fallbacks
+    assert any(n.op is Op.STRIDED and n.attr.summed for n in joint.nodes.values())
+    assert not both.fallbacks
+
+
+LEADING_SUMS = {   # name -> (fn, input shape): sums and means over some of the leading dims
+    "sum_first": (lambda x: x.sum(0).exp(), (3, 4, 8)),
+    "mean_middle_keepdim": (lambda x: x.mean(1, keepdim=True) * x, (3, 4, 8)),
+    "sum_two_of_three": (lambda x: x.sum((0, 2)).sin(), (2, 3, 4, 8)),
+    "sum_with_d": (lambda x: x.sum((0, 2)), (3, 4, 8)),
+    "mean_with_d_keepdim": (lambda x: x.mean((0, 2), keepdim=True) + x, (3, 4, 8)),
+    "row_value": (lambda x: x.sum(-1).sum(0), (3, 4, 8)),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("name", list(LEADING_SUMS))
+def test_sum_over_some_leading_dims_is_a_summed_read(name, dtype):
+    fn, shape = LEADING_SUMS[name]
+    both = run_both(fn, [torch.randn(shape).to(dtype).requires_grad_()])
+    assert_same(both.fused, both.eager, reference=both.reference)
+    assert_same(both.fused_grads, both.eager_grads, scale=2.0, what="gradient", reference=both.reference_grads)
+    assert not both.fallbacks
+    assert any(n.op is Op.STRIDED and n.attr.summed for n in both.captured[0].joint.nodes.values())
+
+
+def test_broadcast_serves_every_leading_size_with_one_compile():
+    def fn(a, b, s):
+        return F.layer_norm(a + b * s, (8,))
+    fused = memfuse.memory_efficient_fusion(fn)
+    for t, b in [(3, 4), (5, 2), (2, 6)]:
+        args = [torch.randn(b, 8), torch.randn(t, b, 8), torch.randn(b, 1)]
+        args = [a.requires_grad_() for a in args]
+        eager = [a.detach().requires_grad_() for a in args]
+        out, want = fused(*args), fn(*eager)
+        grad = torch.randn_like(want)
+        out.backward(grad)
+        want.backward(grad)
+        assert_same([out], [want])
+        assert_same([a.grad for a in args], [a.grad for a in eager], scale=2.0, what="gradient")
+    stats = memfuse.stats()
+    assert stats["compiles"] == 1 and stats["extern_calls"] == 0, stats
+
+
+def test_looped_kernels_read_broadcasts_and_sum_leading_dims():
+    def fn(a, x):
+        return torch.softmax(a * x, -1) + x.mean(0)
+    args = [torch.randn(4, 24, requires_grad=True), torch.randn(3, 4, 24, requires_grad=True)]
+    both = run_both(fn, args, config=Config(max_row_length=16, loop_block_d=8))
+    assert_same(both.fused, both.eager)
+    assert_same(both.fused_grads, both.eager_grads, scale=2.0, what="gradient")
+    assert not both.fallbacks
+
+
+def test_strict_mode_accepts_broadcasts():
+    fused = memfuse.memory_efficient_fusion(lambda a, b: (a * b).sum(-1), config=Config(strict=True))
+    a, b = torch.randn(4, 8, requires_grad=True), torch.randn(3, 4, 8, requires_grad=True)
+    fused(a, b).sum().backward()
+    torch.testing.assert_close(a.grad, b.sum(0).detach())
 
 
 def test_moving_the_last_dim_stays_extern_with_its_reason():

@@ -398,12 +398,39 @@ class RowKernelWriter:
         else:
             offsets, mask = _sum([start, column]), "col_mask"
         out(f"{v}_offsets = {offsets}")
+        if a.summed:
+            self.summed_loads(out, node, root_strides, mask)
+            return
         to = "" if node.value.dtype == torch.bool else f".to({TRITON_DTYPES[compute_dtype(node.value.dtype)]})"
         mask = mask if inside is None else f"{mask} & {inside}"
         out(f"{v} = tl.load({root}_ptr + {v}_offsets, mask={mask}, other=0){to}")
         if inside is not None:
             fallback = self.operand(node.inputs[1], kind, compute_dtype(node.value.dtype), node.value.dtype)
             out(f"{v} = tl.where({inside}, {v}, {fallback})")
+
+    def summed_loads(self, out: _Lines, node: Node, root_strides: list, mask: str) -> None:
+        """A sum over leading dims of the root: one load per index of the summed dims (their
+        count a per-call size), accumulated in fp32 (fp64 and integers in their own dtype)."""
+        a, v, root = node.attr, self.reg(node.name), node.inputs[0]
+        rank = len(a.sizes)
+        acc = TRITON_DTYPES[accumulate_dtype(node.value.dtype) if node.value.is_floating else node.value.dtype]
+        block = {Kind.FULL: "[BLOCK_M, BLOCK_D]", Kind.ROW: "[BLOCK_M]", Kind.COL: "[BLOCK_D]"}[node.value.kind]
+        count = "1"
+        for size in a.summed:
+            count = _times(count, self.entry(size))
+        out(f"{v} = tl.zeros({block}, {acc})")
+        out(f"for {v}_r in tl.range(0, {count}):")
+        out.indent()
+        steps, inner = [], "1"
+        for n in reversed(range(len(a.summed))):   # the summed index unravels like the rows do
+            stride = _sum(_times(self.entry(coeffs[rank + n]), s) for (coeffs, _), s in zip(a.index, root_strides))
+            index = f"{v}_r" if inner == "1" else f"{v}_r // {_paren(inner)}"
+            if n:
+                index = f"{_paren(index)} % {self.entry(a.summed[n])}"
+            steps.append(_times(index, stride))
+            inner = _times(inner, self.entry(a.summed[n]))
+        out(f"{v} += tl.load({root}_ptr + {v}_offsets + {_paren(_sum(steps))}, mask={mask}, other=0).to({acc})")
+        out.dedent()
 
     def window(self, out: _Lines, node: Node, index: dict, col: Optional[int]) -> Optional[str]:
         """The mask of the elements the root covers (cat parts, scatters), None for all."""
