@@ -460,7 +460,10 @@ def _run_aten_group(graph: Graph, step: AtenGroup, env: dict, symbol_values: tup
         local[name] = result
     results = []
     for name, shape in step.shapes.items():
-        full = torch.broadcast_to(local[name], _canonical_shape(graph[name].value.kind, rows, d))
+        value = local[name]
+        if not isinstance(value, torch.Tensor):   # a fill with a constant (zeros under a scatter)
+            value = torch.tensor(value, dtype=graph[name].value.dtype, device=device)
+        full = torch.broadcast_to(value, _canonical_shape(graph[name].value.kind, rows, d))
         results.append(full.to(graph[name].value.dtype).reshape(shape(*symbol_values)).contiguous())
     return results
 

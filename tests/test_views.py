@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 import memfuse
-from memfuse import Config
+from memfuse import Config, runtime
+from memfuse import schedule as scheduling
 from memfuse.ir import Op
 
 from compare import assert_same, run_both
@@ -235,6 +236,30 @@ def test_strict_mode_accepts_broadcasts():
     a, b = torch.randn(4, 8, requires_grad=True), torch.randn(3, 4, 8, requires_grad=True)
     fused(a, b).sum().backward()
     torch.testing.assert_close(a.grad, b.sum(0).detach())
+
+
+AT_ATEN = {   # name -> (fn, input shapes): every kind of strided read, in groups run op by op
+    **{name: CASES[name][:2] for name in ["permute_leading", "slice_of_permute", "select_column", "cat_columns",
+                                          "cat_rows", "rotate_half", "select_with_weight"]},
+    **{name: BROADCASTS[name] for name in ["rows_over_time", "middle_one", "row_vector"]},
+    "sum_with_d": (LEADING_SUMS["sum_with_d"][0], [LEADING_SUMS["sum_with_d"][1]]),
+}
+
+
+@pytest.mark.parametrize("name", list(AT_ATEN))
+def test_groups_the_code_generator_declines_read_views_through_aten(name, monkeypatch):
+    """runtime._read_view: the aten-group path indexes the root in torch by the same access map,
+    windows (cat, the slice and select backwards) and summed dims included."""
+    monkeypatch.setattr(scheduling, "_codegen_limit", lambda graph, group, config: "declined for this test")
+    reads = []
+    read_view = runtime._read_view
+    monkeypatch.setattr(runtime, "_read_view", lambda node, *rest: reads.append(node.attr) or read_view(node, *rest))
+    fn, shapes = AT_ATEN[name]
+    both = run_both(fn, [torch.randn(s, requires_grad=True) for s in shapes])
+    assert_same(both.fused, both.eager)
+    assert_same(both.fused_grads, both.eager_grads, scale=2.0, what="gradient")
+    assert both.kernels == 0 and reads
+    assert memfuse.stats()["fallbacks"] > 0
 
 
 def test_moving_the_last_dim_stays_extern_with_its_reason():
