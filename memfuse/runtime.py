@@ -238,7 +238,9 @@ class _ProgramWriter:
         self.program = program
         self.graph = program.graph
         self.sizes = {s: sympy.Symbol(f"mf_s{i}") for i, s in enumerate(program.symbols)}
-        self.namespace: dict = {"mf_empty": torch.empty, "mf_STATS": STATS, "torch": torch}
+        # (the math that _SIZE_PRINTER writes: floor(s0/2) for a view(2, -1, D))
+        self.namespace: dict = {"mf_empty": torch.empty, "mf_STATS": STATS, "torch": torch,
+                                "floor": math.floor, "ceil": math.ceil, "copysign": math.copysign}
         self.lines: list = []
         self.allocated: set = set()      # values memfuse allocates (aligned, contiguous)
         self.contiguous: dict = {}       # value -> its local made contiguous for kernels

@@ -107,6 +107,13 @@ def test_non_contiguous_input_is_read_in_place(name):
     assert reads and all(not n.attr.contiguous_root for n in reads)
 
 
+def test_a_size_inferred_by_minus_one_is_evaluated_per_call():
+    """view(2, -1, D): the size floor(s0 / 2) is Python in the program (math.floor)."""
+    both = run_both(lambda x: x.view(2, -1, 8).transpose(0, 1) * 2, [torch.randn(6, 8, requires_grad=True)])
+    assert_same(both.fused, both.eager)
+    assert_same(both.fused_grads, both.eager_grads, what="gradient")
+
+
 def test_one_compile_serves_every_leading_size():
     def fn(x, y):
         return torch.cat([x.permute(1, 0, 2), y], -1)[..., 4:].sin()
