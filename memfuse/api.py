@@ -1,9 +1,10 @@
 """The user-facing wrapper: `memory_efficient_fusion(fn)`, its compile cache and its guards.
 
 A compiled program is keyed by what it was specialized on: grad mode, and per tensor argument
-its dtype, device, rank, last dim (D), requires_grad, contiguity and which leading dims are 0,
-1 or equal to each other; non-tensor arguments are constants of the graph and part of the key.
-Leading sizes are not in the key: a new batch or sequence size reuses the program.
+its dtype, device, rank, last dim (D), requires_grad, layout (contiguous; else whether its last
+stride is 1) and which leading dims are 0, 1 or equal to each other; non-tensor arguments are
+constants of the graph and part of the key. Leading sizes and strides are not in the key: a new
+batch or sequence size reuses the program.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ cache_log = topic_log("cache")
 recompile_log = topic_log("recompiles")
 CONSTANT_TYPES = (bool, int, float, type(None), str, torch.dtype)
 EXACT_CACHE_SIZE = 4096   # distinct exact argument shapes remembered in the front cache
+LAST_STRIDE_ONE = "strided, last stride 1"
 
 
 def memory_efficient_fusion(fn: Callable, *, config: Optional[Config] = None, cuda_graphs: bool = False):
@@ -109,10 +111,11 @@ class FusedFunction:
         return compiled, tensors
 
     def _exact_key(self, values: list) -> tuple:
-        """Exact shapes and types: a front cache before the compile key, which costs more to
-        build (equality classes of sizes, parameter checks). Same exact key, same compile key."""
-        return (torch.is_grad_enabled(), *[(v.shape, v.dtype, v.device, v.requires_grad, v.is_contiguous(), type(v))
-                                           if isinstance(v, torch.Tensor) else (type(v), v) for v in values])
+        """Exact shapes and types (and the strides of a non-contiguous tensor): a front cache
+        before the compile key, which costs more to build (equality classes of sizes, parameter
+        checks). Same exact key, same compile key."""
+        return (torch.is_grad_enabled(), *[(v.shape, v.dtype, v.device, v.requires_grad, v.is_contiguous() or v.stride(),
+                                            type(v)) if isinstance(v, torch.Tensor) else (type(v), v) for v in values])
 
     def _lookup_key(self, values: list, tensors: list):
         key = self._key(values)
@@ -212,7 +215,7 @@ class FusedFunction:
                 tensor_index += 1
                 needs_grad = needs_grad or v.requires_grad
                 parts.append(("T", v.dtype, device, rank, shape[-1] if rank else None, lead, v.requires_grad,
-                              v.is_contiguous(), isinstance(v, torch.nn.Parameter)))
+                              _layout(v), isinstance(v, torch.nn.Parameter)))
             elif isinstance(v, CONSTANT_TYPES):
                 parts.append(("C", type(v), v))
             else:
@@ -280,6 +283,14 @@ class FusedFunction:
                             input_names=[names[i] if i < len(names) else f"arg{i}" for i in positions])
         on_compile(self._name(), entry)
         return entry
+
+
+def _layout(t: torch.Tensor):
+    """The layout part of the compile key: True when contiguous; else whether the last stride is
+    1 (kernels then load a row's columns as one block, other strides are read per call)."""
+    if t.is_contiguous():
+        return True
+    return LAST_STRIDE_ONE if t.stride(-1) == 1 else "any strides"
 
 
 def _scheduled(graph, config: Config, kind: str):

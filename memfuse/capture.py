@@ -84,7 +84,8 @@ def capture(fn: Callable, args: Sequence[torch.Tensor], *, trace_joint: bool,
              for i, t in enumerate(args)]
     gm = _export(fn, tuple(fakes), trace_joint)
     symbols, hints = _symbol_sources(fakes)
-    strided = {i for i, t in enumerate(args) if not t.is_contiguous()}   # read in place, by their strides
+    # read in place, by their strides; a last stride of 1 is part of the compile key (api._key)
+    strided = {i: t.stride(-1) == 1 for i, t in enumerate(args) if not t.is_contiguous()}
     captured = _Lowering(gm, symbols, hints, strided).run(num_primals=len(args), trace_joint=trace_joint)
     captured.specialized = _unsupported_guards(shape_env)
     captured.aten_graph = gm
@@ -357,9 +358,11 @@ class NotFusible(Exception):
 
 
 class _Lowering:
-    def __init__(self, gm: torch.fx.GraphModule, symbols: dict, hints: dict, strided_inputs=frozenset()):
+    def __init__(self, gm: torch.fx.GraphModule, symbols: dict, hints: dict, strided_inputs=None):
         self.gm = gm
-        self.strided_inputs = strided_inputs   # primal positions passed in with non-contiguous strides
+        # primal positions passed in with non-contiguous strides -> whether their last stride is 1
+        self.strided_inputs = strided_inputs or {}
+        self.last_stride_one: dict = {}   # non-contiguous input -> whether its last stride is 1
         self.maps: dict = {}           # STRIDED node -> its views.AccessMap (sympy), for composing views
         self.in_place: dict = {}       # non-contiguous input -> the STRIDED node that reads it
         self.broadcasts: dict = {}     # (value, shape) -> the STRIDED node that reads it broadcast
@@ -380,6 +383,7 @@ class _Lowering:
             self.graph.inputs.append(node.name)
             if position in self.strided_inputs and position < num_primals:
                 self.in_place[node.name] = None   # wrapped on first use (operand)
+                self.last_stride_one[node.name] = self.strided_inputs[position]
         for node in self.gm.graph.nodes:
             if node.op == "call_function":
                 self.env[node] = self.lower(node)
@@ -562,7 +566,12 @@ class _Lowering:
             step = views.reshape(source.shape, node.value.shape)
             if step is not None:
                 return source.then(*step, node.value.shape)
-        return views.identity(name, node.value.shape, name not in self.in_place)
+        return self.in_memory(name)
+
+    def in_memory(self, name: str) -> views.AccessMap:
+        """The identity map of a tensor in memory: made contiguous, or an input read by its strides."""
+        return views.identity(name, self.graph[name].value.shape, name not in self.in_place,
+                              self.last_stride_one.get(name, True))
 
     def read_in_place(self, name: str) -> str:
         """The STRIDED node that reads a non-contiguous input by its own strides (no copy)."""
@@ -570,7 +579,7 @@ class _Lowering:
             value = self.graph[name].value
             if value.kind in (Kind.SCALAR, Kind.TENSOR):
                 return name
-            self.in_place[name] = self.strided(f"{name}_in_place", views.identity(name, value.shape, False),
+            self.in_place[name] = self.strided(f"{name}_in_place", self.in_memory(name),
                                                value, "its own strides")
         return self.in_place[name]
 
@@ -620,13 +629,15 @@ class _Lowering:
                       for row, const in zip(m.coeffs, m.consts))
         win = None if window is None else tuple(
             None if w is None else (self.size_operand(w[0]), self.size_operand(w[1])) for w in window)
-        attr = Strided(sizes, index, win, m.contiguous_root, describe, tuple(self.size_operand(s) for s in summed))
+        attr = Strided(sizes, index, win, m.contiguous_root, describe, tuple(self.size_operand(s) for s in summed),
+                       m.last_stride_one)
         if fallback is not None:
             self.check_fits(Op.STRIDED, [fallback], value)
         inputs = [m.root] + ([fallback] if fallback is not None else []) + attr.scalars()
         out = self.add(Op.STRIDED, inputs, value, attr, name=name)
         if window is None and not summed:
-            self.maps[out] = views.AccessMap(m.root, tuple(value.shape), m.coeffs, m.consts, m.contiguous_root)
+            self.maps[out] = views.AccessMap(m.root, tuple(value.shape), m.coeffs, m.consts, m.contiguous_root,
+                                             m.last_stride_one)
         return out
 
     def lower_strided(self, node, val, value: Value) -> str:

@@ -142,7 +142,8 @@ class Strided:
     `window` (cat, slice_scatter, select_backward): per value dim, the range [start, end) the
     root covers, or None for all of it; elsewhere the value is the node's second input (the
     fallback), or 0 without one. `contiguous_root`: the root is made contiguous before the
-    read (its last stride is 1); False for an input passed in with other strides.
+    read (its last stride is 1); False for an input passed in with other strides, whose last
+    stride is still 1 when `last_stride_one` (the compile key says so: columns load as a block).
 
     `summed` (a sum over some leading dims, a broadcast's gradient): the sizes of extra index
     dims, after the value's, that the read sums over; their coefficients follow the value
@@ -153,6 +154,7 @@ class Strided:
     contiguous_root: bool = True
     describe: str = ""                  # what it came from, for comments: "permute(1, 0, 2)"
     summed: tuple = ()                  # sizes of the dims summed over: int or ValueRef
+    last_stride_one: bool = True
 
     @property
     def has_fallback(self) -> bool:

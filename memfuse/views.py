@@ -25,6 +25,7 @@ class AccessMap:
     coeffs: tuple             # [R][r]: root index j per view index k
     consts: tuple             # [R]
     contiguous_root: bool     # the root is made contiguous before the read
+    last_stride_one: bool = True   # the root's last stride is 1 (contiguous, or an input keyed so)
 
     def then(self, coeffs, consts, shape) -> "AccessMap":
         """This map followed by a view whose index into *this* view is coeffs . i' + consts."""
@@ -33,13 +34,13 @@ class AccessMap:
                                  for n in range(rank)) for row in self.coeffs)
         new_consts = tuple(sympy.expand(sum((a * consts[k] for k, a in enumerate(row)), ZERO) + c)
                            for row, c in zip(self.coeffs, self.consts))
-        return AccessMap(self.root, tuple(shape), new_coeffs, new_consts, self.contiguous_root)
+        return AccessMap(self.root, tuple(shape), new_coeffs, new_consts, self.contiguous_root, self.last_stride_one)
 
 
-def identity(root: str, shape: Sequence, contiguous_root: bool) -> AccessMap:
+def identity(root: str, shape: Sequence, contiguous_root: bool, last_stride_one: bool = True) -> AccessMap:
     rank = len(shape)
     coeffs = tuple(tuple(ONE if j == k else ZERO for k in range(rank)) for j in range(rank))
-    return AccessMap(root, tuple(shape), coeffs, (ZERO,) * rank, contiguous_root)
+    return AccessMap(root, tuple(shape), coeffs, (ZERO,) * rank, contiguous_root, last_stride_one)
 
 
 def _unit(rank_in: int, rank_out: int, pairs) -> list:

@@ -136,11 +136,32 @@ def test_one_compile_serves_every_leading_size():
 
 
 def test_non_contiguous_layouts_share_a_compile():
-    """Inputs of one compile key but other strides: strides are read per call."""
+    """Inputs of one compile key but other strides: strides are read per call. Whether the last
+    stride is 1 is part of the key: then a row's columns load as one block."""
     fused = memfuse.memory_efficient_fusion(lambda x: x.exp() * 2)
-    for x in [torch.randn(4, 3, 8).transpose(0, 1), torch.randn(3, 8, 8)[:, ::2], torch.randn(3, 4, 16)[..., ::2]]:
+    rows_in_place = [torch.randn(4, 3, 8).transpose(0, 1), torch.randn(3, 8, 8)[:, ::2], torch.randn(3, 4, 12)[..., 2:10]]
+    any_strides = [torch.randn(3, 4, 16)[..., ::2], torch.randn(3, 8, 4).transpose(1, 2)]
+    for x in rows_in_place + any_strides:
         torch.testing.assert_close(fused(x), x.exp() * 2)
-    assert memfuse.stats()["compiles"] == 1
+    assert memfuse.stats()["compiles"] == 2
+    sources = {entry.captured.joint.nodes["arg0_1_in_place"].attr.last_stride_one:
+               entry.function.forward.steps[0].kernel.source.source for entry in fused.cache.values()}
+    assert "arg0_1_stride2" not in sources[True] and "+ cols[None, :]" in sources[True]
+    assert "arg0_1_stride2: tl.int64" in sources[False] and "(cols * arg0_1_stride2)" in sources[False]
+
+
+def test_strided_offsets_are_int64():
+    """A coefficient x stride product (a select's offset into dim 0, a split dim's step) passes
+    2**31 in a tensor of more elements although each factor fits in 32 bits: strides are int64
+    kernel arguments and never specialized (tests/test_gpu.py reads such a tensor)."""
+    fused = memfuse.memory_efficient_fusion(lambda x: x.permute(1, 0, 2)[2] * 2)
+    x = torch.randn(6, 5, 8)[:, ::2]
+    torch.testing.assert_close(fused(x), x.permute(1, 0, 2)[2] * 2)
+    kernel = next(iter(fused.cache.values())).function.forward.steps[0].kernel.source.source
+    assert "arg0_1_stride0: tl.int64," in kernel and "arg0_1_stride1: tl.int64," in kernel
+    jit = next(line for line in kernel.splitlines() if line.startswith("@triton.jit"))
+    assert "'arg0_1_stride0'" in jit and "'arg0_1_stride1'" in jit          # do_not_specialize
+    assert "2 * arg0_1_stride1" in kernel                                   # the select's offset: int64
 
 
 def test_looped_kernels_read_views():

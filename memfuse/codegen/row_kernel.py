@@ -94,9 +94,8 @@ class RowKernelWriter:
         self.sums = {op: [n for n in group.column_sums if graph[n].op is op] for op in REDUCE}
         self.persistent = bool(group.column_sums)
         self.helpers: list = []   # HELPERS entries the kernel calls
-        # tensors that STRIDED views read in place, with whether they are made contiguous first
-        self.roots = {graph[n].inputs[0]: graph[n].attr.contiguous_root for n in group.nodes
-                      if graph[n].op is Op.STRIDED}
+        # tensors that STRIDED views read in place -> an access map of each (how the root is laid out)
+        self.roots = {graph[n].inputs[0]: graph[n].attr for n in group.nodes if graph[n].op is Op.STRIDED}
         plain = {i for n in group.nodes for i in graph[n].inputs[graph[n].op is Op.STRIDED:]}
         self.roots_only = set(self.roots) - plain - set(group.outputs)   # never loaded as [M, D]
 
@@ -156,12 +155,12 @@ class RowKernelWriter:
         self.write_helpers(out)
         out()
         self.header(out)
-        scalars = [a.name for a in args if a.role in ("scalar", "rows", "tiles")]
+        scalars = [a.name for a in args if a.role in ("scalar", "stride", "rows", "tiles")]
         out(f"@triton.jit(do_not_specialize={scalars!r})")
         out(f"def {g.name}(")
         out.indent()
-        for a in args:
-            out(f"{a.name},{self.describe(a)}")
+        for a in args:   # strides are int64: a coefficient x stride product may pass 2**31
+            out(f"{a.name}{': tl.int64' if a.role == 'stride' else ''},{self.describe(a)}")
         out("D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, NUM_STAGES: tl.constexpr,")
         out.dedent()
         out("):")
@@ -189,9 +188,10 @@ class RowKernelWriter:
             elif node.op in (Op.SYMBOL, Op.SEED):
                 args.append(Arg(self.reg(name), "scalar", name))
             else:
-                args.append(Arg(f"{name}_ptr", "read" if self.roots.get(name, True) else "in_place", name))
-        for root, contiguous in self.roots.items():   # strides of the tensors read in place
-            dims = len(self.graph[root].value.shape) - contiguous   # a contiguous root's last stride is 1
+                in_place = name in self.roots and not self.roots[name].contiguous_root
+                args.append(Arg(f"{name}_ptr", "in_place" if in_place else "read", name))
+        for root, layout in self.roots.items():   # strides of the tensors read in place
+            dims = len(self.graph[root].value.shape) - layout.last_stride_one   # (a last stride of 1 is no argument)
             args.extend(Arg(f"{root}_stride{j}", "stride", root, j) for j in range(dims))
         for name in self.group.outputs:
             args.append(Arg(f"{name}_ptr", "write", name))
@@ -212,7 +212,7 @@ class RowKernelWriter:
             shape = {Kind.FULL: "[M, D]", Kind.ROW: "[M]", Kind.COL: "[D]", Kind.SCALAR: "[1]"}.get(
                 v.kind, f"[{len(v.shape)} dims]")
             what = {"read": "input", "write": "output", "in_place": "input, read by its own strides"}[arg.role]
-            if arg.value in self.roots_only:
+            if arg.value in self.roots_only and arg.role == "read":
                 what += " read in place (views)"
             return f"  # {shape} {str(v.dtype).replace('torch.', '')} {what}"
         if arg.role == "stride":
@@ -367,7 +367,7 @@ class RowKernelWriter:
         col = rank - 1 if kind in (Kind.FULL, Kind.COL) else None     # the dim the columns walk
         row_dims = [k for k in range(rank) if k != col and a.sizes[k] != 1]
         root_strides = [f"{root}_stride{j}" for j in range(len(a.index))]
-        if a.contiguous_root:
+        if a.last_stride_one:
             root_strides[-1] = "1"
         out(f"# {node.name}: {root} read in place through {a.describe}")
         start = _sum(_times(self.entry(const), s) for (_, const), s in zip(a.index, root_strides))
