@@ -69,6 +69,8 @@ class Captured:
     has_seed: bool
     fallbacks: list = field(default_factory=list)   # (node name, target, reason)
     specialized: Optional[str] = None  # why leading shapes became part of the compile key
+    layout_guards: list = field(default_factory=list)   # guards on strides, checked per call (api)
+    stride_symbols: dict = field(default_factory=dict)  # sympy.Symbol -> (primal index, dim) of a stride
     differentiable_outputs: list = field(default_factory=list)   # forward outputs with a tangent
     aten_graph: Optional[torch.fx.GraphModule] = None
 
@@ -87,7 +89,8 @@ def capture(fn: Callable, args: Sequence[torch.Tensor], *, trace_joint: bool,
     # read in place, by their strides; a last stride of 1 is part of the compile key (api._key)
     strided = {i: t.stride(-1) == 1 for i, t in enumerate(args) if not t.is_contiguous()}
     captured = _Lowering(gm, symbols, hints, strided).run(num_primals=len(args), trace_joint=trace_joint)
-    captured.specialized = _unsupported_guards(shape_env)
+    captured.stride_symbols = _stride_sources(fakes, symbols)
+    captured.specialized, captured.layout_guards = _guards(shape_env, symbols, captured.stride_symbols)
     captured.aten_graph = gm
     captured.differentiable_outputs = _differentiable_outputs(captured, fn, fakes)
     return captured
@@ -167,14 +170,40 @@ def _symbol_sources(fakes) -> tuple[dict, dict]:
     return symbols, hints
 
 
-def _unsupported_guards(shape_env: ShapeEnv) -> Optional[str]:
-    """Guards other than `s_a == s_b` are not implied by the compile key: specialize then."""
+def _stride_sources(fakes, sizes: dict) -> dict:
+    """symbol -> (input, dim) of the strides that are symbols of their own (a non-contiguous
+    input's: a slice's row stride is not D)."""
+    strides = {}
+    for i, fake in enumerate(fakes):
+        for d, stride in enumerate(fake.stride()):
+            expr = stride.node.expr if isinstance(stride, torch.SymInt) else None
+            if isinstance(expr, sympy.Symbol) and expr not in sizes and expr not in strides:
+                strides[expr] = (i, d)
+    return strides
+
+
+def _guards(shape_env: ShapeEnv, sizes: dict, strides: dict) -> tuple:
+    """(why leading shapes join the compile key, or None; the layout guards). `s_a == s_b` over
+    sizes is implied by the compile key. A guard that reads strides (a contiguity check inside a
+    decomposition: Ne(row stride, D)) holds for any batch size of the same layout: the caller
+    checks it per call (api) instead of specializing. Any other guard specializes. (The program
+    itself reads every stride per call; what the trace assumed of them picks between branches
+    that compute the same values, like the layout of a decomposition's output.)"""
+    # sizes found equal are one symbol now (the key holds equal sizes equal); a size found to be
+    # a constant stays itself, and its guard specializes
+    renamed = {s: r for s, r in shape_env.replacements.items() if isinstance(r, sympy.Symbol)}
+    specialized, layout = None, []
     for guard in shape_env.guards:
-        expr = guard.expr
-        if isinstance(expr, sympy.Eq) and all(isinstance(a, sympy.Symbol) for a in expr.args):
+        expr = guard.expr.xreplace(renamed)
+        free = expr.free_symbols
+        if expr == sympy.true or isinstance(expr, sympy.Eq) and all(
+                isinstance(a, sympy.Symbol) and a not in strides for a in expr.args):
             continue
-        return f"the trace guards on {expr}"
-    return None
+        if free & strides.keys() and free <= sizes.keys() | strides.keys():
+            layout.append(expr)
+        elif specialized is None:
+            specialized = f"the trace guards on {expr}"
+    return specialized, layout
 
 
 def to_expr(size) -> sympy.Expr:

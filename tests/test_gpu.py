@@ -232,8 +232,8 @@ def test_views_on_gpu_with_unaligned_and_non_contiguous_inputs():
         want.backward(grad)
         assert relative_error(out, want) < 1e-5
         assert relative_error(x.grad, xe.grad) < 1e-5 and relative_error(h.grad, he.grad) < 1e-5
-    # (no compile count: a sliced input's strides are symbols the trace guards on, one compile per size)
-    assert memfuse.stats()["extern_calls"] == 0
+    # the trace guards on the sliced input's strides (not contiguous): they hold for both sizes
+    assert memfuse.stats()["compiles"] == 1 and memfuse.stats()["extern_calls"] == 0
 
 
 @pytest.mark.parametrize("name", ["atan", "asin", "acos", "sinh", "cosh", "asinh", "acosh", "atanh", "erfc",

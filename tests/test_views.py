@@ -3,6 +3,8 @@ place through access maps, against eager: outputs and every gradient, fp32 and b
 non-contiguous inputs, over several leading sizes with one compile, and never extern."""
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -148,6 +150,50 @@ def test_non_contiguous_layouts_share_a_compile():
                entry.function.forward.steps[0].kernel.source.source for entry in fused.cache.values()}
     assert "arg0_1_stride2" not in sources[True] and "+ cols[None, :]" in sources[True]
     assert "arg0_1_stride2: tl.int64" in sources[False] and "(cols * arg0_1_stride2)" in sources[False]
+
+
+SLICED_LAYOUTS = {   # name -> a non-contiguous input of batch size b
+    "columns_of_a_wider_tensor": lambda b: torch.randn(b, 4, 12)[..., 2:10],
+    "every_other_row": lambda b: torch.randn(2 * b, 4, 8)[::2],
+    "transposed_leading_dims": lambda b: torch.randn(4, b, 8).transpose(0, 1),
+}
+
+
+@pytest.mark.parametrize("name", list(SLICED_LAYOUTS))
+def test_sliced_inputs_share_a_compile_over_batch_sizes(name):
+    """softmax's decomposition checks contiguity: the trace guards on a stride (the row stride
+    of x[..., 2:10] is not D). The guard holds for every batch size: checked per call, no
+    recompile."""
+    fused = memfuse.memory_efficient_fusion(lambda x: torch.softmax(x, -1))
+    for b in (3, 5, 6):
+        x = SLICED_LAYOUTS[name](b).requires_grad_()
+        eager_x = x.detach().requires_grad_()
+        out, want = fused(x), torch.softmax(eager_x, -1)
+        grad = torch.randn_like(want)
+        out.backward(grad)
+        want.backward(grad)
+        assert_same([out], [want])
+        assert_same([x.grad], [eager_x.grad], scale=2.0, what="gradient")
+    entry, = fused.cache.values()
+    assert entry.captured.specialized is None
+    assert memfuse.stats()["compiles"] == 1
+
+
+def test_a_layout_that_breaks_the_traced_stride_guard_compiles_again(caplog):
+    """Traced on x[..., 2:10] of rows of 12 (guard: row stride != D), then given rows of stride
+    D = 8 (every other row of a tensor): a second program, the broken guard logged; both
+    layouts then hit their own program."""
+    caplog.set_level(logging.INFO, logger="memfuse.recompiles")
+    fused = memfuse.memory_efficient_fusion(lambda x: torch.softmax(x, -1))
+    layouts = [SLICED_LAYOUTS["columns_of_a_wider_tensor"], SLICED_LAYOUTS["every_other_row"]]
+    for make in layouts + layouts:
+        x = make(3)
+        torch.testing.assert_close(fused(x), torch.softmax(x, -1))
+    assert memfuse.stats()["compiles"] == 2 and memfuse.stats()["recompiles"] == 1
+    assert any("layout guard" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+    first, _ = fused.cache.values()
+    assert first.captured.layout_guards and first.broken_guard([layouts[1](3)]) is not None
+    assert first.broken_guard([layouts[0](5)]) is None
 
 
 def test_strided_offsets_are_int64():
