@@ -336,12 +336,15 @@ SPECIAL_ATEN = {
     aten.relu.default: "maximum(x, 0)",
     aten.clamp.default: "maximum, minimum", aten.clamp.Tensor: "maximum, minimum",
     aten.pow.Tensor_Scalar: "x*x, x*x*x, sqrt, rsqrt, reciprocal, a fill of 1, or pow",
-    aten.mean.dim: "sum * 1/count, over D or over M",
+    aten.mean.dim: "sum * 1/count, over D, over M, or over some leading dims (a summed strided read)",
+    aten.sum.dim_IntList: "sum over D or over M; over some leading dims, a strided read that adds up their rows "
+                          "(a broadcast's gradient)",
+    aten.expand.default: "view; a strided read with stride 0 along the leading dims it repeats",
     aten.mean.default: "row sums * 1/D in the kernel, then aten's mean of the M row results",
     aten.var.correction: "sum -> mean, then the sum of squared deviations (over D)",
     aten.var_mean.correction: "sum -> mean, then the sum of squared deviations (over D)",
     aten.permute.default: "view when only size-1 dims move; else a strided read of a tensor in memory "
-                          "(an extern when the last dim moves)",
+                          "(columns by a stride when the last dim moves)",
     aten.slice.Tensor: "view when it keeps a whole dim; else a strided read of a tensor in memory",
     aten.select.int: "a strided read of a tensor in memory",
     aten.split_with_sizes.default: "strided reads of a tensor in memory, one per part",
@@ -615,17 +618,18 @@ class _Lowering:
     def broadcast(self, name: str, value: Value) -> str:
         """An operand whose leading dims broadcast against `value`'s ([B, D], [1, B, D] or [T, 1, D]
         against [T, B, D]): read in place with stride 0 along the repeated dims, to `value`'s
-        leading dims and its own last dim (a [..., 1] operand stays a row value, broadcast over
-        the columns in registers). An operand that fits, or does not broadcast, comes back as is."""
+        leading dims and, for an [M, D] result, its own last dim (a [..., 1] operand stays a row
+        value, broadcast over the columns in registers). An operand that fits, or does not
+        broadcast, comes back as is."""
         src = self.graph[name].value
         if src.kind in (Kind.SCALAR, Kind.TENSOR) or value.kind not in (Kind.FULL, Kind.ROW) \
                 or fits(src, value, Op.VIEW):
             return name
-        shape = tuple(value.shape[:-1]) + (src.shape[-1],)
+        shape = tuple(value.shape[:-1]) + (src.shape[-1] if value.kind is Kind.FULL else value.shape[-1],)
         key = (name, shape)
         if key not in self.broadcasts:
             step = views.expand(src.shape, shape)
-            if step is None:
+            if step is None or not fits(place(src.dtype, shape), value, Op.VIEW):
                 return name
             self.broadcasts[key] = self.strided(f"{name}_broadcast", self.access(name).then(*step, shape),
                                                 place(src.dtype, shape), f"broadcast to {_shape(shape)}")
@@ -648,8 +652,6 @@ class _Lowering:
         value's that the read adds up (a sum over leading dims)."""
         if value.kind in (Kind.SCALAR, Kind.TENSOR):
             raise NotFusible(f"a view of shape {_shape(value.shape)} is outside the [M, D] space")
-        if value.kind is not Kind.ROW and views.column_moves(m, len(value.shape)):
-            raise NotFusible("moves the last dim: D changes, which is not a row operation")
         # the rows unravel over the leading dims (all dims of a row value): the outermost size is not needed
         col = len(value.shape) - 1 if value.kind in (Kind.FULL, Kind.COL) else None
         outer = next((k for k, s in enumerate(value.shape) if k != col and not views.same(s, 1)), None)

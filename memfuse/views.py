@@ -137,14 +137,3 @@ def reshape(shape: Sequence, new_shape: Sequence) -> Optional[tuple]:
     if k != len(dst):
         return None
     return _unit(len(shape), len(new_shape), pairs), [ZERO] * len(shape)
-
-
-def column_moves(m: AccessMap, rank: int | None = None) -> bool:
-    """Whether the view's last dim (longer than 1) steps through a leading dim of the root: its
-    rows are then not rows of the root (a transpose that changes D). A last dim that reads one
-    element per row (a broadcast, select's backward over columns) is a row operation. `rank`:
-    the value's dims, when summed dims follow them in the map."""
-    last = (len(m.shape) if rank is None else rank) - 1
-    if last < 0 or same(m.shape[last], 1):
-        return False
-    return any(not same(row[last], 0) for row in m.coeffs[:-1])

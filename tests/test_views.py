@@ -295,9 +295,9 @@ def test_broadcast_serves_every_leading_size_with_one_compile():
     assert stats["compiles"] == 1 and stats["extern_calls"] == 0, stats
 
 
-def test_looped_kernels_read_broadcasts_and_sum_leading_dims():
+def test_looped_kernels_read_broadcasts_sums_and_moved_columns():
     def fn(a, x):
-        return torch.softmax(a * x, -1) + x.mean(0)
+        return torch.softmax(a * x, -1) + x.mean(0) + (x.transpose(1, 2) * 2).transpose(1, 2)
     args = [torch.randn(4, 24, requires_grad=True), torch.randn(3, 4, 24, requires_grad=True)]
     both = run_both(fn, args, config=Config(max_row_length=16, loop_block_d=8))
     assert_same(both.fused, both.eager)
@@ -336,12 +336,46 @@ def test_groups_the_code_generator_declines_read_views_through_aten(name, monkey
     assert memfuse.stats()["fallbacks"] > 0
 
 
-def test_moving_the_last_dim_stays_extern_with_its_reason():
-    both = run_both(lambda x: x.transpose(1, 2) * 2, [torch.randn(3, 4, 8, requires_grad=True)])
+LAST_DIM_MOVES = {   # name -> (fn, input shapes): transposes that move D, both ways
+    "transpose_last_two": (lambda x: x.transpose(1, 2) * 2, [(3, 4, 8)]),
+    "and_back": (lambda x: (x.transpose(1, 2) * 2).transpose(1, 2).softmax(-1), [(3, 4, 8)]),
+    "rank_two": (lambda x: x.transpose(0, 1).sin(), [(4, 8)]),
+    "rotate_dims": (lambda x: x.permute(2, 0, 1).exp(), [(3, 4, 8)]),
+    "add_transposed": (lambda x, y: x.transpose(1, 2) + y, [(3, 4, 8), (3, 8, 4)]),
+    "mean_of_transposed": (lambda x: x.mT.mean(1), [(3, 4, 8)]),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("name", list(LAST_DIM_MOVES))
+def test_moving_the_last_dim_reads_columns_by_a_stride(name, dtype):
+    """x.transpose(1, 2) of [B, T, D] is [B, D, T]: its last dim is a size symbol, so it is a row
+    value (one element per row); the way back ([B, D, T] -> [B, T, D]) walks its columns through
+    a leading dim of the root, by that dim's stride."""
+    fn, shapes = LAST_DIM_MOVES[name]
+    both = run_both(fn, [torch.randn(s).to(dtype).requires_grad_() for s in shapes])
+    assert_same(both.fused, both.eager, reference=both.reference)
+    assert_same(both.fused_grads, both.eager_grads, scale=2.0, what="gradient", reference=both.reference_grads)
+    assert not both.fallbacks
+
+
+def test_a_column_read_by_a_stride_in_the_generated_kernel():
+    fused = memfuse.memory_efficient_fusion(lambda x: x.transpose(1, 2) * 2)
+    x = torch.randn(3, 4, 8, requires_grad=True)
+    fused(x).sum().backward()
+    torch.testing.assert_close(x.grad, torch.full_like(x, 2.0))
+    backward = next(iter(fused.cache.values())).function.backward
+    source = "".join(step.kernel.source.source for step in backward.steps if hasattr(step, "kernel"))
+    assert "read in place through permute(0, 2, 1)" in source and "(cols * " in source
+
+
+def test_a_reduction_over_a_moved_symbolic_dim_stays_extern_with_its_reason():
+    """softmax over x.transpose(1, 2): the rows are T long, a size symbol, not a static D."""
+    both = run_both(lambda x: torch.softmax(x.transpose(1, 2), -1), [torch.randn(3, 4, 8, requires_grad=True)])
     assert_same(both.fused, both.eager)
-    assert_same(both.fused_grads, both.eager_grads, what="gradient")
+    assert_same(both.fused_grads, both.eager_grads, scale=2.0, what="gradient")
     reasons = {f[1]: f[2] for f in both.fallbacks}
-    assert "moves the last dim" in reasons["aten.permute.default"]
+    assert "non-[M, D]" in reasons["aten.amax.default"]
 
 
 def test_generated_view_reads_are_readable():
