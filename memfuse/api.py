@@ -35,7 +35,6 @@ cache_log = topic_log("cache")
 recompile_log = topic_log("recompiles")
 CONSTANT_TYPES = (bool, int, float, type(None), str, torch.dtype)
 EXACT_CACHE_SIZE = 4096   # distinct exact argument shapes remembered in the front cache
-LAST_STRIDE_ONE = "strided, last stride 1"
 
 
 def memory_efficient_fusion(fn: Callable, *, config: Optional[Config] = None, cuda_graphs: bool = False):
@@ -309,7 +308,7 @@ def _layout(t: torch.Tensor):
     1 (kernels then load a row's columns as one block, other strides are read per call)."""
     if t.is_contiguous():
         return True
-    return LAST_STRIDE_ONE if t.stride(-1) == 1 else "any strides"
+    return "last stride 1" if t.stride(-1) == 1 else "any strides"
 
 
 def _scheduled(graph, config: Config, kind: str):

@@ -321,6 +321,10 @@ RAND_ATEN = {aten.rand_like.default, aten.rand.default}
 FILL_ATEN = {aten.full.default, aten.full_like.default, aten.empty_permuted.default, aten.empty.memory_format,
              aten.scalar_tensor.default, aten._efficientzerotensor.default}
 NOOP_ATEN = {aten._assert_tensor_metadata.default}   # checks the trace already made; no value
+# aten calls that read a tensor of any strides where it lies (aten.view does not: it may need a copy)
+ANY_STRIDES_ATEN = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.permute.default,
+                    aten.slice.Tensor, aten.select.int, aten.expand.default, aten.unsqueeze.default,
+                    aten.squeeze.dims, aten.alias.default}
 REDUCE_ATEN = {aten.sum.dim_IntList: Op.SUM, aten.amax.default: Op.MAX, aten.amin.default: Op.MIN,
                prims.sum.default: Op.SUM, aten.prod.dim_int: Op.PROD, aten.argmax.default: Op.ARGMAX,
                aten.argmin.default: Op.ARGMIN, aten.prod.default: Op.PROD}
@@ -398,6 +402,7 @@ class _Lowering:
         self.maps: dict = {}           # STRIDED node -> its views.AccessMap (sympy), for composing views
         self.in_place: dict = {}       # non-contiguous input -> the STRIDED node that reads it
         self.broadcasts: dict = {}     # (value, shape) -> the STRIDED node that reads it broadcast
+        self.aten_views: dict = {}     # STRIDED node lowered from an aten view op -> its fx node
         self.size_symbols: dict = {}   # sympy expression -> SYMBOL node
         self.symbols = symbols
         self.hints = hints
@@ -424,6 +429,7 @@ class _Lowering:
             elif node.op == "output":
                 outs = node.args[0]
                 self.graph.outputs = [self.env[o] if o is not None else None for o in outs]
+        self.keep_aten_views()
         has_seed = self.rng_streams > 0
         if has_seed:   # the seed sits between primals and tangents in the call order
             self.graph.inputs.insert(num_primals, "seed")
@@ -485,9 +491,12 @@ class _Lowering:
         if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)):
             return self.lower_symbol(node, val)
         try:
-            return self.lower_tensor_op(node, val)
+            name = self.lower_tensor_op(node, val)
         except NotFusible as reason:
             return self.lower_extern(node, val, str(reason))
+        if getattr(node.target, "is_view", False) and name == node.name and self.graph[name].op is Op.STRIDED:
+            self.aten_views[name] = node
+        return name
 
     def lower_symbol(self, node, val) -> str:
         expr = to_expr(val) if not isinstance(val, (torch.SymBool, bool)) else None
@@ -573,8 +582,8 @@ class _Lowering:
         x = self.operand(node.args[0])
         if fits(self.graph[x].value, value, Op.VIEW):
             return self.add(Op.VIEW, [x], value, name=node.name)
-        if node.target is aten.expand.default and self.broadcast(x, value) != x:
-            read = self.broadcast(x, value)
+        read = self.broadcast(x, value) if node.target is aten.expand.default else x
+        if read != x:
             return read if self.graph[read].value.shape == value.shape else \
                 self.add(Op.VIEW, [read], value, name=node.name)
         if node.target is aten.expand.default or self.graph[x].value.dtype != value.dtype:
@@ -1099,7 +1108,29 @@ class _Lowering:
         hit = self.pointwise(Op.EQ, [column, index], full_bool, f"{node.name}_hit")
         return self.pointwise(Op.WHERE, [hit, src, base], value, node.name)
 
+    def keep_aten_views(self) -> None:
+        """A view that only aten calls read, and read in any strides (a transposed weight for mm),
+        stays an aten view: a strided read is a kernel that copies it, aten reads it where it
+        lies. Not a fallback."""
+        users = self.graph.users()
+        outputs = set(self.graph.outputs)
+        for name in reversed(list(self.aten_views)):   # a view of such a view first
+            readers = [self.graph[u] for u in users[name]]
+            if not readers or name in outputs or any(
+                    r.op is not Op.EXTERN or r.attr.target not in ANY_STRIDES_ATEN for r in readers):
+                continue
+            node = self.aten_views[name]
+            inputs, value, attr = self.extern_call(node, node.meta["val"])
+            self.graph.nodes[name] = Node(name, Op.EXTERN, tuple(inputs), value, attr)
+            for inp in inputs:
+                users[inp].append(name)
+
     def lower_extern(self, node, val, reason: str) -> str:
+        self.fallbacks.append((node.name, str(node.target), reason))
+        return self.add(Op.EXTERN, *self.extern_call(node, val), name=node.name)
+
+    def extern_call(self, node, val) -> tuple:
+        """(inputs, value, Extern) of `node` as an aten call on the lowered values."""
         def ref(arg):
             if isinstance(arg, torch.fx.Node):
                 name = self.env[arg]
@@ -1115,9 +1146,7 @@ class _Lowering:
         kwargs = tuple((k, ref(v)) for k, v in node.kwargs.items())
         inputs = _refs(args) + _refs(tuple(v for _, v in kwargs))
         value = classify(val) if isinstance(val, torch.Tensor) else Value(None, Kind.TENSOR)
-        self.fallbacks.append((node.name, str(node.target), reason))
-        return self.add(Op.EXTERN, list(dict.fromkeys(inputs)), value, Extern(node.target, args, kwargs),
-                        name=node.name)
+        return list(dict.fromkeys(inputs)), value, Extern(node.target, args, kwargs)
 
 
 class TensorConstant:

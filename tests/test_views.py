@@ -46,6 +46,9 @@ CASES = {   # name -> (fn, input shapes)
     "select_column": (lambda x: x[..., 0] * 2, [(3, 6, 8)]),
     "chunk_swiglu": (swiglu, [(3, 4, 16)]),
     "split_heads": (heads, [(3, 5, 8)], ["aten.view.default"]),   # the backward merges the heads back
+    # (the merge is an aten view of the moved gradient: that gradient is written by a kernel first)
+    "split_heads_plain": (lambda x: x.view(*x.shape[:2], 2, -1).transpose(1, 2) * 2, [(3, 5, 8)],
+                          ["aten.view.default"]),
     "cat_columns": (lambda x, y: torch.cat([x.sin(), y], -1).exp(), [(3, 4, 8), (3, 4, 4)]),
     "cat_rows": (lambda x, y: torch.cat([x, y * 2], 1).exp(), [(3, 4, 8), (3, 2, 8)]),
     "rotate_half": (rotate_half, [(3, 4, 8)]),
@@ -376,6 +379,22 @@ def test_a_reduction_over_a_moved_symbolic_dim_stays_extern_with_its_reason():
     assert_same(both.fused_grads, both.eager_grads, scale=2.0, what="gradient")
     reasons = {f[1]: f[2] for f in both.fallbacks}
     assert "non-[M, D]" in reasons["aten.amax.default"]
+
+
+def test_a_view_only_aten_calls_read_stays_an_aten_view():
+    """x @ w.t() and a transposed operand of bmm: aten reads a view where it lies, a strided read
+    would be a kernel that copies it. Not a fallback: only the matmuls are."""
+    def fn(x, w, k):
+        return (x @ w.t()).relu() + (x.transpose(0, 1) @ k).transpose(0, 1)
+    args = [torch.randn(3, 4, 8, requires_grad=True), torch.nn.Parameter(torch.randn(8, 8)),
+            torch.randn(4, 8, 8, requires_grad=True)]
+    both = run_both(fn, args)
+    assert_same(both.fused, both.eager)
+    assert_same(both.fused_grads, both.eager_grads, scale=2.0, what="gradient")
+    assert {f[1] for f in both.fallbacks} <= {"aten.mm.default", "aten.bmm.default", "aten.view.default"}
+    joint = both.captured[0].joint
+    permutes = [n for n in joint.nodes.values() if n.op is Op.EXTERN and n.attr.target is torch.ops.aten.permute.default]
+    assert permutes and all(joint[i].op is not Op.STRIDED for n in permutes for i in n.inputs)
 
 
 def test_generated_view_reads_are_readable():

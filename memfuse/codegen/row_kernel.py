@@ -94,7 +94,7 @@ class RowKernelWriter:
         self.sums = {op: [n for n in group.column_sums if graph[n].op is op] for op in REDUCE}
         self.persistent = bool(group.column_sums)
         self.helpers: list = []   # HELPERS entries the kernel calls
-        # tensors that STRIDED views read in place -> an access map of each (how the root is laid out)
+        # tensors that STRIDED views read in place -> a read's Strided attr (it says how the root is laid out)
         self.roots = {graph[n].inputs[0]: graph[n].attr for n in group.nodes if graph[n].op is Op.STRIDED}
         plain = {i for n in group.nodes for i in graph[n].inputs[graph[n].op is Op.STRIDED:]}
         self.roots_only = set(self.roots) - plain - set(group.outputs)   # never loaded as [M, D]
