@@ -1,9 +1,12 @@
 """The user-facing wrapper: `memory_efficient_fusion(fn)`, its compile cache and its guards.
 
 A compiled program is keyed by what it was specialized on: grad mode, and per tensor argument
-its dtype, device, rank, last dim (D), requires_grad, contiguity and which leading dims are 0,
-1 or equal to each other; non-tensor arguments are constants of the graph and part of the key.
-Leading sizes are not in the key: a new batch or sequence size reuses the program.
+its dtype, device, rank, last dim (D), requires_grad, layout (contiguous; else whether its last
+stride is 1) and which leading dims are 0, 1 or equal to each other; non-tensor arguments are
+constants of the graph and part of the key. Leading sizes and strides are not in the key: a new
+batch or sequence size reuses the program. A trace that guards on a non-contiguous input's
+strides (a contiguity check: its row stride is not D) keeps its program for every call whose
+sizes and strides keep those guards, checked at the lookup; another layout compiles its own.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import logging
 import time
 from typing import Callable, Optional
 
+import sympy
 import torch
 
 from .capture import capture
@@ -23,7 +27,7 @@ from .graphs import GraphedFunction
 from .ir import verify
 from .plan import plan
 from .precompile import enabled as precompile_enabled, precompile, start_driver
-from .runtime import CompiledFunction
+from .runtime import SIZE_FUNCTIONS, CompiledFunction
 from .schedule import schedule
 
 log = logging.getLogger("memfuse")
@@ -109,36 +113,53 @@ class FusedFunction:
         return compiled, tensors
 
     def _exact_key(self, values: list) -> tuple:
-        """Exact shapes and types: a front cache before the compile key, which costs more to
-        build (equality classes of sizes, parameter checks). Same exact key, same compile key."""
-        return (torch.is_grad_enabled(), *[(v.shape, v.dtype, v.device, v.requires_grad, v.is_contiguous(), type(v))
-                                           if isinstance(v, torch.Tensor) else (type(v), v) for v in values])
+        """Exact shapes and types (and the strides of a non-contiguous tensor): a front cache
+        before the compile key, which costs more to build (equality classes of sizes, parameter
+        checks). Same exact key, same compile key."""
+        return (torch.is_grad_enabled(), *[(v.shape, v.dtype, v.device, v.requires_grad, v.is_contiguous() or v.stride(),
+                                            type(v)) if isinstance(v, torch.Tensor) else (type(v), v) for v in values])
 
     def _lookup_key(self, values: list, tensors: list):
         key = self._key(values)
-        if key in self.shape_specialized:
-            key = key + (tuple(t.shape for t in tensors),)
-        compiled = self.cache.get(key)
+        shapes = tuple(t.shape for t in tensors)
+        compiled, slot, broken = self._find(key, shapes, tensors)
         if compiled is None:
-            recompile = self._log_miss(key)
-            compiled = self._compile(values, key)
+            where = slot + (shapes,) if slot in self.shape_specialized else slot
+            recompile = self._log_miss(where, broken)
+            compiled = self._compile(values, where)
             STATS["recompiles"] += recompile
-            if compiled.captured.specialized:
-                self.shape_specialized.add(key)
-                key = key + (tuple(t.shape for t in tensors),)
-            self.cache[key] = compiled
+            if compiled.captured.specialized and slot not in self.shape_specialized:
+                self.shape_specialized.add(slot)
+                where = slot + (shapes,)
+            self.cache[where] = compiled
         else:
             STATS["cache_hits"] += 1
             if cache_log.isEnabledFor(logging.DEBUG):
                 cache_log.debug("memfuse: %s: cache hit (%d compiled programs)", self._name(), len(self.cache))
         return compiled
 
-    def _log_miss(self, key: tuple) -> bool:
+    def _find(self, key: tuple, shapes: tuple, tensors: list) -> tuple:
+        """(entry or None, its slot, the layout guard the last entry tried broke). A slot is the
+        compile key, followed by the shapes where its trace specialized on them (`shape_specialized`).
+        A trace may also guard on strides (a slice's row stride is not D): its entry serves every
+        call whose sizes and strides keep those guards; other layouts get slots of their own,
+        `key` + LayoutVariant(1), (2), ..."""
+        variant, slot, broken = 0, key, None
+        while (entry := self.cache.get(slot + (shapes,) if slot in self.shape_specialized else slot)) is not None:
+            broken = entry.broken_guard(tensors)
+            if broken is None:
+                return entry, slot, None
+            variant += 1
+            slot = key + (LayoutVariant(variant),)
+        return None, slot, broken
+
+    def _log_miss(self, key: tuple, broken: str | None = None) -> bool:
         """A miss on a function with compiled programs is a recompile: say which key part changed."""
         if not self.cache:
             cache_log.info("memfuse: %s: cache miss (first call), compiling", self._name())
             return False
-        change = describe_key_change(self.cache, key, self._arg_name)
+        change = f"the strides break the trace's layout guard {broken}" if broken else \
+            describe_key_change(self.cache, key, self._arg_name)
         cache_log.info("memfuse: %s: cache miss on a new key (%d programs compiled), compiling", self._name(),
                        len(self.cache))
         recompile_log.info("memfuse: %s: recompile #%d of this function: %s", self._name(), len(self.cache), change)
@@ -212,7 +233,7 @@ class FusedFunction:
                 tensor_index += 1
                 needs_grad = needs_grad or v.requires_grad
                 parts.append(("T", v.dtype, device, rank, shape[-1] if rank else None, lead, v.requires_grad,
-                              v.is_contiguous(), isinstance(v, torch.nn.Parameter)))
+                              _layout(v), isinstance(v, torch.nn.Parameter)))
             elif isinstance(v, CONSTANT_TYPES):
                 parts.append(("C", type(v), v))
             else:
@@ -282,6 +303,14 @@ class FusedFunction:
         return entry
 
 
+def _layout(t: torch.Tensor):
+    """The layout part of the compile key: True when contiguous; else whether the last stride is
+    1 (kernels then load a row's columns as one block, other strides are read per call)."""
+    if t.is_contiguous():
+        return True
+    return "last stride 1" if t.stride(-1) == 1 else "any strides"
+
+
 def _scheduled(graph, config: Config, kind: str):
     """The schedule; in strict mode a group the code generator declines is an error too."""
     result = schedule(graph, config, kind)
@@ -300,6 +329,12 @@ class _Slot:
         self.source, self.index = source, index
 
 
+@dataclasses.dataclass(frozen=True)
+class LayoutVariant:
+    """The last part of a compile key whose earlier entries' layout guards a call broke."""
+    number: int
+
+
 class _CacheEntry:
     def __init__(self, function: CompiledFunction, single_output: bool, captured, plan, input_names=None):
         self.function = function
@@ -307,3 +342,26 @@ class _CacheEntry:
         self.captured = captured
         self.plan = plan
         self.input_names = input_names or []   # the user's name of each tensor argument, in order
+        self.guard_values = None               # tensors -> (guard holds, ...), built at the first check
+
+    def broken_guard(self, tensors: list) -> str | None:
+        """The first of the trace's layout guards (capture._guards) these tensors break, or None."""
+        guards = self.captured.layout_guards
+        if not guards:
+            return None
+        if self.guard_values is None:
+            self.guard_values = _guard_function(guards, self.captured)
+        for guard, holds in zip(guards, self.guard_values(tensors)):
+            if not holds:
+                return str(guard)
+        return None
+
+
+def _guard_function(guards: list, captured) -> Callable:
+    """tensors -> one bool per guard, reading the sizes and strides the guards name."""
+    sources = {**{s: f"t[{i}].shape[{d}]" for s, (i, d) in captured.symbols.items()},
+               **{s: f"t[{i}].stride({d})" for s, (i, d) in captured.stride_symbols.items()}}
+    symbols = sorted({s for g in guards for s in g.free_symbols}, key=str)
+    test = sympy.lambdify(symbols, list(guards), [SIZE_FUNCTIONS, "math"])
+    read = eval(f"lambda t: ({', '.join(sources[s] for s in symbols)},)")
+    return lambda tensors: test(*read(tensors))

@@ -24,7 +24,7 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, Stateles
 from . import views
 from .ir import (COMPARISON, Cast, Constant, Extern, Graph, Index, Kind, Node, Op, Reduce, Seeded, Strided,
                  Symbol, Value, ValueRef, fits, verify)
-from .ops import OPS
+from .ops import OPS, accumulate_dtype
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -69,6 +69,8 @@ class Captured:
     has_seed: bool
     fallbacks: list = field(default_factory=list)   # (node name, target, reason)
     specialized: Optional[str] = None  # why leading shapes became part of the compile key
+    layout_guards: list = field(default_factory=list)   # guards on strides, checked per call (api)
+    stride_symbols: dict = field(default_factory=dict)  # sympy.Symbol -> (primal index, dim) of a stride
     differentiable_outputs: list = field(default_factory=list)   # forward outputs with a tangent
     aten_graph: Optional[torch.fx.GraphModule] = None
 
@@ -84,9 +86,11 @@ def capture(fn: Callable, args: Sequence[torch.Tensor], *, trace_joint: bool,
              for i, t in enumerate(args)]
     gm = _export(fn, tuple(fakes), trace_joint)
     symbols, hints = _symbol_sources(fakes)
-    strided = {i for i, t in enumerate(args) if not t.is_contiguous()}   # read in place, by their strides
+    # read in place, by their strides; a last stride of 1 is part of the compile key (api._key)
+    strided = {i: t.stride(-1) == 1 for i, t in enumerate(args) if not t.is_contiguous()}
     captured = _Lowering(gm, symbols, hints, strided).run(num_primals=len(args), trace_joint=trace_joint)
-    captured.specialized = _unsupported_guards(shape_env)
+    captured.stride_symbols = _stride_sources(fakes, symbols)
+    captured.specialized, captured.layout_guards = _guards(shape_env, symbols, captured.stride_symbols)
     captured.aten_graph = gm
     captured.differentiable_outputs = _differentiable_outputs(captured, fn, fakes)
     return captured
@@ -166,14 +170,40 @@ def _symbol_sources(fakes) -> tuple[dict, dict]:
     return symbols, hints
 
 
-def _unsupported_guards(shape_env: ShapeEnv) -> Optional[str]:
-    """Guards other than `s_a == s_b` are not implied by the compile key: specialize then."""
+def _stride_sources(fakes, sizes: dict) -> dict:
+    """symbol -> (input, dim) of the strides that are symbols of their own (a non-contiguous
+    input's: a slice's row stride is not D)."""
+    strides = {}
+    for i, fake in enumerate(fakes):
+        for d, stride in enumerate(fake.stride()):
+            expr = stride.node.expr if isinstance(stride, torch.SymInt) else None
+            if isinstance(expr, sympy.Symbol) and expr not in sizes and expr not in strides:
+                strides[expr] = (i, d)
+    return strides
+
+
+def _guards(shape_env: ShapeEnv, sizes: dict, strides: dict) -> tuple:
+    """(why leading shapes join the compile key, or None; the layout guards). `s_a == s_b` over
+    sizes is implied by the compile key. A guard that reads strides (a contiguity check inside a
+    decomposition: Ne(row stride, D)) holds for any batch size of the same layout: the caller
+    checks it per call (api) instead of specializing. Any other guard specializes. (The program
+    itself reads every stride per call; what the trace assumed of them picks between branches
+    that compute the same values, like the layout of a decomposition's output.)"""
+    # sizes found equal are one symbol now (the key holds equal sizes equal); a size found to be
+    # a constant stays itself, and its guard specializes
+    renamed = {s: r for s, r in shape_env.replacements.items() if isinstance(r, sympy.Symbol)}
+    specialized, layout = None, []
     for guard in shape_env.guards:
-        expr = guard.expr
-        if isinstance(expr, sympy.Eq) and all(isinstance(a, sympy.Symbol) for a in expr.args):
+        expr = guard.expr.xreplace(renamed)
+        free = expr.free_symbols
+        if expr == sympy.true or isinstance(expr, sympy.Eq) and all(
+                isinstance(a, sympy.Symbol) and a not in strides for a in expr.args):
             continue
-        return f"the trace guards on {expr}"
-    return None
+        if free & strides.keys() and free <= sizes.keys() | strides.keys():
+            layout.append(expr)
+        elif specialized is None:
+            specialized = f"the trace guards on {expr}"
+    return specialized, layout
 
 
 def to_expr(size) -> sympy.Expr:
@@ -209,8 +239,11 @@ def classify(fake) -> Value:
     """Place a traced tensor in the [M, D] space (module docstring of ir.py)."""
     if not isinstance(fake, torch.Tensor):
         return Value(None, Kind.TENSOR)
-    shape = tuple(to_expr(s) for s in fake.shape)
-    dtype = fake.dtype
+    return place(fake.dtype, tuple(to_expr(s) for s in fake.shape))
+
+
+def place(dtype: torch.dtype, shape: tuple) -> Value:
+    """The Value of a tensor of this dtype and (sympy) shape."""
     if len(shape) == 0 or all(s == 1 for s in shape):
         return Value(dtype, Kind.SCALAR, shape)
     last = shape[-1]
@@ -288,6 +321,10 @@ RAND_ATEN = {aten.rand_like.default, aten.rand.default}
 FILL_ATEN = {aten.full.default, aten.full_like.default, aten.empty_permuted.default, aten.empty.memory_format,
              aten.scalar_tensor.default, aten._efficientzerotensor.default}
 NOOP_ATEN = {aten._assert_tensor_metadata.default}   # checks the trace already made; no value
+# aten calls that read a tensor of any strides where it lies (aten.view does not: it may need a copy)
+ANY_STRIDES_ATEN = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.permute.default,
+                    aten.slice.Tensor, aten.select.int, aten.expand.default, aten.unsqueeze.default,
+                    aten.squeeze.dims, aten.alias.default}
 REDUCE_ATEN = {aten.sum.dim_IntList: Op.SUM, aten.amax.default: Op.MAX, aten.amin.default: Op.MIN,
                prims.sum.default: Op.SUM, aten.prod.dim_int: Op.PROD, aten.argmax.default: Op.ARGMAX,
                aten.argmin.default: Op.ARGMIN, aten.prod.default: Op.PROD}
@@ -304,12 +341,15 @@ SPECIAL_ATEN = {
     aten.relu.default: "maximum(x, 0)",
     aten.clamp.default: "maximum, minimum", aten.clamp.Tensor: "maximum, minimum",
     aten.pow.Tensor_Scalar: "x*x, x*x*x, sqrt, rsqrt, reciprocal, a fill of 1, or pow",
-    aten.mean.dim: "sum * 1/count, over D or over M",
+    aten.mean.dim: "sum * 1/count, over D, over M, or over some leading dims (a summed strided read)",
+    aten.sum.dim_IntList: "sum over D or over M; over some leading dims, a strided read that adds up their rows "
+                          "(a broadcast's gradient)",
+    aten.expand.default: "view; a strided read with stride 0 along the leading dims it repeats",
     aten.mean.default: "row sums * 1/D in the kernel, then aten's mean of the M row results",
     aten.var.correction: "sum -> mean, then the sum of squared deviations (over D)",
     aten.var_mean.correction: "sum -> mean, then the sum of squared deviations (over D)",
     aten.permute.default: "view when only size-1 dims move; else a strided read of a tensor in memory "
-                          "(an extern when the last dim moves)",
+                          "(columns by a stride when the last dim moves)",
     aten.slice.Tensor: "view when it keeps a whole dim; else a strided read of a tensor in memory",
     aten.select.int: "a strided read of a tensor in memory",
     aten.split_with_sizes.default: "strided reads of a tensor in memory, one per part",
@@ -355,11 +395,15 @@ class NotFusible(Exception):
 
 
 class _Lowering:
-    def __init__(self, gm: torch.fx.GraphModule, symbols: dict, hints: dict, strided_inputs=frozenset()):
+    def __init__(self, gm: torch.fx.GraphModule, symbols: dict, hints: dict, strided_inputs=None):
         self.gm = gm
-        self.strided_inputs = strided_inputs   # primal positions passed in with non-contiguous strides
+        # primal positions passed in with non-contiguous strides -> whether their last stride is 1
+        self.strided_inputs = strided_inputs or {}
+        self.last_stride_one: dict = {}   # non-contiguous input -> whether its last stride is 1
         self.maps: dict = {}           # STRIDED node -> its views.AccessMap (sympy), for composing views
         self.in_place: dict = {}       # non-contiguous input -> the STRIDED node that reads it
+        self.broadcasts: dict = {}     # (value, shape) -> the STRIDED node that reads it broadcast
+        self.aten_views: dict = {}     # STRIDED node lowered from an aten view op -> its fx node
         self.size_symbols: dict = {}   # sympy expression -> SYMBOL node
         self.symbols = symbols
         self.hints = hints
@@ -377,6 +421,7 @@ class _Lowering:
             self.graph.inputs.append(node.name)
             if position in self.strided_inputs and position < num_primals:
                 self.in_place[node.name] = None   # wrapped on first use (operand)
+                self.last_stride_one[node.name] = self.strided_inputs[position]
         for node in self.gm.graph.nodes:
             if node.op == "call_function":
                 self.env[node] = self.lower(node)
@@ -385,6 +430,7 @@ class _Lowering:
             elif node.op == "output":
                 outs = node.args[0]
                 self.graph.outputs = [self.env[o] if o is not None else None for o in outs]
+        self.keep_aten_views()
         has_seed = self.rng_streams > 0
         if has_seed:   # the seed sits between primals and tangents in the call order
             self.graph.inputs.insert(num_primals, "seed")
@@ -446,9 +492,12 @@ class _Lowering:
         if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)):
             return self.lower_symbol(node, val)
         try:
-            return self.lower_tensor_op(node, val)
+            name = self.lower_tensor_op(node, val)
         except NotFusible as reason:
             return self.lower_extern(node, val, str(reason))
+        if getattr(node.target, "is_view", False) and name == node.name and self.graph[name].op is Op.STRIDED:
+            self.aten_views[name] = node
+        return name
 
     def lower_symbol(self, node, val) -> str:
         expr = to_expr(val) if not isinstance(val, (torch.SymBool, bool)) else None
@@ -536,6 +585,10 @@ class _Lowering:
         x = self.operand(node.args[0])
         if fits(self.graph[x].value, value, Op.VIEW):
             return self.add(Op.VIEW, [x], value, name=node.name)
+        read = self.broadcast(x, value) if node.target is aten.expand.default else x
+        if read != x:
+            return read if self.graph[read].value.shape == value.shape else \
+                self.add(Op.VIEW, [read], value, name=node.name)
         if node.target is aten.expand.default or self.graph[x].value.dtype != value.dtype:
             raise NotFusible(f"{self.graph[x].value.kind.value} input {x} does not fit a "
                              f"{value.kind.value} result in one [M, D] space")
@@ -557,7 +610,12 @@ class _Lowering:
             step = views.reshape(source.shape, node.value.shape)
             if step is not None:
                 return source.then(*step, node.value.shape)
-        return views.identity(name, node.value.shape, name not in self.in_place)
+        return self.in_memory(name)
+
+    def in_memory(self, name: str) -> views.AccessMap:
+        """The identity map of a tensor in memory: made contiguous, or an input read by its strides."""
+        return views.identity(name, self.graph[name].value.shape, name not in self.in_place,
+                              self.last_stride_one.get(name, True))
 
     def read_in_place(self, name: str) -> str:
         """The STRIDED node that reads a non-contiguous input by its own strides (no copy)."""
@@ -565,9 +623,29 @@ class _Lowering:
             value = self.graph[name].value
             if value.kind in (Kind.SCALAR, Kind.TENSOR):
                 return name
-            self.in_place[name] = self.strided(f"{name}_in_place", views.identity(name, value.shape, False),
+            self.in_place[name] = self.strided(f"{name}_in_place", self.in_memory(name),
                                                value, "its own strides")
         return self.in_place[name]
+
+    def broadcast(self, name: str, value: Value) -> str:
+        """An operand whose leading dims broadcast against `value`'s ([B, D], [1, B, D] or [T, 1, D]
+        against [T, B, D]): read in place with stride 0 along the repeated dims, to `value`'s
+        leading dims and, for an [M, D] result, its own last dim (a [..., 1] operand stays a row
+        value, broadcast over the columns in registers). An operand that fits, or does not
+        broadcast, comes back as is."""
+        src = self.graph[name].value
+        if src.kind in (Kind.SCALAR, Kind.TENSOR) or value.kind not in (Kind.FULL, Kind.ROW) \
+                or fits(src, value, Op.VIEW):
+            return name
+        shape = tuple(value.shape[:-1]) + (src.shape[-1] if value.kind is Kind.FULL else value.shape[-1],)
+        key = (name, shape)
+        if key not in self.broadcasts:
+            step = views.expand(src.shape, shape)
+            if step is None or not fits(place(src.dtype, shape), value, Op.VIEW):
+                return name
+            self.broadcasts[key] = self.strided(f"{name}_broadcast", self.access(name).then(*step, shape),
+                                                place(src.dtype, shape), f"broadcast to {_shape(shape)}")
+        return self.broadcasts[key]
 
     def size_operand(self, expr):
         """An access-map entry as the IR holds it: an int, or a ValueRef to a SYMBOL node."""
@@ -581,11 +659,11 @@ class _Lowering:
         return ValueRef(self.size_symbols[expr])
 
     def strided(self, name: str, m: "views.AccessMap", value: Value, describe: str,
-                window: Optional[tuple] = None, fallback: Optional[str] = None) -> str:
+                window: Optional[tuple] = None, fallback: Optional[str] = None, summed: tuple = ()) -> str:
+        """A STRIDED node reading `m.root` through `m`; `summed`: the sizes of the dims after the
+        value's that the read adds up (a sum over leading dims)."""
         if value.kind in (Kind.SCALAR, Kind.TENSOR):
             raise NotFusible(f"a view of shape {_shape(value.shape)} is outside the [M, D] space")
-        if value.kind is not Kind.ROW and views.column_moves(m):
-            raise NotFusible("moves the last dim: D changes, which is not a row operation")
         # the rows unravel over the leading dims (all dims of a row value): the outermost size is not needed
         col = len(value.shape) - 1 if value.kind in (Kind.FULL, Kind.COL) else None
         outer = next((k for k, s in enumerate(value.shape) if k != col and not views.same(s, 1)), None)
@@ -594,13 +672,15 @@ class _Lowering:
                       for row, const in zip(m.coeffs, m.consts))
         win = None if window is None else tuple(
             None if w is None else (self.size_operand(w[0]), self.size_operand(w[1])) for w in window)
-        attr = Strided(sizes, index, win, m.contiguous_root, describe)
+        attr = Strided(sizes, index, win, m.contiguous_root, describe, tuple(self.size_operand(s) for s in summed),
+                       m.last_stride_one)
         if fallback is not None:
             self.check_fits(Op.STRIDED, [fallback], value)
         inputs = [m.root] + ([fallback] if fallback is not None else []) + attr.scalars()
         out = self.add(Op.STRIDED, inputs, value, attr, name=name)
-        if window is None:
-            self.maps[out] = views.AccessMap(m.root, tuple(value.shape), m.coeffs, m.consts, m.contiguous_root)
+        if window is None and not summed:
+            self.maps[out] = views.AccessMap(m.root, tuple(value.shape), m.coeffs, m.consts, m.contiguous_root,
+                                             m.last_stride_one)
         return out
 
     def lower_strided(self, node, val, value: Value) -> str:
@@ -693,6 +773,7 @@ class _Lowering:
                             f"select_backward(dim={dim})", window, self.const(0, value.dtype))
 
     def pointwise(self, op: Op, inputs, value: Value, name: str) -> str:
+        inputs = [self.broadcast(i, value) for i in inputs]
         self.check_fits(op, inputs, value)
         return self.add(op, inputs, value, name=name)
 
@@ -837,6 +918,49 @@ class _Lowering:
         self.rng_streams += 1
         return self.add(Op.RAND, [self.seed()], value, Seeded(stream), name=node.name)
 
+    @staticmethod
+    def leading_subset(dims, source: Value) -> tuple | None:
+        """(dims, whether D is summed too) of a sum over some, not all, of the leading dims of
+        `source` (for a row value: of its dims other than a last 1), dims sorted; None for a
+        reduction over all of them, over D alone, or over everything."""
+        rank = len(source.shape)
+        if source.kind not in (Kind.FULL, Kind.ROW) or dims is None or isinstance(dims, int) or not dims:
+            return None
+        dims = sorted(d % rank for d in dims)
+        with_d = source.kind is Kind.FULL and dims[-1] == rank - 1
+        leading = [j for j in range(rank) if (j < rank - 1 or source.kind is Kind.ROW)
+                   and not views.same(source.shape[j], 1)]
+        subset = dims[:-1] if with_d else dims
+        return (subset, with_d) if subset and set(subset) < set(leading) else None
+
+    def leading_sum(self, node, x: str, dims: list, value: Value, keepdim: bool, name: str | None = None) -> str:
+        """A sum over some of the leading dims ([T, B, D] -> [B, D]: a broadcast's gradient): each
+        element of the result adds up its T elements of `x`, read in place (x is written first
+        when a kernel computes it)."""
+        if node.kwargs.get("dtype") not in (None, value.dtype):
+            raise NotFusible("reduction with a dtype argument")
+        source = self.access(x)
+        coeffs, consts, shape = views.sum_over(source.shape, dims, keepdim)
+        summed = shape[len(shape) - len(dims):]
+        return self.strided(name or node.name, source.then(coeffs, consts, shape), value, f"sum over dims {dims}",
+                            summed=tuple(summed))
+
+    def lower_leading_sum(self, node, x: str, dims: list, with_d: bool, value: Value, name: str) -> str:
+        """A sum over some leading dims, and over D when `with_d` ([T, B, D] -> [B, 1]: the gradient
+        of a [B, 1] operand): the rows are summed in a kernel first, as fp32, into a row value."""
+        source = self.graph[x].value
+        keepdim = len(value.shape) == len(source.shape)
+        if not with_d:
+            return self.leading_sum(node, x, dims, value, keepdim, name)
+        acc = accumulate_dtype(value.dtype) if value.is_floating else value.dtype
+        rows = self.add(Op.SUM, [x], place(acc, tuple(source.shape[:-1]) + (sympy.Integer(1),)), Reduce(Kind.ROW),
+                        name=f"{name}_rows")
+        kept = tuple(sympy.Integer(1) if j in dims else s for j, s in enumerate(self.graph[rows].value.shape))
+        total = self.leading_sum(node, rows, dims, place(acc, kept), True, f"{name}_total")
+        if acc == value.dtype:
+            return self.add(Op.VIEW, [total], value, name=name)
+        return self.add(Op.CAST, [total], value, Cast(value.dtype), name=name)
+
     def reduction_axis(self, dims, source: Value) -> Kind:
         rank = len(source.shape)
         dims = [dims] if isinstance(dims, int) else dims
@@ -860,6 +984,9 @@ class _Lowering:
             dims = node.args[1] if len(node.args) > 1 else None
             if self.everything(dims, source):
                 return self.lower_total(node, op, x, value)
+            subset = self.leading_subset(dims, source)
+            if subset is not None and op is Op.SUM:
+                return self.lower_leading_sum(node, x, *subset, value, node.name)
         axis = self.reduction_axis(dims, source)
         if node.kwargs.get("dtype") not in (None, value.dtype):
             raise NotFusible("reduction with a dtype argument")
@@ -892,7 +1019,10 @@ class _Lowering:
 
     def count_reduced(self, source: Value, axis: Kind) -> str:
         """1 / (number of elements reduced): a constant over D, a SYMBOL over M."""
-        count = sympy.Integer(source.d) if axis is Kind.ROW else source.m
+        return self.inverse(sympy.Integer(source.d) if axis is Kind.ROW else source.m)
+
+    def inverse(self, count: sympy.Expr) -> str:
+        """1 / count as a scalar: a constant, or a SYMBOL when it depends on the sizes."""
         inverse = 1 / count
         if inverse.free_symbols:
             return self.add(Op.SYMBOL, (), Value(torch.float32, Kind.SCALAR), Symbol(inverse), name="inv_count")
@@ -936,6 +1066,12 @@ class _Lowering:
         dims = node.args[1] if len(node.args) > 1 else None
         if self.everything(dims, source):
             return self.lower_total(node, Op.SUM, x, value, mean=True)
+        subset = self.leading_subset(dims, source)
+        if subset is not None:
+            dims, with_d = subset
+            total = self.lower_leading_sum(node, x, dims, with_d, value, f"{node.name}_sum")
+            count = sympy.Mul(*[source.shape[j] for j in dims]) * (source.d if with_d else 1)
+            return self.pointwise(Op.MUL, [total, self.inverse(count)], value, node.name)
         axis = self.reduction_axis(dims, source)
         if axis is Kind.COL and source.dtype.itemsize > 4:
             raise NotFusible(f"a {source.dtype} mean over the leading dims: partials are fp32")
@@ -984,7 +1120,29 @@ class _Lowering:
         hit = self.pointwise(Op.EQ, [column, index], full_bool, f"{node.name}_hit")
         return self.pointwise(Op.WHERE, [hit, src, base], value, node.name)
 
+    def keep_aten_views(self) -> None:
+        """A view that only aten calls read, and read in any strides (a transposed weight for mm),
+        stays an aten view: a strided read is a kernel that copies it, aten reads it where it
+        lies. Not a fallback."""
+        users = self.graph.users()
+        outputs = set(self.graph.outputs)
+        for name in reversed(list(self.aten_views)):   # a view of such a view first
+            readers = [self.graph[u] for u in users[name]]
+            if not readers or name in outputs or any(
+                    r.op is not Op.EXTERN or r.attr.target not in ANY_STRIDES_ATEN for r in readers):
+                continue
+            node = self.aten_views[name]
+            inputs, value, attr = self.extern_call(node, node.meta["val"])
+            self.graph.nodes[name] = Node(name, Op.EXTERN, tuple(inputs), value, attr)
+            for inp in inputs:
+                users[inp].append(name)
+
     def lower_extern(self, node, val, reason: str) -> str:
+        self.fallbacks.append((node.name, str(node.target), reason))
+        return self.add(Op.EXTERN, *self.extern_call(node, val), name=node.name)
+
+    def extern_call(self, node, val) -> tuple:
+        """(inputs, value, Extern) of `node` as an aten call on the lowered values."""
         def ref(arg):
             if isinstance(arg, torch.fx.Node):
                 name = self.env[arg]
@@ -1000,9 +1158,7 @@ class _Lowering:
         kwargs = tuple((k, ref(v)) for k, v in node.kwargs.items())
         inputs = _refs(args) + _refs(tuple(v for _, v in kwargs))
         value = classify(val) if isinstance(val, torch.Tensor) else Value(None, Kind.TENSOR)
-        self.fallbacks.append((node.name, str(node.target), reason))
-        return self.add(Op.EXTERN, list(dict.fromkeys(inputs)), value, Extern(node.target, args, kwargs),
-                        name=node.name)
+        return list(dict.fromkeys(inputs)), value, Extern(node.target, args, kwargs)
 
 
 class TensorConstant:

@@ -26,16 +26,16 @@ CONDITIONAL = [   # (when, reason logged): rows of the table above that still fa
     ("integer pow (other than x**2, x**3)", "integer results and errors for negative exponents, as eager"),
     ("max / min / prod / argmax of integers", "the kernels reduce floats (integer sums are fused)"),
     ("argmax / argmin over every dim or over the leading dims", "a flat index / an index over M"),
-    ("reductions over a subset of the leading dims, or of a non-[M, D] value", "outside the [M, D] space"),
+    ("max / min / prod over some of the leading dims, or over a size-symbol dim (x.transpose(1, 2)'s last)",
+     "outside the [M, D] space (sums and means there are summed strided reads)"),
     ("a reduction over the leading dims of fp64 or integers", "the column partials are fp32"),
     ("var / var_mean over the leading dims or over every dim", "two passes over M"),
-    ("a value that does not fit the [M, D] space of its inputs", "e.g. a [B, 1, D] row meeting [B, T, D]"),
-    ("a permute or transpose that moves the last dim (size > 1)", "D changes: not a row operation"),
     ("slice_scatter with a step (a strided slice's backward)", "the index (c - start) / step is not affine"),
     ("a reshape that merges dims of a view that moved elements", "the view is written, then aten reshapes "
      "it (no copy)"),
-    ("a view of a value computed in the same kernel", "not a fallback: the kernel writes the value and "
-     "the next kernel reads it in place (`explain` lists it under why nodes did not fuse)"),
+    ("a view, broadcast or sum over leading dims of a value computed in the same kernel",
+     "not a fallback: the kernel writes the value and the next kernel reads it in place "
+     "(`explain` lists it under why nodes did not fuse)"),
     ("a copy to another device", "an aten copy"),
     ("polygamma of order 2 or more", "no helper (orders 0 and 1 are digamma and trigamma)"),
     (f"fp64 {', '.join(op.value for op, info in OPS.items() if not info.fp64)}",
@@ -65,7 +65,10 @@ def coverage_markdown() -> str:
         lines.append(f"| {_target(target)} | {becomes} |")
     lines += ["", "A reduction over every dim (`x.sum()`, `x.mean()`, a loss) reduces each row inside the",
               "kernel and finishes the M row results with one small aten call; rows longer than",
-              "`Config.max_row_length` run as looped kernels (chunks of `Config.loop_block_d` columns).", "",
+              "`Config.max_row_length` run as looped kernels (chunks of `Config.loop_block_d` columns).",
+              "An operand whose leading dims broadcast against the result's ([B, D], [1, B, D] or [T, 1, D]",
+              "against [T, B, D]) is read in place with stride 0 along the repeated dims; its gradient, a sum",
+              "over them, is a strided read that adds up those rows (one kernel over the [B, D] result).", "",
               "## Composites: decomposed to the ops above", "",
               "Core ATen decompositions plus these, asked for by `capture.decomposition_table()`; tested by",
               "`tests/test_ops.py::test_composite[<name>-...]` (activations, softmax, norms, losses).", "",

@@ -32,6 +32,7 @@ class Op(enum.Enum):
     SYMBOL = "symbol"        # a size-derived scalar, evaluated from the input shapes per call
     VIEW = "view"            # reshape/expand/clone that keeps the [M, D] element order
     STRIDED = "strided"      # a view read in place from a tensor in memory, through an access map
+                             # (or a sum over leading dims of one: Strided.summed)
     CAST = "cast"
     NEG = "neg"; ABS = "abs"; EXP = "exp"; LOG = "log"; SQRT = "sqrt"; RSQRT = "rsqrt"
     SIGMOID = "sigmoid"; TANH = "tanh"; ERF = "erf"; RECIPROCAL = "reciprocal"
@@ -142,12 +143,19 @@ class Strided:
     `window` (cat, slice_scatter, select_backward): per value dim, the range [start, end) the
     root covers, or None for all of it; elsewhere the value is the node's second input (the
     fallback), or 0 without one. `contiguous_root`: the root is made contiguous before the
-    read (its last stride is 1); False for an input passed in with other strides."""
+    read (its last stride is 1); False for an input passed in with other strides, whose last
+    stride is still 1 when `last_stride_one` (the compile key says so: columns load as a block).
+
+    `summed` (a sum over some leading dims, a broadcast's gradient): the sizes of extra index
+    dims, after the value's, that the read sums over; their coefficients follow the value
+    dims' in `index`. Each element of the value adds up the root elements of all their indices."""
     sizes: tuple                        # the value's dims: int or ValueRef (None: the outermost row dim)
-    index: tuple                        # per root dim: (coefficients per value dim, constant)
+    index: tuple                        # per root dim: (coefficients per value dim, then per summed dim, constant)
     window: Optional[tuple] = None      # per value dim: None or (start, end)
     contiguous_root: bool = True
     describe: str = ""                  # what it came from, for comments: "permute(1, 0, 2)"
+    summed: tuple = ()                  # sizes of the dims summed over: int or ValueRef
+    last_stride_one: bool = True
 
     @property
     def has_fallback(self) -> bool:
@@ -155,7 +163,7 @@ class Strided:
 
     def scalars(self) -> list:
         """The SYMBOL inputs the map reads (its ValueRefs), in order of first use."""
-        refs = list(self.sizes) + [c for coeffs, const in self.index for c in (*coeffs, const)]
+        refs = list(self.sizes) + list(self.summed) + [c for coeffs, const in self.index for c in (*coeffs, const)]
         refs += [b for w in (self.window or ()) if w is not None for b in w]
         return list(dict.fromkeys(r.name for r in refs if isinstance(r, ValueRef)))
 

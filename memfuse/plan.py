@@ -62,6 +62,8 @@ def recomputable(node: Node) -> bool:
         return False
     if node.op in REDUCTION and isinstance(node.attr, Reduce) and node.attr.axis is Kind.COL:
         return False   # a reduction over every row: recomputing it costs a whole extra pass
+    if node.op is Op.STRIDED and node.attr.summed:
+        return False   # a sum over leading dims: recomputing it re-reads every row it adds up
     return True
 
 

@@ -304,7 +304,9 @@ class _ProgramWriter:
         self.program = program
         self.graph = program.graph
         self.sizes = {s: sympy.Symbol(f"mf_s{i}") for i, s in enumerate(program.symbols)}
-        self.namespace: dict = {"mf_empty": torch.empty, "mf_STATS": STATS, "torch": torch}
+        # (the math that _SIZE_PRINTER writes: floor(s0/2) for a view(2, -1, D))
+        self.namespace: dict = {"mf_empty": torch.empty, "mf_STATS": STATS, "torch": torch,
+                                "floor": math.floor, "ceil": math.ceil, "copysign": math.copysign}
         self.lines: list = []
         self.allocated: set = set()      # values memfuse allocates (aligned, contiguous)
         self.contiguous: dict = {}       # value -> its local made contiguous for kernels
@@ -549,21 +551,26 @@ def _run_aten_group(graph: Graph, step: AtenGroup, env: dict, symbol_values: tup
         local[name] = result
     results = []
     for name, shape in step.shapes.items():
-        full = torch.broadcast_to(local[name], _canonical_shape(graph[name].value.kind, rows, d))
+        value = local[name]
+        if not isinstance(value, torch.Tensor):   # a fill with a constant (zeros under a scatter)
+            value = torch.tensor(value, dtype=graph[name].value.dtype, device=device)
+        full = torch.broadcast_to(value, _canonical_shape(graph[name].value.kind, rows, d))
         results.append(full.to(graph[name].value.dtype).reshape(shape(*symbol_values)).contiguous())
     return results
 
 
 def _read_view(node, root: torch.Tensor, shape, env: dict) -> tuple:
-    """A STRIDED node's (values, inside its window) by index arithmetic in torch (ir.Strided)."""
+    """A STRIDED node's (values, inside its window) by index arithmetic in torch (ir.Strided);
+    the summed dims are indexed after the value's, then added up."""
     a = node.attr
 
     def entry(e):
         return int(env[e.name]) if isinstance(e, ValueRef) else e
-    shape = [int(n) for n in shape]
+    value_shape = [int(n) for n in shape]
+    shape = value_shape + [entry(n) for n in a.summed]
     grids = torch.meshgrid(*[torch.arange(n, device=root.device) for n in shape], indexing="ij") if shape else []
     flat = torch.zeros(shape, dtype=torch.int64, device=root.device)
-    inside = torch.ones(shape, dtype=torch.bool, device=root.device)
+    inside = torch.ones(value_shape, dtype=torch.bool, device=root.device)
     for k, w in enumerate(a.window or ()):
         if w is not None:
             inside &= (grids[k] >= entry(w[0])) & (grids[k] < entry(w[1]))
@@ -573,8 +580,13 @@ def _read_view(node, root: torch.Tensor, shape, env: dict) -> tuple:
         flat += index * dense.stride(j)
     if dense.numel() == 0:
         values = torch.zeros(shape, dtype=root.dtype, device=root.device)
+    elif a.summed:
+        values = dense.reshape(-1)[flat]
     else:
         values = dense.reshape(-1)[torch.where(inside, flat, 0)]
+    if a.summed:
+        dtype = accumulate_dtype(node.value.dtype) if node.value.is_floating else node.value.dtype
+        values = values.to(dtype).sum(tuple(range(len(value_shape), len(shape))))
     return values, inside
 
 

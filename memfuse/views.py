@@ -2,8 +2,9 @@
 
 A view of rank r over a root of rank R is an affine map on indices: root index j of element
 (i_0, ..., i_{r-1}) is `sum_k coeffs[j][k] * i_k + consts[j]`. Permute, slice, select, the
-reshapes that split dims or add/remove size-1 dims, and the shift of a cat's part are all
-such maps, and a view of a view is their product. Entries are sympy expressions over the size
+reshapes that split dims or add/remove size-1 dims, broadcasts (coefficient 0) and the shift
+of a cat's part are all such maps, and a view of a view is their product. A sum over leading
+dims is a map with extra index dims that the read adds up. Entries are sympy expressions over the size
 symbols, so one map serves every batch size; the root's strides, read per call, turn the root
 index into a memory offset (codegen). capture builds these; nothing here touches the graph.
 """
@@ -24,6 +25,7 @@ class AccessMap:
     coeffs: tuple             # [R][r]: root index j per view index k
     consts: tuple             # [R]
     contiguous_root: bool     # the root is made contiguous before the read
+    last_stride_one: bool = True   # the root's last stride is 1 (contiguous, or an input keyed so)
 
     def then(self, coeffs, consts, shape) -> "AccessMap":
         """This map followed by a view whose index into *this* view is coeffs . i' + consts."""
@@ -32,13 +34,13 @@ class AccessMap:
                                  for n in range(rank)) for row in self.coeffs)
         new_consts = tuple(sympy.expand(sum((a * consts[k] for k, a in enumerate(row)), ZERO) + c)
                            for row, c in zip(self.coeffs, self.consts))
-        return AccessMap(self.root, tuple(shape), new_coeffs, new_consts, self.contiguous_root)
+        return AccessMap(self.root, tuple(shape), new_coeffs, new_consts, self.contiguous_root, self.last_stride_one)
 
 
-def identity(root: str, shape: Sequence, contiguous_root: bool) -> AccessMap:
+def identity(root: str, shape: Sequence, contiguous_root: bool, last_stride_one: bool = True) -> AccessMap:
     rank = len(shape)
     coeffs = tuple(tuple(ONE if j == k else ZERO for k in range(rank)) for j in range(rank))
-    return AccessMap(root, tuple(shape), coeffs, (ZERO,) * rank, contiguous_root)
+    return AccessMap(root, tuple(shape), coeffs, (ZERO,) * rank, contiguous_root, last_stride_one)
 
 
 def _unit(rank_in: int, rank_out: int, pairs) -> list:
@@ -83,6 +85,33 @@ def shift(rank: int, dim: int, start) -> tuple:
     return _unit(rank, rank, pairs), consts
 
 
+def expand(shape: Sequence, new_shape: Sequence) -> tuple | None:
+    """A broadcast (dims aligned from the right): a size-1 or missing dim of the source repeats
+    along the new one, index coefficient 0 (stride 0). None when the shapes do not broadcast."""
+    extra = len(new_shape) - len(shape)
+    if extra < 0:
+        return None
+    pairs = []
+    for j, size in enumerate(shape):
+        if same(size, new_shape[j + extra]):
+            pairs.append((j, j + extra, ONE))
+        elif not same(size, 1):
+            return None
+    return _unit(len(shape), len(new_shape), pairs), [ZERO] * len(shape)
+
+
+def sum_over(shape: Sequence, dims: Sequence[int], keepdim: bool) -> tuple:
+    """(coeffs, consts, shape) of a sum over `dims` as a map: the result's dims (the summed ones
+    kept as size 1 with keepdim) followed by one index dim per summed dim, which the read adds up."""
+    kept = [j for j in range(len(shape)) if j not in dims or keepdim]
+    result = [ONE if j in dims else shape[j] for j in kept]
+    position = {j: k for k, j in enumerate(kept) if j not in dims}
+    position.update({j: len(kept) + n for n, j in enumerate(dims)})
+    rank = len(kept) + len(dims)
+    return _unit(len(shape), rank, [(j, position[j], ONE) for j in range(len(shape))]), \
+        [ZERO] * len(shape), result + [shape[j] for j in dims]
+
+
 def same(a, b) -> bool:
     return sympy.expand(sympy.sympify(a) - sympy.sympify(b)) == 0
 
@@ -108,13 +137,3 @@ def reshape(shape: Sequence, new_shape: Sequence) -> Optional[tuple]:
     if k != len(dst):
         return None
     return _unit(len(shape), len(new_shape), pairs), [ZERO] * len(shape)
-
-
-def column_moves(m: AccessMap) -> bool:
-    """Whether the view's last dim (longer than 1) steps through a leading dim of the root: its
-    rows are then not rows of the root (a transpose that changes D). A last dim that reads one
-    element per row (a broadcast, select's backward over columns) is a row operation."""
-    last = len(m.shape) - 1
-    if last < 0 or same(m.shape[last], 1):
-        return False
-    return any(not same(row[last], 0) for row in m.coeffs[:-1])

@@ -96,7 +96,8 @@ SAMPLES = {
     aten.add.Scalar: [with_scalar(aten.add.Scalar, 1.5)],
     aten.sub.Tensor: [binary(aten.sub.Tensor, "fc")],
     aten.sub.Scalar: [with_scalar(aten.sub.Scalar, 0.5)],
-    aten.mul.Tensor: [binary(aten.mul.Tensor), binary(aten.mul.Tensor, "fi", grad=False)],
+    aten.mul.Tensor: [binary(aten.mul.Tensor), binary(aten.mul.Tensor, "fi", grad=False),
+                      binary(aten.mul.Tensor, "sf", name="leading_broadcast")],
     aten.mul.Scalar: [with_scalar(aten.mul.Scalar, 3)],
     aten.div.Tensor: [binary(aten.div.Tensor, "fn"), binary(aten.div.Tensor, "ii", grad=False)],
     aten.div.Scalar: [with_scalar(aten.div.Scalar, 4.0)],
@@ -185,7 +186,8 @@ SAMPLES = {
     aten.clamp.Tensor: [S(lambda a, lo, hi: aten.clamp.Tensor(a, lo, hi + 1), "frc")],
     # views that keep the [M, D] element order
     aten.view.default: [S(lambda a: aten.view.default(a, [-1, 8]) * 2, "f")],
-    aten.expand.default: [S(lambda r: aten.expand.default(r, FULL) * 2, "r")],
+    aten.expand.default: [S(lambda r: aten.expand.default(r, FULL) * 2, "r"),
+                          S(lambda s: aten.expand.default(s, FULL) * 2, "s", name="leading")],
     aten.clone.default: [S(lambda a: aten.clone.default(a) * 2, "f")],
     aten.alias.default: [S(lambda a: aten.alias.default(a) * 2, "f")],
     aten.squeeze.dims: [S(lambda s: aten.squeeze.dims(s, [1]) * 2, "s")],
@@ -193,7 +195,8 @@ SAMPLES = {
     aten.lift_fresh_copy.default: [S(lambda a: a * torch.tensor(2.0) + torch.tensor([1.0] * 8), "f")],
     # views that move elements: strided reads of a tensor in memory (tests/test_views.py has more)
     aten.permute.default: [S(lambda s: aten.permute.default(s, [1, 0, 2]) * 2, "s"),
-                           S(lambda a: aten.permute.default(a, [1, 0, 2]) * 2, "f", name="strided")],
+                           S(lambda a: aten.permute.default(a, [1, 0, 2]) * 2, "f", name="strided"),
+                           S(lambda a: aten.permute.default(a, [0, 2, 1]) * 2, "f", name="last_dim")],
     aten.slice.Tensor: [S(lambda a: aten.slice.Tensor(a, 1, 0, BIG) * 2, "f"),
                         S(lambda a: a[:, 1:4, 2:7:2] * 2, "f", name="strided")],
     aten.select.int: [S(lambda a: a[:, -1] * 2, "f")],
@@ -225,7 +228,9 @@ SAMPLES = {
                            S(lambda a: aten.sum.dim_IntList(a, [0, 1]), "f"),
                            S(lambda b: aten.sum.dim_IntList(b, [-1]), "b", grad=False),
                            S(lambda a: aten.sum.dim_IntList(a, []), "f", name="total"),
-                           S(lambda b: aten.sum.dim_IntList(b, [0, 1, 2]), "b", grad=False, name="count")],
+                           S(lambda b: aten.sum.dim_IntList(b, [0, 1, 2]), "b", grad=False, name="count"),
+                           S(lambda a: aten.sum.dim_IntList(a, [0]), "f", name="leading"),
+                           S(lambda a: aten.sum.dim_IntList(a, [0, 2], True), "f", name="leading_and_d")],
     prims.sum.default: [S(lambda a: prims.sum.default(a, [2]), "f", grad=False)],
     aten.amax.default: [S(lambda a: aten.amax.default(a, [-1]), "f"), S(lambda a: aten.amax.default(a, [0, 1]), "f"),
                         S(lambda a: aten.amax.default(a, []), "f", name="total")],
@@ -241,7 +246,8 @@ SAMPLES = {
     aten.max.dim: [S(lambda a: aten.max.dim(a, -1), "f")],
     aten.scatter.src: [S(lambda a: aten.max.dim(a, -1)[0] * 2, "f")],   # max.dim's backward
     aten.min.dim: [S(lambda a: aten.min.dim(a, -1, True), "q")],
-    aten.mean.dim: [S(lambda a: aten.mean.dim(a, [-1]), "f"), S(lambda a: aten.mean.dim(a, [0, 1]), "f")],
+    aten.mean.dim: [S(lambda a: aten.mean.dim(a, [-1]), "f"), S(lambda a: aten.mean.dim(a, [0, 1]), "f"),
+                    S(lambda a: aten.mean.dim(a, [1], True), "f", name="leading")],
     aten.var.correction: [S(lambda a: aten.var.correction(a, [-1], correction=0), "f")],
     aten.var_mean.correction: [S(lambda a: aten.var_mean.correction(a, [-1], correction=1, keepdim=True), "f")],
     # random: statistics and reproducibility are in test_random_* below
@@ -382,7 +388,7 @@ def test_dropout_backward_regenerates_the_forward_mask():
 
 # -- fallbacks: correct through aten, with the reason recorded; strict mode refuses them ----------
 EXTERNS = {
-    aten.permute.default: (lambda x: x.transpose(1, 2) * 2, "f"),            # moves the last dim
+    aten.amax.default: (lambda x: x.transpose(1, 2).amax(-1) * 2, "f"),      # over a size symbol (T)
     aten.slice_scatter.default: (lambda x: x[:, :, 1:6:2] * 2, "f"),         # a step in slice's backward
     aten.cat.default: (lambda x, y: torch.cat([x * 2, y.half()], -1), "ff"),  # parts of two dtypes
     aten.flip.default: (lambda x: x.flip(-1) + 1, "f"),

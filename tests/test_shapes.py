@@ -124,6 +124,20 @@ def test_non_contiguous_inputs():
     assert memfuse.stats()["compiles"] == 2          # contiguity is part of the key
 
 
+def test_a_shape_specialized_program_is_found_again_past_the_front_cache():
+    """A trace that guards on sizes (x @ w: x's last dim is w's first) is keyed by its shapes;
+    a repeated shape finds its program through the compile key too, not only the front cache."""
+    def relu_matmul(x, w):
+        return torch.relu(x @ w) * 2
+    fused = memfuse.memory_efficient_fusion(relu_matmul)
+    w = torch.randn(16, 32)
+    for rows in (8, 9, 9, 8):
+        fused.exact.clear()
+        x = torch.randn(rows, 16)
+        torch.testing.assert_close(fused(x, w), relu_matmul(x, w))
+    assert memfuse.stats()["compiles"] == 2
+
+
 def one_dim_pointwise(x, y):
     return (x * y).sin() + torch.atan(x) * y.exp()
 

@@ -3,12 +3,15 @@ place through access maps, against eager: outputs and every gradient, fp32 and b
 non-contiguous inputs, over several leading sizes with one compile, and never extern."""
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import memfuse
-from memfuse import Config
+from memfuse import Config, runtime
+from memfuse import schedule as scheduling
 from memfuse.ir import Op
 
 from compare import assert_same, run_both
@@ -43,6 +46,9 @@ CASES = {   # name -> (fn, input shapes)
     "select_column": (lambda x: x[..., 0] * 2, [(3, 6, 8)]),
     "chunk_swiglu": (swiglu, [(3, 4, 16)]),
     "split_heads": (heads, [(3, 5, 8)], ["aten.view.default"]),   # the backward merges the heads back
+    # (the merge is an aten view of the moved gradient: that gradient is written by a kernel first)
+    "split_heads_plain": (lambda x: x.view(*x.shape[:2], 2, -1).transpose(1, 2) * 2, [(3, 5, 8)],
+                          ["aten.view.default"]),
     "cat_columns": (lambda x, y: torch.cat([x.sin(), y], -1).exp(), [(3, 4, 8), (3, 4, 4)]),
     "cat_rows": (lambda x, y: torch.cat([x, y * 2], 1).exp(), [(3, 4, 8), (3, 2, 8)]),
     "rotate_half": (rotate_half, [(3, 4, 8)]),
@@ -106,6 +112,13 @@ def test_non_contiguous_input_is_read_in_place(name):
     assert reads and all(not n.attr.contiguous_root for n in reads)
 
 
+def test_a_size_inferred_by_minus_one_is_evaluated_per_call():
+    """view(2, -1, D): the size floor(s0 / 2) is Python in the program (math.floor)."""
+    both = run_both(lambda x: x.view(2, -1, 8).transpose(0, 1) * 2, [torch.randn(6, 8, requires_grad=True)])
+    assert_same(both.fused, both.eager)
+    assert_same(both.fused_grads, both.eager_grads, what="gradient")
+
+
 def test_one_compile_serves_every_leading_size():
     def fn(x, y):
         return torch.cat([x.permute(1, 0, 2), y], -1)[..., 4:].sin()
@@ -128,11 +141,76 @@ def test_one_compile_serves_every_leading_size():
 
 
 def test_non_contiguous_layouts_share_a_compile():
-    """Inputs of one compile key but other strides: strides are read per call."""
+    """Inputs of one compile key but other strides: strides are read per call. Whether the last
+    stride is 1 is part of the key: then a row's columns load as one block."""
     fused = memfuse.memory_efficient_fusion(lambda x: x.exp() * 2)
-    for x in [torch.randn(4, 3, 8).transpose(0, 1), torch.randn(3, 8, 8)[:, ::2], torch.randn(3, 4, 16)[..., ::2]]:
+    rows_in_place = [torch.randn(4, 3, 8).transpose(0, 1), torch.randn(3, 8, 8)[:, ::2], torch.randn(3, 4, 12)[..., 2:10]]
+    any_strides = [torch.randn(3, 4, 16)[..., ::2], torch.randn(3, 8, 4).transpose(1, 2)]
+    for x in rows_in_place + any_strides:
         torch.testing.assert_close(fused(x), x.exp() * 2)
+    assert memfuse.stats()["compiles"] == 2
+    sources = {entry.captured.joint.nodes["arg0_1_in_place"].attr.last_stride_one:
+               entry.function.forward.steps[0].kernel.source.source for entry in fused.cache.values()}
+    assert "arg0_1_stride2" not in sources[True] and "+ cols[None, :]" in sources[True]
+    assert "arg0_1_stride2: tl.int64" in sources[False] and "(cols * arg0_1_stride2)" in sources[False]
+
+
+SLICED_LAYOUTS = {   # name -> a non-contiguous input of batch size b
+    "columns_of_a_wider_tensor": lambda b: torch.randn(b, 4, 12)[..., 2:10],
+    "every_other_row": lambda b: torch.randn(2 * b, 4, 8)[::2],
+    "transposed_leading_dims": lambda b: torch.randn(4, b, 8).transpose(0, 1),
+}
+
+
+@pytest.mark.parametrize("name", list(SLICED_LAYOUTS))
+def test_sliced_inputs_share_a_compile_over_batch_sizes(name):
+    """softmax's decomposition checks contiguity: the trace guards on a stride (the row stride
+    of x[..., 2:10] is not D). The guard holds for every batch size: checked per call, no
+    recompile."""
+    fused = memfuse.memory_efficient_fusion(lambda x: torch.softmax(x, -1))
+    for b in (3, 5, 6):
+        x = SLICED_LAYOUTS[name](b).requires_grad_()
+        eager_x = x.detach().requires_grad_()
+        out, want = fused(x), torch.softmax(eager_x, -1)
+        grad = torch.randn_like(want)
+        out.backward(grad)
+        want.backward(grad)
+        assert_same([out], [want])
+        assert_same([x.grad], [eager_x.grad], scale=2.0, what="gradient")
+    entry, = fused.cache.values()
+    assert entry.captured.specialized is None
     assert memfuse.stats()["compiles"] == 1
+
+
+def test_a_layout_that_breaks_the_traced_stride_guard_compiles_again(caplog):
+    """Traced on x[..., 2:10] of rows of 12 (guard: row stride != D), then given rows of stride
+    D = 8 (every other row of a tensor): a second program, the broken guard logged; both
+    layouts then hit their own program."""
+    caplog.set_level(logging.INFO, logger="memfuse.recompiles")
+    fused = memfuse.memory_efficient_fusion(lambda x: torch.softmax(x, -1))
+    layouts = [SLICED_LAYOUTS["columns_of_a_wider_tensor"], SLICED_LAYOUTS["every_other_row"]]
+    for make in layouts + layouts:
+        x = make(3)
+        torch.testing.assert_close(fused(x), torch.softmax(x, -1))
+    assert memfuse.stats()["compiles"] == 2 and memfuse.stats()["recompiles"] == 1
+    assert any("layout guard" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+    first, _ = fused.cache.values()
+    assert first.captured.layout_guards and first.broken_guard([layouts[1](3)]) is not None
+    assert first.broken_guard([layouts[0](5)]) is None
+
+
+def test_strided_offsets_are_int64():
+    """A coefficient x stride product (a select's offset into dim 0, a split dim's step) passes
+    2**31 in a tensor of more elements although each factor fits in 32 bits: strides are int64
+    kernel arguments and never specialized (tests/test_gpu.py reads such a tensor)."""
+    fused = memfuse.memory_efficient_fusion(lambda x: x.permute(1, 0, 2)[2] * 2)
+    x = torch.randn(6, 5, 8)[:, ::2]
+    torch.testing.assert_close(fused(x), x.permute(1, 0, 2)[2] * 2)
+    kernel = next(iter(fused.cache.values())).function.forward.steps[0].kernel.source.source
+    assert "arg0_1_stride0: tl.int64," in kernel and "arg0_1_stride1: tl.int64," in kernel
+    jit = next(line for line in kernel.splitlines() if line.startswith("@triton.jit"))
+    assert "'arg0_1_stride0'" in jit and "'arg0_1_stride1'" in jit          # do_not_specialize
+    assert "2 * arg0_1_stride1" in kernel                                   # the select's offset: int64
 
 
 def test_looped_kernels_read_views():
@@ -154,12 +232,169 @@ def test_explain_says_why_a_view_of_a_computed_value_ends_the_kernel():
     assert any("in place" in row.reason for row in report.not_fused), report.not_fused
 
 
-def test_moving_the_last_dim_stays_extern_with_its_reason():
-    both = run_both(lambda x: x.transpose(1, 2) * 2, [torch.randn(3, 4, 8, requires_grad=True)])
+BROADCASTS = {   # name -> (fn, input shapes): operands whose leading dims repeat against the result's
+    "rows_over_time": (lambda a, b: (a * b).sin(), [(4, 8), (3, 4, 8)]),
+    "leading_one": (lambda a, b: (a * b).sin(), [(1, 4, 8), (3, 4, 8)]),
+    "middle_one": (lambda a, b: (a + b).tanh(), [(3, 1, 8), (3, 4, 8)]),
+    "row_vector": (lambda a, b: a * b, [(4, 1), (3, 4, 8)]),
+    "expand": (lambda a, b: a.expand(3, 4, 8) * b, [(4, 8), (3, 4, 8)]),
+    "two_leading_dims": (lambda a, b: torch.where(a > 0, a, b), [(4, 8), (2, 3, 4, 8)]),
+    "layer_norm_of_sum": (lambda a, b: F.layer_norm(a + b, (8,)), [(4, 8), (3, 4, 8)]),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("name", list(BROADCASTS))
+def test_leading_dim_broadcast_is_a_stride_0_read(name, dtype):
+    """The forward reads the broadcast operand in place with stride 0 along the repeated dims;
+    its gradient sums over them."""
+    fn, shapes = BROADCASTS[name]
+    args = [torch.randn(s).to(dtype).requires_grad_() for s in shapes]
+    both = run_both(fn, args)
+    assert_same(both.fused, both.eager, reference=both.reference)
+    assert_same(both.fused_grads, both.eager_grads, scale=2.0, what="gradient", reference=both.reference_grads)
+    joint = both.captured[0].joint
+    assert any(n.op is Op.STRIDED and n.attr.describe.startswith("broadcast") for n in joint.nodes.values())
+    assert any(n.op is Op.STRIDED and n.attr.summed for n in joint.nodes.values())
+    assert not both.fallbacks
+
+
+LEADING_SUMS = {   # name -> (fn, input shape): sums and means over some of the leading dims
+    "sum_first": (lambda x: x.sum(0).exp(), (3, 4, 8)),
+    "mean_middle_keepdim": (lambda x: x.mean(1, keepdim=True) * x, (3, 4, 8)),
+    "sum_two_of_three": (lambda x: x.sum((0, 2)).sin(), (2, 3, 4, 8)),
+    "sum_with_d": (lambda x: x.sum((0, 2)), (3, 4, 8)),
+    "mean_with_d_keepdim": (lambda x: x.mean((0, 2), keepdim=True) + x, (3, 4, 8)),
+    "row_value": (lambda x: x.sum(-1).sum(0), (3, 4, 8)),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("name", list(LEADING_SUMS))
+def test_sum_over_some_leading_dims_is_a_summed_read(name, dtype):
+    fn, shape = LEADING_SUMS[name]
+    both = run_both(fn, [torch.randn(shape).to(dtype).requires_grad_()])
+    assert_same(both.fused, both.eager, reference=both.reference)
+    assert_same(both.fused_grads, both.eager_grads, scale=2.0, what="gradient", reference=both.reference_grads)
+    assert not both.fallbacks
+    assert any(n.op is Op.STRIDED and n.attr.summed for n in both.captured[0].joint.nodes.values())
+
+
+def test_broadcast_serves_every_leading_size_with_one_compile():
+    def fn(a, b, s):
+        return F.layer_norm(a + b * s, (8,))
+    fused = memfuse.memory_efficient_fusion(fn)
+    for t, b in [(3, 4), (5, 2), (2, 6)]:
+        args = [torch.randn(b, 8), torch.randn(t, b, 8), torch.randn(b, 1)]
+        args = [a.requires_grad_() for a in args]
+        eager = [a.detach().requires_grad_() for a in args]
+        out, want = fused(*args), fn(*eager)
+        grad = torch.randn_like(want)
+        out.backward(grad)
+        want.backward(grad)
+        assert_same([out], [want])
+        assert_same([a.grad for a in args], [a.grad for a in eager], scale=2.0, what="gradient")
+    stats = memfuse.stats()
+    assert stats["compiles"] == 1 and stats["extern_calls"] == 0, stats
+
+
+def test_looped_kernels_read_broadcasts_sums_and_moved_columns():
+    def fn(a, x):
+        return torch.softmax(a * x, -1) + x.mean(0) + (x.transpose(1, 2) * 2).transpose(1, 2)
+    args = [torch.randn(4, 24, requires_grad=True), torch.randn(3, 4, 24, requires_grad=True)]
+    both = run_both(fn, args, config=Config(max_row_length=16, loop_block_d=8))
     assert_same(both.fused, both.eager)
-    assert_same(both.fused_grads, both.eager_grads, what="gradient")
+    assert_same(both.fused_grads, both.eager_grads, scale=2.0, what="gradient")
+    assert not both.fallbacks
+
+
+def test_strict_mode_accepts_broadcasts():
+    fused = memfuse.memory_efficient_fusion(lambda a, b: (a * b).sum(-1), config=Config(strict=True))
+    a, b = torch.randn(4, 8, requires_grad=True), torch.randn(3, 4, 8, requires_grad=True)
+    fused(a, b).sum().backward()
+    torch.testing.assert_close(a.grad, b.sum(0).detach())
+
+
+AT_ATEN = {   # name -> (fn, input shapes): every kind of strided read, in groups run op by op
+    **{name: CASES[name][:2] for name in ["permute_leading", "slice_of_permute", "select_column", "cat_columns",
+                                          "cat_rows", "rotate_half", "select_with_weight"]},
+    **{name: BROADCASTS[name] for name in ["rows_over_time", "middle_one", "row_vector"]},
+    "sum_with_d": (LEADING_SUMS["sum_with_d"][0], [LEADING_SUMS["sum_with_d"][1]]),
+}
+
+
+@pytest.mark.parametrize("name", list(AT_ATEN))
+def test_groups_the_code_generator_declines_read_views_through_aten(name, monkeypatch):
+    """runtime._read_view: the aten-group path indexes the root in torch by the same access map,
+    windows (cat, the slice and select backwards) and summed dims included."""
+    monkeypatch.setattr(scheduling, "_codegen_limit", lambda graph, group, config: "declined for this test")
+    reads = []
+    read_view = runtime._read_view
+    monkeypatch.setattr(runtime, "_read_view", lambda node, *rest: reads.append(node.attr) or read_view(node, *rest))
+    fn, shapes = AT_ATEN[name]
+    both = run_both(fn, [torch.randn(s, requires_grad=True) for s in shapes])
+    assert_same(both.fused, both.eager)
+    assert_same(both.fused_grads, both.eager_grads, scale=2.0, what="gradient")
+    assert both.kernels == 0 and reads
+    assert memfuse.stats()["fallbacks"] > 0
+
+
+LAST_DIM_MOVES = {   # name -> (fn, input shapes): transposes that move D, both ways
+    "transpose_last_two": (lambda x: x.transpose(1, 2) * 2, [(3, 4, 8)]),
+    "and_back": (lambda x: (x.transpose(1, 2) * 2).transpose(1, 2).softmax(-1), [(3, 4, 8)]),
+    "rank_two": (lambda x: x.transpose(0, 1).sin(), [(4, 8)]),
+    "rotate_dims": (lambda x: x.permute(2, 0, 1).exp(), [(3, 4, 8)]),
+    "add_transposed": (lambda x, y: x.transpose(1, 2) + y, [(3, 4, 8), (3, 8, 4)]),
+    "mean_of_transposed": (lambda x: x.mT.mean(1), [(3, 4, 8)]),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("name", list(LAST_DIM_MOVES))
+def test_moving_the_last_dim_reads_columns_by_a_stride(name, dtype):
+    """x.transpose(1, 2) of [B, T, D] is [B, D, T]: its last dim is a size symbol, so it is a row
+    value (one element per row); the way back ([B, D, T] -> [B, T, D]) walks its columns through
+    a leading dim of the root, by that dim's stride."""
+    fn, shapes = LAST_DIM_MOVES[name]
+    both = run_both(fn, [torch.randn(s).to(dtype).requires_grad_() for s in shapes])
+    assert_same(both.fused, both.eager, reference=both.reference)
+    assert_same(both.fused_grads, both.eager_grads, scale=2.0, what="gradient", reference=both.reference_grads)
+    assert not both.fallbacks
+
+
+def test_a_column_read_by_a_stride_in_the_generated_kernel():
+    fused = memfuse.memory_efficient_fusion(lambda x: x.transpose(1, 2) * 2)
+    x = torch.randn(3, 4, 8, requires_grad=True)
+    fused(x).sum().backward()
+    torch.testing.assert_close(x.grad, torch.full_like(x, 2.0))
+    backward = next(iter(fused.cache.values())).function.backward
+    source = "".join(step.kernel.source.source for step in backward.steps if hasattr(step, "kernel"))
+    assert "read in place through permute(0, 2, 1)" in source and "(cols * " in source
+
+
+def test_a_reduction_over_a_moved_symbolic_dim_stays_extern_with_its_reason():
+    """softmax over x.transpose(1, 2): the rows are T long, a size symbol, not a static D."""
+    both = run_both(lambda x: torch.softmax(x.transpose(1, 2), -1), [torch.randn(3, 4, 8, requires_grad=True)])
+    assert_same(both.fused, both.eager)
+    assert_same(both.fused_grads, both.eager_grads, scale=2.0, what="gradient")
     reasons = {f[1]: f[2] for f in both.fallbacks}
-    assert "moves the last dim" in reasons["aten.permute.default"]
+    assert "non-[M, D]" in reasons["aten.amax.default"]
+
+
+def test_a_view_only_aten_calls_read_stays_an_aten_view():
+    """x @ w.t() and a transposed operand of bmm: aten reads a view where it lies, a strided read
+    would be a kernel that copies it. Not a fallback: only the matmuls are."""
+    def fn(x, w, k):
+        return (x @ w.t()).relu() + (x.transpose(0, 1) @ k).transpose(0, 1)
+    args = [torch.randn(3, 4, 8, requires_grad=True), torch.nn.Parameter(torch.randn(8, 8)),
+            torch.randn(4, 8, 8, requires_grad=True)]
+    both = run_both(fn, args)
+    assert_same(both.fused, both.eager)
+    assert_same(both.fused_grads, both.eager_grads, scale=2.0, what="gradient")
+    assert {f[1] for f in both.fallbacks} <= {"aten.mm.default", "aten.bmm.default", "aten.view.default"}
+    joint = both.captured[0].joint
+    permutes = [n for n in joint.nodes.values() if n.op is Op.EXTERN and n.attr.target is torch.ops.aten.permute.default]
+    assert permutes and all(joint[i].op is not Op.STRIDED for n in permutes for i in n.inputs)
 
 
 def test_generated_view_reads_are_readable():

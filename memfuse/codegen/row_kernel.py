@@ -104,9 +104,8 @@ class RowKernelWriter:
             self.totals.setdefault(graph[name].value.dtype, []).append(name)
         self.persistent = bool(group.column_sums)
         self.helpers: list = []   # HELPERS entries the kernel calls
-        # tensors that STRIDED views read in place, with whether they are made contiguous first
-        self.roots = {graph[n].inputs[0]: graph[n].attr.contiguous_root for n in group.nodes
-                      if graph[n].op is Op.STRIDED}
+        # tensors that STRIDED views read in place -> a read's Strided attr (it says how the root is laid out)
+        self.roots = {graph[n].inputs[0]: graph[n].attr for n in group.nodes if graph[n].op is Op.STRIDED}
         plain = {i for n in group.nodes for i in graph[n].inputs[graph[n].op is Op.STRIDED:]}
         self.roots_only = set(self.roots) - plain - set(group.outputs)   # never loaded as [M, D]
 
@@ -166,12 +165,12 @@ class RowKernelWriter:
         self.write_helpers(out)
         out()
         self.header(out)
-        scalars = [a.name for a in args if a.role in ("scalar", "rows", "tiles")]
+        scalars = [a.name for a in args if a.role in ("scalar", "stride", "rows", "tiles")]
         out(f"@triton.jit(do_not_specialize={scalars!r})")
         out(f"def {g.name}(")
         out.indent()
-        for a in args:
-            out(f"{a.name},{self.describe(a)}")
+        for a in args:   # strides are int64: a coefficient x stride product may pass 2**31
+            out(f"{a.name}{': tl.int64' if a.role == 'stride' else ''},{self.describe(a)}")
         out("D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, NUM_STAGES: tl.constexpr,")
         out.dedent()
         out("):")
@@ -200,9 +199,10 @@ class RowKernelWriter:
             elif node.op in (Op.SYMBOL, Op.SEED):
                 args.append(Arg(self.reg(name), "scalar", name))
             else:
-                args.append(Arg(f"{name}_ptr", "read" if self.roots.get(name, True) else "in_place", name))
-        for root, contiguous in self.roots.items():   # strides of the tensors read in place
-            dims = len(self.graph[root].value.shape) - contiguous   # a contiguous root's last stride is 1
+                in_place = name in self.roots and not self.roots[name].contiguous_root
+                args.append(Arg(f"{name}_ptr", "in_place" if in_place else "read", name))
+        for root, layout in self.roots.items():   # strides of the tensors read in place
+            dims = len(self.graph[root].value.shape) - layout.last_stride_one   # (a last stride of 1 is no argument)
             args.extend(Arg(f"{root}_stride{j}", "stride", root, j) for j in range(dims))
         for name in self.group.outputs:
             args.append(Arg(f"{name}_ptr", "write", name))
@@ -227,7 +227,7 @@ class RowKernelWriter:
             shape = {Kind.FULL: "[M, D]", Kind.ROW: "[M]", Kind.COL: "[D]", Kind.SCALAR: "[1]"}.get(
                 v.kind, f"[{len(v.shape)} dims]")
             what = {"read": "input", "write": "output", "in_place": "input, read by its own strides"}[arg.role]
-            if arg.value in self.roots_only:
+            if arg.value in self.roots_only and arg.role == "read":
                 what += " read in place (views)"
             return f"  # {shape} {str(v.dtype).replace('torch.', '')} {what}"
         if arg.role == "stride":
@@ -477,7 +477,7 @@ class RowKernelWriter:
         col = rank - 1 if kind in (Kind.FULL, Kind.COL) else None     # the dim the columns walk
         row_dims = [k for k in range(rank) if k != col and a.sizes[k] != 1]
         root_strides = [f"{root}_stride{j}" for j in range(len(a.index))]
-        if a.contiguous_root:
+        if a.last_stride_one:
             root_strides[-1] = "1"
         out(f"# {node.name}: {root} read in place through {a.describe}")
         start = _sum(_times(self.entry(const), s) for (_, const), s in zip(a.index, root_strides))
@@ -508,12 +508,39 @@ class RowKernelWriter:
         else:
             offsets, mask = _sum([start, column]), "col_mask"
         out(f"{v}_offsets = {offsets}")
+        if a.summed:
+            self.summed_loads(out, node, root_strides, mask)
+            return
         to = "" if node.value.dtype == torch.bool else f".to({TRITON_DTYPES[compute_dtype(node.value.dtype)]})"
         mask = mask if inside is None else f"{mask} & {inside}"
         out(f"{v} = tl.load({root}_ptr + {v}_offsets, mask={mask}, other=0){to}")
         if inside is not None:
             fallback = self.operand(node.inputs[1], kind, compute_dtype(node.value.dtype), node.value.dtype)
             out(f"{v} = tl.where({inside}, {v}, {fallback})")
+
+    def summed_loads(self, out: _Lines, node: Node, root_strides: list, mask: str) -> None:
+        """A sum over leading dims of the root: one load per index of the summed dims (their
+        count a per-call size), accumulated in fp32 (fp64 and integers in their own dtype)."""
+        a, v, root = node.attr, self.reg(node.name), node.inputs[0]
+        rank = len(a.sizes)
+        acc = TRITON_DTYPES[accumulate_dtype(node.value.dtype) if node.value.is_floating else node.value.dtype]
+        block = {Kind.FULL: "[BLOCK_M, BLOCK_D]", Kind.ROW: "[BLOCK_M]", Kind.COL: "[BLOCK_D]"}[node.value.kind]
+        count = "1"
+        for size in a.summed:
+            count = _times(count, self.entry(size))
+        out(f"{v} = tl.zeros({block}, {acc})")
+        out(f"for {v}_r in tl.range(0, {count}):")
+        out.indent()
+        steps, inner = [], "1"
+        for n in reversed(range(len(a.summed))):   # the summed index unravels like the rows do
+            stride = _sum(_times(self.entry(coeffs[rank + n]), s) for (coeffs, _), s in zip(a.index, root_strides))
+            index = f"{v}_r" if inner == "1" else f"{v}_r // {_paren(inner)}"
+            if n:
+                index = f"{_paren(index)} % {self.entry(a.summed[n])}"
+            steps.append(_times(index, stride))
+            inner = _times(inner, self.entry(a.summed[n]))
+        out(f"{v} += tl.load({root}_ptr + {v}_offsets + {_paren(_sum(steps))}, mask={mask}, other=0).to({acc})")
+        out.dedent()
 
     def window(self, out: _Lines, node: Node, index: dict, col: Optional[int]) -> Optional[str]:
         """The mask of the elements the root covers (cat parts, scatters), None for all."""
