@@ -595,7 +595,8 @@ class _Lowering:
         source = self.access(x)
         step = views.reshape(source.shape, value.shape)
         if step is None:
-            raise NotFusible(f"a reshape that merges dims ({_shape(source.shape)} -> {_shape(value.shape)}): "
+            raise NotFusible(f"a reshape that is not provably a split of dims ({_shape(source.shape)} -> "
+                             f"{_shape(value.shape)}: merged dims, or sizes the trace does not relate, as from a -1): "
                              f"not a strided view")
         return self.strided(node.name, source.then(*step, value.shape), value, f"view{_shape(value.shape)}")
 
