@@ -338,23 +338,24 @@ class RowKernelWriter:
         out("if ticket == group_end - group_first - 1:")
         out.indent()
         out("tl.debug_barrier()  # the ticket (its acquire) comes before any thread reads the group's partials")
-        chunked = self.open_finish_columns(out)
-        self.combine_partials(out, "group_first", "group_end", "1", totals=False)
-        if chunked:
-            out.dedent()
+        self.combine_level(out, "group_first", "group_end", "1", totals=False)
         out("tl.store(done_ptr + 1 + group, 0)  # the next launch (or graph replay) counts from zero")
         out("tl.debug_barrier()  # the group's row comes before its ticket for the last group")
         out('group_ticket = tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu")')
         out("if group_ticket == groups - 1:")
         out.indent()
         out("tl.debug_barrier()  # the ticket (its acquire) comes before any thread reads the groups' rows")
-        chunked = self.open_finish_columns(out)
-        self.combine_partials(out, "0", "num_programs", "group_size", totals=True)
-        if chunked:
-            out.dedent()
+        self.combine_level(out, "0", "num_programs", "group_size", totals=True)
         out("tl.store(done_ptr, 0)")
         out.dedent()
         out.dedent()
+
+    def combine_level(self, out: _Lines, first: str, end: str, step: str, totals: bool) -> None:
+        """One level of the finish over the whole row (in chunks of columns where it has them)."""
+        chunked = self.open_finish_columns(out)
+        self.combine_partials(out, first, end, step, totals)
+        if chunked:
+            out.dedent()
 
     def combine_partials(self, out: _Lines, first: str, end: str, step: str, totals: bool) -> None:
         """Combine the partials rows first, first + step, ... (below `end`) of the columns `cols`
