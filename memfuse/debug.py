@@ -24,6 +24,8 @@ COUNTERS = {
     "recompiles": "compiles of a function that already had a compiled program (a cache miss on a new key)",
     "cache_hits": "calls that found their compiled program in the cache",
     "kernels_generated": "Triton kernels generated and loaded (runtime.Program, once per compile)",
+    "kernels_loaded": "kernels whose binary precompile loaded from Triton's cache through memfuse's index, "
+                      "without Triton's compile (precompile.BinaryIndex)",
     "kernels_launched": "Triton kernel launches (runtime.Program._launch, every call)",
     "extern_calls": "aten calls made at run time for extern steps (matmul, ...)",
     "fallbacks": "ops (capture) and kernel groups (schedule) sent to aten, counted once per compile",

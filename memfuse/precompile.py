@@ -12,21 +12,36 @@ of the process. On a GPU memfuse starts both earlier:
   launches, and a kernel that fails to compile here is compiled (and fails) again at its launch,
   with Triton's error there.
 
+With a warm disk cache a kernel skips Triton's `compile` altogether: `BinaryIndex` remembers,
+per generated kernel, launch configuration and GPU, where in Triton's cache its binary lies (the
+cache hash and the argument specialization), and loads it from there. Triton's own lookup first
+hashes its whole installation (`triton_key`: 400 MB of libtriton, about 0.3 s per process); the
+index keys on the installation's version and file stamps instead. The loaded kernel is handed to
+the launch directly (runtime.Launcher.compiled), as is a kernel compiled here.
+
 Without a GPU (Triton's interpreter) `warmup` compiles nothing; `precompile(..., force=True)`
 still walks the same path, which is how the CPU tests cover it.
 """
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import logging
+import os
+import tempfile
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Optional
 
 import torch
 
 from .config import Config
+from .debug import STATS
 from .ir import Op
 from .runtime import KernelLaunch
+from .tuning import LaunchConfig
 
 log = logging.getLogger("memfuse.kernels")
 MAX_THREADS = 4           # kernels compiled at once (a program pair has 1-6 kernels)
@@ -42,11 +57,15 @@ def enabled(device: torch.device, config: Config) -> bool:
 
 
 def start_driver(device: torch.device) -> Future:
-    """Set up Triton's driver for `device` in a background thread (once per device)."""
+    """Set up Triton's driver for `device` in a background thread (once per device), and hash
+    Triton's installation in another (once per process: `triton_key`, the first part of every
+    key Triton's `compile` looks up, 0.3 s), so a kernel not in the BinaryIndex finds it done."""
     with _lock:
         future = _driver.get(device.index)
         if future is None:
             future = _driver[device.index] = _executor().submit(_set_up_driver, device)
+            if "triton_key" not in _driver:
+                _driver["triton_key"] = _executor().submit(_triton_key)
     return future
 
 
@@ -97,11 +116,106 @@ def _warm_up(graph, launch: KernelLaunch, device: torch.device, config: Config) 
     if device.type != "cuda":
         launch.kernel.fn.warmup(*args, grid=(1,), **keywords)   # the interpreter: returns at once
         return
+    chosen = launch.launch_config(device, config)
+    index = BinaryIndex(config.cache_dir)
     with torch.cuda.device(device):
-        compiled = launch.kernel.fn.warmup(*args, grid=(1,), **keywords)
-        load = getattr(compiled, "_init_handles", None)
-        if load is not None:
-            load()       # load the binary and build the launcher now, not at the first launch
+        target = str(_current_target())
+        compiled = index.load(launch.kernel, chosen, target)
+        if compiled is None:
+            _triton_installation_hashed()
+            compiled = launch.kernel.fn.warmup(*args, grid=(1,), **keywords)
+            index.record(launch.kernel, chosen, target, compiled)
+        else:
+            STATS["kernels_loaded"] += 1
+        compiled._init_handles()   # load the binary and build the launcher now, not at the first launch
+    launch.launcher.compiled[(device.index, chosen)] = compiled
+
+
+class BinaryIndex:
+    """Where Triton's cache holds each generated kernel's binary, one small JSON file per kernel,
+    launch configuration, GPU target and Triton installation (`toolchain`): Triton's cache hash
+    and the specialization its launcher is built from (signature, constants, attributes). A
+    missing or stale entry (Triton's cache cleared, another Triton) is a miss: the kernel is
+    compiled through Triton as usual and the entry rewritten."""
+
+    def __init__(self, cache_dir: Path):
+        self.directory = Path(cache_dir) / "binaries"
+
+    def path(self, kernel, launch_config: LaunchConfig, target: str) -> Path:
+        variant = json.dumps([launch_config.block_m, launch_config.num_warps, launch_config.num_stages, target,
+                              toolchain()])
+        digest = hashlib.sha256(variant.encode()).hexdigest()[:16]
+        return self.directory / f"{Path(kernel.path).stem}-{digest}.json"
+
+    def load(self, kernel, launch_config: LaunchConfig, target: str):
+        """The compiled kernel from Triton's cache, or None (no entry, or Triton's files gone)."""
+        from triton.compiler.compiler import ASTSource, CompiledKernel
+        from triton.runtime.cache import get_cache_manager
+        try:
+            entry = json.loads(self.path(kernel, launch_config, target).read_text())
+        except (OSError, ValueError):
+            return None
+        group = get_cache_manager(entry["hash"]).get_group(f"{kernel.fn.__name__[:150]}.json")
+        if group is None:
+            return None
+        source = ASTSource(kernel.fn, entry["signature"], {tuple(k): v for k, v in entry["constants"]},
+                           {tuple(k): v for k, v in entry["attrs"]})
+        return CompiledKernel(source, group, entry["hash"])
+
+    def record(self, kernel, launch_config: LaunchConfig, target: str, compiled) -> None:
+        """Remember where Triton put `compiled` (written atomically; a failed write only costs a
+        later compile)."""
+        source = compiled.src
+        entry = {"hash": compiled.hash, "signature": source.signature,
+                 "constants": [[list(k), v] for k, v in source.constants.items()],
+                 "attrs": [[list(k), v] for k, v in source.attrs.items()]}
+        try:
+            text = json.dumps(entry)
+        except TypeError:          # a constant JSON cannot hold: not indexed, compiled each process
+            return
+        path = self.path(kernel, launch_config, target)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(tmp, path)
+        except OSError as e:
+            log.info("memfuse: could not write %s: %s", path, e)
+
+
+@functools.cache
+def toolchain() -> str:
+    """The Triton installation and settings a binary was built by: Triton's version, the size and
+    modification time of its compiler library and package files, and the TRITON_* environment.
+    Stamps, not contents: hashing them is what costs Triton 0.3 s per process."""
+    import triton
+    from triton._C import libtriton
+    stamps = []
+    for path in (libtriton.__file__, triton.__file__, triton.compiler.compiler.__file__):
+        stat = os.stat(path)
+        stamps.append([path, stat.st_size, stat.st_mtime_ns])
+    settings = sorted((k, v) for k, v in os.environ.items() if k.startswith("TRITON_"))
+    return json.dumps([triton.__version__, stamps, settings])
+
+
+def _current_target():
+    import triton
+    return triton.runtime.driver.active.get_current_target()
+
+
+def _triton_installation_hashed() -> None:
+    """Wait for start_driver's `triton_key`: threads that call it before it is cached each hash
+    the 400 MB again, side by side."""
+    with _lock:
+        future = _driver.get("triton_key")
+    if future is not None:
+        future.result()
+
+
+def _triton_key() -> None:
+    from triton.runtime.cache import triton_key
+    triton_key()
 
 
 def _set_up_driver(device: torch.device) -> None:

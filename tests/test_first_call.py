@@ -11,6 +11,7 @@ import memfuse
 from memfuse import precompile
 from memfuse.capture import decomposition_table
 from memfuse.runtime import KernelLaunch, Launcher
+from memfuse.tuning import LaunchConfig
 
 from helpers import BLOCKS, block_inputs
 
@@ -98,3 +99,76 @@ def test_precompile_is_a_config_switch(monkeypatch):
     assert memfuse.Config().precompile
     assert not precompile.enabled(torch.device("cpu"), memfuse.Config())
     assert precompile.enabled(torch.device("cuda", 0), memfuse.Config())
+
+
+class _FakeCompiled:
+    """What BinaryIndex reads off a kernel Triton compiled: its cache hash and its source's
+    specialization."""
+    def __init__(self, fn, hash="ab" * 32):
+        from triton.compiler.compiler import ASTSource
+        self.hash = hash
+        self.src = ASTSource(fn, {"x_ptr": "*fp32", "M": "i32", "D": "constexpr"}, {(2,): 1024},
+                             {(0,): [["tt.divisibility", 16]]})
+
+
+def _index_fakes(monkeypatch, groups: dict):
+    """Triton's cache as a dict (hash -> group) and CompiledKernel as a record of its arguments."""
+    import triton.compiler.compiler as compiler
+    import triton.runtime.cache as cache
+
+    class Manager:
+        def __init__(self, key):
+            self.key = key
+
+        def get_group(self, filename):
+            return groups.get(self.key, {}).get(filename)
+    monkeypatch.setattr(cache, "get_cache_manager", Manager)
+    monkeypatch.setattr(compiler, "CompiledKernel", lambda src, group, hash: ("loaded", src, group, hash))
+
+
+def _a_kernel():
+    fused, tensors, consts, grad = _compiled()
+    return _launches(fused.compiled_for(*tensors, **consts).function)[0][1].kernel
+
+
+def test_binary_index_loads_what_it_recorded(tmp_path, monkeypatch):
+    kernel = _a_kernel()
+    name = kernel.fn.__name__
+    group = {f"{name}.json": f"/triton/{name}.json", f"{name}.cubin": f"/triton/{name}.cubin"}
+    _index_fakes(monkeypatch, {"ab" * 32: {f"{name}.json": group}})
+    index = precompile.BinaryIndex(tmp_path)
+    config = LaunchConfig(block_m=4, num_warps=8, programs_per_sm=1, num_stages=3)
+    assert index.load(kernel, config, "GPUTarget(cuda, 90)") is None        # nothing recorded yet
+    recorded = _FakeCompiled(kernel.fn)
+    index.record(kernel, config, "GPUTarget(cuda, 90)", recorded)
+    tag, source, loaded_group, hash = index.load(kernel, config, "GPUTarget(cuda, 90)")
+    assert (tag, loaded_group, hash) == ("loaded", group, recorded.hash)
+    assert source.fn is kernel.fn
+    assert source.signature == recorded.src.signature
+    assert source.constants == recorded.src.constants
+    assert source.attrs == recorded.src.attrs
+
+
+def test_binary_index_misses_on_another_variant_or_a_cleared_triton_cache(tmp_path, monkeypatch):
+    kernel = _a_kernel()
+    name = kernel.fn.__name__
+    groups = {"ab" * 32: {f"{name}.json": {f"{name}.json": "/triton/k.json"}}}
+    _index_fakes(monkeypatch, groups)
+    index = precompile.BinaryIndex(tmp_path)
+    config = LaunchConfig(block_m=4, num_warps=8, programs_per_sm=1, num_stages=3)
+    index.record(kernel, config, "GPUTarget(cuda, 90)", _FakeCompiled(kernel.fn))
+    assert index.load(kernel, config, "GPUTarget(cuda, 90)") is not None
+    assert index.load(kernel, LaunchConfig(4, 4, 1, 3), "GPUTarget(cuda, 90)") is None     # other warps
+    assert index.load(kernel, config, "GPUTarget(cuda, 100)") is None                     # other GPU
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0")                                   # other settings
+    precompile.toolchain.cache_clear()
+    try:
+        assert index.load(kernel, config, "GPUTarget(cuda, 90)") is None
+    finally:
+        monkeypatch.delenv("TRITON_DEFAULT_FP_FUSION")
+        precompile.toolchain.cache_clear()
+    assert index.load(kernel, config, "GPUTarget(cuda, 90)") is not None
+    groups.clear()                                                                        # Triton's cache cleared
+    assert index.load(kernel, config, "GPUTarget(cuda, 90)") is None
+    index.path(kernel, config, "GPUTarget(cuda, 90)").write_text("{not json")
+    assert index.load(kernel, config, "GPUTarget(cuda, 90)") is None

@@ -261,24 +261,70 @@ def test_stepped_slice_past_2_31_elements():
     assert memfuse.stats()["extern_calls"] == 0
 
 
-def test_precompile_leaves_the_first_launch_nothing_to_compile():
-    """memfuse.precompile builds every kernel when the program is built; the first call's
-    launches must find them in Triton's kernel cache (same key: argument types, constexprs,
-    warps, alignment), not compile a second variant."""
+def test_precompile_hands_every_kernel_to_its_launch():
+    """memfuse.precompile builds every kernel when the program is built (or loads it through its
+    index) and hands it to the launch: the first call's launches compile nothing, and Triton's
+    kernel cache holds at most the one variant precompile built."""
     from memfuse.runtime import KernelLaunch
     inputs = make_inputs([8, 16, 1024], torch.float32, 3)
     fused = memfuse.memory_efficient_fusion(layer_norm_block)
     kwargs = dict(normalization_axis=2, dropout_prob=0.1)
     function = fused.compiled_for(*inputs, **kwargs).function
-    device = torch.cuda.current_device()
-    kernels = [step.kernel.fn for program in (function.forward, function.backward)
-               for step in program.steps if isinstance(step, KernelLaunch)]
-    assert len(kernels) >= 2
-    before = [len(fn.device_caches[device][0]) for fn in kernels]
-    assert before == [1] * len(kernels)       # each compiled once, before any launch
+    device = torch.device("cuda", torch.cuda.current_device())
+    launches = [step for program in (function.forward, function.backward)
+                for step in program.steps if isinstance(step, KernelLaunch)]
+    assert len(launches) >= 2
+    for launch in launches:
+        assert (device.index, launch.configs[device]) in launch.launcher.compiled
+    before = [len(launch.kernel.fn.device_caches[device.index][0]) for launch in launches]
+    assert all(n <= 1 for n in before)
     fused(*inputs, **kwargs).backward(torch.randn_like(inputs[0]))
     torch.cuda.synchronize()
-    assert [len(fn.device_caches[device][0]) for fn in kernels] == before
+    assert [len(launch.kernel.fn.device_caches[device.index][0]) for launch in launches] == before
+
+
+_WARM_RUN = """
+import sys, torch, memfuse
+from benchmarks.workloads import layer_norm_block
+from memfuse.runtime import KernelLaunch
+torch.manual_seed(0)
+x = torch.randn(8, 16, 1024, device="cuda", requires_grad=True)
+r = torch.randn(8, 16, 1024, device="cuda", requires_grad=True)
+params = [torch.randn(1024, device="cuda", requires_grad=True) for _ in range(3)]
+fused = memfuse.memory_efficient_fusion(layer_norm_block)
+out = fused(x, r, *params, normalization_axis=2, dropout_prob=0.1)
+out.backward(torch.ones_like(out))
+function = fused.compiled_for(x, r, *params, normalization_axis=2, dropout_prob=0.1).function
+launches = [s for p in (function.forward, function.backward) for s in p.steps if isinstance(s, KernelLaunch)]
+compiled_by_triton = sum(len(s.kernel.fn.device_caches[0][0]) for s in launches)
+torch.save({"out": out, "grads": [t.grad for t in (x, r, *params)], "kernels": len(launches),
+            "loaded": memfuse.stats()["kernels_loaded"], "compiled_by_triton": compiled_by_triton}, sys.argv[1])
+"""
+
+
+def test_a_warm_disk_cache_loads_kernels_without_triton_compiling(tmp_path):
+    """A second process with the same caches loads every kernel's binary through memfuse's
+    BinaryIndex (Triton's compile, and its 0.3 s installation hash, never run) and computes the
+    same bits as the process that compiled them."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "MEMFUSE_CACHE_DIR": str(tmp_path / "memfuse"), "TRITON_CACHE_DIR": str(tmp_path / "triton"),
+           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    runs = []
+    for name in ("cold", "warm"):
+        done = subprocess.run([sys.executable, "-c", _WARM_RUN, str(tmp_path / name)], env=env, cwd=root,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs.append(torch.load(tmp_path / name))
+    cold, warm = runs
+    assert cold["loaded"] == 0 and cold["compiled_by_triton"] == cold["kernels"]
+    assert warm["loaded"] == warm["kernels"] == cold["kernels"] and warm["compiled_by_triton"] == 0
+    assert torch.equal(cold["out"], warm["out"])
+    for a, b in zip(cold["grads"], warm["grads"]):
+        assert torch.equal(a, b)
 
 
 def test_views_on_gpu_with_unaligned_and_non_contiguous_inputs():
