@@ -113,8 +113,11 @@ class KernelLaunch:
             args.append(rows)
             if self.persistent:
                 args.append(-(-tiles // programs))
+        # the precompiled kernel takes 32-bit sizes (Triton's i32 for small ints): past that, Triton's
+        # generic path compiles the 64-bit variant (sizes are leading dims: none exceeds the rows)
+        direct = aligned and (rows is None or rows <= INT32_MAX)
         try:
-            self.launcher(programs, args, device, config, aligned)
+            self.launcher(programs, args, device, config, direct)
         except OutOfResources:
             if config.num_stages == 1:
                 raise
@@ -124,8 +127,8 @@ class KernelLaunch:
             self.grids.pop(device)
             return self._launch(device, rows, aligned, values)
         STATS["kernels_launched"] += 1
-        direct = self.direct.get(device)
-        if aligned and device.type == "cuda" and (direct is None or direct.config is not config):
+        direct_launch = self.direct.get(device)
+        if direct and device.type == "cuda" and (direct_launch is None or direct_launch.config is not config):
             compiled = self.launcher.compiled.get((device.index, config))
             if compiled is not None:
                 self.direct[device] = DirectLaunch(self, device, config, most, compiled)
@@ -176,15 +179,16 @@ class Launcher:
 
     Triton's `kernel[grid](...)` re-binds and re-specializes every argument on each call (10-40 us
     on a GPU host). Every scalar of a memfuse kernel is `do_not_specialize`, so the only
-    specialization left is the 16-byte alignment of the pointers: memfuse allocates outputs and
-    partials itself, so a call whose inputs are all aligned (the caller says so) runs the kernel
-    compiled for that case directly. The interpreter, unaligned inputs and any launch hook a
-    profiler installs take the generic path."""
+    specialization left is the 16-byte alignment of the pointers and the width of the ints (i32
+    below 2**31): memfuse allocates outputs and partials itself, so a call whose inputs are all
+    aligned and whose rows fit 32 bits (the caller says so: `direct`) runs the kernel compiled for
+    that case directly (precompile hands it over). The interpreter, unaligned inputs, 2**31 rows
+    or more and any launch hook a profiler installs take the generic path."""
 
     def __init__(self, kernel: CompiledKernel):
         self.fn = kernel.fn
         self.source = kernel.source
-        self.compiled: dict = {}         # (device index, LaunchConfig) -> compiled kernel, aligned inputs
+        self.compiled: dict = {}         # (device index, LaunchConfig) -> compiled kernel, aligned inputs, i32 sizes
         self.constexprs: dict = {}       # LaunchConfig -> keyword constexprs, positional constexprs
 
     def keywords(self, config: LaunchConfig) -> dict:
@@ -192,13 +196,13 @@ class Launcher:
         return {"D": self.source.constexprs["D"], "BLOCK_M": config.block_m,
                 "BLOCK_D": self.source.constexprs["BLOCK_D"], "NUM_STAGES": config.num_stages}
 
-    def __call__(self, programs: int, args: list, device: torch.device, config: LaunchConfig, aligned: bool) -> None:
+    def __call__(self, programs: int, args: list, device: torch.device, config: LaunchConfig, direct: bool) -> None:
         named = self.constexprs.get(config)
         if named is None:
             keywords = self.keywords(config)
             named = self.constexprs[config] = (keywords, tuple(keywords.values()))
         keywords, positional = named
-        if device.type != "cuda" or not aligned or _launch_hooks_installed():
+        if device.type != "cuda" or not direct or _launch_hooks_installed():
             self.fn[(programs,)](*args, **keywords, num_warps=config.num_warps)
             return
         compiled = self.compiled.get((device.index, config))
@@ -235,6 +239,8 @@ class DirectLaunch:
         launch = self.launch
         if rows is None:                 # a kernel over [D] alone
             programs, grid_args = 1, ()
+        elif rows > INT32_MAX:           # the compiled kernel's sizes are 32-bit
+            return launch._launch(self.device, rows, False, values)
         elif self.persistent:
             tiles = -(-rows // self.block_m) or 1
             programs = tiles if tiles < self.most else self.most
@@ -468,6 +474,7 @@ _SIZE_PRINTER = LambdaPrinter({"allow_unknown_functions": True, "fully_qualified
 
 
 _SM_COUNTS: dict = {}
+INT32_MAX = 2 ** 31 - 1
 FINISH_GROUPS_MAX = 256   # groups of about sqrt(programs) programs: grids up to 65536 programs
 
 

@@ -223,6 +223,20 @@ def test_more_than_2_31_elements():
     assert relative_error(x.grad[tail], x_tail.grad) < 1e-2
 
 
+def test_more_than_2_31_rows():
+    """A row count past int32 (D = 2): the launch must pass it as a 64-bit scalar, on the first
+    call (precompiled kernel) and on later ones (direct launch) alike."""
+    rows = 2 ** 31 + 5
+    x = torch.randn(rows, 2, device="cuda", dtype=torch.bfloat16)
+    fused = memfuse.memory_efficient_fusion(lambda x: x * 2 + 1)
+    with torch.no_grad():
+        for _ in range(2):
+            out = fused(x)
+            tail = slice(rows - 5, rows)
+            assert torch.equal(out[tail], x[tail] * 2 + 1)
+            del out
+
+
 def test_views_past_2_31_elements():
     """A strided read whose offset, a coefficient x stride product, passes 2**31 while both
     factors fit in 32 bits (strides are int64 kernel arguments): a select at index 2 of dim 0

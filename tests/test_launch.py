@@ -67,3 +67,24 @@ def test_a_new_configuration_leaves_the_direct_launch(monkeypatch):
     launch.configs[cuda] = object()
     launch(cuda, 8, True, ())
     assert used == ["direct", "general", "general"]
+
+
+def test_rows_past_int32_take_the_generic_path(monkeypatch):
+    """The precompiled (and direct) kernel passes the row count as Triton's i32: 2**31 rows or
+    more go to Triton's generic path, which compiles the 64-bit variant."""
+    launch = _kernel_launches("layer_norm_block")[0]
+    cpu = torch.device("cpu")
+    config, most = launch._grid(cpu)
+    calls = []
+    monkeypatch.setattr(Launcher, "__call__", lambda self, programs, args, device, config, direct: calls.append(direct))
+    for rows in (2 ** 31 - 1, 2 ** 31):
+        launch._launch(cpu, rows, True, tuple(f"value{i}" for i in range(3)))
+    assert calls == [True, False]
+    general = []
+    monkeypatch.setattr(KernelLaunch, "_launch", lambda self, device, rows, aligned, values: general.append(aligned))
+    compiled = types.SimpleNamespace(run=lambda *args: general.append("direct"), function=None, packed_metadata=None)
+    monkeypatch.setattr(runtime, "_raw_stream", lambda index: 7)
+    direct = DirectLaunch(launch, cpu, config, most, compiled)
+    direct(2 ** 31 - 1, ())
+    direct(2 ** 31, ())
+    assert general == ["direct", False]
