@@ -220,3 +220,14 @@ def test_bf16_quotients_within_one_bf16_rounding():
     assert "mf_scaled_reciprocal(" in body and not tile_divisions(body), body
     bf16_ulps = (got.float().view(torch.int32) - eager.float().view(torch.int32)).abs() >> 16
     assert bf16_ulps.max().item() <= 1
+
+
+def test_size_divisor_serves_every_batch_size():
+    """x / x.shape[0]: the divisor is a size read per call (an int): its reciprocal once per program."""
+    fused = memfuse.memory_efficient_fusion(lambda a: a / a.shape[0])
+    for rows in (3, 7, 96):
+        x = torch.randn(rows, 40)
+        assert_like_division(fused(x), x, torch.tensor(float(rows)), f"x / {rows}")
+    body = kernel_body(kernel_sources(fused)[0])
+    assert re.search(r"_reciprocal, \w+_scale = mf_scaled_reciprocal\(\w+\.to\(tl\.float32\)\)", body), body
+    assert " / " not in body, body
