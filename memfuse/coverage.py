@@ -7,7 +7,8 @@ import sys
 import torch
 
 from .capture import EXTERN_REASONS, decomposition_table, lowering_table
-from .ops import ARG_REDUCE, HELPERS, OPS, REDUCE
+from .ir import Op
+from .ops import ARG_REDUCE, DIVIDE_BY_RECIPROCAL, HELPERS, OPS, REDUCE, SCALED_RECIPROCAL
 
 aten = torch.ops.aten
 
@@ -83,6 +84,9 @@ def coverage_markdown() -> str:
               "| op | Triton | helper |", "|---|---|---|"]
     for op, info in OPS.items():
         lines.append(f"| {op.value} | {_code(info.triton)} | {info.helper or ''} |")
+        if op is Op.DIV:
+            lines.append(f"| div by a row value, column vector or scalar (fp32) | {_code(DIVIDE_BY_RECIPROCAL)}: "
+                         f"the dividend times the divisor's reciprocal and scale, computed once per divisor | {SCALED_RECIPROCAL} |")
     for op, info in REDUCE.items():
         lines.append(f"| {op.value} (reduction) | {_code(info.triton)}, combined by {_code(info.combine)} | "
                      f"{info.helper or ''} |")

@@ -105,6 +105,14 @@ OPS = {
     Op.WHERE: OpInfo("tl.where({0}, {1}, {2})", torch.where),
 }
 
+# x / d where d has fewer elements than x (a row's norm dividing its row's tile; a column vector or a
+# scalar dividing a tile or a row), in fp32: the divisor's scaled reciprocal once, on its own shape
+# (SCALED_RECIPROCAL, into two registers), then two multiplies per element (DIVIDE_BY_RECIPROCAL),
+# not a division. Within ~1 ulp of the division, special values exact (tests/test_division.py). A
+# divisor of the result's shape, a literal and fp64 values keep OPS[Op.DIV].
+SCALED_RECIPROCAL = "mf_scaled_reciprocal"      # the HELPERS entry: d -> (reciprocal, scale)
+DIVIDE_BY_RECIPROCAL = "(({0} * {1}) * {2})"
+
 
 @dataclass(frozen=True)
 class ReduceInfo:
@@ -400,6 +408,25 @@ HELPERS = {
     reflected = tl.where(r == 0, float('inf'), cosecant * cosecant - psi1)
     reflected = tl.where(x == float('-inf'), float('nan'), reflected)
     return tl.where(negative, reflected, psi1)''', ()),
+    # -- division by a value of fewer elements (SCALED_RECIPROCAL) -----------------------------
+    "mf_scaled_reciprocal": ('''def mf_scaled_reciprocal(d):
+    # 1 / d as (reciprocal, scale): x / d is (x * reciprocal) * scale, within ~1 ulp of the division.
+    # d = m 2^n with |m| in [1, 2) (a subnormal d is scaled by 2^64 first, exactly): 1 / m is one IEEE
+    # division, in (0.5, 1]; reciprocal = (1 / m) 2^k1 exactly, with k1 = -n clamped to [-125, 127] so
+    # that it stays normal, and scale = 2^(-n - k1): 1 except for |d| >= 2^126 (scale 1/2 or 1/4: the
+    # product only rounds again where x / d is subnormal) and subnormal d (up to 2^22: x * reciprocal is
+    # normal for any nonzero x and overflows only where x / d does). d = +-0, +-inf, NaN: 1 / d and
+    # scale 1 (x * (1 / d) is then x / d: its infinities, NaNs and signed zeros)
+    tiny = tl.abs(d) < 1.1754943508222875e-38
+    bits = tl.where(tiny, d * 1.8446744073709552e19, d).to(tl.int32, bitcast=True)
+    n = ((bits >> 23) & 0xFF) - tl.where(tiny, 127 + 64, 127)
+    m = ((bits & 0x7FFFFF) | 0x3F800000).to(tl.float32, bitcast=True)
+    k1 = tl.minimum(tl.maximum(0 - n, -125), 127)
+    k2 = (0 - n) - k1
+    reciprocal = tl.div_rn(tl.where(d < 0, -1.0, 1.0), m) * ((k1 + 127) << 23).to(tl.float32, bitcast=True)
+    scale = ((k2 + 127) << 23).to(tl.float32, bitcast=True)
+    ordinary = tl.where(d != 0, tl.abs(d) < float('inf'), False)
+    return tl.where(ordinary, reciprocal, 1.0 / d), tl.where(ordinary, scale, 1.0)''', ()),
     "mf_round": ('''def mf_round(x):
     # round half to even, as torch.round: ties go to the even neighbour
     down = tl.floor(x)

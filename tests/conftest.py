@@ -25,6 +25,7 @@ for path in (_ROOT, _ROOT / "tests"):                 # benchmarks.workloads, te
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import memfuse  # noqa: E402
@@ -58,3 +59,33 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# -- the GPU's arithmetic, modelled in the interpreter (tests/test_math_ops.py, tests/test_division.py) ----
+def _flush(a: np.ndarray) -> np.ndarray:
+    """fp32 subnormals to zero of the same sign (other dtypes as they are)."""
+    if a.dtype != np.float32:
+        return a
+    return np.where(np.abs(a) < np.finfo(np.float32).tiny, np.copysign(np.float32(0), a), a)
+
+
+@pytest.fixture
+def gpu_arithmetic(monkeypatch):
+    """The interpreter with the GPU's departures from IEEE arithmetic that a helper must not depend on:
+    fp32 division (div.full.f32), exp (ex2.approx) and the libdevice functions (compiled flush-to-zero:
+    log, sin, cos, sqrt, floor, ...) flush subnormal operands and results to zero of the same sign, and
+    -x is 0 - x (Triton 3.6), +0 for x = -0 or +0. Pessimistic: the H200 measured kept subnormal
+    operands of division and log; a helper that passes here depends on neither. Rounding (the
+    approximate division, contracted multiply-adds) is not modelled."""
+    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+
+    def flushing(function):
+        return lambda self, arg: TensorHandle(_flush(function(_flush(arg.data))), arg.dtype.scalar)
+
+    for name, function in [("exp", np.exp), ("exp2", np.exp2), ("log", np.log), ("log2", np.log2), ("sin", np.sin),
+                           ("cos", np.cos), ("sqrt", np.sqrt), ("floor", np.floor), ("ceil", np.ceil)]:
+        monkeypatch.setattr(InterpreterBuilder, f"create_{name}", flushing(function))
+    monkeypatch.setattr(InterpreterBuilder, "create_fdiv", lambda self, a, b: TensorHandle(
+        _flush(np.divide(_flush(a.data), _flush(b.data))), a.dtype.scalar))
+    monkeypatch.setattr(InterpreterBuilder, "create_fneg", lambda self, a: TensorHandle(
+        np.subtract(np.zeros_like(a.data), a.data), a.dtype.scalar))

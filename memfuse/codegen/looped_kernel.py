@@ -18,7 +18,7 @@ from __future__ import annotations
 from ..ir import Graph, Kind, Node, Op
 from ..ops import ARG_REDUCE, REDUCE, TRITON_DTYPES
 from ..schedule import KernelGroup
-from .row_kernel import KernelSource, RowKernelWriter, _Lines, _register_kind
+from .row_kernel import KernelSource, RowKernelWriter, _Lines
 
 CHUNKED = (Kind.FULL, Kind.COL)      # register kinds that live in a chunk of columns
 
@@ -46,21 +46,8 @@ class LoopedKernelWriter(RowKernelWriter):
     def is_col_reduction(self, name: str) -> bool:
         return name in self.group.column_sums
 
-    def register_kinds(self) -> dict:
-        kinds = {}
-        for name in self.group.nodes:
-            node = self.graph[name]
-            if node.op is Op.RAND:
-                kinds[name] = Kind.FULL
-            elif node.op is Op.IOTA:
-                kinds[name] = Kind.COL
-            elif node.op is Op.STRIDED:
-                kinds[name] = node.value.kind
-            elif node.op in REDUCE or node.op in ARG_REDUCE:
-                kinds[name] = node.attr.axis
-            else:
-                kinds[name] = _register_kind([kinds.get(i, self.graph[i].value.kind) for i in node.inputs])
-        return kinds
+    def defined_by_compute(self, name: str) -> bool:
+        return not self.is_row_reduction(name)
 
     def phases(self) -> dict:
         phase = {}
@@ -251,6 +238,7 @@ class LoopedKernelWriter(RowKernelWriter):
         else:
             out(f"{target} = {target}_acc")
         self.kinds[node.name] = Kind.ROW
+        self.scaled_reciprocal(out, node.name)
 
 
 def loop_block_d(max_row_length: int, loop_block_d: int) -> int:

@@ -17,7 +17,8 @@ from typing import Optional
 import torch
 
 from ..ir import Graph, Kind, Node, Op, ValueRef
-from ..ops import ARG_REDUCE, HELPERS, OPS, REDUCE, REDUCERS, TRITON_DTYPES, accumulate_dtype, compute_dtype, helpers_for
+from ..ops import (ARG_REDUCE, DIVIDE_BY_RECIPROCAL, HELPERS, OPS, REDUCE, REDUCERS, SCALED_RECIPROCAL, TRITON_DTYPES,
+                   accumulate_dtype, compute_dtype, helpers_for)
 from ..schedule import KernelGroup
 
 RESERVED = {"pid", "num_programs", "cols", "col_mask", "rows", "row_mask", "mask", "offsets",
@@ -108,6 +109,8 @@ class RowKernelWriter:
         self.roots = {graph[n].inputs[0]: graph[n].attr for n in group.nodes if graph[n].op is Op.STRIDED}
         plain = {i for n in group.nodes for i in graph[n].inputs[graph[n].op is Op.STRIDED:]}
         self.roots_only = set(self.roots) - plain - set(group.outputs)   # never loaded as [M, D]
+        self.divisors = self.scaled_divisors()   # value -> (kind, dtype) it divides: each gets a scaled reciprocal
+        self.reciprocals: dict = {}   # divisor -> the fp32 expression its reciprocal registers were computed from
 
     def use(self, helper: Optional[str]) -> None:
         if helper is not None and helper not in self.helpers:
@@ -135,10 +138,7 @@ class RowKernelWriter:
         if consumer is not None and consumer != node.value.dtype and name in self.members \
                 and node.value.dtype in (torch.float16, torch.bfloat16):
             text = f"{self.narrow(text, node.value.dtype)}.to(tl.float32)"
-        if want is Kind.FULL and kind is Kind.ROW:
-            text = f"{text}[:, None]"
-        elif want is Kind.FULL and kind is Kind.COL:
-            text = f"{text}[None, :]"
+        text = _broadcast(text, kind, want)
         have = compute_dtype(node.value.dtype) if node.value.dtype is not None else None
         if cast_to is not None and have is not None and have != cast_to:
             text = f"{text}.to({TRITON_DTYPES[cast_to]})"
@@ -150,6 +150,53 @@ class RowKernelWriter:
             return text
         dtype = cast_to or compute_dtype(node.value.dtype)
         return f"tl.full([], {text}, {TRITON_DTYPES[dtype]})"
+
+    def register_kinds(self) -> dict:
+        """Each node's register kind, before any code is written: a broadcast (expand) of a row
+        value stays a [BLOCK_M] register, read as `[:, None]` where a tile needs it."""
+        kinds = {}
+        for name in self.group.nodes:
+            node = self.graph[name]
+            if node.op is Op.RAND:
+                kinds[name] = Kind.FULL
+            elif node.op is Op.IOTA:
+                kinds[name] = Kind.COL
+            elif node.op is Op.STRIDED:
+                kinds[name] = node.value.kind
+            elif node.op in REDUCE or node.op in ARG_REDUCE:
+                kinds[name] = node.attr.axis
+            else:
+                kinds[name] = _register_kind([kinds.get(i, self.graph[i].value.kind) for i in node.inputs])
+        return kinds
+
+    def scaled_divisors(self) -> dict:
+        """The values that divide fp32 values of more elements in this kernel (a row's norm
+        dividing its row's tile), each with the kind and dtype of its widest such quotient: their
+        reciprocals are computed once, where they are defined (ops.SCALED_RECIPROCAL)."""
+        kinds = self.register_kinds()
+        divisors = {}
+        for name in self.group.nodes:
+            node = self.graph[name]
+            if node.op is not Op.DIV or compute_dtype(node.value.dtype) != torch.float32:
+                continue
+            divisor = self.copied_register(node.inputs[1])
+            have = kinds.get(divisor, self.graph[divisor].value.kind)
+            if self.graph[divisor].op is Op.CONSTANT or have in (Kind.FULL, kinds[name]):
+                continue   # a literal, or a divisor of the result's shape: a division per element either way
+            widest = divisors.get(divisor)
+            if widest is None or (kinds[name] is Kind.FULL and widest[0] is not Kind.FULL):
+                divisors[divisor] = (kinds[name], node.value.dtype)
+        return divisors
+
+    def copied_register(self, name: str) -> str:
+        """The value whose register `name`'s only copies (views here that keep the dtype, as an
+        autograd alias or an expand of a row value): one reciprocal serves both."""
+        while name in self.members and self.graph[name].op is Op.VIEW:
+            source = self.graph[name].inputs[0]
+            if self.graph[source].op is Op.CONSTANT or self.graph[source].value.dtype != self.graph[name].value.dtype:
+                break
+            name = source
+        return name
 
     # -- the kernel ----------------------------------------------------------------------
     def write(self) -> KernelSource:
@@ -414,6 +461,10 @@ class RowKernelWriter:
         out("row_mask = rows < M")
 
     def load(self, out: _Lines, name: str) -> None:
+        self.load_register(out, name)
+        self.scaled_reciprocal(out, name)
+
+    def load_register(self, out: _Lines, name: str) -> None:
         node = self.graph[name]
         kind = node.value.kind
         self.kinds[name] = kind
@@ -467,8 +518,45 @@ class RowKernelWriter:
             if OPS[node.op].helper is not None:   # helpers take tensors, not Python numbers
                 operands = [self.tensor_operand(i, text, cast_to) for i, text in zip(node.inputs, operands)]
                 self.use(OPS[node.op].helper)
-            out(f"{target} = {OPS[node.op].triton.format(*operands)}")
+            scaled = self.divide_by_reciprocal(node, shape, operands[0])
+            out(f"{target} = {scaled or OPS[node.op].triton.format(*operands)}")
         self.kinds[name] = shape
+        if self.defined_by_compute(name):
+            self.scaled_reciprocal(out, name)
+
+    def defined_by_compute(self, name: str) -> bool:
+        """Whether compute() leaves `name`'s register defined (in a looped kernel it only
+        accumulates a row reduction, which `finish` defines between passes)."""
+        return True
+
+    def scaled_reciprocal(self, out: _Lines, name: str) -> None:
+        """Right after a divisor is defined (in its scope: once per program for column vectors
+        and scalars, once per tile for row values): its reciprocal, as two registers."""
+        kind = self.kinds.get(name)
+        if name not in self.divisors or kind is Kind.FULL:
+            return
+        divided, dtype = self.divisors[name]
+        text = self.operand(name, kind, torch.float32, dtype)   # as that quotient reads it (a bf16 value rounded)
+        v = self.reg(name)
+        divided = {Kind.FULL: "[BLOCK_M, BLOCK_D] tiles", Kind.ROW: "rows", Kind.COL: "columns"}[divided]
+        once = {Kind.ROW: "once per row", Kind.COL: "once per column", Kind.SCALAR: "once"}[kind]
+        self.use(SCALED_RECIPROCAL)
+        out(f"# {name} divides {divided}: its reciprocal {once}, so each element pays two multiplies, not a division")
+        out(f"{v}_reciprocal, {v}_scale = {SCALED_RECIPROCAL}({text})")
+        self.reciprocals[name] = text
+
+    def divide_by_reciprocal(self, node: Node, shape: Kind, dividend: str) -> Optional[str]:
+        """`dividend / divisor` as two multiplies by the divisor's scaled reciprocal, where the
+        divisor has one (in fp32, of fewer elements than the result); None otherwise."""
+        divisor = self.copied_register(node.inputs[1]) if node.op is Op.DIV else None
+        if divisor not in self.reciprocals or compute_dtype(node.value.dtype) != torch.float32:
+            return None
+        kind = self.kinds[divisor]
+        if kind is shape or self.operand(divisor, kind, torch.float32, node.value.dtype) != self.reciprocals[divisor]:
+            return None   # (a bf16 divisor that eager rounds first, for a result of another dtype)
+        v = self.reg(divisor)
+        return DIVIDE_BY_RECIPROCAL.format(dividend, _broadcast(f"{v}_reciprocal", kind, shape),
+                                           _broadcast(f"{v}_scale", kind, shape))
 
     def strided(self, out: _Lines, node: Node) -> None:
         """A view read in place: the row index unravels over the value's leading dims, each
@@ -688,6 +776,15 @@ def _times(a: str, b: str) -> str:
 def _sum(terms) -> str:
     terms = [t for t in terms if t != "0"]
     return " + ".join(terms) if terms else "0"
+
+
+def _broadcast(text: str, have: Kind, want: Kind) -> str:
+    """A register of kind `have` read where a `want` register is: rows and columns of a tile."""
+    if want is Kind.FULL and have is Kind.ROW:
+        return f"{text}[:, None]"
+    if want is Kind.FULL and have is Kind.COL:
+        return f"{text}[None, :]"
+    return text
 
 
 def _register_kind(kinds) -> Kind:
