@@ -629,13 +629,42 @@ class CompiledFunction:
         or, for kernels that read it from memory, a [1] tensor on `device`."""
         if not self.has_seed:
             return []
-        seed = _draw_seed()
+        seed = _draw_seed(device)
         return [torch.tensor([seed], dtype=torch.int64, device=device)] if self.seed_from_memory else [seed]
 
 
-def _draw_seed() -> int:
-    """From torch's CPU generator: `torch.manual_seed` reproduces a run, and no GPU sync."""
-    return int(torch.randint(0, 2 ** 31 - 1, (), dtype=torch.int64))
+SEED_LIMIT = 2 ** 31 - 1   # seeds are int32 kernel scalars (and kernels add a stream index)
+_MASK64 = 2 ** 64 - 1
+
+
+def _draw_seed(device: torch.device) -> int:
+    """A fresh seed in [0, SEED_LIMIT), with no kernel and no GPU sync: on CUDA from the device's
+    default generator (`seed_from_philox`; `torch.manual_seed` and `torch.cuda.manual_seed`
+    reproduce a run, as for torch's own dropout), elsewhere from torch's CPU generator."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return seed_from_philox(torch.cuda.default_generators[index])
+    return int(torch.randint(0, SEED_LIMIT, (), dtype=torch.int64))
+
+
+def seed_from_philox(generator) -> int:
+    """A seed from a CUDA generator's Philox state (seed, offset), reserving one offset step (4,
+    the unit torch's generator allows) as torch's own random kernels reserve theirs: the next call
+    reads the next offset. Cheaper than a `torch.randint` draw (a host tensor op per call).
+    splitmix64 of (seed, offset / 4) spreads successive offsets over unrelated seeds, never
+    neighbours (kernels draw from seed + stream index). Inside a CUDA-graph capture the state
+    is off limits: the CPU generator's seed is captured, as before (a constant of the graph)."""
+    try:
+        offset = generator.get_offset()
+    except RuntimeError:
+        if not torch.cuda.is_current_stream_capturing():
+            raise
+        return int(torch.randint(0, SEED_LIMIT, (), dtype=torch.int64))
+    generator.set_offset(offset + 4)
+    z = (generator.initial_seed() + ((offset >> 2) + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) % SEED_LIMIT
 
 
 class _MemfuseFunction(torch.autograd.Function):
