@@ -8,6 +8,7 @@ that function.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from pathlib import Path
@@ -637,13 +638,25 @@ SEED_LIMIT = 2 ** 31 - 1   # seeds are int32 kernel scalars (and kernels add a s
 _MASK64 = 2 ** 64 - 1
 
 
+_SEED_DRAWS: dict = {}   # device -> its seed draw (reading `device.type` costs more than a dict lookup)
+
+
 def _draw_seed(device: torch.device) -> int:
     """A fresh seed in [0, SEED_LIMIT), with no kernel and no GPU sync: on CUDA from the device's
     default generator (`seed_from_philox`; `torch.manual_seed` and `torch.cuda.manual_seed`
     reproduce a run, as for torch's own dropout), elsewhere from torch's CPU generator."""
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return seed_from_philox(torch.cuda.default_generators[index])
+    draw = _SEED_DRAWS.get(device)
+    if draw is None:
+        if device.type == "cuda":
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            draw = functools.partial(seed_from_philox, torch.cuda.default_generators[index])
+        else:
+            draw = _cpu_seed
+        _SEED_DRAWS[device] = draw
+    return draw()
+
+
+def _cpu_seed() -> int:
     return int(torch.randint(0, SEED_LIMIT, (), dtype=torch.int64))
 
 
@@ -659,7 +672,7 @@ def seed_from_philox(generator) -> int:
     except RuntimeError:
         if not torch.cuda.is_current_stream_capturing():
             raise
-        return int(torch.randint(0, SEED_LIMIT, (), dtype=torch.int64))
+        return _cpu_seed()
     generator.set_offset(offset + 4)
     z = (generator.initial_seed() + ((offset >> 2) + 1) * 0x9E3779B97F4A7C15) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
