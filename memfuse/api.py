@@ -322,7 +322,8 @@ class FusedFunction:
                 raise NotImplementedError(f"memfuse: {name} ({target}) runs through aten: {reason}"
                                           " (strict mode: MEMFUSE_STRICT=1 / Config.strict)")
         STATS["fallbacks"] += len(captured.fallbacks)
-        function = CompiledFunction(the_plan, captured, config, lambda graph, kind: _scheduled(graph, config, kind))
+        function = CompiledFunction(the_plan, captured, config, lambda graph, kind: _scheduled(graph, config, kind),
+                                    contiguous=[t.is_contiguous() for t in tensors])
         precompile([function.forward, function.backward], device, config)
         STATS["compiles"] += 1
         cache_log.info("memfuse: compiled %s in %.3f s: saves %d bytes beyond the inputs", self._name(),

@@ -268,13 +268,17 @@ class Program:
 
     `run` is one Python function written out when the program is built (`source`): each step
     is a few lines of it (allocate outputs, launch a kernel, take its column sums' rows, call
-    an aten op), so a call walks no list of steps and no dictionary of values."""
+    an aten op), so a call walks no list of steps and no dictionary of values.
 
-    def __init__(self, schedule: Schedule, symbols: list, config: Config):
+    `contiguous_inputs`: inputs every caller passes contiguous (what the compile key says of a
+    primal, tangents made contiguous); the others are made contiguous where a kernel reads them."""
+
+    def __init__(self, schedule: Schedule, symbols: list, config: Config, contiguous_inputs=frozenset()):
         self.graph = schedule.graph
         self.schedule = schedule
         self.symbols = symbols
         self.config = config
+        self.contiguous_inputs = frozenset(contiguous_inputs)
         self.steps = [self._prepare(step) for step in schedule.steps]
         self.source, self.run = _ProgramWriter(self).write()
 
@@ -310,7 +314,7 @@ class _ProgramWriter:
                                 "floor": math.floor, "ceil": math.ceil, "copysign": math.copysign}
         self.lines: list = []
         self.allocated: set = set()      # values memfuse allocates (aligned, contiguous)
-        self.contiguous: dict = {}       # value -> its local made contiguous for kernels
+        self.contiguous: dict = {v: v for v in program.contiguous_inputs}   # value -> its local as kernels read it
         self.pending: dict = {}          # value read only by one reshape -> (expression, its shape)
         self.totals_locals: dict = {}    # totals local -> kernels before this one that named theirs so
         users: dict = {}
@@ -358,6 +362,10 @@ class _ProgramWriter:
         e = sympy.sympify(e).xreplace(self.sizes)
         return _SIZE_PRINTER.doprint(e)
 
+    def sizes_arguments(self, shape) -> str:
+        """A shape as torch.empty's arguments: separate sizes parse faster than one tuple."""
+        return self.expr(shape) if len(shape) == 0 else ", ".join(self.expr(size) for size in shape)
+
     def bind(self, value, prefix: str) -> str:
         name = f"mf_{prefix}_{len(self.namespace)}"
         self.namespace[name] = value
@@ -368,7 +376,7 @@ class _ProgramWriter:
         self.line(f"    # {group.name}: a kernel over [M, D={group.space.d}]")
         for name in group.outputs:
             value = g[name].value
-            self.line(f"    {name} = mf_empty({self.expr(value.shape)}, dtype={value.dtype}, device=device)")
+            self.line(f"    {name} = mf_empty({self.sizes_arguments(value.shape)}, dtype={value.dtype}, device=device)")
             self.allocated.add(name)
         totals = {}                      # dtype name -> local of the [n, D] totals the kernel writes
         for dtype, names in launch.kernel.source.totals.items():
@@ -377,7 +385,7 @@ class _ProgramWriter:
             if taken:                    # a pending row of an earlier kernel's totals may still read it
                 local += f"_{taken}"
             totals[dtype_name(dtype)] = local
-            self.line(f"    {local} = mf_empty(({len(names)}, {group.space.d}), dtype={dtype}, device=device)")
+            self.line(f"    {local} = mf_empty({len(names)}, {group.space.d}, dtype={dtype}, device=device)")
         values, checked = [], []
         for arg in launch.kernel.source.args:
             if arg.role == "read" and arg.value not in self.allocated:
@@ -404,21 +412,38 @@ class _ProgramWriter:
         self.namespace[group.name] = launch
         self.line(f"    {group.name}(device, {rows}, {aligned}, ({', '.join(values)}{',' if len(values) == 1 else ''}))")
         for dtype, names in launch.kernel.source.totals.items():
-            for j, name in enumerate(names):   # a row of [n, D]: aligned only if D is
-                self.reshaped(name, f"{totals[dtype_name(dtype)]}[{j}]", (group.space.d,))
+            self.rows(names, totals[dtype_name(dtype)], group.space.d)
+
+    def rows(self, names: list, totals: str, d: int) -> None:
+        """The column sums, rows of their [n, D] totals (aligned only if D is): one `unbind` for
+        two or more (cheaper than indexing each)."""
+        if len(names) == 1:
+            self.reshaped(names[0], f"{totals}[0]", (d,))
+            return
+        targets = [name if tuple(self.graph[name].value.shape) == (d,) else f"{totals}_{j}"
+                   for j, name in enumerate(names)]
+        self.line(f"    {', '.join(targets)}, = {totals}.unbind(0)")
+        for name, target in zip(names, targets):
+            if target != name or self.waits(name):
+                self.reshaped(name, target, (d,))
 
     def reshaped(self, name: str, source: str, source_shape: tuple) -> None:
-        """`name = source` reshaped to name's shape. When a reshape (a VIEW node) is the value's only
-        reader, the line waits for it: a chain of reshapes is one call, or none (each costs host
-        time on every call, and the backward's weight grads come as [D] -> [1, 1, D] -> [D])."""
-        shape = tuple(self.graph[name].value.shape)
-        readers = self.users.get(name, [])
-        if len(readers) == 1 and readers[0].op is Op.VIEW and readers[0].name in self.extern_steps \
-                and name not in self.graph.outputs:
+        """`name = source` (a row of column totals) reshaped to name's shape. When a reshape (a
+        VIEW node) is the value's only reader, the line waits for it: a chain of reshapes is one
+        call, or none (each costs host time on every call, and the backward's weight grads come
+        as [D] -> [1, 1, D] -> [D])."""
+        if self.waits(name):
             self.pending[name] = (source, source_shape)
             return
+        shape = tuple(self.graph[name].value.shape)
         reshape = "" if shape == tuple(source_shape) else f".reshape({self.expr(shape)})"
         self.line(f"    {name} = {source}{reshape}")
+
+    def waits(self, name: str) -> bool:
+        """Whether `name`'s only reader is a reshape its line waits for (`reshaped`)."""
+        readers = self.users.get(name, [])
+        return len(readers) == 1 and readers[0].op is Op.VIEW and readers[0].name in self.extern_steps \
+            and name not in self.graph.outputs
 
     def made_contiguous(self, value: str) -> str:
         """The local holding `value` as kernels read it: an input or an aten result may be
@@ -597,9 +622,12 @@ def _canonical_shape(kind: Kind, rows: int, d: Optional[int]) -> tuple:
 
 # -- autograd -----------------------------------------------------------------------------------
 class CompiledFunction:
-    """A plan made runnable: a forward Program, and a backward one when gradients are needed."""
+    """A plan made runnable: a forward Program, and a backward one when gradients are needed.
+    `contiguous[i]`: tensor input i is contiguous in every call (the compile key says so), so the
+    forward need not check it; the backward's tangents are made contiguous before it runs. What
+    the backward reads of the forward is still checked: a saved-tensors hook may unpack anything."""
 
-    def __init__(self, plan, captured, config: Config, build_schedule):
+    def __init__(self, plan, captured, config: Config, build_schedule, contiguous=()):
         self.plan = plan
         self.symbol_order = list(captured.symbols)
         self.symbol_sources = [captured.symbols[s] for s in self.symbol_order]
@@ -610,9 +638,13 @@ class CompiledFunction:
         self.non_differentiable = [i for i in range(self.num_fwd_outputs) if i not in self.differentiable]
         reads = ", ".join(f"inputs[{i}].shape[{d}]" for i, d in self.symbol_sources)
         self.symbol_values = eval(f"lambda inputs: ({reads}{',' if len(self.symbol_sources) == 1 else ''})")
-        self.forward = Program(build_schedule(plan.forward, "forward"), self.symbol_order, config)
-        self.backward = None if plan.backward is None else \
-            Program(build_schedule(plan.backward, "backward"), self.symbol_order, config)
+        primals = plan.forward.inputs[:len(contiguous)]
+        self.forward = Program(build_schedule(plan.forward, "forward"), self.symbol_order, config,
+                               {name for name, known in zip(primals, contiguous) if known})
+        self.backward = None
+        if plan.backward is not None:    # inputs: what the forward saved, [the seed], the tangents
+            tangents = plan.backward.inputs[len(plan.backward.inputs) - len(self.differentiable):]
+            self.backward = Program(build_schedule(plan.backward, "backward"), self.symbol_order, config, tangents)
 
     def run_forward(self, inputs: list):
         symbol_values = self.symbol_values(inputs)
