@@ -217,7 +217,7 @@ class DirectLaunch:
     its general path when the configuration changes (tuning, an out-of-resources retry)."""
 
     __slots__ = ("launch", "device", "config", "block_m", "most", "persistent", "stream_index", "run", "function",
-                 "metadata", "constexprs")
+                 "metadata", "constexprs", "column_sums")
 
     def __init__(self, launch: KernelLaunch, device: torch.device, config: LaunchConfig, most: int, compiled):
         self.launch = launch
@@ -231,9 +231,10 @@ class DirectLaunch:
         self.function = compiled.function
         self.metadata = compiled.packed_metadata
         self.constexprs = tuple(launch.launcher.keywords(config).values())
+        # programs -> (partials..., counter): the column sums' arguments, None without column sums
+        self.column_sums = {} if launch.reductions else None
 
     def __call__(self, rows: Optional[int], values: tuple):
-        launch = self.launch
         if rows is None:                 # a kernel over [D] alone
             programs, grid_args = 1, ()
         elif self.persistent:
@@ -243,7 +244,13 @@ class DirectLaunch:
         else:
             programs = -(-rows // self.block_m) or 1
             grid_args = (rows,)
-        column_sums = (*launch.partials(programs, self.device), launch.counter(self.device)) if launch.reductions else ()
+        column_sums = ()
+        if self.column_sums is not None:
+            column_sums = self.column_sums.get(programs)
+            if column_sums is None:
+                launch = self.launch
+                column_sums = (*launch.partials(programs, self.device), launch.counter(self.device))
+                self.column_sums[programs] = column_sums
         self.run(programs, 1, 1, _raw_stream(self.stream_index), self.function, self.metadata, None, None, None,
                  *values, *column_sums, *grid_args, *self.constexprs)
         STATS["kernels_launched"] += 1
