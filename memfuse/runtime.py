@@ -653,11 +653,12 @@ class CompiledFunction:
             tangents = plan.backward.inputs[len(plan.backward.inputs) - len(self.differentiable):]
             self.backward = Program(build_schedule(plan.backward, "backward"), self.symbol_order, config, tangents)
 
-    def run_forward(self, inputs: list):
+    def run_forward(self, inputs) -> tuple:
+        """(outputs, size values, seed input, device) of a forward run on the tensor inputs."""
+        device = inputs[0].device
         symbol_values = self.symbol_values(inputs)
-        seed = self.draw_seed(inputs[0].device)
-        outs = self.forward.run(list(inputs) + seed, symbol_values, inputs[0].device)
-        return outs, symbol_values, seed
+        seed = self.draw_seed(device)
+        return self.forward.run((*inputs, *seed), symbol_values, device), symbol_values, seed, device
 
     def __call__(self, inputs: list):
         if self.backward is None:
@@ -722,19 +723,16 @@ def seed_from_philox(generator) -> int:
 class _MemfuseFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, compiled: CompiledFunction, *inputs):
-        outs, symbol_values, seed = compiled.run_forward(list(inputs))
+        outs, symbol_values, seed, device = compiled.run_forward(inputs)
         n = compiled.num_fwd_outputs
-        user_outputs, saved = outs[:n], outs[n:]
-        ctx.save_for_backward(*saved)
-        ctx.compiled, ctx.symbol_values, ctx.seed = compiled, symbol_values, seed
-        ctx.device = inputs[0].device
+        ctx.save_for_backward(*outs[n:])
+        ctx.call = (compiled, symbol_values, seed, device)   # the backward's run: one attribute, not four
         if compiled.non_differentiable:
-            ctx.mark_non_differentiable(*[user_outputs[i] for i in compiled.non_differentiable])
-        return tuple(user_outputs)
+            ctx.mark_non_differentiable(*[outs[i] for i in compiled.non_differentiable])
+        return tuple(outs[:n])
 
     @staticmethod
     def backward(ctx, *grad_outputs):
-        compiled = ctx.compiled
+        compiled, symbol_values, seed, device = ctx.call
         tangents = [_contiguous(grad_outputs[i]) for i in compiled.differentiable]
-        grads = compiled.backward.run(list(ctx.saved_tensors) + ctx.seed + tangents, ctx.symbol_values, ctx.device)
-        return (None, *grads)
+        return (None, *compiled.backward.run((*ctx.saved_tensors, *seed, *tangents), symbol_values, device))
