@@ -317,10 +317,11 @@ class _ProgramWriter:
         self.graph = program.graph
         self.sizes = {s: sympy.Symbol(f"mf_s{i}") for i, s in enumerate(program.symbols)}
         # (the math that _SIZE_PRINTER writes: floor(s0/2) for a view(2, -1, D))
-        self.namespace: dict = {"mf_empty": torch.empty, "mf_STATS": STATS, "torch": torch,
+        self.namespace: dict = {"mf_allocators": _ALLOCATORS, "mf_allocator": _allocator, "mf_STATS": STATS, "torch": torch,
                                 "floor": math.floor, "ceil": math.ceil, "copysign": math.copysign}
         self.lines: list = []
         self.allocated: set = set()      # values memfuse allocates (aligned, contiguous)
+        self.allocates = False           # whether an allocation was written (the allocator is taken)
         self.contiguous: dict = {v: v for v in program.contiguous_inputs}   # value -> its local as kernels read it
         self.pending: dict = {}          # value read only by one reshape -> (expression, its shape)
         self.totals_locals: dict = {}    # totals local -> kernels before this one that named theirs so
@@ -369,9 +370,14 @@ class _ProgramWriter:
         e = sympy.sympify(e).xreplace(self.sizes)
         return _SIZE_PRINTER.doprint(e)
 
-    def sizes_arguments(self, shape) -> str:
-        """A shape as torch.empty's arguments: separate sizes parse faster than one tuple."""
-        return self.expr(shape) if len(shape) == 0 else ", ".join(self.expr(size) for size in shape)
+    def allocate(self, name: str, shape, dtype: torch.dtype) -> None:
+        """`name` = a new contiguous tensor: through the device's allocator (`_allocator`), taken
+        once per call before the first allocation."""
+        if not self.allocates:
+            self.allocates = True
+            self.line("    mf_empty_strided = mf_allocators.get(device) or mf_allocator(device)")
+        strides = [sympy.Mul(*shape[k + 1:]) for k in range(len(shape))]
+        self.line(f"    {name} = mf_empty_strided({self.expr(tuple(shape))}, {self.expr(tuple(strides))}, {dtype})")
 
     def bind(self, value, prefix: str) -> str:
         name = f"mf_{prefix}_{len(self.namespace)}"
@@ -383,7 +389,7 @@ class _ProgramWriter:
         self.line(f"    # {group.name}: a kernel over [M, D={group.space.d}]")
         for name in group.outputs:
             value = g[name].value
-            self.line(f"    {name} = mf_empty({self.sizes_arguments(value.shape)}, dtype={value.dtype}, device=device)")
+            self.allocate(name, value.shape, value.dtype)
             self.allocated.add(name)
         totals = {}                      # dtype name -> local of the [n, D] totals the kernel writes
         for dtype, names in launch.kernel.source.totals.items():
@@ -392,7 +398,7 @@ class _ProgramWriter:
             if taken:                    # a pending row of an earlier kernel's totals may still read it
                 local += f"_{taken}"
             totals[dtype_name(dtype)] = local
-            self.line(f"    {local} = mf_empty({len(names)}, {group.space.d}, dtype={dtype}, device=device)")
+            self.allocate(local, (len(names), group.space.d), dtype)
         values, checked = [], []
         for arg in launch.kernel.source.args:
             if arg.role == "read" and arg.value not in self.allocated:
@@ -501,6 +507,21 @@ _SIZE_PRINTER = LambdaPrinter({"allow_unknown_functions": True, "fully_qualified
 
 
 _SM_COUNTS: dict = {}
+_ALLOCATORS: dict = {}   # device -> (sizes, strides, dtype) -> an uninitialized tensor there
+
+
+def _allocator(device: torch.device) -> Callable:
+    """The allocator programs use on `device`: inductor's `_empty_strided_cpu` / `_cuda` where
+    torch has them (they skip torch.empty's argument parser and dispatcher: a third of its host
+    time). The CUDA one allocates on the current device, the device memfuse launches on
+    (docs/distributed.md: `torch.cuda.set_device`)."""
+    fast = getattr(torch._C._dynamo.guards, f"_empty_strided_{device.type}", None) \
+        if device.type in ("cpu", "cuda") else None
+    if fast is None:
+        def fast(sizes, strides, dtype):
+            return torch.empty_strided(sizes, strides, dtype=dtype, device=device)
+    _ALLOCATORS[device] = fast
+    return fast
 FINISH_GROUPS_MAX = 256   # groups of about sqrt(programs) programs: grids up to 65536 programs
 
 
