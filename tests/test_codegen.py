@@ -302,3 +302,12 @@ def test_programs_check_contiguity_only_where_nothing_promises_it():
     fn(ref_x, ref_b).backward(grad)
     torch.testing.assert_close(x.grad, ref_x.grad)
     torch.testing.assert_close(b.grad, ref_b.grad)
+
+
+def test_program_allocator_per_device():
+    """Programs allocate through inductor's allocator where torch has one for the device type,
+    else through torch.empty_strided: a contiguous tensor of the shape and dtype, on the device."""
+    from memfuse.runtime import _allocator
+    assert _allocator(torch.device("cpu")) is torch._C._dynamo.guards._empty_strided_cpu
+    t = _allocator(torch.device("meta"))((2, 3, 4), (12, 4, 1), torch.bfloat16)
+    assert (t.shape, t.stride(), t.dtype, t.device.type) == ((2, 3, 4), (12, 4, 1), torch.bfloat16, "meta")
