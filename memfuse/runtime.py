@@ -317,13 +317,14 @@ class _ProgramWriter:
         self.graph = program.graph
         self.sizes = {s: sympy.Symbol(f"mf_s{i}") for i, s in enumerate(program.symbols)}
         # (the math that _SIZE_PRINTER writes: floor(s0/2) for a view(2, -1, D))
-        self.namespace: dict = {"mf_allocators": _ALLOCATORS, "mf_allocator": _allocator, "mf_STATS": STATS, "torch": torch,
+        self.namespace: dict = {"mf_allocators": _ALLOCATORS, "mf_allocator": _allocator, "mf_STATS": STATS,
+                                "mf_reinterpret": _reinterpret, "torch": torch,
                                 "floor": math.floor, "ceil": math.ceil, "copysign": math.copysign}
         self.lines: list = []
         self.allocated: set = set()      # values memfuse allocates (aligned, contiguous)
         self.allocates = False           # whether an allocation was written (the allocator is taken)
         self.contiguous: dict = {v: v for v in program.contiguous_inputs}   # value -> its local as kernels read it
-        self.pending: dict = {}          # value read only by one reshape -> (expression, its shape)
+        self.pending: dict = {}          # row read only by one reshape -> (totals local, offset, D)
         self.totals_locals: dict = {}    # totals local -> kernels before this one that named theirs so
         users: dict = {}
         for node in self.graph.nodes.values():
@@ -428,32 +429,29 @@ class _ProgramWriter:
             self.rows(names, totals[dtype_name(dtype)], group.space.d)
 
     def rows(self, names: list, totals: str, d: int) -> None:
-        """The column sums, rows of their [n, D] totals (aligned only if D is): one `unbind` for
-        two or more (cheaper than indexing each)."""
-        if len(names) == 1:
-            self.reshaped(names[0], f"{totals}[0]", (d,))
-            return
-        targets = [name if tuple(self.graph[name].value.shape) == (d,) else f"{totals}_{j}"
-                   for j, name in enumerate(names)]
-        self.line(f"    {', '.join(targets)}, = {totals}.unbind(0)")
-        for name, target in zip(names, targets):
-            if target != name or self.waits(name):
-                self.reshaped(name, target, (d,))
+        """The column sums: rows of their [n, D] totals (aligned only if D is)."""
+        for j, name in enumerate(names):
+            self.row(name, totals, j * d, d)
 
-    def reshaped(self, name: str, source: str, source_shape: tuple) -> None:
-        """`name = source` (a row of column totals) reshaped to name's shape. When a reshape (a
-        VIEW node) is the value's only reader, the line waits for it: a chain of reshapes is one
-        call, or none (each costs host time on every call, and the backward's weight grads come
-        as [D] -> [1, 1, D] -> [D])."""
+    def row(self, name: str, totals: str, offset: int, d: int) -> None:
+        """`name` = the D values at `offset` of `totals`, in name's shape: a tensor over the totals'
+        memory made by inductor's `_reinterpret_tensor` (no view for autograd to track: cheaper to
+        make, and to hand back as a gradient, than `totals[j]`). When a reshape (a VIEW node) is
+        the value's only reader, the line waits for it and makes the reshape's value instead: the
+        backward's weight grads come as [D] -> [1, 1, D] -> [D], and cost no reshape."""
         if self.waits(name):
-            self.pending[name] = (source, source_shape)
+            self.pending[name] = (totals, offset, d)
             return
-        shape = tuple(self.graph[name].value.shape)
-        reshape = "" if shape == tuple(source_shape) else f".reshape({self.expr(shape)})"
-        self.line(f"    {name} = {source}{reshape}")
+        shape = [sympy.sympify(n) for n in self.graph[name].value.shape]
+        if all(n.is_number for n in shape):
+            strides = [math.prod(int(n) for n in shape[k + 1:]) for k in range(len(shape))]
+            self.line(f"    {name} = mf_reinterpret({totals}, {self.expr(tuple(shape))}, {self.expr(tuple(strides))}, "
+                      f"{offset})")
+        else:
+            self.line(f"    {name} = mf_reinterpret({totals}, ({d},), (1,), {offset}).reshape({self.expr(tuple(shape))})")
 
     def waits(self, name: str) -> bool:
-        """Whether `name`'s only reader is a reshape its line waits for (`reshaped`)."""
+        """Whether `name`'s only reader is a reshape its line waits for (`row`)."""
         readers = self.users.get(name, [])
         return len(readers) == 1 and readers[0].op is Op.VIEW and readers[0].name in self.extern_steps \
             and name not in self.graph.outputs
@@ -480,7 +478,7 @@ class _ProgramWriter:
         if node.op is Op.GETITEM:
             self.line(f"    {name} = {source}[{node.attr.index}]")
         elif node.op is Op.VIEW and source in self.pending:
-            self.reshaped(name, *self.pending.pop(source))
+            self.row(name, *self.pending.pop(source))
         elif node.op in (Op.VIEW, Op.CAST):
             cast = "" if self.graph[source].value.dtype == node.value.dtype else f".to({node.value.dtype})"
             self.line(f"    {name} = {source}.reshape({self.expr(node.value.shape)}){cast}")
@@ -523,6 +521,14 @@ def _allocator(device: torch.device) -> Callable:
     _ALLOCATORS[device] = fast
     return fast
 FINISH_GROUPS_MAX = 256   # groups of about sqrt(programs) programs: grids up to 65536 programs
+
+
+def _as_strided_at(t: torch.Tensor, sizes: tuple, strides: tuple, offset: int) -> torch.Tensor:
+    return t.as_strided(sizes, strides, t.storage_offset() + offset)
+
+
+# (tensor, sizes, strides, offset) -> a tensor over its memory: inductor's, else a view
+_reinterpret = getattr(torch._C._dynamo.guards, "_reinterpret_tensor", _as_strided_at)
 
 
 def _launch_hooks_installed() -> bool:
