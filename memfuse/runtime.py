@@ -324,7 +324,7 @@ class _ProgramWriter:
         self.allocated: set = set()      # values memfuse allocates (aligned, contiguous)
         self.allocates = False           # whether an allocation was written (the allocator is taken)
         self.contiguous: dict = {v: v for v in program.contiguous_inputs}   # value -> its local as kernels read it
-        self.pending: dict = {}          # row read only by one reshape -> (totals local, offset, D)
+        self.pending: dict = {}          # row read only by one reshape -> (totals local, offset)
         self.totals_locals: dict = {}    # totals local -> kernels before this one that named theirs so
         users: dict = {}
         for node in self.graph.nodes.values():
@@ -377,8 +377,8 @@ class _ProgramWriter:
         if not self.allocates:
             self.allocates = True
             self.line("    mf_empty_strided = mf_allocators.get(device) or mf_allocator(device)")
-        strides = [sympy.Mul(*shape[k + 1:]) for k in range(len(shape))]
-        self.line(f"    {name} = mf_empty_strided({self.expr(tuple(shape))}, {self.expr(tuple(strides))}, {dtype})")
+        shape = tuple(shape)
+        self.line(f"    {name} = mf_empty_strided({self.expr(shape)}, {self.expr(_contiguous_strides(shape))}, {dtype})")
 
     def bind(self, value, prefix: str) -> str:
         name = f"mf_{prefix}_{len(self.namespace)}"
@@ -431,24 +431,20 @@ class _ProgramWriter:
     def rows(self, names: list, totals: str, d: int) -> None:
         """The column sums: rows of their [n, D] totals (aligned only if D is)."""
         for j, name in enumerate(names):
-            self.row(name, totals, j * d, d)
+            self.row(name, totals, j * d)
 
-    def row(self, name: str, totals: str, offset: int, d: int) -> None:
+    def row(self, name: str, totals: str, offset: int) -> None:
         """`name` = the D values at `offset` of `totals`, in name's shape: a tensor over the totals'
         memory made by inductor's `_reinterpret_tensor` (no view for autograd to track: cheaper to
         make, and to hand back as a gradient, than `totals[j]`). When a reshape (a VIEW node) is
         the value's only reader, the line waits for it and makes the reshape's value instead: the
         backward's weight grads come as [D] -> [1, 1, D] -> [D], and cost no reshape."""
         if self.waits(name):
-            self.pending[name] = (totals, offset, d)
+            self.pending[name] = (totals, offset)
             return
-        shape = [sympy.sympify(n) for n in self.graph[name].value.shape]
-        if all(n.is_number for n in shape):
-            strides = [math.prod(int(n) for n in shape[k + 1:]) for k in range(len(shape))]
-            self.line(f"    {name} = mf_reinterpret({totals}, {self.expr(tuple(shape))}, {self.expr(tuple(strides))}, "
-                      f"{offset})")
-        else:
-            self.line(f"    {name} = mf_reinterpret({totals}, ({d},), (1,), {offset}).reshape({self.expr(tuple(shape))})")
+        shape = tuple(self.graph[name].value.shape)
+        self.line(f"    {name} = mf_reinterpret({totals}, {self.expr(shape)}, {self.expr(_contiguous_strides(shape))}, "
+                  f"{offset})")
 
     def waits(self, name: str) -> bool:
         """Whether `name`'s only reader is a reshape its line waits for (`row`)."""
@@ -505,22 +501,26 @@ _SIZE_PRINTER = LambdaPrinter({"allow_unknown_functions": True, "fully_qualified
 
 
 _SM_COUNTS: dict = {}
+FINISH_GROUPS_MAX = 256   # groups of about sqrt(programs) programs: grids up to 65536 programs
 _ALLOCATORS: dict = {}   # device -> (sizes, strides, dtype) -> an uninitialized tensor there
 
 
 def _allocator(device: torch.device) -> Callable:
     """The allocator programs use on `device`: inductor's `_empty_strided_cpu` / `_cuda` where
-    torch has them (they skip torch.empty's argument parser and dispatcher: a third of its host
+    torch has them (they skip torch.empty's argument parser and dispatcher, most of its host
     time). The CUDA one allocates on the current device, the device memfuse launches on
     (docs/distributed.md: `torch.cuda.set_device`)."""
-    fast = getattr(torch._C._dynamo.guards, f"_empty_strided_{device.type}", None) \
+    allocate = getattr(torch._C._dynamo.guards, f"_empty_strided_{device.type}", None) \
         if device.type in ("cpu", "cuda") else None
-    if fast is None:
-        def fast(sizes, strides, dtype):
+    if allocate is None:
+        def allocate(sizes, strides, dtype):
             return torch.empty_strided(sizes, strides, dtype=dtype, device=device)
-    _ALLOCATORS[device] = fast
-    return fast
-FINISH_GROUPS_MAX = 256   # groups of about sqrt(programs) programs: grids up to 65536 programs
+    _ALLOCATORS[device] = allocate
+    return allocate
+
+
+def _contiguous_strides(shape: tuple) -> tuple:
+    return tuple(sympy.Mul(*shape[k + 1:]) for k in range(len(shape)))
 
 
 def _as_strided_at(t: torch.Tensor, sizes: tuple, strides: tuple, offset: int) -> torch.Tensor:
