@@ -69,6 +69,7 @@ class FusedFunction:
         self.shape_specialized: set = set()   # keys whose traces guard on the leading sizes
         self.recipes: dict = {}               # (n positional, keywords) -> binding recipe
         self.exact: dict = {}                 # exact shapes and types -> entry (front cache)
+        self.fronts: dict = {}                # n positional [, keywords] -> _Front: the hot path
         try:
             self.signature = inspect.signature(fn)
         except (TypeError, ValueError):
@@ -86,9 +87,32 @@ class FusedFunction:
     def __call__(self, *args, **kwargs):
         if self.graphs is not None:
             return self.graphs(self._bind(args, kwargs))
-        compiled, tensors = self._lookup(self._bind(args, kwargs))
-        outputs = compiled.function(tensors)
-        return outputs[0] if compiled.single_output else tuple(outputs)
+        front = self.fronts.get((len(args), *kwargs) if kwargs else len(args))
+        if front is not None:
+            try:
+                key, tensors = front.read(args, kwargs)
+                entry = front.entries.get(key)
+            except (AttributeError, TypeError):   # another argument pattern, an unhashable constant
+                entry = None
+            if entry is not None:
+                STATS["cache_hits"] += 1
+                outputs = entry.function(tensors)
+                return outputs[0] if entry.single_output else tuple(outputs)
+        values = self._bind(args, kwargs)
+        entry, tensors = self._lookup(values)
+        self._remember(args, kwargs, values, entry)
+        outputs = entry.function(tensors)
+        return outputs[0] if entry.single_output else tuple(outputs)
+
+    def _remember(self, args: tuple, kwargs: dict, values: list, entry: "_CacheEntry") -> None:
+        """Enter a call that went through `_lookup` in the front of its call shape, made for the
+        argument pattern (which values are tensors) of the shape's first call."""
+        shape = (len(args), *kwargs) if kwargs else len(args)
+        front = self.fronts.get(shape)
+        if front is None:
+            front = self.fronts[shape] = _Front(self._binding(len(args), tuple(kwargs)), values)
+        if front.pattern == [isinstance(v, torch.Tensor) for v in values] and len(front.entries) < EXACT_CACHE_SIZE:
+            front.entries[front.read(args, kwargs)[0]] = entry
 
     def compiled_for(self, *args, **kwargs) -> "_CacheEntry":
         """The compiled program (cache entry) these arguments select, compiled if it is not
@@ -174,11 +198,18 @@ class FusedFunction:
         positional arguments and set of keywords is worked out once, with `Signature.bind`."""
         if not kwargs and not self.binds and (self.signature is None or len(args) == len(self.signature.parameters)):
             return list(args)
-        recipe = self.recipes.get((len(args), tuple(kwargs)))
-        if recipe is None:
-            recipe = self._recipe(len(args), tuple(kwargs))
-            self.recipes[(len(args), tuple(kwargs))] = recipe
+        recipe = self._binding(len(args), tuple(kwargs))
         return [args[i] if source == "arg" else kwargs[i] if source == "kw" else i for source, i in recipe]
+
+    def _binding(self, n_args: int, keywords: tuple) -> list:
+        """Where each value `_bind` returns comes from: ("arg", position), ("kw", name) or
+        ("default", value)."""
+        if not keywords and not self.binds and (self.signature is None or n_args == len(self.signature.parameters)):
+            return [("arg", i) for i in range(n_args)]
+        recipe = self.recipes.get((n_args, keywords))
+        if recipe is None:
+            recipe = self.recipes[(n_args, keywords)] = self._recipe(n_args, keywords)
+        return recipe
 
     def _recipe(self, n_args: int, keywords: tuple) -> list:
         if self.signature is None:
@@ -291,7 +322,8 @@ class FusedFunction:
                 raise NotImplementedError(f"memfuse: {name} ({target}) runs through aten: {reason}"
                                           " (strict mode: MEMFUSE_STRICT=1 / Config.strict)")
         STATS["fallbacks"] += len(captured.fallbacks)
-        function = CompiledFunction(the_plan, captured, config, lambda graph, kind: _scheduled(graph, config, kind))
+        function = CompiledFunction(the_plan, captured, config, lambda graph, kind: _scheduled(graph, config, kind),
+                                    contiguous=[t.is_contiguous() for t in tensors])
         precompile([function.forward, function.backward], device, config)
         STATS["compiles"] += 1
         cache_log.info("memfuse: compiled %s in %.3f s: saves %d bytes beyond the inputs", self._name(),
@@ -321,6 +353,42 @@ def _scheduled(graph, config: Config, kind: str):
                 raise NotImplementedError(f"memfuse: {group.name} ({ops}) runs through aten: {group.aten_reason} "
                                           "(strict mode: MEMFUSE_STRICT=1 / Config.strict)")
     return result
+
+
+class _Front:
+    """The front cache of one call shape (number of positional arguments, keyword names): `read`,
+    written for the argument pattern (which bound values are tensors) of the shape's first call,
+    binds the arguments and builds their exact key in one go, (key, tensor arguments); `entries`
+    maps keys to cache entries. The key holds what `FusedFunction._exact_key` holds, each
+    argument's part led by its type: a tensor type never equals a constant's, so a call of another
+    pattern never matches a stored key (and fails `read` when it finds no tensor where it reads one)."""
+
+    def __init__(self, binding: list, values: list):
+        self.pattern = [isinstance(v, torch.Tensor) for v in values]
+        self.entries: dict = {}
+        namespace: dict = {"grad_enabled": torch.is_grad_enabled}
+        lines = ["def read(args, kwargs):"]
+        positional = sum(source == "arg" for source, _ in binding)
+        if positional:
+            lines.append(f"    {''.join(f'a{i}, ' for i in range(positional))}= args")
+        key, tensors = ["grad_enabled()"], []
+        for i, ((source, where), is_tensor) in enumerate(zip(binding, self.pattern)):
+            v = f"a{where}" if source == "arg" else f"v{i}"
+            if source == "kw":
+                lines.append(f"    {v} = kwargs[{where!r}]")
+            elif source == "default":
+                namespace[f"default_{i}"] = where
+                lines.append(f"    {v} = default_{i}")
+            if is_tensor:
+                key.append(f"type({v}), {v}.shape, {v}.dtype, {v}.device, {v}.requires_grad, "
+                           f"{v}.is_contiguous() or {v}.stride()")
+                tensors.append(v)
+            else:
+                key.append(f"type({v}), {v}")
+        lines.append(f"    return ({', '.join(key)}), [{', '.join(tensors)}]")
+        self.source = "\n".join(lines) + "\n"
+        exec(compile(self.source, "<memfuse front>", "exec"), namespace)
+        self.read = namespace["read"]
 
 
 class _Slot:

@@ -222,7 +222,7 @@ class ForwardStep(torch.nn.Module):
 
     def forward(self, *args):
         symbol_values = tuple(source.read(args) for source in self.sources)
-        seed = _draw_seed() if self.has_seed else 0
+        seed = _draw_seed(self.device) if self.has_seed else 0
         outs = self.program.run(list(args) + ([seed] if self.has_seed else []), symbol_values, self.device)
         if self.inference:
             return outs[:self.num_outputs]

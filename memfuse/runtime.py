@@ -8,6 +8,7 @@ that function.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from pathlib import Path
@@ -220,7 +221,7 @@ class DirectLaunch:
     its general path when the configuration changes (tuning, an out-of-resources retry)."""
 
     __slots__ = ("launch", "device", "config", "block_m", "most", "persistent", "stream_index", "run", "function",
-                 "metadata", "constexprs")
+                 "metadata", "constexprs", "column_sums")
 
     def __init__(self, launch: KernelLaunch, device: torch.device, config: LaunchConfig, most: int, compiled):
         self.launch = launch
@@ -234,13 +235,14 @@ class DirectLaunch:
         self.function = compiled.function
         self.metadata = compiled.packed_metadata
         self.constexprs = tuple(launch.launcher.keywords(config).values())
+        # programs -> (partials..., counter): the column sums' arguments, None without column sums
+        self.column_sums = {} if launch.reductions else None
 
     def __call__(self, rows: Optional[int], values: tuple):
-        launch = self.launch
         if rows is None:                 # a kernel over [D] alone
             programs, grid_args = 1, ()
         elif rows > INT32_MAX:           # the compiled kernel's sizes are 32-bit
-            return launch._launch(self.device, rows, False, values)
+            return self.launch._launch(self.device, rows, False, values)
         elif self.persistent:
             tiles = -(-rows // self.block_m) or 1
             programs = tiles if tiles < self.most else self.most
@@ -248,7 +250,13 @@ class DirectLaunch:
         else:
             programs = -(-rows // self.block_m) or 1
             grid_args = (rows,)
-        column_sums = (*launch.partials(programs, self.device), launch.counter(self.device)) if launch.reductions else ()
+        column_sums = ()
+        if self.column_sums is not None:
+            column_sums = self.column_sums.get(programs)
+            if column_sums is None:
+                launch = self.launch
+                column_sums = (*launch.partials(programs, self.device), launch.counter(self.device))
+                self.column_sums[programs] = column_sums
         self.run(programs, 1, 1, _raw_stream(self.stream_index), self.function, self.metadata, None, None, None,
                  *values, *column_sums, *grid_args, *self.constexprs)
         STATS["kernels_launched"] += 1
@@ -273,13 +281,17 @@ class Program:
 
     `run` is one Python function written out when the program is built (`source`): each step
     is a few lines of it (allocate outputs, launch a kernel, take its column sums' rows, call
-    an aten op), so a call walks no list of steps and no dictionary of values."""
+    an aten op), so a call walks no list of steps and no dictionary of values.
 
-    def __init__(self, schedule: Schedule, symbols: list, config: Config):
+    `contiguous_inputs`: inputs every caller passes contiguous (what the compile key says of a
+    primal, tangents made contiguous); the others are made contiguous where a kernel reads them."""
+
+    def __init__(self, schedule: Schedule, symbols: list, config: Config, contiguous_inputs=frozenset()):
         self.graph = schedule.graph
         self.schedule = schedule
         self.symbols = symbols
         self.config = config
+        self.contiguous_inputs = frozenset(contiguous_inputs)
         self.steps = [self._prepare(step) for step in schedule.steps]
         self.source, self.run = _ProgramWriter(self).write()
 
@@ -311,12 +323,14 @@ class _ProgramWriter:
         self.graph = program.graph
         self.sizes = {s: sympy.Symbol(f"mf_s{i}") for i, s in enumerate(program.symbols)}
         # (the math that _SIZE_PRINTER writes: floor(s0/2) for a view(2, -1, D))
-        self.namespace: dict = {"mf_empty": torch.empty, "mf_STATS": STATS, "torch": torch,
+        self.namespace: dict = {"mf_allocators": _ALLOCATORS, "mf_allocator": _allocator, "mf_STATS": STATS,
+                                "mf_reinterpret": _reinterpret, "torch": torch,
                                 "floor": math.floor, "ceil": math.ceil, "copysign": math.copysign}
         self.lines: list = []
         self.allocated: set = set()      # values memfuse allocates (aligned, contiguous)
-        self.contiguous: dict = {}       # value -> its local made contiguous for kernels
-        self.pending: dict = {}          # value read only by one reshape -> (expression, its shape)
+        self.allocates = False           # whether an allocation was written (the allocator is taken)
+        self.contiguous: dict = {v: v for v in program.contiguous_inputs}   # value -> its local as kernels read it
+        self.pending: dict = {}          # row read only by one reshape -> (totals local, offset)
         self.totals_locals: dict = {}    # totals local -> kernels before this one that named theirs so
         users: dict = {}
         for node in self.graph.nodes.values():
@@ -363,6 +377,15 @@ class _ProgramWriter:
         e = sympy.sympify(e).xreplace(self.sizes)
         return _SIZE_PRINTER.doprint(e)
 
+    def allocate(self, name: str, shape, dtype: torch.dtype) -> None:
+        """`name` = a new contiguous tensor: through the device's allocator (`_allocator`), taken
+        once per call before the first allocation."""
+        if not self.allocates:
+            self.allocates = True
+            self.line("    mf_empty_strided = mf_allocators.get(device) or mf_allocator(device)")
+        shape = tuple(shape)
+        self.line(f"    {name} = mf_empty_strided({self.expr(shape)}, {self.expr(_contiguous_strides(shape))}, {dtype})")
+
     def bind(self, value, prefix: str) -> str:
         name = f"mf_{prefix}_{len(self.namespace)}"
         self.namespace[name] = value
@@ -373,7 +396,7 @@ class _ProgramWriter:
         self.line(f"    # {group.name}: a kernel over [M, D={group.space.d}]")
         for name in group.outputs:
             value = g[name].value
-            self.line(f"    {name} = mf_empty({self.expr(value.shape)}, dtype={value.dtype}, device=device)")
+            self.allocate(name, value.shape, value.dtype)
             self.allocated.add(name)
         totals = {}                      # dtype name -> local of the [n, D] totals the kernel writes
         for dtype, names in launch.kernel.source.totals.items():
@@ -382,7 +405,7 @@ class _ProgramWriter:
             if taken:                    # a pending row of an earlier kernel's totals may still read it
                 local += f"_{taken}"
             totals[dtype_name(dtype)] = local
-            self.line(f"    {local} = mf_empty(({len(names)}, {group.space.d}), dtype={dtype}, device=device)")
+            self.allocate(local, (len(names), group.space.d), dtype)
         values, checked = [], []
         for arg in launch.kernel.source.args:
             if arg.role == "read" and arg.value not in self.allocated:
@@ -409,21 +432,31 @@ class _ProgramWriter:
         self.namespace[group.name] = launch
         self.line(f"    {group.name}(device, {rows}, {aligned}, ({', '.join(values)}{',' if len(values) == 1 else ''}))")
         for dtype, names in launch.kernel.source.totals.items():
-            for j, name in enumerate(names):   # a row of [n, D]: aligned only if D is
-                self.reshaped(name, f"{totals[dtype_name(dtype)]}[{j}]", (group.space.d,))
+            self.rows(names, totals[dtype_name(dtype)], group.space.d)
 
-    def reshaped(self, name: str, source: str, source_shape: tuple) -> None:
-        """`name = source` reshaped to name's shape. When a reshape (a VIEW node) is the value's only
-        reader, the line waits for it: a chain of reshapes is one call, or none (each costs host
-        time on every call, and the backward's weight grads come as [D] -> [1, 1, D] -> [D])."""
-        shape = tuple(self.graph[name].value.shape)
-        readers = self.users.get(name, [])
-        if len(readers) == 1 and readers[0].op is Op.VIEW and readers[0].name in self.extern_steps \
-                and name not in self.graph.outputs:
-            self.pending[name] = (source, source_shape)
+    def rows(self, names: list, totals: str, d: int) -> None:
+        """The column sums: rows of their [n, D] totals (aligned only if D is)."""
+        for j, name in enumerate(names):
+            self.row(name, totals, j * d)
+
+    def row(self, name: str, totals: str, offset: int) -> None:
+        """`name` = the D values at `offset` of `totals`, in name's shape: a tensor over the totals'
+        memory made by inductor's `_reinterpret_tensor` (no view for autograd to track: cheaper to
+        make, and to hand back as a gradient, than `totals[j]`). When a reshape (a VIEW node) is
+        the value's only reader, the line waits for it and makes the reshape's value instead: the
+        backward's weight grads come as [D] -> [1, 1, D] -> [D], and cost no reshape."""
+        if self.waits(name):
+            self.pending[name] = (totals, offset)
             return
-        reshape = "" if shape == tuple(source_shape) else f".reshape({self.expr(shape)})"
-        self.line(f"    {name} = {source}{reshape}")
+        shape = tuple(self.graph[name].value.shape)
+        self.line(f"    {name} = mf_reinterpret({totals}, {self.expr(shape)}, {self.expr(_contiguous_strides(shape))}, "
+                  f"{offset})")
+
+    def waits(self, name: str) -> bool:
+        """Whether `name`'s only reader is a reshape its line waits for (`row`)."""
+        readers = self.users.get(name, [])
+        return len(readers) == 1 and readers[0].op is Op.VIEW and readers[0].name in self.extern_steps \
+            and name not in self.graph.outputs
 
     def made_contiguous(self, value: str) -> str:
         """The local holding `value` as kernels read it: an input or an aten result may be
@@ -447,7 +480,7 @@ class _ProgramWriter:
         if node.op is Op.GETITEM:
             self.line(f"    {name} = {source}[{node.attr.index}]")
         elif node.op is Op.VIEW and source in self.pending:
-            self.reshaped(name, *self.pending.pop(source))
+            self.row(name, *self.pending.pop(source))
         elif node.op in (Op.VIEW, Op.CAST):
             cast = "" if self.graph[source].value.dtype == node.value.dtype else f".to({node.value.dtype})"
             self.line(f"    {name} = {source}.reshape({self.expr(node.value.shape)}){cast}")
@@ -476,6 +509,33 @@ _SIZE_PRINTER = LambdaPrinter({"allow_unknown_functions": True, "fully_qualified
 _SM_COUNTS: dict = {}
 INT32_MAX = 2 ** 31 - 1
 FINISH_GROUPS_MAX = 256   # groups of about sqrt(programs) programs: grids up to 65536 programs
+_ALLOCATORS: dict = {}   # device -> (sizes, strides, dtype) -> an uninitialized tensor there
+
+
+def _allocator(device: torch.device) -> Callable:
+    """The allocator programs use on `device`: inductor's `_empty_strided_cpu` / `_cuda` where
+    torch has them (they skip torch.empty's argument parser and dispatcher, most of its host
+    time). The CUDA one allocates on the current device, the device memfuse launches on
+    (docs/distributed.md: `torch.cuda.set_device`)."""
+    allocate = getattr(torch._C._dynamo.guards, f"_empty_strided_{device.type}", None) \
+        if device.type in ("cpu", "cuda") else None
+    if allocate is None:
+        def allocate(sizes, strides, dtype):
+            return torch.empty_strided(sizes, strides, dtype=dtype, device=device)
+    _ALLOCATORS[device] = allocate
+    return allocate
+
+
+def _contiguous_strides(shape: tuple) -> tuple:
+    return tuple(sympy.Mul(*shape[k + 1:]) for k in range(len(shape)))
+
+
+def _as_strided_at(t: torch.Tensor, sizes: tuple, strides: tuple, offset: int) -> torch.Tensor:
+    return t.as_strided(sizes, strides, t.storage_offset() + offset)
+
+
+# (tensor, sizes, strides, offset) -> a tensor over its memory: inductor's, else a view
+_reinterpret = getattr(torch._C._dynamo.guards, "_reinterpret_tensor", _as_strided_at)
 
 
 def _launch_hooks_installed() -> bool:
@@ -603,9 +663,12 @@ def _canonical_shape(kind: Kind, rows: int, d: Optional[int]) -> tuple:
 
 # -- autograd -----------------------------------------------------------------------------------
 class CompiledFunction:
-    """A plan made runnable: a forward Program, and a backward one when gradients are needed."""
+    """A plan made runnable: a forward Program, and a backward one when gradients are needed.
+    `contiguous[i]`: tensor input i is contiguous in every call (the compile key says so), so the
+    forward need not check it; the backward's tangents are made contiguous before it runs. What
+    the backward reads of the forward is still checked: a saved-tensors hook may unpack anything."""
 
-    def __init__(self, plan, captured, config: Config, build_schedule):
+    def __init__(self, plan, captured, config: Config, build_schedule, contiguous=()):
         self.plan = plan
         self.symbol_order = list(captured.symbols)
         self.symbol_sources = [captured.symbols[s] for s in self.symbol_order]
@@ -616,15 +679,20 @@ class CompiledFunction:
         self.non_differentiable = [i for i in range(self.num_fwd_outputs) if i not in self.differentiable]
         reads = ", ".join(f"inputs[{i}].shape[{d}]" for i, d in self.symbol_sources)
         self.symbol_values = eval(f"lambda inputs: ({reads}{',' if len(self.symbol_sources) == 1 else ''})")
-        self.forward = Program(build_schedule(plan.forward, "forward"), self.symbol_order, config)
-        self.backward = None if plan.backward is None else \
-            Program(build_schedule(plan.backward, "backward"), self.symbol_order, config)
+        primals = plan.forward.inputs[:len(contiguous)]
+        self.forward = Program(build_schedule(plan.forward, "forward"), self.symbol_order, config,
+                               {name for name, known in zip(primals, contiguous) if known})
+        self.backward = None
+        if plan.backward is not None:    # inputs: what the forward saved, [the seed], the tangents
+            tangents = plan.backward.inputs[len(plan.backward.inputs) - len(self.differentiable):]
+            self.backward = Program(build_schedule(plan.backward, "backward"), self.symbol_order, config, tangents)
 
-    def run_forward(self, inputs: list):
+    def run_forward(self, inputs) -> tuple:
+        """(outputs, size values, seed input, device) of a forward run on the tensor inputs."""
+        device = inputs[0].device
         symbol_values = self.symbol_values(inputs)
-        seed = self.draw_seed(inputs[0].device)
-        outs = self.forward.run(list(inputs) + seed, symbol_values, inputs[0].device)
-        return outs, symbol_values, seed
+        seed = self.draw_seed(device)
+        return self.forward.run((*inputs, *seed), symbol_values, device), symbol_values, seed, device
 
     def __call__(self, inputs: list):
         if self.backward is None:
@@ -636,31 +704,69 @@ class CompiledFunction:
         or, for kernels that read it from memory, a [1] tensor on `device`."""
         if not self.has_seed:
             return []
-        seed = _draw_seed()
+        seed = _draw_seed(device)
         return [torch.tensor([seed], dtype=torch.int64, device=device)] if self.seed_from_memory else [seed]
 
 
-def _draw_seed() -> int:
-    """From torch's CPU generator: `torch.manual_seed` reproduces a run, and no GPU sync."""
-    return int(torch.randint(0, 2 ** 31 - 1, (), dtype=torch.int64))
+SEED_LIMIT = 2 ** 31 - 1   # seeds are int32 kernel scalars (and kernels add a stream index)
+_MASK64 = 2 ** 64 - 1
+
+
+_SEED_DRAWS: dict = {}   # device -> its seed draw (reading `device.type` costs more than a dict lookup)
+
+
+def _draw_seed(device: torch.device) -> int:
+    """A fresh seed in [0, SEED_LIMIT), with no kernel and no GPU sync: on CUDA from the device's
+    default generator (`seed_from_philox`; `torch.manual_seed` and `torch.cuda.manual_seed`
+    reproduce a run, as for torch's own dropout), elsewhere from torch's CPU generator."""
+    draw = _SEED_DRAWS.get(device)
+    if draw is None:
+        if device.type == "cuda":
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            draw = functools.partial(seed_from_philox, torch.cuda.default_generators[index])
+        else:
+            draw = _cpu_seed
+        _SEED_DRAWS[device] = draw
+    return draw()
+
+
+def _cpu_seed() -> int:
+    return int(torch.randint(0, SEED_LIMIT, (), dtype=torch.int64))
+
+
+def seed_from_philox(generator) -> int:
+    """A seed from a CUDA generator's Philox state (seed, offset), reserving one offset step (4,
+    the unit torch's generator allows) as torch's own random kernels reserve theirs: the next call
+    reads the next offset. Cheaper than a `torch.randint` draw (a host tensor op per call).
+    splitmix64 of (seed, offset / 4) spreads successive offsets over unrelated seeds, never
+    neighbours (kernels draw from seed + stream index). Inside a CUDA-graph capture the state
+    is off limits: the CPU generator's seed is captured, as before (a constant of the graph)."""
+    try:
+        offset = generator.get_offset()
+    except RuntimeError:
+        if not torch.cuda.is_current_stream_capturing():
+            raise
+        return _cpu_seed()
+    generator.set_offset(offset + 4)
+    z = (generator.initial_seed() + ((offset >> 2) + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) % SEED_LIMIT
 
 
 class _MemfuseFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, compiled: CompiledFunction, *inputs):
-        outs, symbol_values, seed = compiled.run_forward(list(inputs))
+        outs, symbol_values, seed, device = compiled.run_forward(inputs)
         n = compiled.num_fwd_outputs
-        user_outputs, saved = outs[:n], outs[n:]
-        ctx.save_for_backward(*saved)
-        ctx.compiled, ctx.symbol_values, ctx.seed = compiled, symbol_values, seed
-        ctx.device = inputs[0].device
+        ctx.save_for_backward(*outs[n:])
+        ctx.call = (compiled, symbol_values, seed, device)   # the backward's run: one attribute, not four
         if compiled.non_differentiable:
-            ctx.mark_non_differentiable(*[user_outputs[i] for i in compiled.non_differentiable])
-        return tuple(user_outputs)
+            ctx.mark_non_differentiable(*[outs[i] for i in compiled.non_differentiable])
+        return tuple(outs[:n])
 
     @staticmethod
     def backward(ctx, *grad_outputs):
-        compiled = ctx.compiled
+        compiled, symbol_values, seed, device = ctx.call
         tangents = [_contiguous(grad_outputs[i]) for i in compiled.differentiable]
-        grads = compiled.backward.run(list(ctx.saved_tensors) + ctx.seed + tangents, ctx.symbol_values, ctx.device)
-        return (None, *grads)
+        return (None, *compiled.backward.run((*ctx.saved_tensors, *seed, *tangents), symbol_values, device))

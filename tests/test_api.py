@@ -76,6 +76,43 @@ def test_a_constant_where_a_tensor_was_traced_compiles_again():
     assert memfuse.stats()["compiles"] == 2
 
 
+def test_the_front_cache_misses_on_every_key_part():
+    """A repeated call is found by its call shape's front (api._Front: the exact key read in one
+    go); any change the compile key or the exact key tells apart must miss it and run the program
+    compiled for it: dtype, requires_grad, layout, nn.Parameter, a constant's type or value, grad
+    mode, a tensor where a constant was, a constant where a tensor was, and (found through the
+    compile key, no compile) another leading size."""
+    x, b = inputs()
+
+    def run(*args, **kwargs):
+        out = fused(*args, **kwargs)
+        torch.testing.assert_close(out, scale_shift(*args, **kwargs), rtol=1e-5, atol=1e-6)
+        assert out.requires_grad == torch.is_grad_enabled() and any(
+            isinstance(a, torch.Tensor) and a.requires_grad for a in (*args, *kwargs.values()))
+        return out
+
+    fused = memfuse.memory_efficient_fusion(scale_shift)
+    calls = [((x, 2.0, b), {}), ((x, 2.0), {"b": b}), ((x.double(), 2.0, b.double()), {}),
+             ((x.detach(), 2.0, b), {}), ((x.t().contiguous().t(), 2.0, b), {}),
+             ((x, 2.0, torch.nn.Parameter(b.detach())), {}), ((x, 2, b), {}), ((x, 3.0, b), {}),
+             ((x, torch.full((24,), 2.0), b), {}), ((2.0, x, b), {})]
+    for args, kwargs in calls:
+        run(*args, **kwargs)
+    with torch.no_grad():
+        fused(x, 2.0, b)
+    compiles = memfuse.stats()["compiles"]
+    assert compiles == len(calls) - 1 + 1    # b by keyword binds as the first call; no_grad: one more
+    for args, kwargs in calls:               # repeats: front hits, or the lookup's for a tensor
+        run(*args, **kwargs)                 # where the front of that call shape reads a constant
+    run(torch.randn(7, 24, requires_grad=True), 2.0, b)
+    assert memfuse.stats()["compiles"] == compiles
+    front = fused.fronts[3]
+    # 3 positional arguments, tensor-constant-tensor: 7 calls above, no_grad, the other leading size
+    assert front.pattern == [True, False, True] and len(front.entries) == 7 + 1 + 1
+    with pytest.raises(TypeError, match=r"'scale' \(position 1\) is a list"):
+        fused(x, [2.0], b)                   # unhashable: the front passes it on to the lookup
+
+
 # -- keyword arguments -------------------------------------------------------------------------
 def test_keyword_and_default_arguments():
     x, b = inputs()

@@ -272,5 +272,49 @@ def test_layer_norm_backward_finishes_its_column_sums_and_reads_like_the_tutoria
     program = backward.source
     assert ".sum(" not in program and ".to(" not in program and "mf_totals = " not in program
     assert ".reshape(" not in program
+    d = SHAPE[-1]
     for j in range(len(sums)):          # a sum, or the reshape its only reader made of it
-        assert re.search(rf"^    \w+ = mf_totals_float32\[{j}\]$", program, re.MULTILINE), program
+        assert re.search(rf"^    \w+ = mf_reinterpret\(mf_totals_float32, \({d},\), \(1,\), {j * d}\)$", program,
+                         re.MULTILINE), program
+
+
+# -- programs: what a call checks -----------------------------------------------------------------
+def test_programs_check_contiguity_only_where_nothing_promises_it():
+    """The forward reads inputs the compile key says are contiguous as they are, the backward its
+    tangents (made contiguous before it runs); what the backward reads of the forward is checked:
+    a saved-tensors hook may unpack a tensor in other strides, and the grads stay eager's."""
+    def fn(x, b):
+        return torch.tanh(x * b)
+
+    x, b = torch.randn(6, 24, requires_grad=True), torch.randn(24, requires_grad=True)
+    fused = memfuse.memory_efficient_fusion(fn)
+    function = fused.compiled_for(x, b).function
+    assert ".is_contiguous()" not in function.forward.source
+    backward = function.backward.source
+    assert "primals_1.is_contiguous()" in backward and "tangents_1.is_contiguous()" not in backward
+
+    def transposed_copy(t):
+        return t.t().contiguous().t() if t.dim() == 2 else t
+
+    grad = torch.randn(24, 6).t()                 # a non-contiguous output grad
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, transposed_copy):
+        fused(x, b).backward(grad)
+    assert not transposed_copy(x).is_contiguous()
+    ref_x, ref_b = x.detach().requires_grad_(), b.detach().requires_grad_()
+    fn(ref_x, ref_b).backward(grad)
+    torch.testing.assert_close(x.grad, ref_x.grad)
+    torch.testing.assert_close(b.grad, ref_b.grad)
+
+
+def test_program_allocator_and_rows():
+    """Programs allocate through inductor's allocator where torch has one for the device type,
+    else through torch.empty_strided: a contiguous tensor of the shape and dtype, on the device.
+    Rows of totals are tensors over the totals' memory: inductor's, else an as_strided view."""
+    from memfuse.runtime import _allocator, _as_strided_at, _reinterpret
+    assert _allocator(torch.device("cpu")) is torch._C._dynamo.guards._empty_strided_cpu
+    t = _allocator(torch.device("meta"))((2, 3, 4), (12, 4, 1), torch.bfloat16)
+    assert (t.shape, t.stride(), t.dtype, t.device.type) == ((2, 3, 4), (12, 4, 1), torch.bfloat16, "meta")
+    totals = torch.arange(12.0).reshape(3, 4)[1:]
+    for make in (_reinterpret, _as_strided_at):
+        row = make(totals, (1, 4), (4, 1), 4)
+        assert torch.equal(row, totals[1:2]) and row.data_ptr() == totals[1].data_ptr()

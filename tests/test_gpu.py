@@ -77,13 +77,74 @@ def test_dropout_one_mask_forward_and_backward():
         assert not torch.equal(second != 0, kept), f"call {call}: the next call reused the mask"
 
 
+def dropout_masks(fused, x, b, calls):
+    """The forward masks of `calls` steps, each checked against the mask its backward used."""
+    masks = []
+    for _ in range(calls):
+        out = fused(x, b)
+        out.backward(torch.ones_like(out))
+        kept = out != 0
+        assert torch.equal(x.grad != 0, kept), "the backward regenerated another mask"
+        x.grad = b.grad = None
+        masks.append(kept)
+    return masks
+
+
+def test_dropout_seed_comes_from_the_cuda_generator():
+    """On CUDA the seed is read from the device's default generator (runtime.seed_from_philox):
+    each call moves its offset by 4, torch.manual_seed and torch.cuda.manual_seed both reproduce
+    the masks, successive calls draw new ones, and torch's own random ops in between move on."""
+    x = (torch.rand(64, 128, 1024, device="cuda") + 0.5).requires_grad_()
+    b = torch.zeros(1024, device="cuda", requires_grad=True)
+    fused = memfuse.memory_efficient_fusion(bias_dropout)
+    dropout_masks(fused, x, b, 2)           # compiled, launching directly from now on
+    generator = torch.cuda.default_generators[x.device.index]
+    offset = generator.get_offset()
+    fused(x, b)
+    assert generator.get_offset() == offset + 4
+    torch.manual_seed(3)
+    first = dropout_masks(fused, x, b, 3)
+    assert not torch.equal(first[0], first[1]) and not torch.equal(first[1], first[2])
+    torch.manual_seed(3)
+    assert all(torch.equal(a, c) for a, c in zip(first, dropout_masks(fused, x, b, 3)))
+    torch.cuda.manual_seed(3)               # the CPU generator is not reset: the CUDA one decides
+    torch.rand(1)
+    assert all(torch.equal(a, c) for a, c in zip(first, dropout_masks(fused, x, b, 3)))
+    torch.cuda.manual_seed(3)
+    torch.nn.functional.dropout(x, 0.5)     # torch's own draw moves the offset on
+    assert not any(torch.equal(a, c) for a, c in zip(first, dropout_masks(fused, x, b, 3)))
+    torch.manual_seed(4)
+    assert not any(torch.equal(a, c) for a, c in zip(first, dropout_masks(fused, x, b, 3)))
+
+
+def test_fused_call_inside_a_users_cuda_graph_capture():
+    """A capture keeps the generator's state off limits: the seed is drawn on the CPU and captured,
+    a constant of the user's graph (memfuse's own cuda_graphs=True advances it per replay)."""
+    x = torch.rand(64, 128, 1024, device="cuda") + 0.5
+    b = torch.zeros(1024, device="cuda")
+    fused = memfuse.memory_efficient_fusion(bias_dropout)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fused(x, b)                     # compiled and launched before the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused(x, b)
+    graph.replay()
+    kept = out != 0
+    assert abs(kept.float().mean().item() - 0.9) < 0.005
+    torch.testing.assert_close(out[kept], x[kept] / 0.9)
+
+
 def test_direct_launch_matches_triton_launch(monkeypatch):
     """The direct launch (runtime.DirectLaunch, every call after a function's first) computes
     bit-identical results to Triton's generic launch path."""
     from memfuse import runtime
     x = torch.randn(64, 128, 1024, device="cuda", requires_grad=True)
     b = torch.randn(1024, device="cuda", requires_grad=True)
-    monkeypatch.setattr(runtime, "_draw_seed", lambda: 1234)
+    monkeypatch.setattr(runtime, "_draw_seed", lambda device: 1234)
 
     def step(fused):
         out = fused(x, b)

@@ -50,7 +50,7 @@ def test_seed_from_memory_matches_the_scalar_seed(monkeypatch, tmp_path, looped)
     """The same seed value gives bit-identical masks, forward and backward, whether the kernels
     take it as a scalar or load it from a [1] tensor."""
     extra = dict(max_row_length=16, loop_block_d=16) if looped else {}
-    monkeypatch.setattr(runtime, "_draw_seed", lambda: 1234)
+    monkeypatch.setattr(runtime, "_draw_seed", lambda device: 1234)
     results = []
     x0, b0 = make()
     for from_memory in (False, True):
@@ -73,7 +73,7 @@ def test_seed_from_memory_forward_and_backward_agree_and_a_new_seed_changes_the_
     fused = memfuse.memory_efficient_fusion(bias_dropout, config=config)
     masks = []
     for seed in (5, 6, 5):
-        monkeypatch.setattr(runtime, "_draw_seed", lambda seed=seed: seed)
+        monkeypatch.setattr(runtime, "_draw_seed", lambda device, seed=seed: seed)
         x, b = make()
         y = fused(x, b, 0.3)
         keep = y.detach() != 0

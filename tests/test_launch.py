@@ -1,7 +1,11 @@
 """The direct launch (runtime.DirectLaunch): on a GPU, an aligned call skips KernelLaunch's
 general path and Triton's binder. Here its arguments are checked against the general path's
 for the same calls: same grid, same kernel arguments in the same order, same constexprs."""
+import os
+import subprocess
+import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -88,3 +92,14 @@ def test_rows_past_int32_take_the_generic_path(monkeypatch):
     direct(2 ** 31 - 1, ())
     direct(2 ** 31, ())
     assert general == ["direct", False]
+
+
+def test_host_profile_cpu_proxy_runs():
+    """benchmarks/host_profile.py --stub-launches (the CPU proxy of the host's Python) patches the
+    direct launch and the seed draw: it must keep working as they change. In its own process."""
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=str(root), TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, "-m", "benchmarks.host_profile", "--stub-launches", "--steps", "40"],
+                            cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "memfuse - floor = " in result.stdout and "seed_from_philox" in result.stdout, result.stdout[-3000:]
