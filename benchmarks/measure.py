@@ -34,11 +34,12 @@ class Settings:
     dynamic_shape_count: int
     dynamic_warmup_steps: int  # on the first shape only, as the tutorial does
     dynamic_pass_steps: int
+    dynamic_runs: int  # the whole test again from a fresh wrapper: one 100-step pass is noisy
 
 
-FULL = Settings(10, 7, 0.2, 10, 20, 20, 20, 3, 100)
-QUICK = Settings(3, 3, 0.05, 5, 5, 5, 20, 3, 100)
-SMOKE = Settings(0, 1, 0.0, 1, 0, 0, 4, 1, 4)  # first call + one timed step per mode
+FULL = Settings(10, 7, 0.2, 10, 20, 20, 20, 3, 100, 5)
+QUICK = Settings(3, 3, 0.05, 5, 5, 5, 20, 3, 100, 1)
+SMOKE = Settings(0, 1, 0.0, 1, 0, 0, 4, 1, 4, 1)  # first call + one timed step per mode
 
 
 def synchronize(device: torch.device) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 from pathlib import Path
 
 from benchmarks.first_call import FirstCallResult
@@ -44,14 +45,16 @@ class DynamicResult:
     workload: str
     mode: str
     shape_count: int
-    first_pass_it_s: float | None = None  # recompiles included
-    second_pass_it_s: float | None = None  # every shape seen once already
+    first_pass_it_s: float | None = None  # recompiles included; median over the runs
+    second_pass_it_s: float | None = None  # every shape seen once already; median over the runs
     error: str | None = None
+    ratios: tuple = ()  # first / second pass of each run (a fresh wrapper each)
 
     @property
     def first_over_second(self) -> float | None:
-        if self.first_pass_it_s and self.second_pass_it_s:
-            return self.first_pass_it_s / self.second_pass_it_s
+        """The median run's first pass over its second."""
+        if self.ratios:
+            return statistics.median(self.ratios)
         return None
 
 
@@ -96,10 +99,11 @@ def cells_table(cells: list[CellResult]) -> str:
 
 
 def dynamic_table(rows: list[DynamicResult]) -> str:
-    headers = ["workload", "mode", "shapes", "1st pass it/s", "2nd pass it/s", "1st/2nd"]
+    headers = ["workload", "mode", "shapes", "1st pass it/s", "2nd pass it/s", "1st/2nd", "range (runs)"]
     body = [
         [r.workload, r.mode, str(r.shape_count), _fmt(r.first_pass_it_s, ".1f"), _fmt(r.second_pass_it_s, ".1f"),
-         _fmt(r.first_over_second, ".2f")]
+         _fmt(r.first_over_second, ".2f"),
+         f"{min(r.ratios):.2f}-{max(r.ratios):.2f} ({len(r.ratios)})" if r.ratios else "-"]
         for r in rows
     ]
     return _table(headers, body)

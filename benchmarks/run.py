@@ -17,6 +17,7 @@ import datetime
 import gc
 import os
 import platform
+import statistics
 import sys
 import traceback
 from pathlib import Path
@@ -151,16 +152,24 @@ def _pass_it_s(step_fn, steps: list, count: int, device: torch.device) -> float:
 def run_dynamic(
     workload: Workload, mode: str, factory: Factory, settings: measure.Settings, device: torch.device
 ) -> report.DynamicResult:
-    """The tutorial's test: warm up on the first shape only, then two passes over all shapes."""
+    """The tutorial's test: warm up on the first shape only, then two passes over all shapes.
+    One pass is about 100 steps of a few ms in all, so the whole test runs `dynamic_runs` times,
+    each from a fresh wrapper (compile cache empty, caching allocator emptied), medians reported."""
     result = report.DynamicResult(workload.name, mode, settings.dynamic_shape_count)
     try:
         torch.manual_seed(INPUT_SEED)
         steps = workload.make_dynamic_inputs(device, settings.dynamic_shape_count)
-        step_fn = factory(workload.fn, steps[0].consts)
-        measure.run_steps(step_fn, steps[0], settings.dynamic_warmup_steps)
-        first = _pass_it_s(step_fn, steps, settings.dynamic_pass_steps, device)
-        second = _pass_it_s(step_fn, steps, settings.dynamic_pass_steps, device)
-        return dataclasses.replace(result, first_pass_it_s=first, second_pass_it_s=second)
+        firsts, seconds = [], []
+        for _ in range(settings.dynamic_runs):
+            _release_memory()
+            step_fn = factory(workload.fn, steps[0].consts)
+            measure.run_steps(step_fn, steps[0], settings.dynamic_warmup_steps)
+            firsts.append(_pass_it_s(step_fn, steps, settings.dynamic_pass_steps, device))
+            seconds.append(_pass_it_s(step_fn, steps, settings.dynamic_pass_steps, device))
+            del step_fn
+        return dataclasses.replace(result, first_pass_it_s=statistics.median(firsts),
+                                   second_pass_it_s=statistics.median(seconds),
+                                   ratios=tuple(f / s for f, s in zip(firsts, seconds)))
     except Exception as error:  # reported in the results
         return dataclasses.replace(result, error=_error_text(error))
     finally:
