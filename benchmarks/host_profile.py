@@ -28,8 +28,9 @@ import types
 import torch
 
 
-class _StandInGenerator:
-    """The three methods of a CUDA torch.Generator that runtime.seed_from_philox calls."""
+class StandInGenerator:
+    """The three methods of a CUDA torch.Generator that runtime.seed_from_philox calls (also the
+    tests' stand-in: it refuses offsets torch's CUDA generator refuses)."""
 
     def __init__(self, seed: int = 0):
         self.seed, self.offset = seed, 0
@@ -41,6 +42,8 @@ class _StandInGenerator:
         return self.offset
 
     def set_offset(self, offset: int) -> None:
+        if offset % 4:
+            raise RuntimeError("torch's CUDA generator takes offsets that are multiples of 4")
         self.offset = offset
 
 
@@ -50,7 +53,7 @@ def _stub_launches(entry) -> None:
     from memfuse import runtime
     cpu = torch.device("cpu")
     runtime._raw_stream = lambda index: 0
-    runtime._SEED_DRAWS[cpu] = functools.partial(runtime.seed_from_philox, _StandInGenerator())
+    runtime._SEED_DRAWS[cpu] = functools.partial(runtime.seed_from_philox, StandInGenerator())
     nothing = types.SimpleNamespace(run=lambda *args: None, function=None, packed_metadata=None)
     for program in (entry.function.forward, entry.function.backward):
         for launch in program.steps:

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import memfuse
+from benchmarks.host_profile import StandInGenerator
 from helpers import BLOCKS, block_inputs, forward_backward, rel_error
 
 
@@ -94,38 +95,21 @@ def test_manual_seed_reproduces_a_run_bit_exactly():
     assert not torch.equal(fused(x, b, 0.2).detach(), runs[0][0]), "another seed, the same mask"
 
 
-class FakeCudaGenerator:
-    """The three methods of a CUDA torch.Generator that runtime.seed_from_philox reads."""
-
-    def __init__(self, seed: int):
-        self.seed, self.offset = seed, 0
-
-    def initial_seed(self) -> int:
-        return self.seed
-
-    def get_offset(self) -> int:
-        return self.offset
-
-    def set_offset(self, offset: int) -> None:
-        assert offset % 4 == 0, "torch's CUDA generator refuses offsets that are not multiples of 4"
-        self.offset = offset
-
-
 def test_seed_from_philox_reserves_one_offset_step_per_draw():
     """On CUDA the seed comes from the device generator's (seed, offset): each draw moves the
     offset by 4, gives a seed in the kernels' int32 range, never a neighbour of the previous one
     (kernels draw from seed + stream index), and a generator reseeded the same draws the same."""
     from memfuse.runtime import SEED_LIMIT, seed_from_philox
-    generator = FakeCudaGenerator(1234)
+    generator = StandInGenerator(1234)
     seeds = [seed_from_philox(generator) for _ in range(1000)]
     assert generator.offset == 4000
     assert all(0 <= s < SEED_LIMIT for s in seeds)
     assert len(set(seeds)) == len(seeds)
     assert min(abs(a - b) for a, b in zip(seeds, seeds[1:])) > 64
-    assert [seed_from_philox(FakeCudaGenerator(1234)) for _ in range(3)] == [seeds[0]] * 3
-    reseeded = FakeCudaGenerator(1234)
+    assert [seed_from_philox(StandInGenerator(1234)) for _ in range(3)] == [seeds[0]] * 3
+    reseeded = StandInGenerator(1234)
     assert [seed_from_philox(reseeded) for _ in range(1000)] == seeds
-    other = FakeCudaGenerator(1235)
+    other = StandInGenerator(1235)
     assert [seed_from_philox(other) for _ in range(1000)] != seeds
 
 
