@@ -8,7 +8,7 @@ the reference.
 --stub-launches (no GPU): a CPU proxy for memfuse's host Python. The kernels compile and run once
 through Triton's interpreter; then every launch goes through memfuse's direct launch
 (runtime.DirectLaunch) into a launcher that does nothing, and seeds are drawn as on CUDA
-(runtime.seed_from_philox) from a stand-in generator. Implies --tiny. CPU tensors come from the
+(runtime.philox_seed_draw) from a stand-in generator. Implies --tiny. CPU tensors come from the
 CPU allocator and no driver is called: compare the two modes, or two versions of memfuse, not
 these numbers with a GPU host's.
 
@@ -29,7 +29,7 @@ import torch
 
 
 class StandInGenerator:
-    """The three methods of a CUDA torch.Generator that runtime.seed_from_philox calls (also the
+    """The three methods of a CUDA torch.Generator that runtime.philox_seed_draw calls (also the
     tests' stand-in: it refuses offsets torch's CUDA generator refuses)."""
 
     def __init__(self, seed: int = 0):
@@ -53,7 +53,7 @@ def _stub_launches(entry) -> None:
     from memfuse import runtime
     cpu = torch.device("cpu")
     runtime._raw_stream = lambda index: 0
-    runtime._SEED_DRAWS[cpu] = functools.partial(runtime.seed_from_philox, StandInGenerator())
+    runtime._SEED_DRAWS[cpu] = runtime.philox_seed_draw(StandInGenerator())
     nothing = types.SimpleNamespace(run=lambda *args: None, function=None, packed_metadata=None)
     for program in (entry.function.forward, entry.function.backward):
         for launch in program.steps:

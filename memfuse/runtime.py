@@ -8,7 +8,6 @@ that function.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import math
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Callable, Optional
 
 import sympy
 import torch
+import triton
 from sympy.printing.lambdarepr import LambdaPrinter
 from triton import knobs
 from triton.runtime.errors import OutOfResources
@@ -81,18 +81,42 @@ class KernelLaunch:
         self.recorded = None
         self.direct: dict = {}           # device -> DirectLaunch, once compiled there for aligned inputs
 
-    def __call__(self, device: torch.device, rows: Optional[int], aligned: bool, values: tuple):
-        if aligned and not self.record:
-            direct = self.direct.get(device)
-            if direct is not None and direct.config is self.configs.get(device) and not _launch_hooks_installed():
-                return direct(rows, values)
-        return self._launch(device, rows, aligned, values)
+    def __call__(self, device: torch.device, rows: Optional[int], pointers: Optional[tuple], values: tuple):
+        """Launch on `values`, the kernel's value arguments (inputs, scalars, outputs and column
+        totals, in signature order). `pointers` is the same with raw device pointers in place of
+        the tensors the caller vouches for (memfuse's own, inputs known to be on `device`), or None
+        when an input is not 16-byte aligned.
+
+        The hot path, every call after a kernel's first on a GPU: an aligned call on a device where
+        the kernel is compiled (`direct`) does the grid arithmetic and calls Triton's launcher. On
+        a host-bound step every Python call between the program and the driver shows (DESIGN.md,
+        host floor)."""
+        direct = self.direct.get(device) if pointers is not None else None
+        if direct is None or direct.config is not self.configs.get(device) or self.record or _launch_hooks_installed():
+            if self.record:
+                self.recorded = (device, rows, pointers, values)
+            return self._launch(device, rows, pointers is not None, values)
+        if rows is None:                 # a kernel over [D] alone
+            programs, grid = 1, ()
+        elif rows > INT32_MAX:           # the compiled kernel's sizes are 32-bit
+            return self._launch(device, rows, False, values)
+        elif self.persistent:
+            tiles = -(-rows // direct.block_m) or 1
+            programs = tiles if tiles < direct.most else direct.most
+            grid = (rows, -(-tiles // programs))
+        else:
+            programs = -(-rows // direct.block_m) or 1
+            grid = (rows,)
+        column_sums = ()
+        if self.reductions:
+            column_sums = direct.column_sums.get(programs) or direct.column_sum_pointers(programs)
+        direct.call(programs, 1, 1, _raw_stream(direct.stream_index), *direct.leading, *pointers, *column_sums, *grid,
+                    *direct.constexprs)
+        STATS["kernels_launched"] += 1
 
     def _launch(self, device: torch.device, rows: Optional[int], aligned: bool, values: tuple):
         """The general path: the first call on a device, the interpreter, unaligned inputs, launch
         hooks, a recorded call; a compiled aligned launch on a GPU sets up the direct one."""
-        if self.record:
-            self.recorded = (device, rows, aligned, values)
         grid = self.grids.get(device)
         if grid is None or grid[0] is not self.configs.get(device):
             grid = self._grid(device)
@@ -215,51 +239,47 @@ class Launcher:
 
 
 class DirectLaunch:
-    """The hot path of one KernelLaunch on one GPU: the grid arithmetic and a call of Triton's
-    compiled launcher, nothing else. On a host-bound step every Python call between the program
-    and the driver shows (DESIGN.md, host floor). Valid for one LaunchConfig: KernelLaunch drops to
-    its general path when the configuration changes (tuning, an out-of-resources retry)."""
+    """What KernelLaunch's hot path needs of its kernel compiled on one GPU: the grid's terms, the
+    launcher call and the arguments around the kernel's own, the column sums' buffers as pointers.
+    Valid for one LaunchConfig: KernelLaunch drops to its general path when the configuration
+    changes (tuning, an out-of-resources retry)."""
 
-    __slots__ = ("launch", "device", "config", "block_m", "most", "persistent", "stream_index", "run", "function",
-                 "metadata", "constexprs", "column_sums")
+    __slots__ = ("kernel_launch", "device", "config", "block_m", "most", "stream_index", "call", "leading",
+                 "constexprs", "column_sums")
 
     def __init__(self, launch: KernelLaunch, device: torch.device, config: LaunchConfig, most: int, compiled):
-        self.launch = launch
+        self.kernel_launch = launch
         self.device = device
         self.config = config
         self.block_m = config.block_m
         self.most = most
-        self.persistent = launch.persistent
         self.stream_index = device.index      # a CUDA tensor's device always names its index
-        self.run = compiled.run
-        self.function = compiled.function
-        self.metadata = compiled.packed_metadata
+        self.call, self.leading = launcher_call(compiled)
         self.constexprs = tuple(launch.launcher.keywords(config).values())
-        # programs -> (partials..., counter): the column sums' arguments, None without column sums
-        self.column_sums = {} if launch.reductions else None
+        self.column_sums: dict = {}           # programs -> pointers of (partials..., counter)
 
-    def __call__(self, rows: Optional[int], values: tuple):
-        if rows is None:                 # a kernel over [D] alone
-            programs, grid_args = 1, ()
-        elif rows > INT32_MAX:           # the compiled kernel's sizes are 32-bit
-            return self.launch._launch(self.device, rows, False, values)
-        elif self.persistent:
-            tiles = -(-rows // self.block_m) or 1
-            programs = tiles if tiles < self.most else self.most
-            grid_args = (rows, -(-tiles // programs))
-        else:
-            programs = -(-rows // self.block_m) or 1
-            grid_args = (rows,)
-        column_sums = ()
-        if self.column_sums is not None:
-            column_sums = self.column_sums.get(programs)
-            if column_sums is None:
-                launch = self.launch
-                column_sums = (*launch.partials(programs, self.device), launch.counter(self.device))
-                self.column_sums[programs] = column_sums
-        self.run(programs, 1, 1, _raw_stream(self.stream_index), self.function, self.metadata, None, None, None,
-                 *values, *column_sums, *grid_args, *self.constexprs)
-        STATS["kernels_launched"] += 1
+    def column_sum_pointers(self, programs: int) -> tuple:
+        """The column sums' buffers for a grid of `programs`, as pointers (KernelLaunch keeps the
+        buffers, per device and grid, for good)."""
+        launch = self.kernel_launch
+        buffers = (*launch.partials(programs, self.device), launch.counter(self.device))
+        pointers = self.column_sums[programs] = tuple(b.data_ptr() for b in buffers)
+        return pointers
+
+
+def launcher_call(compiled) -> tuple:
+    """(function, the arguments before the kernel's own) that launch a Triton CompiledKernel.
+
+    Triton 3.6's launcher is a Python method (`CudaLauncher.__call__`, which allocates scratch
+    memory memfuse's kernels never ask for) around a C function: calling the C function with the
+    arguments that method adds saves about 3 us of host time per launch (H200 host). Launchers of
+    other Triton versions, not checked against, are called as they are."""
+    run = compiled.run
+    if TRITON_VERSION == (3, 6) and type(run).__name__ == "CudaLauncher" and run.global_scratch_size == 0 \
+            and run.profile_scratch_size == 0:
+        return run.launch, (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
+                            compiled.packed_metadata, None, None, None)
+    return run, (compiled.function, compiled.packed_metadata, None, None, None)
 
 
 class AtenGroup:
@@ -284,14 +304,18 @@ class Program:
     an aten op), so a call walks no list of steps and no dictionary of values.
 
     `contiguous_inputs`: inputs every caller passes contiguous (what the compile key says of a
-    primal, tangents made contiguous); the others are made contiguous where a kernel reads them."""
+    primal, tangents made contiguous); the others are made contiguous where a kernel reads them.
+    `device_inputs`: inputs every caller passes on the launch device (the compile key checks the
+    primals, autograd the tangents); kernels take them as raw pointers, the others as tensors."""
 
-    def __init__(self, schedule: Schedule, symbols: list, config: Config, contiguous_inputs=frozenset()):
+    def __init__(self, schedule: Schedule, symbols: list, config: Config, contiguous_inputs=frozenset(),
+                 device_inputs=frozenset()):
         self.graph = schedule.graph
         self.schedule = schedule
         self.symbols = symbols
         self.config = config
         self.contiguous_inputs = frozenset(contiguous_inputs)
+        self.device_inputs = frozenset(device_inputs)
         self.steps = [self._prepare(step) for step in schedule.steps]
         self.source, self.run = _ProgramWriter(self).write()
 
@@ -330,6 +354,7 @@ class _ProgramWriter:
         self.allocated: set = set()      # values memfuse allocates (aligned, contiguous)
         self.allocates = False           # whether an allocation was written (the allocator is taken)
         self.contiguous: dict = {v: v for v in program.contiguous_inputs}   # value -> its local as kernels read it
+        self.pointers: dict = {}         # local -> the local holding its data pointer
         self.pending: dict = {}          # row read only by one reshape -> (totals local, offset)
         self.totals_locals: dict = {}    # totals local -> kernels before this one that named theirs so
         users: dict = {}
@@ -406,31 +431,38 @@ class _ProgramWriter:
                 local += f"_{taken}"
             totals[dtype_name(dtype)] = local
             self.allocate(local, (len(names), group.space.d), dtype)
-        values, checked = [], []
+        values, pointers, reads = [], [], []    # the general path's, the direct path's, the reads' pointers
         for arg in launch.kernel.source.args:
-            if arg.role == "read" and arg.value not in self.allocated:
-                values.append(self.made_contiguous(arg.value))
-                checked.append(f"{values[-1]}.data_ptr()")
-            elif arg.role == "in_place":       # an input the kernel reads by its own strides
-                values.append(arg.value)
-                checked.append(f"{arg.value}.data_ptr()")
+            if arg.role in ("read", "in_place") and arg.value not in self.allocated:
+                # an input (an in-place one is read by its own strides), or an extern step's result
+                tensor = self.made_contiguous(arg.value) if arg.role == "read" else arg.value
+                reads.append(self.pointer(tensor))
+                values.append(tensor)
+                pointers.append(reads[-1] if self.on_device(arg.value) else tensor)
             elif arg.role == "stride":         # of the tensor as the kernel reads it
                 in_place = any(b.role == "in_place" and b.value == arg.value for b in launch.kernel.source.args)
                 tensor = arg.value if in_place or arg.value in self.allocated else self.made_contiguous(arg.value)
-                values.append(f"{tensor}.stride({arg.dim})")
-            elif arg.role in ("read", "write", "scalar"):
+                local = f"mf_stride{len(self.lines)}"
+                self.line(f"    {local} = {tensor}.stride({arg.dim})")
+                values.append(local)
+                pointers.append(local)
+            elif arg.role in ("read", "write"):    # memfuse allocated it
                 values.append(arg.value)
+                pointers.append(f"{arg.value}.data_ptr()")
+            elif arg.role == "scalar":
+                values.append(arg.value)
+                pointers.append(arg.value)
             elif arg.role == "totals":
                 values.append(totals[arg.value])
+                pointers.append(f"{totals[arg.value]}.data_ptr()")
             elif arg.role not in ("partials", "counter", "rows", "tiles"):
                 raise NotImplementedError(f"memfuse: {group.name}: no runtime value for argument role {arg.role!r}")
         rows = "None" if group.space.m is None else self.expr(group.space.m)
-        aligned = "True"
-        if checked:
-            aligned = "mf_aligned"
-            self.line(f"    mf_aligned = not (({' | '.join(checked)}) & 15)")
+        direct = f"({', '.join(pointers)}{',' if len(pointers) == 1 else ''})"
+        if reads:      # memfuse allocates aligned memory: only what it did not allocate is checked
+            direct = f"None if ({' | '.join(reads)}) & 15 else {direct}"
         self.namespace[group.name] = launch
-        self.line(f"    {group.name}(device, {rows}, {aligned}, ({', '.join(values)}{',' if len(values) == 1 else ''}))")
+        self.line(f"    {group.name}(device, {rows}, {direct}, ({', '.join(values)}{',' if len(values) == 1 else ''}))")
         for dtype, names in launch.kernel.source.totals.items():
             self.rows(names, totals[dtype_name(dtype)], group.space.d)
 
@@ -457,6 +489,20 @@ class _ProgramWriter:
         readers = self.users.get(name, [])
         return len(readers) == 1 and readers[0].op is Op.VIEW and readers[0].name in self.extern_steps \
             and name not in self.graph.outputs
+
+    def pointer(self, tensor: str) -> str:
+        """The local holding the data pointer of `tensor` (a local), written once."""
+        local = self.pointers.get(tensor)
+        if local is None:
+            local = self.pointers[tensor] = f"mf_pointer{len(self.pointers)}"
+            self.line(f"    {local} = {tensor}.data_ptr()")
+        return local
+
+    def on_device(self, value: str) -> bool:
+        """Whether `value` is surely on the launch device: an input the caller vouches for, or a
+        value made in this program. Kernels take such a value as a raw pointer; another one (what a
+        saved-tensors hook unpacked) goes to Triton's launcher as a tensor, which it checks."""
+        return value in self.program.device_inputs or value not in self.graph.inputs
 
     def made_contiguous(self, value: str) -> str:
         """The local holding `value` as kernels read it: an input or an aten result may be
@@ -508,6 +554,7 @@ _SIZE_PRINTER = LambdaPrinter({"allow_unknown_functions": True, "fully_qualified
 
 _SM_COUNTS: dict = {}
 INT32_MAX = 2 ** 31 - 1
+TRITON_VERSION = tuple(int(part) for part in triton.__version__.split(".")[:2])
 FINISH_GROUPS_MAX = 256   # groups of about sqrt(programs) programs: grids up to 65536 programs
 _ALLOCATORS: dict = {}   # device -> (sizes, strides, dtype) -> an uninitialized tensor there
 
@@ -551,10 +598,6 @@ def _sm_count(device: torch.device) -> int:
     if index not in _SM_COUNTS:
         _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return _SM_COUNTS[index]
-
-
-def _contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.is_contiguous() else t.contiguous()
 
 
 # -- groups the code generator declined, run op by op in the [M, D] layout ---------------------
@@ -665,8 +708,8 @@ def _canonical_shape(kind: Kind, rows: int, d: Optional[int]) -> tuple:
 class CompiledFunction:
     """A plan made runnable: a forward Program, and a backward one when gradients are needed.
     `contiguous[i]`: tensor input i is contiguous in every call (the compile key says so), so the
-    forward need not check it; the backward's tangents are made contiguous before it runs. What
-    the backward reads of the forward is still checked: a saved-tensors hook may unpack anything."""
+    forward need not check it. The backward checks its tangents, and what it reads of the
+    forward: a saved-tensors hook may unpack anything."""
 
     def __init__(self, plan, captured, config: Config, build_schedule, contiguous=()):
         self.plan = plan
@@ -681,31 +724,30 @@ class CompiledFunction:
         self.symbol_values = eval(f"lambda inputs: ({reads}{',' if len(self.symbol_sources) == 1 else ''})")
         primals = plan.forward.inputs[:len(contiguous)]
         self.forward = Program(build_schedule(plan.forward, "forward"), self.symbol_order, config,
-                               {name for name, known in zip(primals, contiguous) if known})
+                               {name for name, known in zip(primals, contiguous) if known}, plan.forward.inputs)
         self.backward = None
         if plan.backward is not None:    # inputs: what the forward saved, [the seed], the tangents
-            tangents = plan.backward.inputs[len(plan.backward.inputs) - len(self.differentiable):]
-            self.backward = Program(build_schedule(plan.backward, "backward"), self.symbol_order, config, tangents)
+            inputs = plan.backward.inputs
+            saved = len(inputs) - len(self.differentiable) - self.has_seed
+            self.backward = Program(build_schedule(plan.backward, "backward"), self.symbol_order, config,
+                                    device_inputs=inputs[saved:])
 
     def run_forward(self, inputs) -> tuple:
-        """(outputs, size values, seed input, device) of a forward run on the tensor inputs."""
+        """(outputs, size values, seed input, device) of a forward run on the tensor inputs. The
+        seed input is () without random ops, else a fresh draw, as a Python int or, for kernels
+        that read it from memory, a [1] tensor on the device."""
         device = inputs[0].device
+        seed = ()
+        if self.has_seed:
+            seed = _draw_seed(device)
+            seed = (torch.tensor([seed], dtype=torch.int64, device=device),) if self.seed_from_memory else (seed,)
         symbol_values = self.symbol_values(inputs)
-        seed = self.draw_seed(device)
         return self.forward.run((*inputs, *seed), symbol_values, device), symbol_values, seed, device
 
     def __call__(self, inputs: list):
         if self.backward is None:
             return tuple(self.run_forward(inputs)[0][:self.num_fwd_outputs])
         return _MemfuseFunction.apply(self, *inputs)
-
-    def draw_seed(self, device: torch.device) -> list:
-        """The seed input of a call: [] without random ops, else a fresh draw, as a Python int
-        or, for kernels that read it from memory, a [1] tensor on `device`."""
-        if not self.has_seed:
-            return []
-        seed = _draw_seed(device)
-        return [torch.tensor([seed], dtype=torch.int64, device=device)] if self.seed_from_memory else [seed]
 
 
 SEED_LIMIT = 2 ** 31 - 1   # seeds are int32 kernel scalars (and kernels add a stream index)
@@ -717,13 +759,13 @@ _SEED_DRAWS: dict = {}   # device -> its seed draw (reading `device.type` costs 
 
 def _draw_seed(device: torch.device) -> int:
     """A fresh seed in [0, SEED_LIMIT), with no kernel and no GPU sync: on CUDA from the device's
-    default generator (`seed_from_philox`; `torch.manual_seed` and `torch.cuda.manual_seed`
+    default generator (`philox_seed_draw`; `torch.manual_seed` and `torch.cuda.manual_seed`
     reproduce a run, as for torch's own dropout), elsewhere from torch's CPU generator."""
     draw = _SEED_DRAWS.get(device)
     if draw is None:
         if device.type == "cuda":
             index = device.index if device.index is not None else torch.cuda.current_device()
-            draw = functools.partial(seed_from_philox, torch.cuda.default_generators[index])
+            draw = philox_seed_draw(torch.cuda.default_generators[index])
         else:
             draw = _cpu_seed
         _SEED_DRAWS[device] = draw
@@ -734,24 +776,28 @@ def _cpu_seed() -> int:
     return int(torch.randint(0, SEED_LIMIT, (), dtype=torch.int64))
 
 
-def seed_from_philox(generator) -> int:
-    """A seed from a CUDA generator's Philox state (seed, offset), reserving one offset step (4,
-    the unit torch's generator allows) as torch's own random kernels reserve theirs: the next call
-    reads the next offset. Cheaper than a `torch.randint` draw (a host tensor op per call).
-    splitmix64 of (seed, offset / 4) spreads successive offsets over unrelated seeds, never
-    neighbours (kernels draw from seed + stream index). Inside a CUDA-graph capture the state
-    is off limits: the CPU generator's seed is captured, as before (a constant of the graph)."""
-    try:
-        offset = generator.get_offset()
-    except RuntimeError:
-        if not torch.cuda.is_current_stream_capturing():
-            raise
-        return _cpu_seed()
-    generator.set_offset(offset + 4)
-    z = (generator.initial_seed() + ((offset >> 2) + 1) * 0x9E3779B97F4A7C15) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) % SEED_LIMIT
+def philox_seed_draw(generator) -> Callable[[], int]:
+    """Seeds from a CUDA generator's Philox state (seed, offset): each draw reserves one offset
+    step (4, the unit torch's generator allows) as torch's own random kernels reserve theirs, so
+    the next draw reads the next offset. Cheaper than a `torch.randint` draw (a host tensor op per
+    call). splitmix64 of (seed, offset / 4) spreads successive offsets over unrelated seeds, never
+    neighbours (kernels draw from seed + stream index). Inside a CUDA-graph capture the state is
+    off limits: the CPU generator's seed is captured, as before (a constant of the graph)."""
+    get_offset, set_offset, initial_seed = generator.get_offset, generator.set_offset, generator.initial_seed
+
+    def philox_draw() -> int:
+        try:
+            offset = get_offset()
+        except RuntimeError:
+            if not torch.cuda.is_current_stream_capturing():
+                raise
+            return _cpu_seed()
+        set_offset(offset + 4)
+        z = (initial_seed() + ((offset >> 2) + 1) * 0x9E3779B97F4A7C15) & _MASK64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+        return (z ^ (z >> 31)) % SEED_LIMIT
+    return philox_draw
 
 
 class _MemfuseFunction(torch.autograd.Function):
@@ -768,5 +814,5 @@ class _MemfuseFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grad_outputs):
         compiled, symbol_values, seed, device = ctx.call
-        tangents = [_contiguous(grad_outputs[i]) for i in compiled.differentiable]
+        tangents = [grad_outputs[i] for i in compiled.differentiable] if compiled.non_differentiable else grad_outputs
         return (None, *compiled.backward.run((*ctx.saved_tensors, *seed, *tangents), symbol_values, device))

@@ -95,22 +95,23 @@ def test_manual_seed_reproduces_a_run_bit_exactly():
     assert not torch.equal(fused(x, b, 0.2).detach(), runs[0][0]), "another seed, the same mask"
 
 
-def test_seed_from_philox_reserves_one_offset_step_per_draw():
+def test_philox_seed_draw_reserves_one_offset_step_per_draw():
     """On CUDA the seed comes from the device generator's (seed, offset): each draw moves the
     offset by 4, gives a seed in the kernels' int32 range, never a neighbour of the previous one
     (kernels draw from seed + stream index), and a generator reseeded the same draws the same."""
-    from memfuse.runtime import SEED_LIMIT, seed_from_philox
+    from memfuse.runtime import SEED_LIMIT, philox_seed_draw
     generator = StandInGenerator(1234)
-    seeds = [seed_from_philox(generator) for _ in range(1000)]
+    draw = philox_seed_draw(generator)
+    seeds = [draw() for _ in range(1000)]
     assert generator.offset == 4000
     assert all(0 <= s < SEED_LIMIT for s in seeds)
     assert len(set(seeds)) == len(seeds)
     assert min(abs(a - b) for a, b in zip(seeds, seeds[1:])) > 64
-    assert [seed_from_philox(StandInGenerator(1234)) for _ in range(3)] == [seeds[0]] * 3
-    reseeded = StandInGenerator(1234)
-    assert [seed_from_philox(reseeded) for _ in range(1000)] == seeds
-    other = StandInGenerator(1235)
-    assert [seed_from_philox(other) for _ in range(1000)] != seeds
+    assert [philox_seed_draw(StandInGenerator(1234))() for _ in range(3)] == [seeds[0]] * 3
+    generator.seed, generator.offset = 1234, 0          # reseeded (torch.cuda.manual_seed(1234))
+    assert [draw() for _ in range(1000)] == seeds
+    other = philox_seed_draw(StandInGenerator(1235))
+    assert [other() for _ in range(1000)] != seeds
 
 
 def test_two_dropouts_draw_independent_masks():

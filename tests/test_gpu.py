@@ -91,7 +91,7 @@ def dropout_masks(fused, x, b, calls):
 
 
 def test_dropout_seed_comes_from_the_cuda_generator():
-    """On CUDA the seed is read from the device's default generator (runtime.seed_from_philox):
+    """On CUDA the seed is read from the device's default generator (runtime.philox_seed_draw):
     each call moves its offset by 4, torch.manual_seed and torch.cuda.manual_seed both reproduce
     the masks, successive calls draw new ones, and torch's own random ops in between move on."""
     x = (torch.rand(64, 128, 1024, device="cuda") + 0.5).requires_grad_()
@@ -156,9 +156,12 @@ def test_direct_launch_matches_triton_launch(monkeypatch):
     generic = step(memfuse.memory_efficient_fusion(bias_dropout))
     monkeypatch.setattr(runtime, "_launch_hooks_installed", lambda: False)
     direct_calls = []
-    original = runtime.DirectLaunch.__call__
-    monkeypatch.setattr(runtime.DirectLaunch, "__call__",
-                        lambda self, *args: direct_calls.append(1) or original(self, *args))
+    original = runtime.launcher_call
+
+    def counted(compiled):
+        call, leading = original(compiled)
+        return (lambda *args: direct_calls.append(1) or call(*args)), leading
+    monkeypatch.setattr(runtime, "launcher_call", counted)
     fused = memfuse.memory_efficient_fusion(bias_dropout)
     results = [step(fused) for _ in range(3)]
     assert len(direct_calls) == 4       # forward and backward of the second and third steps

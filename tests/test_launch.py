@@ -1,6 +1,7 @@
 """The direct launch (runtime.DirectLaunch): on a GPU, an aligned call skips KernelLaunch's
 general path and Triton's binder. Here its arguments are checked against the general path's
 for the same calls: same grid, same kernel arguments in the same order, same constexprs."""
+import dataclasses
 import os
 import subprocess
 import sys
@@ -26,10 +27,23 @@ def _kernel_launches(name):
             if isinstance(step, KernelLaunch)]
 
 
+def _recording_compiled(calls: list):
+    """A compiled kernel whose launcher records what it is called with."""
+    return types.SimpleNamespace(run=lambda *args: calls.append(args), function="kernel", packed_metadata="metadata")
+
+
+def _install_direct(launch, device, calls: list) -> DirectLaunch:
+    config, most = launch._grid(device)
+    launch.direct[device] = DirectLaunch(launch, device, config, most, _recording_compiled(calls))
+    return launch.direct[device]
+
+
 @pytest.mark.parametrize("name", ["layer_norm_block", "rms_norm_block"])
 @pytest.mark.parametrize("rows", [0, 1, 7, 15, 1000, 100000])
 def test_direct_launch_passes_what_the_general_path_passes(monkeypatch, name, rows):
-    general, direct = [], []
+    """Same grid, same kernel arguments in the same order (the column sums' buffers as their
+    pointers), same constexprs; the launcher gets the grid, the stream and the fixed arguments."""
+    general = []
 
     def record_general(self, programs, args, device, config, aligned):
         general.append((programs, list(args), tuple(self.keywords(config).values())))
@@ -37,40 +51,35 @@ def test_direct_launch_passes_what_the_general_path_passes(monkeypatch, name, ro
     monkeypatch.setattr(runtime, "_raw_stream", lambda index: 7)
     cpu = torch.device("cpu")
     for launch in _kernel_launches(name):
-        config, most = launch._grid(cpu)
         values = tuple(f"value{i}" for i in range(3))
+        pointers = tuple(f"pointer{i}" for i in range(3))
         launch._launch(cpu, rows, True, values)
-
-        def record_direct(programs, y, z, stream, function, metadata, *rest):
-            assert (y, z, stream, function, metadata, rest[:3]) == (1, 1, 7, "kernel", "metadata", (None,) * 3)
-            direct.append(programs)
-            direct.append(list(rest[3:]))
-        compiled = types.SimpleNamespace(run=record_direct, function="kernel", packed_metadata="metadata")
-        DirectLaunch(launch, cpu, config, most, compiled)(rows, values)
+        calls = []
+        _install_direct(launch, cpu, calls)
+        launch(cpu, rows, pointers, values)
         programs, args, constexprs = general[-1]
-        assert direct[-2] == programs
-        assert direct[-1] == args + list(constexprs)
+        (grid_x, y, z, stream, function, metadata, *hooks), rest = calls[-1][:9], list(calls[-1][9:])
+        assert (grid_x, y, z, stream, function, metadata, hooks) == (programs, 1, 1, 7, "kernel", "metadata", [None] * 3)
+        expected = list(pointers) + [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args[3:]]
+        assert rest == expected + list(constexprs)
 
 
 def test_a_new_configuration_leaves_the_direct_launch(monkeypatch):
     """Tuning (or an out-of-resources retry) changes the configuration: the next call must not
-    launch with the old one. Unaligned inputs never take the direct launch."""
+    launch with the old one. Unaligned inputs (no pointers) never take the direct launch."""
     launch = _kernel_launches("layer_norm_block")[0]
     cuda = torch.device("cuda", 0)
-    used = []
-
-    class Direct:
-        config = launch.configs[cuda] = object()
-
-        def __call__(self, rows, values):
-            used.append("direct")
-    launch.direct[cuda] = Direct()
-    monkeypatch.setattr(KernelLaunch, "_launch", lambda self, *args: used.append("general"))
-    launch(cuda, 8, True, ())
-    launch(cuda, 8, False, ())
-    launch.configs[cuda] = object()
-    launch(cuda, 8, True, ())
-    assert used == ["direct", "general", "general"]
+    direct_calls, used = [], []
+    config = launch.configs[cuda] = launch._grid(torch.device("cpu"))[0]
+    launch.direct[cuda] = DirectLaunch(launch, cuda, config, 4, _recording_compiled(direct_calls))
+    monkeypatch.setattr(KernelLaunch, "_launch", lambda self, device, rows, aligned, values: used.append(aligned))
+    monkeypatch.setattr(runtime, "_raw_stream", lambda index: 7)
+    monkeypatch.setattr(DirectLaunch, "column_sum_pointers", lambda self, programs: ())
+    launch(cuda, 8, ("pointer",), ("value",))
+    launch(cuda, 8, None, ("value",))
+    launch.configs[cuda] = dataclasses.replace(config, block_m=config.block_m * 2)
+    launch(cuda, 8, ("pointer",), ("value",))
+    assert len(direct_calls) == 1 and used == [False, True]
 
 
 def test_rows_past_int32_take_the_generic_path(monkeypatch):
@@ -78,20 +87,72 @@ def test_rows_past_int32_take_the_generic_path(monkeypatch):
     more go to Triton's generic path, which compiles the 64-bit variant."""
     launch = _kernel_launches("layer_norm_block")[0]
     cpu = torch.device("cpu")
-    config, most = launch._grid(cpu)
     calls = []
     monkeypatch.setattr(Launcher, "__call__", lambda self, programs, args, device, config, direct: calls.append(direct))
     for rows in (2 ** 31 - 1, 2 ** 31):
         launch._launch(cpu, rows, True, tuple(f"value{i}" for i in range(3)))
     assert calls == [True, False]
-    general = []
+    general, direct_calls = [], []
     monkeypatch.setattr(KernelLaunch, "_launch", lambda self, device, rows, aligned, values: general.append(aligned))
-    compiled = types.SimpleNamespace(run=lambda *args: general.append("direct"), function=None, packed_metadata=None)
+    monkeypatch.setattr(DirectLaunch, "column_sum_pointers", lambda self, programs: ())
     monkeypatch.setattr(runtime, "_raw_stream", lambda index: 7)
-    direct = DirectLaunch(launch, cpu, config, most, compiled)
-    direct(2 ** 31 - 1, ())
-    direct(2 ** 31, ())
-    assert general == ["direct", False]
+    _install_direct(launch, cpu, direct_calls)
+    launch(cpu, 2 ** 31 - 1, (), ())
+    launch(cpu, 2 ** 31, (), ())
+    assert len(direct_calls) == 1 and general == [False]
+
+
+class CudaLauncher:
+    """Triton 3.6's launcher, as far as runtime.launcher_call reads it."""
+    global_scratch_size = profile_scratch_size = 0
+    launch_cooperative_grid, launch_pdl = "cooperative", "pdl"
+
+    def launch(self, *args):
+        pass
+
+    def __call__(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("version, scratch, c_launch", [((3, 6), 0, True), ((3, 6), 64, False), ((3, 9), 0, False)])
+def test_launcher_call_skips_the_python_launcher_only_where_checked(monkeypatch, version, scratch, c_launch):
+    """Triton 3.6: the C launch, with the arguments CudaLauncher.__call__ puts before the kernel's
+    (cooperative grid, PDL, no global or profile scratch, then metadata and three hooks); a kernel
+    that needs scratch memory, or another Triton version, calls the launcher as it is."""
+    monkeypatch.setattr(runtime, "TRITON_VERSION", version)
+    launcher = CudaLauncher()
+    launcher.global_scratch_size = scratch
+    compiled = types.SimpleNamespace(run=launcher, function="kernel", packed_metadata="metadata")
+    call, leading = runtime.launcher_call(compiled)
+    if c_launch:
+        assert call == launcher.launch
+        assert leading == ("kernel", "cooperative", "pdl", None, None, "metadata", None, None, None)
+    else:
+        assert call is launcher and leading == ("kernel", "metadata", None, None, None)
+
+
+def test_programs_pass_pointers_of_what_is_surely_on_the_device(monkeypatch):
+    """The direct launch's arguments are the general path's with raw pointers for memfuse's own
+    tensors, the forward's inputs and the backward's tangents; what the forward saved (a
+    saved-tensors hook may unpack it anywhere) goes to Triton's launcher as a tensor, to check."""
+    calls = []
+    original = KernelLaunch.__call__
+
+    def record(self, device, rows, pointers, values):
+        calls.append((self.group.name, pointers, values))
+        return original(self, device, rows, pointers, values)
+    monkeypatch.setattr(KernelLaunch, "__call__", record)
+    _kernel_launches("layer_norm_block")
+    assert {name.split("_")[1] for name, _, _ in calls} == {"forward", "backward"}
+    for name, pointers, values in calls:
+        assert len(pointers) == len(values)
+        for p, v in zip(pointers, values):
+            if isinstance(v, torch.Tensor) and not isinstance(p, torch.Tensor):
+                assert p == v.data_ptr()
+            else:
+                assert p is v or p == v
+        passed_as_tensors = sum(isinstance(p, torch.Tensor) for p in pointers)
+        assert passed_as_tensors == (0 if "forward" in name else 4), name     # input1, input2, weight, bias1
 
 
 def test_host_profile_cpu_proxy_runs():
@@ -102,4 +163,4 @@ def test_host_profile_cpu_proxy_runs():
     result = subprocess.run([sys.executable, "-m", "benchmarks.host_profile", "--stub-launches", "--steps", "40"],
                             cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "memfuse - floor = " in result.stdout and "seed_from_philox" in result.stdout, result.stdout[-3000:]
+    assert "memfuse - floor = " in result.stdout and "philox_draw" in result.stdout, result.stdout[-3000:]
