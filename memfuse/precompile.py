@@ -24,13 +24,17 @@ still walks the same path, which is how the CPU tests cover it.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
 import logging
 import os
+import subprocess
+import sys
 import tempfile
 import threading
+import types
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
@@ -40,12 +44,13 @@ import torch
 from .config import Config
 from .debug import STATS
 from .ir import Op
-from .runtime import KernelLaunch
+from .runtime import TRITON_VERSION, KernelLaunch
 from .tuning import LaunchConfig
 
 log = logging.getLogger("memfuse.kernels")
 MAX_THREADS = 4           # kernels compiled at once (a program pair has 1-6 kernels)
 MOCK_INT = 2              # any int32 value: every scalar is do_not_specialize, only its width counts
+TRITON_KEY_TIMEOUT_S = 60
 
 _pool: Optional[ThreadPoolExecutor] = None
 _driver: dict = {}        # device index -> Future of the driver set-up
@@ -123,12 +128,56 @@ def _warm_up(graph, launch: KernelLaunch, device: torch.device, config: Config) 
         compiled = index.load(launch.kernel, chosen, target)
         if compiled is None:
             _triton_installation_hashed()
-            compiled = launch.kernel.fn.warmup(*args, grid=(1,), **keywords)
+            with _launcher_built_beside(launch.kernel.fn, device.index):
+                compiled = launch.kernel.fn.warmup(*args, grid=(1,), **keywords)
             index.record(launch.kernel, chosen, target, compiled)
         else:
             STATS["kernels_loaded"] += 1
         compiled._init_handles()   # load the binary and build the launcher now, not at the first launch
     launch.launcher.compiled[(device.index, chosen)] = compiled
+
+
+@contextlib.contextmanager
+def _launcher_built_beside(fn, device_index: int):
+    """While `fn` compiles for a device, build its launcher in another thread (Triton 3.6).
+
+    Triton 3.6 builds a kernel's launcher, a C module the host compiler builds on a cold cache
+    (0.15-0.2 s), when the compiled kernel is first loaded: after the compile, on the first call's
+    critical path. The module depends only on the kernel's specialization, which the compile
+    passes to `fn.ASTSource` (set on the function with its argument binder for the device):
+    wrapped for this compile, that call starts the build, and the block waits for it, so the
+    load finds the module in Triton's cache. A failed build costs only time: the load builds it."""
+    if TRITON_VERSION != (3, 6):
+        yield
+        return
+    fn.device_caches[device_index]          # makes the binder for the device, and sets fn.ASTSource
+    make_source, builds = vars(fn).get("ASTSource"), []
+    if make_source is None:
+        yield
+        return
+
+    def source(*args):
+        src = make_source(*args)
+        builds.append(_executor().submit(_build_launcher, src))
+        return src
+    fn.ASTSource = source
+    try:
+        yield
+    finally:
+        fn.ASTSource = make_source
+        for build in builds:
+            if build.exception() is not None:
+                log.debug("memfuse: building a launcher early failed: %s", build.exception())
+
+
+def _build_launcher(src) -> None:
+    """Build (into Triton's cache) the launcher of the kernel `src` describes; the metadata are
+    what Triton 3.6's launcher reads of a kernel without scratch memory or tensor descriptors."""
+    import triton
+    metadata = types.SimpleNamespace(tensordesc_meta=None, num_ctas=1, global_scratch_size=0, global_scratch_align=1,
+                                     profile_scratch_size=0, profile_scratch_align=1, launch_cooperative_grid=False,
+                                     launch_pdl=False)
+    triton.runtime.driver.active.launcher_cls(src, metadata)
 
 
 class BinaryIndex:
@@ -214,8 +263,47 @@ def _triton_installation_hashed() -> None:
 
 
 def _triton_key() -> None:
-    from triton.runtime.cache import triton_key
-    triton_key()
+    """Have Triton's installation hash (`triton.runtime.cache.triton_key`) ready, computed in a
+    subprocess where that works. Hashing 400 MB in a thread of this process takes 0.5-0.65 s
+    beside the trace instead of 0.3 s alone: the thread needs the GIL back after every 1 MB
+    chunk, and the tracing thread holds it. A subprocess (a fresh Python importing Triton,
+    0.45 s) runs free of that, and the value it prints is handed to Triton as Triton hands it to
+    its own compile workers: `get_cache_key` then reads it instead of hashing. If the subprocess
+    fails, or finds another Triton, or this Triton's `get_cache_key` does not read the function
+    by name, the hash is computed here as before."""
+    from triton.runtime import cache
+    cached = getattr(cache.triton_key, "cache_info", None)
+    if cached is None or cached().currsize:     # computed already, or handed in by someone else
+        return
+    key = _triton_key_of_subprocess() if "triton_key" in cache.get_cache_key.__code__.co_names else None
+    if key is None:
+        cache.triton_key()
+    elif not cache.triton_key.cache_info().currsize:
+        cache.triton_key = functools.lru_cache(maxsize=None)(lambda: key)
+
+
+TRITON_KEY_SCRIPT = ("import json, triton; from triton.runtime.cache import triton_key; "
+                     "print(json.dumps([triton.__file__, triton_key()]))")
+
+
+def _triton_key_of_subprocess() -> Optional[str]:
+    """Triton's `triton_key()` as a fresh Python process computes it, if that process imports this
+    very Triton; else None."""
+    import triton
+    package_root = os.path.dirname(os.path.dirname(triton.__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p))
+    try:
+        done = subprocess.run([sys.executable, "-c", TRITON_KEY_SCRIPT], env=env, capture_output=True, text=True,
+                              timeout=TRITON_KEY_TIMEOUT_S)
+        where, key = json.loads(done.stdout.strip().splitlines()[-1])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError) as e:
+        log.info("memfuse: Triton's installation hash in a subprocess failed (%s: %s); hashing here",
+                 type(e).__name__, e)
+        return None
+    if where != triton.__file__ or not isinstance(key, str):
+        log.info("memfuse: the subprocess imported Triton from %s, not %s; hashing here", where, triton.__file__)
+        return None
+    return key
 
 
 def _set_up_driver(device: torch.device) -> None:

@@ -1,10 +1,13 @@
 """The first call's cost: the decomposition table is built once, and the kernel precompile
 passes what the launch passes."""
+import collections
+import functools
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import memfuse
@@ -172,3 +175,62 @@ def test_binary_index_misses_on_another_variant_or_a_cleared_triton_cache(tmp_pa
     assert index.load(kernel, config, "GPUTarget(cuda, 90)") is None
     index.path(kernel, config, "GPUTarget(cuda, 90)").write_text("{not json")
     assert index.load(kernel, config, "GPUTarget(cuda, 90)") is None
+
+
+def _uncached_triton_key(monkeypatch):
+    """Triton's own `triton_key`, with an empty cache, in place of the process's."""
+    from triton.runtime import cache
+    original = getattr(cache.triton_key, "__wrapped__", cache.triton_key)
+    fresh = functools.lru_cache(maxsize=None)(original)
+    monkeypatch.setattr(cache, "triton_key", fresh)
+    return cache, original, fresh
+
+
+def test_triton_key_comes_from_a_subprocess(monkeypatch):
+    """The installation hash a fresh process computes is handed to Triton, and it is Triton's own."""
+    cache, original, fresh = _uncached_triton_key(monkeypatch)
+    precompile._triton_key()
+    assert cache.triton_key is not fresh and fresh.cache_info().currsize == 0, "hashed here, not in a subprocess"
+    assert cache.triton_key() == original()
+
+
+@pytest.mark.parametrize("script", [
+    "import json; print(json.dumps(['/elsewhere/triton/__init__.py', 'another key']))",   # another Triton
+    "raise SystemExit(3)",                                                                   # no output
+])
+def test_triton_key_is_hashed_here_when_the_subprocess_does_not_answer(monkeypatch, script):
+    cache, original, fresh = _uncached_triton_key(monkeypatch)
+    monkeypatch.setattr(precompile, "TRITON_KEY_SCRIPT", script)
+    precompile._triton_key()
+    assert cache.triton_key is fresh and fresh.cache_info().currsize == 1
+
+
+class _Kernel:
+    """What `precompile._launcher_built_beside` touches of a Triton 3.6 JITFunction: making the
+    binder for a device sets `self.ASTSource`, which the compile calls with the specialization."""
+
+    def __init__(self):
+        self.device_caches = collections.defaultdict(self.create_binder)
+
+    def create_binder(self):
+        self.ASTSource = lambda *args: ("source", args[1:])
+        return "binder"
+
+    def warmup(self, device_index):
+        self.device_caches[device_index]
+        return self.ASTSource(self, "signature", "constexprs", "attrs")
+
+
+@pytest.mark.parametrize("version, built", [((3, 6), True), ((3, 9), False)])
+def test_the_launcher_is_built_while_the_kernel_compiles(monkeypatch, version, built):
+    """Triton 3.6 builds a kernel's launcher when it loads it; precompile starts that build from
+    the specialization the compile hands to ASTSource, and leaves the kernel as it found it."""
+    monkeypatch.setattr(precompile, "TRITON_VERSION", version)
+    sources = []
+    monkeypatch.setattr(precompile, "_build_launcher", sources.append)
+    kernel = _Kernel()
+    with precompile._launcher_built_beside(kernel, 0):
+        source = kernel.warmup(0)
+    assert source == ("source", ("signature", "constexprs", "attrs"))
+    assert sources == ([source] if built else [])
+    assert kernel.warmup(0) == source and len(sources) == (1 if built else 0)     # Triton's own again
