@@ -53,6 +53,7 @@ MOCK_INT = 2              # any int32 value: every scalar is do_not_specialize, 
 TRITON_KEY_TIMEOUT_S = 60
 
 _pool: Optional[ThreadPoolExecutor] = None
+_launcher_pool: Optional[ThreadPoolExecutor] = None
 _driver: dict = {}        # device index -> Future of the driver set-up
 _lock = threading.RLock()
 
@@ -158,7 +159,7 @@ def _launcher_built_beside(fn, device_index: int):
 
     def source(*args):
         src = make_source(*args)
-        builds.append(_executor().submit(_build_launcher, src))
+        builds.append(_launcher_executor().submit(_build_launcher, src))
         return src
     fn.ASTSource = source
     try:
@@ -320,3 +321,13 @@ def _executor() -> ThreadPoolExecutor:
         if _pool is None:
             _pool = ThreadPoolExecutor(MAX_THREADS, thread_name_prefix="memfuse-precompile")
     return _pool
+
+
+def _launcher_executor() -> ThreadPoolExecutor:
+    """The launcher builds' own threads: a warm-up waits for its launcher's build, so a build
+    queued behind the warm-ups in their pool would wait for a thread none of them gives up."""
+    global _launcher_pool
+    with _lock:
+        if _launcher_pool is None:
+            _launcher_pool = ThreadPoolExecutor(MAX_THREADS, thread_name_prefix="memfuse-launcher")
+    return _launcher_pool

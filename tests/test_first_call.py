@@ -5,6 +5,7 @@ import functools
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -234,3 +235,17 @@ def test_the_launcher_is_built_while_the_kernel_compiles(monkeypatch, version, b
     assert source == ("source", ("signature", "constexprs", "attrs"))
     assert sources == ([source] if built else [])
     assert kernel.warmup(0) == source and len(sources) == (1 if built else 0)     # Triton's own again
+
+
+def test_launcher_builds_never_wait_behind_the_warm_ups(monkeypatch):
+    """More kernels than precompile's threads: every warm-up waits for its launcher's build, so
+    the builds must not queue behind the warm-ups for the same threads."""
+    monkeypatch.setattr(precompile, "TRITON_VERSION", (3, 6))
+    monkeypatch.setattr(precompile, "_build_launcher", lambda src: time.sleep(0.05))
+
+    def warm_up(kernel):
+        with precompile._launcher_built_beside(kernel, 0):
+            return kernel.warmup(0)
+    futures = [precompile._executor().submit(warm_up, _Kernel()) for _ in range(2 * precompile.MAX_THREADS)]
+    for future in futures:
+        assert future.result(timeout=30)[0] == "source"
