@@ -434,11 +434,13 @@ class _ProgramWriter:
         values, pointers, reads = [], [], []    # the general path's, the direct path's, the reads' pointers
         for arg in launch.kernel.source.args:
             if arg.role in ("read", "in_place") and arg.value not in self.allocated:
-                # an input (an in-place one is read by its own strides), or an extern step's result
+                # an input (an in-place one is read by its own strides), or an extern step's result:
+                # a raw pointer only where the caller vouches for the device (`device_inputs`); an
+                # extern result may view what a saved-tensors hook unpacked, so it stays a tensor
                 tensor = self.made_contiguous(arg.value) if arg.role == "read" else arg.value
                 reads.append(self.pointer(tensor))
                 values.append(tensor)
-                pointers.append(reads[-1] if self.on_device(arg.value) else tensor)
+                pointers.append(reads[-1] if arg.value in self.program.device_inputs else tensor)
             elif arg.role == "stride":         # of the tensor as the kernel reads it
                 in_place = any(b.role == "in_place" and b.value == arg.value for b in launch.kernel.source.args)
                 tensor = arg.value if in_place or arg.value in self.allocated else self.made_contiguous(arg.value)
@@ -497,12 +499,6 @@ class _ProgramWriter:
             local = self.pointers[tensor] = f"mf_pointer{len(self.pointers)}"
             self.line(f"    {local} = {tensor}.data_ptr()")
         return local
-
-    def on_device(self, value: str) -> bool:
-        """Whether `value` is surely on the launch device: an input the caller vouches for, or a
-        value made in this program. Kernels take such a value as a raw pointer; another one (what a
-        saved-tensors hook unpacked) goes to Triton's launcher as a tensor, which it checks."""
-        return value in self.program.device_inputs or value not in self.graph.inputs
 
     def made_contiguous(self, value: str) -> str:
         """The local holding `value` as kernels read it: an input or an aten result may be

@@ -164,3 +164,23 @@ def test_host_profile_cpu_proxy_runs():
                             cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "memfuse - floor = " in result.stdout and "philox_draw" in result.stdout, result.stdout[-3000:]
+
+
+def test_an_extern_result_goes_to_the_launcher_as_a_tensor(monkeypatch):
+    """A value an aten step made inside the program (here a matmul) may view what a saved-tensors
+    hook unpacked: the direct launch passes it as a tensor, for Triton's launcher to check."""
+    calls = []
+    original = KernelLaunch.__call__
+
+    def record(self, device, rows, pointers, values):
+        calls.append((self.group.name, pointers))
+        return original(self, device, rows, pointers, values)
+    monkeypatch.setattr(KernelLaunch, "__call__", record)
+
+    def fn(x, w, b):
+        return torch.relu(x @ w + b)
+    x, w, b = (torch.randn(8, 16, requires_grad=True), torch.randn(16, 32, requires_grad=True),
+               torch.randn(32, requires_grad=True))
+    memfuse.memory_efficient_fusion(fn)(x, w, b).sum().backward()
+    forward = [pointers for name, pointers in calls if "forward" in name]
+    assert forward and any(isinstance(p, torch.Tensor) for p in forward[0])
