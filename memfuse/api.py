@@ -33,6 +33,7 @@ from .schedule import schedule
 log = logging.getLogger("memfuse")
 cache_log = topic_log("cache")
 recompile_log = topic_log("recompiles")
+fallback_log = topic_log("fallbacks")
 CONSTANT_TYPES = (bool, int, float, type(None), str, torch.dtype)
 EXACT_CACHE_SIZE = 4096   # distinct exact argument shapes remembered in the front cache
 
@@ -85,34 +86,48 @@ class FusedFunction:
         functools.update_wrapper(self, fn, updated=())
 
     def __call__(self, *args, **kwargs):
-        if self.graphs is not None:
-            return self.graphs(self._bind(args, kwargs))
         front = self.fronts.get((len(args), *kwargs) if kwargs else len(args))
         if front is not None:
-            try:
-                key, tensors = front.read(args, kwargs)
-                entry = front.entries.get(key)
-            except (AttributeError, TypeError):   # another argument pattern, an unhashable constant
-                entry = None
-            if entry is not None:
-                STATS["cache_hits"] += 1
-                outputs = entry.function(tensors)
-                return outputs[0] if entry.single_output else tuple(outputs)
+            outputs = front.call(args, kwargs)
+            if outputs is not MISS:
+                return outputs
+        if torch._C._are_functorch_transforms_active():
+            return self._under_transform(args, kwargs)
+        if self.graphs is not None:
+            return self.graphs(self._bind(args, kwargs))
         values = self._bind(args, kwargs)
         entry, tensors = self._lookup(values)
         self._remember(args, kwargs, values, entry)
-        outputs = entry.function(tensors)
-        return outputs[0] if entry.single_output else tuple(outputs)
+        device_type = tensors[0].device.type
+        if torch.is_autocast_enabled(device_type):
+            with torch.autocast(device_type, enabled=False):   # the trace's casts are in the program
+                outputs = entry.function(tensors)
+        else:
+            outputs = entry.function(tensors)
+        return outputs[0] if entry.single_output else outputs
+
+    def _under_transform(self, args: tuple, kwargs: dict):
+        """Under a functorch transform (vmap, grad, jacrev, ...) `fn` runs as written, op by op:
+        memfuse's kernels read real tensors' memory, not the transform's wrappers."""
+        reason = "a functorch transform (vmap, grad, jacrev, ...) is active"
+        if self.config.strict:
+            raise NotImplementedError(f"memfuse: {self._name()} runs through aten: {reason} "
+                                      "(strict mode: MEMFUSE_STRICT=1 / Config.strict)")
+        fallback_log.info("memfuse: %s runs through aten: %s", self._name(), reason)
+        return self.fn(*args, **kwargs)
 
     def _remember(self, args: tuple, kwargs: dict, values: list, entry: "_CacheEntry") -> None:
         """Enter a call that went through `_lookup` in the front of its call shape, made for the
         argument pattern (which values are tensors) of the shape's first call."""
+        if _any_autocast():           # the front serves calls with autocast off
+            return
         shape = (len(args), *kwargs) if kwargs else len(args)
         front = self.fronts.get(shape)
         if front is None:
             front = self.fronts[shape] = _Front(self._binding(len(args), tuple(kwargs)), values)
         if front.pattern == [isinstance(v, torch.Tensor) for v in values] and len(front.entries) < EXACT_CACHE_SIZE:
-            front.entries[front.read(args, kwargs)[0]] = entry
+            key, tensors = front.read(args, kwargs)
+            front.entries[key] = (entry.function.apply, entry.single_output, _tensor_guards(tensors))
 
     def compiled_for(self, *args, **kwargs) -> "_CacheEntry":
         """The compiled program (cache entry) these arguments select, compiled if it is not
@@ -140,7 +155,8 @@ class FusedFunction:
         """Exact shapes and types (and the strides of a non-contiguous tensor): a front cache
         before the compile key, which costs more to build (equality classes of sizes, parameter
         checks). Same exact key, same compile key."""
-        return (torch.is_grad_enabled(), *[(v.shape, v.dtype, v.device, v.requires_grad, v.is_contiguous() or v.stride(),
+        return (torch.is_grad_enabled(), _autocast_now(), *[(v.shape, v.dtype, v.device, v.requires_grad,
+                                                             v.is_contiguous() or v.stride(),
                                             type(v)) if isinstance(v, torch.Tensor) else (type(v), v) for v in values])
 
     def _lookup_key(self, values: list, tensors: list):
@@ -270,6 +286,8 @@ class FusedFunction:
             else:
                 raise TypeError(f"memfuse: {self._name()}: argument {self._arg_name(position)} is a "
                                 f"{type(v).__name__}; expected a tensor or a constant (bool, int, float, str, None)")
+        if device is not None and torch.is_autocast_enabled(device.type):   # the trace holds autocast's casts
+            parts.append(("autocast", torch.get_autocast_dtype(device.type)))
         return (needs_grad and torch.is_grad_enabled(), *parts)
 
     def _is_static(self, tensor_index: int, t: torch.Tensor) -> bool:
@@ -356,39 +374,103 @@ def _scheduled(graph, config: Config, kind: str):
 
 
 class _Front:
-    """The front cache of one call shape (number of positional arguments, keyword names): `read`,
-    written for the argument pattern (which bound values are tensors) of the shape's first call,
-    binds the arguments and builds their exact key in one go, (key, tensor arguments); `entries`
-    maps keys to cache entries. The key holds what `FusedFunction._exact_key` holds, each
-    argument's part led by its type: a tensor type never equals a constant's, so a call of another
-    pattern never matches a stored key (and fails `read` when it finds no tensor where it reads one)."""
+    """The front cache of one call shape (number of positional arguments, keyword names), written
+    for the argument pattern (which bound values are tensors) of the shape's first call.
+
+    `call(args, kwargs)`, the hot path of a repeated call, binds the arguments, finds their
+    compiled function and runs it through the C half of autograd's apply
+    (`runtime._function_apply`). It finds the function two ways:
+    - the last one it ran (`last`): grad mode and constants compared, the tensors checked in one
+      C++ call (`_tensor_guards`), made with plain tensors only;
+    - else by the arguments' exact key (what `FusedFunction._exact_key` holds, each argument's part
+      led by its type) in `entries`, unwrapping dead functorch wrappers as the Python half of
+      apply would.
+    It returns MISS, having run nothing, for a key it has no entry for, a call of another pattern
+    (a tensor type never equals a constant's, and reading a tensor's attributes off a constant
+    fails), any call under a functorch transform and any call with autocast on (the slow path
+    keys its state and runs the program with autocast off). `read(args, kwargs)` is the key and
+    the tensor arguments alone, for `FusedFunction._remember`."""
 
     def __init__(self, binding: list, values: list):
         self.pattern = [isinstance(v, torch.Tensor) for v in values]
-        self.entries: dict = {}
-        namespace: dict = {"grad_enabled": torch.is_grad_enabled}
-        lines = ["def read(args, kwargs):"]
+        self.entries: dict = {}          # exact key -> (compiled apply, single output, tensor guards or None)
+        self.last = [(None, None, None, None, None)]   # (guards, grad mode, constants, apply, single output)
+        namespace: dict = {"grad_enabled": torch.is_grad_enabled, "entries": self.entries, "last": self.last,
+                           "MISS": MISS, "transforms_active": torch._C._are_functorch_transforms_active,
+                           "any_autocast": _any_autocast,
+                           "unwrap": torch._C._functorch.unwrap_if_dead, "STATS": STATS}
+        binds = []
         positional = sum(source == "arg" for source, _ in binding)
         if positional:
-            lines.append(f"    {''.join(f'a{i}, ' for i in range(positional))}= args")
-        key, tensors = ["grad_enabled()"], []
+            binds.append(f"    {''.join(f'a{i}, ' for i in range(positional))}= args")
+        key, tensors, constants = ["grad_enabled(), any_autocast()"], [], []
         for i, ((source, where), is_tensor) in enumerate(zip(binding, self.pattern)):
             v = f"a{where}" if source == "arg" else f"v{i}"
             if source == "kw":
-                lines.append(f"    {v} = kwargs[{where!r}]")
+                binds.append(f"    {v} = kwargs[{where!r}]")
             elif source == "default":
                 namespace[f"default_{i}"] = where
-                lines.append(f"    {v} = default_{i}")
+                binds.append(f"    {v} = default_{i}")
             if is_tensor:
                 key.append(f"type({v}), {v}.shape, {v}.dtype, {v}.device, {v}.requires_grad, "
                            f"{v}.is_contiguous() or {v}.stride()")
                 tensors.append(v)
             else:
                 key.append(f"type({v}), {v}")
-        lines.append(f"    return ({', '.join(key)}), [{', '.join(tensors)}]")
-        self.source = "\n".join(lines) + "\n"
+                if source != "default":      # a default is the same in every call
+                    constants.append(f"type({v}), {v}")
+        key = f"({', '.join(key)})"
+        constants = f"({', '.join(constants)})"
+        tensors, unwrapped = ", ".join(tensors), ", ".join(f"unwrap({t})" for t in tensors)
+        same_constants = f" and {constants} == constants" if constants != "()" else ""
+        run = ["    STATS['cache_hits'] += 1", "    outputs = apply({})", "    return outputs[0] if single_output else outputs"]
+        self.source = "\n".join([
+            "def read(args, kwargs):", *binds, f"    return {key}, [{tensors}]",
+            "", "def call(args, kwargs):", *binds,
+            "    guards, grad, constants, apply, single_output = last[0]",
+            f"    if grad_enabled() is grad and not any_autocast(){same_constants} and guards.check({tensors})"
+            " and not transforms_active():",
+            *("    " + line.format(tensors) for line in run),
+            "    try:", f"        key = {key}", "        apply, single_output, guards = entries[key]",
+            "    except (AttributeError, TypeError, KeyError):", "        return MISS",
+            "    if transforms_active():", "        return MISS",
+            "    if guards is not None:", f"        last[0] = guards, key[0], {constants}, apply, single_output",
+            *(line.format(unwrapped) for line in run)]) + "\n"
         exec(compile(self.source, "<memfuse front>", "exec"), namespace)
-        self.read = namespace["read"]
+        self.read, self.call = namespace["read"], namespace["call"]
+
+
+def _autocast_now():
+    """None while autocast is off (one C call), else its state on the CPU and CUDA."""
+    if not _any_autocast():
+        return None
+    return tuple((t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in ("cpu", "cuda"))
+
+
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or \
+    (lambda: torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"))
+
+
+def _tensor_guards(tensors: list):
+    """One C++ check of these tensors' Python type, dispatch keys, dtype, device, requires_grad,
+    sizes and strides (Dynamo's TensorGuards: 0.75 us for five tensors on a CPU host, where reading
+    them into a key and looking it up costs 3), or None: where torch has no TensorGuards (an
+    internal API) or refuses these tensors, and where one is a functorch wrapper (the front then
+    unwraps it, as autograd's apply would; a guard made with plain tensors fails on wrappers, whose
+    dispatch keys differ)."""
+    if TensorGuards is None or any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors):
+        return None
+    try:
+        return TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
+                            dynamic_dims_strides=[list(t.stride()) for t in tensors])
+    except (TypeError, RuntimeError):
+        return None
+
+
+TensorGuards = getattr(torch._C._dynamo.guards, "TensorGuards", None)
+
+
+MISS = object()   # what _Front.call returns when it ran nothing
 
 
 class _Slot:

@@ -170,6 +170,9 @@ def _key_changes(old: tuple, new: tuple, arg_name: Callable[[int], str]) -> list
             fields = [f"{label} {_short(x)} -> {_short(y)}"
                       for label, x, y in zip(TENSOR_KEY_FIELDS[1:], a[1:], b[1:]) if x != y]
             changes.append(f"{where}: {', '.join(fields)}")
+    old_autocast, new_autocast = _autocast_part(old), _autocast_part(new)
+    if old_autocast != new_autocast:
+        changes.append(f"autocast {_short(old_autocast or 'off')} -> {_short(new_autocast or 'off')}")
     old_shapes, new_shapes = _shapes_part(old), _shapes_part(new)
     if old_shapes != new_shapes and new_shapes is not None:
         changes.append(f"leading sizes {_format_shapes(old_shapes)} -> {_format_shapes(new_shapes)} "
@@ -179,6 +182,11 @@ def _key_changes(old: tuple, new: tuple, arg_name: Callable[[int], str]) -> list
 
 def _split_key(key: tuple) -> list:
     return [p for p in key[1:] if isinstance(p, tuple) and p and p[0] in ("T", "C")]
+
+
+def _autocast_part(key: tuple):
+    """The autocast dtype the key's trace ran under, or None."""
+    return next((p[1] for p in key[1:] if isinstance(p, tuple) and p and p[0] == "autocast"), None)
 
 
 def _shapes_part(key: tuple):

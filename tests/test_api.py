@@ -113,6 +113,111 @@ def test_the_front_cache_misses_on_every_key_part():
         fused(x, [2.0], b)                   # unhashable: the front passes it on to the lookup
 
 
+@pytest.mark.parametrize("guards_available", [True, False])
+def test_the_front_runs_its_last_function_on_a_tensor_guard(monkeypatch, guards_available):
+    """A repeated call finds the function its call shape ran last by one C++ check of the tensors
+    (api._tensor_guards) with grad mode and the constants; any other call goes by its exact key,
+    and where torch has no TensorGuards every call does. Either way each call runs its own
+    program: consecutive calls that differ in one key part each get theirs."""
+    if not guards_available:
+        monkeypatch.setattr(memfuse.api, "TensorGuards", None)
+    x, b = inputs()
+    fused = memfuse.memory_efficient_fusion(scale_shift)
+    variants = [(x, 2.0, b), (x.double(), 2.0, b.double()), (x.detach(), 2.0, b), (x.t().contiguous().t(), 2.0, b),
+                (x, 3.0, b), (x, 3, b), (torch.randn(7, 24, requires_grad=True), 3.0, b)]
+    for args in variants + variants[::-1] + variants:
+        check(fused, scale_shift, *args)
+        out = fused(*args)
+        assert out.requires_grad == any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+    front = fused.fronts[3]
+    guards, grad, constants, apply, single_output = front.last[0]
+    assert (guards is not None) == guards_available
+    if guards_available:      # the last call's: grad mode on, scale 3.0, the [7, 24] input
+        assert grad is True and constants == (float, 3.0) and single_output
+        assert guards.check(variants[-1][0], b) and not guards.check(x, b)
+    with torch.no_grad():
+        assert not fused(x, 3.0, b).requires_grad
+
+
+def test_no_tensor_guard_for_functorch_wrappers():
+    """A guard made with a functorch wrapper would let later wrappers skip the unwrapping."""
+    escaped = []
+    torch.func.grad(lambda x: escaped.append(x) or x.sum())(torch.randn(3))
+    assert memfuse.api._tensor_guards([escaped[0]]) is None
+    assert memfuse.api._tensor_guards([torch.randn(3)]) is not None
+
+
+def test_a_repeated_call_skips_the_python_half_of_autograd_apply(monkeypatch):
+    """The front of a repeated call runs the compiled function through the C half of
+    autograd.Function.apply (runtime._function_apply); only the first call takes the Python
+    half. The autograd graph is the same: gradients as eager's, each output's grad_fn memfuse's,
+    whose apply (what the engine calls) is memfuse's backward."""
+    python_applies = []
+    python_apply = torch.autograd.Function.apply.__func__
+
+    def counted(cls, *args, **kwargs):
+        python_applies.append(cls)
+        return python_apply(cls, *args, **kwargs)
+    monkeypatch.setattr(memfuse.runtime._MemfuseFunction, "apply", classmethod(counted))
+    x, b = inputs()
+    fused = memfuse.memory_efficient_fusion(scale_shift)
+    for _ in range(3):
+        check(fused, scale_shift, x, 2.0, b)
+    grad_fn = fused(x, 2.0, b).grad_fn
+    assert len(python_applies) == 1 and type(grad_fn).__name__ == "_MemfuseFunctionBackward"
+    # the engine calls the node's apply: memfuse's backward itself, not BackwardCFunction.apply's lookup
+    assert type(grad_fn).apply is memfuse.runtime._MemfuseFunction.backward
+
+
+@pytest.mark.parametrize("first_call", [True, False])
+def test_functorch_transforms_run_the_function_as_written(caplog, first_call):
+    """Under vmap or grad, memfuse's kernels would read the transforms' wrappers: the function runs
+    op by op, with a logged reason, on a first call and on a call its front has an entry for; in
+    strict mode it is an error. A tensor that escaped a transform (a dead wrapper) runs compiled."""
+    x, b = inputs()
+    fused = memfuse.memory_efficient_fusion(scale_shift)
+    if not first_call:
+        fused(x, 2.0, b)
+    caplog.set_level("INFO", logger="memfuse.fallbacks")
+    grad = torch.func.grad(lambda x: fused(x, 2.0, b).sum())(x)
+    assert_same(grad, torch.func.grad(lambda x: scale_shift(x, 2.0, b).sum())(x))
+    assert_same(torch.func.vmap(lambda x: fused(x, 2.0, b))(x.detach()), scale_shift(x, 2.0, b))
+    assert "functorch transform (vmap, grad, jacrev, ...) is active" in caplog.text
+    assert memfuse.stats()["compiles"] == (0 if first_call else 1)
+    escaped = []
+    torch.func.grad(lambda x: escaped.append(x) or x.sum())(x.detach())
+    assert torch._C._functorch.is_functorch_wrapped_tensor(escaped[0])
+    for _ in range(2):
+        assert_same(fused(escaped[0], 2.0, b), scale_shift(escaped[0], 2.0, b))
+    assert memfuse.stats()["compiles"] == 1    # a dead wrapper says it requires grad: the key of x
+    strict = memfuse.memory_efficient_fusion(scale_shift, config=memfuse.Config(strict=True))
+    strict(x, 2.0, b)
+    with pytest.raises(NotImplementedError, match=r"functorch transform .*\(strict mode"):
+        torch.func.vmap(lambda x: strict(x, 2.0, b))(x.detach())
+
+
+def test_autocast_state_is_part_of_the_key(caplog):
+    """The trace runs under the caller's autocast and holds its casts: a call with autocast off, or
+    with another dtype, runs a program of its own (compiled once, found again), and each matches
+    eager under the same state. Calls with autocast on take the slow path; the front serves the rest."""
+    def project(x, w):
+        return torch.relu(x @ w) * 2.0
+    x, w = torch.randn(8, 16, requires_grad=True), torch.randn(16, 32, requires_grad=True)
+    fused = memfuse.memory_efficient_fusion(project)
+    caplog.set_level("INFO", logger="memfuse.recompiles")
+    states = [torch.bfloat16, None, torch.float16, None, torch.bfloat16, torch.float16, None]
+    for dtype in states:
+        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            out, grads = grads_of(fused, x, w)
+            ref_out, ref_grads = grads_of(project, x, w)
+        assert out.dtype == ref_out.dtype == (dtype or torch.float32)
+        torch.testing.assert_close(out, ref_out, rtol=1e-2, atol=1e-2)
+        for g, r in zip(grads, ref_grads):
+            torch.testing.assert_close(g, r, rtol=1e-2, atol=1e-2)
+    assert memfuse.stats()["compiles"] == 3
+    assert "autocast bfloat16 -> off" in caplog.text and "autocast bfloat16 -> float16" in caplog.text
+
+
 # -- keyword arguments -------------------------------------------------------------------------
 def test_keyword_and_default_arguments():
     x, b = inputs()
