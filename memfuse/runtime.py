@@ -8,6 +8,7 @@ that function.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from pathlib import Path
@@ -306,10 +307,13 @@ class Program:
     `contiguous_inputs`: inputs every caller passes contiguous (what the compile key says of a
     primal, tangents made contiguous); the others are made contiguous where a kernel reads them.
     `device_inputs`: inputs every caller passes on the launch device (the compile key checks the
-    primals, autograd the tangents); kernels take them as raw pointers, the others as tensors."""
+    primals, autograd the tangents); kernels take them as raw pointers, the others as tensors.
+    `saved_inputs`: what the forward saved. A saved-tensors hook may unpack anything in their
+    place; without one autograd hands back the very tensors the forward saved, on the device:
+    `run_unhooked` takes them as raw pointers too (`source_unhooked`)."""
 
     def __init__(self, schedule: Schedule, symbols: list, config: Config, contiguous_inputs=frozenset(),
-                 device_inputs=frozenset()):
+                 device_inputs=frozenset(), saved_inputs=frozenset()):
         self.graph = schedule.graph
         self.schedule = schedule
         self.symbols = symbols
@@ -317,7 +321,9 @@ class Program:
         self.contiguous_inputs = frozenset(contiguous_inputs)
         self.device_inputs = frozenset(device_inputs)
         self.steps = [self._prepare(step) for step in schedule.steps]
-        self.source, self.run = _ProgramWriter(self).write()
+        self.source, self.run = _ProgramWriter(self, self.device_inputs).write()
+        self.source_unhooked, self.run_unhooked = (self.source, self.run) if not saved_inputs else \
+            _ProgramWriter(self, self.device_inputs | frozenset(saved_inputs)).write()
 
     def _shape_fn(self, name: str) -> Callable:
         return _size_fn(self.graph[name].value.shape, self.symbols)
@@ -342,8 +348,9 @@ class _ProgramWriter:
     """Writes a Program's `run` as Python source. Local names: graph values keep their node
     names; everything memfuse binds starts with `mf_`."""
 
-    def __init__(self, program: Program):
+    def __init__(self, program: Program, device_inputs: frozenset):
         self.program = program
+        self.device_inputs = device_inputs   # inputs taken as raw pointers (Program)
         self.graph = program.graph
         self.sizes = {s: sympy.Symbol(f"mf_s{i}") for i, s in enumerate(program.symbols)}
         # (the math that _SIZE_PRINTER writes: floor(s0/2) for a view(2, -1, D))
@@ -440,7 +447,7 @@ class _ProgramWriter:
                 tensor = self.made_contiguous(arg.value) if arg.role == "read" else arg.value
                 reads.append(self.pointer(tensor))
                 values.append(tensor)
-                pointers.append(reads[-1] if arg.value in self.program.device_inputs else tensor)
+                pointers.append(reads[-1] if arg.value in self.device_inputs else tensor)
             elif arg.role == "stride":         # of the tensor as the kernel reads it
                 in_place = any(b.role == "in_place" and b.value == arg.value for b in launch.kernel.source.args)
                 tensor = arg.value if in_place or arg.value in self.allocated else self.made_contiguous(arg.value)
@@ -726,7 +733,9 @@ class CompiledFunction:
             inputs = plan.backward.inputs
             saved = len(inputs) - len(self.differentiable) - self.has_seed
             self.backward = Program(build_schedule(plan.backward, "backward"), self.symbol_order, config,
-                                    device_inputs=inputs[saved:])
+                                    device_inputs=inputs[saved:], saved_inputs=inputs[:saved])
+        # (*tensor inputs) -> the forward's outputs: what a repeated call runs (api._Front)
+        self.apply = self.forward_only if self.backward is None else functools.partial(_function_apply, self)
 
     def run_forward(self, inputs) -> tuple:
         """(outputs, size values, seed input, device) of a forward run on the tensor inputs. The
@@ -740,14 +749,16 @@ class CompiledFunction:
         symbol_values = self.symbol_values(inputs)
         return self.forward.run((*inputs, *seed), symbol_values, device), symbol_values, seed, device
 
-    def __call__(self, inputs: list):
+    def forward_only(self, *inputs) -> tuple:
+        return tuple(self.run_forward(inputs)[0][:self.num_fwd_outputs])
+
+    def __call__(self, inputs: list) -> tuple:
         if self.backward is None:
-            return tuple(self.run_forward(inputs)[0][:self.num_fwd_outputs])
+            return self.forward_only(*inputs)
         return _MemfuseFunction.apply(self, *inputs)
 
 
 SEED_LIMIT = 2 ** 31 - 1   # seeds are int32 kernel scalars (and kernels add a stream index)
-_MASK64 = 2 ** 64 - 1
 
 
 _SEED_DRAWS: dict = {}   # device -> its seed draw (reading `device.type` costs more than a dict lookup)
@@ -776,8 +787,10 @@ def philox_seed_draw(generator) -> Callable[[], int]:
     """Seeds from a CUDA generator's Philox state (seed, offset): each draw reserves one offset
     step (4, the unit torch's generator allows) as torch's own random kernels reserve theirs, so
     the next draw reads the next offset. Cheaper than a `torch.randint` draw (a host tensor op per
-    call). splitmix64 of (seed, offset / 4) spreads successive offsets over unrelated seeds, never
-    neighbours (kernels draw from seed + stream index). Inside a CUDA-graph capture the state is
+    call). The hash of the pair (CPython's tuple hash: xxHash rounds over the ints' own hashes, the
+    same in every process, PYTHONHASHSEED or not) spreads successive offsets over unrelated
+    seeds, never neighbours (kernels draw from seed + stream index), in one C call where splitmix64
+    on Python ints cost 0.5 us. Inside a CUDA-graph capture the state is
     off limits: the CPU generator's seed is captured, as before (a constant of the graph)."""
     get_offset, set_offset, initial_seed = generator.get_offset, generator.set_offset, generator.initial_seed
 
@@ -789,10 +802,7 @@ def philox_seed_draw(generator) -> Callable[[], int]:
                 raise
             return _cpu_seed()
         set_offset(offset + 4)
-        z = (initial_seed() + ((offset >> 2) + 1) * 0x9E3779B97F4A7C15) & _MASK64
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-        return (z ^ (z >> 31)) % SEED_LIMIT
+        return hash((initial_seed(), offset)) % SEED_LIMIT
     return philox_draw
 
 
@@ -802,13 +812,32 @@ class _MemfuseFunction(torch.autograd.Function):
         outs, symbol_values, seed, device = compiled.run_forward(inputs)
         n = compiled.num_fwd_outputs
         ctx.save_for_backward(*outs[n:])
-        ctx.call = (compiled, symbol_values, seed, device)   # the backward's run: one attribute, not four
+        # the backward's run: one attribute, not five; which program variant (Program.run_unhooked)
+        # as autograd's SavedVariable decides whether to pack through a default hook
+        ctx.call = (compiled, symbol_values, seed, device, _saved_tensors_hooks(False) is None)
         if compiled.non_differentiable:
             ctx.mark_non_differentiable(*[outs[i] for i in compiled.non_differentiable])
         return tuple(outs[:n])
 
     @staticmethod
     def backward(ctx, *grad_outputs):
-        compiled, symbol_values, seed, device = ctx.call
+        compiled, symbol_values, seed, device, unhooked = ctx.call
         tangents = [grad_outputs[i] for i in compiled.differentiable] if compiled.non_differentiable else grad_outputs
-        return (None, *compiled.backward.run((*ctx.saved_tensors, *seed, *tangents), symbol_values, device))
+        run = compiled.backward.run_unhooked if unhooked else compiled.backward.run
+        return (None, *run((*ctx.saved_tensors, *seed, *tangents), symbol_values, device))
+
+
+_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks   # (ignore_is_tracing) -> None or hooks
+
+# The autograd engine runs a custom Function's backward through its node's `apply`, a Python
+# method (BackwardCFunction.apply) that looks the backward up again on every call, in two frames;
+# memfuse's node calls it directly.
+_MemfuseFunction._backward_cls.apply = _MemfuseFunction.backward
+
+
+# The C half of `_MemfuseFunction.apply`. Its Python half (torch.autograd.Function.apply) costs
+# about 3.5 us a call on a CPU host for three things: routing functorch transforms (vmap, grad)
+# to custom_function_call, unwrapping dead functorch wrappers, binding defaults for a
+# setup_context memfuse does not define. A repeated call (api._Front) does the first two itself
+# and calls this.
+_function_apply = super(torch.autograd.Function, _MemfuseFunction).apply

@@ -3,6 +3,10 @@ from the seed, never saved), a fresh mask per call, torch.manual_seed reproducib
 seed's blocks with p > 0 against eager blocks that apply the very mask memfuse drew."""
 import functools
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -112,6 +116,22 @@ def test_philox_seed_draw_reserves_one_offset_step_per_draw():
     assert [draw() for _ in range(1000)] == seeds
     other = philox_seed_draw(StandInGenerator(1235))
     assert [other() for _ in range(1000)] != seeds
+
+
+def test_philox_seeds_are_the_same_in_every_process():
+    """The seed is a hash of the generator's (seed, offset): the same in another process under
+    another PYTHONHASHSEED (int and tuple hashes do not take it), so a reseeded run is reproduced."""
+    from memfuse.runtime import philox_seed_draw
+    script = ("from benchmarks.host_profile import StandInGenerator; from memfuse.runtime import philox_seed_draw; "
+              "draw = philox_seed_draw(StandInGenerator(1234)); print([draw() for _ in range(5)])")
+    root = Path(__file__).resolve().parent.parent
+    for hash_seed in ("0", "4242"):
+        env = dict(os.environ, PYTHONPATH=str(root), PYTHONHASHSEED=hash_seed)
+        result = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True,
+                                timeout=300)
+        assert result.returncode == 0, result.stderr[-2000:]
+        draw = philox_seed_draw(StandInGenerator(1234))
+        assert result.stdout.strip() == str([draw() for _ in range(5)])
 
 
 def test_two_dropouts_draw_independent_masks():

@@ -1,5 +1,7 @@
 """GPU checks at real sizes: the seed's blocks on CUDA against eager, kernel counts, dropout,
 bf16 at the large shape, and tensors past 2**31 elements (int64 offsets, plain and through views)."""
+import contextlib
+
 import pytest
 import torch
 
@@ -115,6 +117,28 @@ def test_dropout_seed_comes_from_the_cuda_generator():
     assert not any(torch.equal(a, c) for a, c in zip(first, dropout_masks(fused, x, b, 3)))
     torch.manual_seed(4)
     assert not any(torch.equal(a, c) for a, c in zip(first, dropout_masks(fused, x, b, 3)))
+
+
+@pytest.mark.parametrize("hooks", ["none", "save_on_cpu"])
+def test_saved_tensors_reach_the_backward_with_or_without_hooks(hooks):
+    """Without a saved-tensors hook the backward takes what the forward saved as raw pointers
+    (Program.run_unhooked); under save_on_cpu they come back as new CUDA tensors, which Triton's
+    launcher is handed as tensors. Gradients match eager's either way, on repeated steps."""
+    fn, kwargs, n_params = BLOCKS["layer_norm"]
+    inputs = make_inputs([64, 128, 1024], torch.float32, n_params)
+    fused = memfuse.memory_efficient_fusion(fn)
+    grad = torch.randn(64, 128, 1024, device="cuda")
+    ref_inputs = [t.detach().clone().requires_grad_() for t in inputs]
+    fn(*ref_inputs, dropout_prob=0.0, **kwargs).backward(grad)
+    for _ in range(3):
+        for t in inputs:
+            t.grad = None
+        context = torch.autograd.graph.save_on_cpu() if hooks == "save_on_cpu" else contextlib.nullcontext()
+        with context:
+            out = fused(*inputs, dropout_prob=0.0, **kwargs)
+        out.backward(grad)
+        for ours, theirs in zip([t.grad for t in inputs], [t.grad for t in ref_inputs]):
+            assert relative_error(ours, theirs) < 1e-5
 
 
 def test_fused_call_inside_a_users_cuda_graph_capture():

@@ -1,6 +1,7 @@
 """The direct launch (runtime.DirectLaunch): on a GPU, an aligned call skips KernelLaunch's
 general path and Triton's binder. Here its arguments are checked against the general path's
 for the same calls: same grid, same kernel arguments in the same order, same constexprs."""
+import contextlib
 import dataclasses
 import os
 import subprocess
@@ -15,6 +16,7 @@ import memfuse
 from memfuse import runtime
 from memfuse.runtime import DirectLaunch, KernelLaunch, Launcher
 
+from compare import assert_same
 from helpers import BLOCKS, block_inputs
 
 
@@ -131,10 +133,12 @@ def test_launcher_call_skips_the_python_launcher_only_where_checked(monkeypatch,
         assert call is launcher and leading == ("kernel", "metadata", None, None, None)
 
 
-def test_programs_pass_pointers_of_what_is_surely_on_the_device(monkeypatch):
+@pytest.mark.parametrize("hooked", [False, True])
+def test_programs_pass_pointers_of_what_is_surely_on_the_device(monkeypatch, hooked):
     """The direct launch's arguments are the general path's with raw pointers for memfuse's own
-    tensors, the forward's inputs and the backward's tangents; what the forward saved (a
-    saved-tensors hook may unpack it anywhere) goes to Triton's launcher as a tensor, to check."""
+    tensors, the forward's inputs and the backward's tangents. What the forward saved comes back
+    as the very tensors it saved unless a saved-tensors hook packed them (it may unpack anything,
+    anywhere): then they go to Triton's launcher as tensors, to check; without one, as pointers."""
     calls = []
     original = KernelLaunch.__call__
 
@@ -142,7 +146,13 @@ def test_programs_pass_pointers_of_what_is_surely_on_the_device(monkeypatch):
         calls.append((self.group.name, pointers, values))
         return original(self, device, rows, pointers, values)
     monkeypatch.setattr(KernelLaunch, "__call__", record)
-    _kernel_launches("layer_norm_block")
+    unpacked = []
+
+    def unpack(t):
+        unpacked.append(t.clone())
+        return unpacked[-1]
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack) if hooked else contextlib.nullcontext():
+        launches = _kernel_launches("layer_norm_block")
     assert {name.split("_")[1] for name, _, _ in calls} == {"forward", "backward"}
     for name, pointers, values in calls:
         assert len(pointers) == len(values)
@@ -151,8 +161,37 @@ def test_programs_pass_pointers_of_what_is_surely_on_the_device(monkeypatch):
                 assert p == v.data_ptr()
             else:
                 assert p is v or p == v
-        passed_as_tensors = sum(isinstance(p, torch.Tensor) for p in pointers)
-        assert passed_as_tensors == (0 if "forward" in name else 4), name     # input1, input2, weight, bias1
+        passed_as_tensors = [p for p in pointers if isinstance(p, torch.Tensor)]
+        if "backward" in name and hooked:    # input1, input2, weight, bias1: over what unpack returned
+            copies = {u.data_ptr() for u in unpacked}
+            assert len(passed_as_tensors) == 4 and {p.data_ptr() for p in passed_as_tensors} == copies
+        else:
+            assert passed_as_tensors == [], name
+    assert len(unpacked) == (4 if hooked else 0) and len(launches) == 2
+
+
+def test_the_backward_takes_the_hook_state_of_its_forward(monkeypatch):
+    """Whether the backward takes what the forward saved as raw pointers or as tensors follows
+    whether a saved-tensors hook packed them in the forward, not the hooks active when the
+    backward runs; a hook that unpacks copies is followed, gradients as eager's."""
+    saved_as_tensors = []
+    original = KernelLaunch.__call__
+
+    def record(self, device, rows, pointers, values):
+        if "backward" in self.group.name:
+            saved_as_tensors.append(sum(isinstance(p, torch.Tensor) for p in pointers))
+        return original(self, device, rows, pointers, values)
+    monkeypatch.setattr(KernelLaunch, "__call__", record)
+    tensors, consts, grad = block_inputs("layer_norm_block", (3, 5, 32), dropout_prob=0.0)
+    fused = memfuse.memory_efficient_fusion(BLOCKS["layer_norm_block"].fn)
+    expected = torch.autograd.grad(BLOCKS["layer_norm_block"].fn(*tensors, **consts), tensors, grad)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t.clone()):
+        out = fused(*tensors, **consts)
+    assert_same(torch.autograd.grad(out, tensors, grad), expected, what="grads, hooked forward")
+    out = fused(*tensors, **consts)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        assert_same(torch.autograd.grad(out, tensors, grad), expected, what="grads, hooked backward")
+    assert saved_as_tensors == [4, 0]
 
 
 def test_host_profile_cpu_proxy_runs():
