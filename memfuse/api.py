@@ -1,12 +1,13 @@
 """The user-facing wrapper: `memory_efficient_fusion(fn)`, its compile cache and its guards.
 
-A compiled program is keyed by what it was specialized on: grad mode, and per tensor argument
-its dtype, device, rank, last dim (D), requires_grad, layout (contiguous; else whether its last
-stride is 1) and which leading dims are 0, 1 or equal to each other; non-tensor arguments are
-constants of the graph and part of the key. Leading sizes and strides are not in the key: a new
-batch or sequence size reuses the program. A trace that guards on a non-contiguous input's
-strides (a contiguity check: its row stride is not D) keeps its program for every call whose
-sizes and strides keep those guards, checked at the lookup; another layout compiles its own.
+A compiled program is keyed by what it was specialized on: grad mode, the autocast state, and
+per tensor argument its dtype, device, rank, last dim (D), requires_grad, layout (contiguous;
+else whether its last stride is 1) and which leading dims are 0, 1 or equal to each other;
+non-tensor arguments are constants of the graph and part of the key. Leading sizes and strides
+are not in the key: a new batch or sequence size reuses the program. A trace that guards on a
+non-contiguous input's strides (a contiguity check: its row stride is not D) keeps its program
+for every call whose sizes and strides keep those guards, checked at the lookup; another layout
+compiles its own.
 """
 from __future__ import annotations
 

@@ -787,11 +787,11 @@ def philox_seed_draw(generator) -> Callable[[], int]:
     """Seeds from a CUDA generator's Philox state (seed, offset): each draw reserves one offset
     step (4, the unit torch's generator allows) as torch's own random kernels reserve theirs, so
     the next draw reads the next offset. Cheaper than a `torch.randint` draw (a host tensor op per
-    call). The hash of the pair (CPython's tuple hash: xxHash rounds over the ints' own hashes, the
-    same in every process, PYTHONHASHSEED or not) spreads successive offsets over unrelated
-    seeds, never neighbours (kernels draw from seed + stream index), in one C call where splitmix64
-    on Python ints cost 0.5 us. Inside a CUDA-graph capture the state is
-    off limits: the CPU generator's seed is captured, as before (a constant of the graph)."""
+    call). The seed is the pair's hash (CPython's tuple hash: xxHash rounds over the ints' own
+    hashes, the same in every process, PYTHONHASHSEED or not), which spreads successive offsets
+    over unrelated seeds, never neighbours (kernels draw from seed + stream index), in one C call
+    where splitmix64 on Python ints cost 0.5 us. Inside a CUDA-graph capture the state is off
+    limits: the CPU generator's seed is captured, as before (a constant of the graph)."""
     get_offset, set_offset, initial_seed = generator.get_offset, generator.set_offset, generator.initial_seed
 
     def philox_draw() -> int:
