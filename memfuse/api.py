@@ -156,9 +156,9 @@ class FusedFunction:
         """Exact shapes and types (and the strides of a non-contiguous tensor): a front cache
         before the compile key, which costs more to build (equality classes of sizes, parameter
         checks). Same exact key, same compile key."""
-        return (torch.is_grad_enabled(), _autocast_now(), *[(v.shape, v.dtype, v.device, v.requires_grad,
-                                                             v.is_contiguous() or v.stride(),
-                                            type(v)) if isinstance(v, torch.Tensor) else (type(v), v) for v in values])
+        parts = [(v.shape, v.dtype, v.device, v.requires_grad, v.is_contiguous() or v.stride(), type(v))
+                 if isinstance(v, torch.Tensor) else (type(v), v) for v in values]
+        return (torch.is_grad_enabled(), _autocast_now(), *parts)
 
     def _lookup_key(self, values: list, tensors: list):
         key = self._key(values)
