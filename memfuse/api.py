@@ -287,8 +287,10 @@ class FusedFunction:
             else:
                 raise TypeError(f"memfuse: {self._name()}: argument {self._arg_name(position)} is a "
                                 f"{type(v).__name__}; expected a tensor or a constant (bool, int, float, str, None)")
-        if device is not None and torch.is_autocast_enabled(device.type):   # the trace holds autocast's casts
-            parts.append(("autocast", torch.get_autocast_dtype(device.type)))
+        if device is not None:
+            _, enabled, dtype = autocast_state(device.type)
+            if enabled:                  # the trace holds autocast's casts
+                parts.append(("autocast", dtype))
         return (needs_grad and torch.is_grad_enabled(), *parts)
 
     def _is_static(self, tensor_index: int, t: torch.Tensor) -> bool:
@@ -441,11 +443,17 @@ class _Front:
         self.read, self.call = namespace["read"], namespace["call"]
 
 
+def autocast_state(device_type: str) -> tuple:
+    """(device type, enabled, dtype or None): what a trace on that device type ran under."""
+    enabled = torch.is_autocast_enabled(device_type)
+    return (device_type, enabled, torch.get_autocast_dtype(device_type) if enabled else None)
+
+
 def _autocast_now():
     """None while autocast is off (one C call), else its state on the CPU and CUDA."""
     if not _any_autocast():
         return None
-    return tuple((t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in ("cpu", "cuda"))
+    return (autocast_state("cpu"), autocast_state("cuda"))
 
 
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or \

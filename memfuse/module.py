@@ -20,7 +20,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .api import FusedFunction
+from .api import FusedFunction, autocast_state
 from .config import Config
 
 # Per-instance state of nn.Module that the wrapper takes over from the original, so that
@@ -73,7 +73,7 @@ class FusedModule(nn.Module):
         module = self.original
         names, tensors = _state(module)
         device = _device(tensors, args, kwargs)
-        key = CallKey(tuple(m.training for m in module.modules()), _autocast_state(device.type),
+        key = CallKey(tuple(m.training for m in module.modules()), autocast_state(device.type),
                       tuple(names), len(args), tuple(kwargs))
         call = self._memfuse_calls.get(key)
         if call is None:
@@ -213,8 +213,3 @@ def _device(tensors: list, args: tuple, kwargs: dict) -> torch.device:
         if isinstance(t, torch.Tensor):
             return t.device
     raise TypeError("memfuse: a fused module needs a tensor parameter, buffer or argument")
-
-
-def _autocast_state(device_type: str) -> tuple:
-    enabled = torch.is_autocast_enabled(device_type)
-    return (device_type, enabled, torch.get_autocast_dtype(device_type) if enabled else None)
