@@ -77,17 +77,26 @@ def register() -> None:
 
 class _Compilers:
     """One Dynamo graph's compilers. `partition` builds both Programs; `forward` and `backward`
-    return the steps it built; `inference` compiles a forward-only graph (nothing needs a grad)."""
+    return the steps it built; `inference` compiles a forward-only graph (nothing needs a grad).
+
+    AOTAutograd calls the partition function and the compilers inside its FakeTensorMode, where an
+    operation on a real tensor is refused; memfuse's stages compute on real values (a lifted tensor
+    constant is read with `.item()`, a constant rounded through `torch.tensor`, kernels built), so
+    they run with the mode unset. The fx graphs handed back carry fakes made in that mode on
+    purpose (`_Fakes`)."""
 
     def __init__(self, config: Config, name: str):
         self.config = config
         self.name = name
 
     def partition(self, joint: torch.fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **_):
+        with unset_fake_temporarily():   # see _Compilers: memfuse computes on real values
+            return self._partition(joint, len(joint_inputs[0]), num_fwd_outputs)
+
+    def _partition(self, joint: torch.fx.GraphModule, num_primals: int, num_fwd_outputs: int):
         start = time.perf_counter()
-        primals, _ = joint_inputs
         placeholders = joint.graph.find_nodes(op="placeholder")
-        captured = _lower(joint, placeholders[:len(primals)], trace_joint=True)
+        captured = _lower(joint, placeholders[:num_primals], trace_joint=True)
         if captured.num_fwd_outputs != num_fwd_outputs:
             raise RuntimeError(f"memfuse: lowered {captured.num_fwd_outputs} forward outputs, "
                                f"AOTAutograd expects {num_fwd_outputs}")
@@ -95,16 +104,15 @@ class _Compilers:
         self._dump(captured, the_plan)
         device = _device(placeholders)
         fakes = _Fakes(detect_fake_mode([n.meta.get("val") for n in placeholders]), captured, device)
-        with unset_fake_temporarily():
-            forward = self._program(the_plan.forward, captured, "forward")
-            backward = self._program(the_plan.backward, captured, "backward")
-            precompile([forward, backward], device, self.config)
+        forward = self._program(the_plan.forward, captured, "forward")
+        backward = self._program(the_plan.backward, captured, "backward")
+        precompile([forward, backward], device, self.config)
         saved = [s.name for s in the_plan.saved]
         saved_ints = [captured.joint[n].value.dtype is None for n in saved]
         forward_step = ForwardStep(forward, captured, the_plan.num_fwd_outputs, saved_ints, device)
         backward_step = BackwardStep(backward, captured, saved_ints, device)
-        fw_module = _forward_module(joint, placeholders[:len(primals)], the_plan, saved_ints, forward_step, fakes)
-        bw_module = _backward_module(joint, placeholders[len(primals):], the_plan, saved_ints, backward_step, fakes)
+        fw_module = _forward_module(joint, placeholders[:num_primals], the_plan, saved_ints, forward_step, fakes)
+        bw_module = _backward_module(joint, placeholders[num_primals:], the_plan, saved_ints, backward_step, fakes)
         STATS["compiles"] += 1
         log.info("memfuse: compiled %s (torch.compile) in %.3f s: saves %d bytes beyond the inputs",
                  self.name, time.perf_counter() - start, the_plan.saved_bytes)
@@ -117,14 +125,17 @@ class _Compilers:
         return _boxed(gm.get_submodule("memfuse_backward"))
 
     def inference(self, gm: torch.fx.GraphModule, example_inputs):
+        with unset_fake_temporarily():
+            return self._inference(gm)
+
+    def _inference(self, gm: torch.fx.GraphModule):
         start = time.perf_counter()
         placeholders = gm.graph.find_nodes(op="placeholder")
         captured = _lower(gm, placeholders, trace_joint=False)
         the_plan = plan(captured)
         self._dump(captured, the_plan)
-        with unset_fake_temporarily():
-            forward = self._program(the_plan.forward, captured, "forward")
-            precompile([forward], _device(placeholders), self.config)
+        forward = self._program(the_plan.forward, captured, "forward")
+        precompile([forward], _device(placeholders), self.config)
         STATS["compiles"] += 1
         log.info("memfuse: compiled %s (torch.compile, inference) in %.3f s", self.name,
                  time.perf_counter() - start)
