@@ -17,17 +17,19 @@ from __future__ import annotations
 import logging
 import operator
 import time
+import traceback
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import sympy
 import torch
-from torch._guards import detect_fake_mode
+from torch._guards import CompileContext, detect_fake_mode
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from .capture import Captured, decomposition_table, lower_graph
 from .config import Config
-from .debug import STATS, dump
+from .debug import STATS, dump, topic_log
 from .ir import Graph, Symbol, format_graph, verify
 from .plan import Plan, plan
 from .precompile import precompile
@@ -35,6 +37,8 @@ from .runtime import Program, _draw_seed
 from .schedule import schedule
 
 log = logging.getLogger("memfuse")
+fallback_log = topic_log("fallbacks")
+_MEMFUSE_DIR = Path(__file__).resolve().parent
 
 
 @dataclass(frozen=True)
@@ -50,19 +54,77 @@ class SizeSource:
 
 
 def memfuse_backend(gm: torch.fx.GraphModule, example_inputs, *, config: Optional[Config] = None):
-    """The `torch.compile` backend: AOTAutograd with memfuse's partition and compilers.
+    """The `torch.compile` backend: AOTAutograd with memfuse's partition and compilers. A graph
+    memfuse fails to compile, wherever it fails, runs through torch (`_through_torch`); in strict
+    mode the failure is an error.
 
     Through Dynamo's `aot_autograd` helper, as torch's own AOT backends, not a bare
     `aot_module_simplified`: Dynamo's DDPOptimizer (a graph split at DDP's bucket boundaries)
     reads the helper's call counter to know that each piece went through AOTAutograd, whose
     first call then returns fake outputs for the next piece's compile. Without it that fake
-    first call would reach the user at run time."""
+    first call would reach the user at run time.
+
+    Everything memfuse does happens while this call runs: AOTAutograd traces, calls the
+    partition function (which builds the forward and the backward Program) and then the forward
+    or inference compiler, all before returning. The backward compiler, which AOTAutograd may
+    call later (at the first `.backward()`), only hands over the step the partition built."""
     from torch._dynamo.backends.common import aot_autograd
-    compilers = _Compilers(config or Config(), name=f"dynamo_{id(gm):x}")
+    from torch._dynamo.exc import RestartAnalysis, ShortenTraceback, SkipFrame
+    config = config or Config()
+    compilers = _Compilers(config, name=_graph_name(gm))
     backend = aot_autograd(fw_compiler=compilers.forward, bw_compiler=compilers.backward,
                            inference_compiler=compilers.inference, partition_fn=compilers.partition,
                            decompositions=decomposition_table())
-    return backend(gm, example_inputs)
+    try:
+        return backend(gm, example_inputs)
+    except (RestartAnalysis, SkipFrame, ShortenTraceback):
+        raise                  # Dynamo's own signals (restart the trace, skip the frame), not failures
+    except Exception as e:
+        return _through_torch(gm, compilers.name, e, config)
+
+
+def _through_torch(gm: torch.fx.GraphModule, name: str, error: Exception, config: Config):
+    """A graph memfuse could not compile runs as Dynamo captured it, op by op through torch:
+    exactly what eager runs, so it fails only where eager fails, and autograd records each op as
+    in eager, so gradients are eager's. Not AOTAutograd again with torch's partition: the failure
+    may be AOTAutograd's own trace (with memfuse's decompositions), and a second trace would cost
+    a compile for nothing. Logged once (the exception, where it was raised, the way out) and
+    counted (`graph_fallbacks`); in strict mode an error, chained to the failure."""
+    reason = f"{type(error).__name__}: {error} (raised {_raised_at(error)})"
+    if config.strict:
+        raise RuntimeError(f"memfuse: could not compile graph {name}: {reason}; strict mode "
+                           f"(MEMFUSE_STRICT=1 / Config.strict) makes this an error, without it "
+                           f"the graph runs through torch") from error
+    STATS["graph_fallbacks"] += 1
+    fallback_log.warning("memfuse: graph %s runs through torch (eager), not memfuse: %s. MEMFUSE_STRICT=1 "
+                         "raises it with its traceback; MEMFUSE_LOG=debug logs the traceback here", name, reason,
+                         exc_info=error if fallback_log.isEnabledFor(logging.DEBUG) else None)
+    return torch._dynamo.disable(gm.forward)    # Dynamo never traces the fallback itself
+
+
+def _raised_at(error: Exception) -> str:
+    """Where `error` was raised (file:line (function), the file from its package folder on) and,
+    when that is outside memfuse, the innermost memfuse stage it passed through."""
+    frames = traceback.extract_tb(error.__traceback__)
+    ours = [f for f in frames if _MEMFUSE_DIR in Path(f.filename).parents and f.name != "memfuse_backend"]
+    where = f"in {_frame(frames[-1])}"
+    if ours and ours[-1] is not frames[-1]:
+        where += f", from {_frame(ours[-1])}"
+    return where
+
+
+def _frame(frame: traceback.FrameSummary) -> str:
+    path = Path(frame.filename)
+    package = next((p for p in path.parents if p.parent.name in ("site-packages", "dist-packages")
+                    or p == _MEMFUSE_DIR), None)
+    shown = path.relative_to(package.parent) if package is not None else path.name
+    return f"{shown}:{frame.lineno} ({frame.name})"
+
+
+def _graph_name(gm: torch.fx.GraphModule) -> str:
+    """`dynamo_<frame>/<compile>`: Dynamo's compile id, as TORCH_LOGS and tlparse show it."""
+    compile_id = CompileContext.current_compile_id()
+    return f"dynamo_{compile_id}" if compile_id is not None else f"dynamo_{id(gm):x}"
 
 
 def register() -> None:

@@ -29,6 +29,7 @@ COUNTERS = {
     "kernels_launched": "Triton kernel launches (runtime.Program._launch, every call)",
     "extern_calls": "aten calls made at run time for extern steps (matmul, ...)",
     "fallbacks": "ops (capture) and kernel groups (schedule) sent to aten, counted once per compile",
+    "graph_fallbacks": "Dynamo graphs the backend could not compile, run through torch instead (once per graph)",
     "graph_captures": "CUDA-graph instances captured (graphs.GraphedFunction, cuda_graphs=True)",
     "graph_replays": "calls served by replaying captured CUDA graphs (cuda_graphs=True)",
 }
