@@ -7,7 +7,8 @@
 Nothing here re-runs a stage: `build_report` reads what capture (fallbacks, the aten graph),
 plan (saved values, decisions with reasons), schedule (kernel groups, why nodes did not fuse)
 and codegen (kernel sources, bytes per row) recorded on a FusedFunction's cache entry. The same
-report feeds MEMFUSE_LOG and MEMFUSE_DUMP_DIR (debug.on_compile).
+report feeds MEMFUSE_LOG and MEMFUSE_DUMP_DIR: `report_compile` is debug's compile hook, registered
+on `import memfuse` (debug, the ground floor, never imports this module).
 """
 from __future__ import annotations
 
@@ -16,18 +17,17 @@ import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import sympy
 import torch
 
-from .debug import STATS, topic_log
+from .debug import STATS, human_bytes, topic_log
+from .draw import PlanDrawing, plan_drawing
 from .ir import EXTERNAL, LEAF, RANDOM, REDUCTION, Graph, Op, format_graph, value_bytes
 from .plan import Decision
 from .schedule import ExternStep, KernelGroup
 
-if TYPE_CHECKING:
-    from .draw import PlanDrawing
 
 FAMILIES = ("pointwise", "reductions", "random", "extern", "leaves")
 
@@ -144,7 +144,6 @@ class Report:
 
     def drawing(self):
         """The min-cut as drawing data (draw.PlanDrawing): nodes, roles, positions, saved values."""
-        from .draw import plan_drawing
         return plan_drawing(self.entry.captured, self.entry.plan, title=self.name)
 
     def draw(self, path) -> PlanDrawing:
@@ -246,16 +245,6 @@ def _example_shape(shape: tuple, hints: dict) -> tuple:
 
 
 # -- printing -----------------------------------------------------------------------------------
-def human_bytes(n: int) -> str:
-    if n < 1024:
-        return f"{n} B"
-    size = float(n)
-    for unit in ("KiB", "MiB", "GiB"):
-        size /= 1024
-        if size < 1024 or unit == "GiB":
-            return f"{size:.1f} {unit}"
-
-
 def _dtype(dtype) -> str:
     return str(dtype).replace("torch.", "") if dtype is not None else "-"
 
@@ -356,6 +345,15 @@ def _fallback_lines(r: Report) -> list:
 
 
 # -- MEMFUSE_LOG and MEMFUSE_DUMP_DIR ----------------------------------------------------------
+def report_compile(name: str, entry, folder: Optional[Path]) -> None:
+    """debug's compile hook (registered on `import memfuse`): log the entry's report on the
+    topic loggers, and dump it to `folder` when MEMFUSE_DUMP_DIR is set."""
+    report = build_report(entry, name)
+    log_report(report)
+    if folder is not None:
+        write_dump(report, folder)
+
+
 def log_report(r: Report) -> None:
     """The report, one topic logger per section: summaries at INFO, details at DEBUG."""
     graphs, plan_log, kernels, fallbacks = (topic_log(t) for t in ("graphs", "plan", "kernels", "fallbacks"))
@@ -482,3 +480,13 @@ def _forked_rng(tensors):
     devices = sorted({t.device.index if t.device.index is not None else torch.cuda.current_device()
                       for t in tensors if t.device.type == "cuda"})
     return torch.random.fork_rng(devices=devices)
+
+
+def draw_plan(fn, *example_args, path=None, **kwargs) -> PlanDrawing:
+    """Compile `fn` for the example arguments and draw its plan; written to `path` when given
+    (.png, .svg, .pdf or .dot). `path` is taken by this call, never passed on to `fn`."""
+    fused, entry = compile_entry(fn, example_args, kwargs)
+    drawing = plan_drawing(entry.captured, entry.plan, title=fused._name())
+    if path is not None:
+        drawing.save(path)
+    return drawing
