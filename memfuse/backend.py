@@ -14,13 +14,14 @@ from a dim of a tensor argument (`SizeSource`). Dynamo owns the guards.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import sympy
 import torch
@@ -29,8 +30,8 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from .capture import Captured, decomposition_table, lower_graph
 from .config import Config
-from .debug import STATS, dump, topic_log
-from .ir import Graph, Symbol, format_graph, verify
+from .debug import STATS, on_compile, topic_log
+from .ir import Graph, Symbol, verify
 from .plan import Plan, plan
 from .precompile import precompile
 from .runtime import Program, _draw_seed
@@ -71,19 +72,23 @@ def memfuse_backend(gm: torch.fx.GraphModule, example_inputs, *, config: Optiona
     from torch._dynamo.backends.common import aot_autograd
     from torch._dynamo.exc import RestartAnalysis, ShortenTraceback, SkipFrame
     config = config or Config()
-    compilers = _Compilers(config, name=_graph_name(gm))
+    record = GraphRecord(_graph_name(gm), _input_names(gm))
+    compilers = _Compilers(config, record)
     backend = aot_autograd(fw_compiler=compilers.forward, bw_compiler=compilers.backward,
                            inference_compiler=compilers.inference, partition_fn=compilers.partition,
                            decompositions=decomposition_table())
     try:
-        return backend(gm, example_inputs)
+        compiled = backend(gm, example_inputs)
     except (RestartAnalysis, SkipFrame, ShortenTraceback):
         raise                  # Dynamo's own signals (restart the trace, skip the frame), not failures
     except Exception as e:
-        return _through_torch(gm, compilers.name, e, config)
+        return _through_torch(gm, record, e, config)
+    STATS["compiles"] += 1
+    on_compile(record.name, record)
+    return compiled
 
 
-def _through_torch(gm: torch.fx.GraphModule, name: str, error: Exception, config: Config):
+def _through_torch(gm: torch.fx.GraphModule, record: GraphRecord, error: Exception, config: Config):
     """A graph memfuse could not compile runs as Dynamo captured it, op by op through torch:
     exactly what eager runs, so it fails only where eager fails, and autograd records each op as
     in eager, so gradients are eager's. Not AOTAutograd again with torch's partition: the failure
@@ -92,14 +97,21 @@ def _through_torch(gm: torch.fx.GraphModule, name: str, error: Exception, config
     counted (`graph_fallbacks`); in strict mode an error, chained to the failure."""
     reason = f"{type(error).__name__}: {error} (raised {_raised_at(error)})"
     if config.strict:
-        raise RuntimeError(f"memfuse: could not compile graph {name}: {reason}; strict mode "
+        raise RuntimeError(f"memfuse: could not compile graph {record.name}: {reason}; strict mode "
                            f"(MEMFUSE_STRICT=1 / Config.strict) makes this an error, without it "
                            f"the graph runs through torch") from error
+    record.through_torch = reason
     STATS["graph_fallbacks"] += 1
     fallback_log.warning("memfuse: graph %s runs through torch (eager), not memfuse: %s. MEMFUSE_STRICT=1 "
-                         "raises it with its traceback; MEMFUSE_LOG=debug logs the traceback here", name, reason,
-                         exc_info=error if fallback_log.isEnabledFor(logging.DEBUG) else None)
-    return torch._dynamo.disable(gm.forward)    # Dynamo never traces the fallback itself
+                         "raises it with its traceback; MEMFUSE_LOG=debug logs the traceback here", record.name,
+                         reason, exc_info=error if fallback_log.isEnabledFor(logging.DEBUG) else None)
+    run = gm.forward
+
+    def through_torch(*args):
+        if _watching:
+            _saw(record)
+        return run(*args)
+    return torch._dynamo.disable(through_torch)    # Dynamo never traces the fallback itself
 
 
 def _raised_at(error: Exception) -> str:
@@ -121,10 +133,65 @@ def _frame(frame: traceback.FrameSummary) -> str:
     return f"{shown}:{frame.lineno} ({frame.name})"
 
 
+def _input_names(gm: torch.fx.GraphModule) -> list:
+    """The primals' names as the user knows them: Dynamo's source of each graph input (`L['x']`,
+    `L['self']._modules['fc']._parameters['weight']`), after the graph's own parameters and
+    buffers, which AOTAutograd lifts in front of them."""
+    names = [n for n, _ in gm.named_parameters()] + [n for n, _ in gm.named_buffers()]
+    for node in gm.graph.find_nodes(op="placeholder"):
+        source = getattr(node.meta.get("grapharg"), "source", None)
+        name = source.name if source is not None else node.target
+        names.append(name() if callable(name) else name)    # a method before torch 2.13
+    return names
+
+
 def _graph_name(gm: torch.fx.GraphModule) -> str:
     """`dynamo_<frame>/<compile>`: Dynamo's compile id, as TORCH_LOGS and tlparse show it."""
     compile_id = CompileContext.current_compile_id()
     return f"dynamo_{compile_id}" if compile_id is not None else f"dynamo_{id(gm):x}"
+
+
+# -- what the backend made of each graph, and which graphs a call runs ------------------------------
+class Programs(NamedTuple):
+    forward: Program
+    backward: Optional[Program]          # None for an inference graph
+
+
+@dataclass
+class GraphRecord:
+    """What the backend made of one Dynamo graph, for the compile hook and `explain`: once memfuse
+    compiled it, the fields `explain.build_report` reads, named as on api's cache entry
+    (`captured`, `plan`, `function` with the `.forward` and `.backward` Programs, `input_names`);
+    else why the graph runs through torch."""
+    name: str
+    input_names: list
+    captured: Optional[Captured] = None
+    plan: Optional[Plan] = None
+    function: Optional[Programs] = None
+    through_torch: Optional[str] = None   # the failure, when the graph runs through torch
+
+
+_watching: list = []   # the lists of the open watch() blocks: empty but while explain runs a call
+
+
+@contextlib.contextmanager
+def watch():
+    """Collect the GraphRecords of the graphs that run inside the block, memfuse's and those run
+    through torch, each once, in the order they first ran: a graph Dynamo had cached counts as
+    much as one compiled in the block. Every forward (and inference) call of a backend graph
+    checks for open blocks: one truth test of a list."""
+    seen: list = []
+    _watching.append(seen)
+    try:
+        yield seen
+    finally:
+        _watching.remove(seen)
+
+
+def _saw(record: GraphRecord) -> None:
+    for seen in _watching:
+        if not any(r is record for r in seen):
+            seen.append(record)
 
 
 def register() -> None:
@@ -147,9 +214,9 @@ class _Compilers:
     they run with the mode unset. The fx graphs handed back carry fakes made in that mode on
     purpose (`_Fakes`)."""
 
-    def __init__(self, config: Config, name: str):
+    def __init__(self, config: Config, record: GraphRecord):
         self.config = config
-        self.name = name
+        self.record = record
 
     def partition(self, joint: torch.fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **_):
         with unset_fake_temporarily():   # see _Compilers: memfuse computes on real values
@@ -163,25 +230,25 @@ class _Compilers:
             raise RuntimeError(f"memfuse: lowered {captured.num_fwd_outputs} forward outputs, "
                                f"AOTAutograd expects {num_fwd_outputs}")
         the_plan = plan(captured)
-        self._dump(captured, the_plan)
+        self._check_fallbacks(captured)
         device = _device(placeholders)
         fakes = _Fakes(detect_fake_mode([n.meta.get("val") for n in placeholders]), captured, device)
         forward = self._program(the_plan.forward, captured, "forward")
         backward = self._program(the_plan.backward, captured, "backward")
         precompile([forward, backward], device, self.config)
+        self._compiled(captured, the_plan, Programs(forward, backward))
         saved = [s.name for s in the_plan.saved]
         saved_ints = [captured.joint[n].value.dtype is None for n in saved]
         forward_step = ForwardStep(forward, captured, the_plan.num_fwd_outputs, saved_ints, device)
         backward_step = BackwardStep(backward, captured, saved_ints, device)
         fw_module = _forward_module(joint, placeholders[:num_primals], the_plan, saved_ints, forward_step, fakes)
         bw_module = _backward_module(joint, placeholders[num_primals:], the_plan, saved_ints, backward_step, fakes)
-        STATS["compiles"] += 1
         log.info("memfuse: compiled %s (torch.compile) in %.3f s: saves %d bytes beyond the inputs",
-                 self.name, time.perf_counter() - start, the_plan.saved_bytes)
+                 self.record.name, time.perf_counter() - start, the_plan.saved_bytes)
         return fw_module, bw_module
 
     def forward(self, gm: torch.fx.GraphModule, example_inputs):
-        return _boxed(gm.get_submodule("memfuse_forward"))
+        return _boxed(gm.get_submodule("memfuse_forward"), self.record)
 
     def backward(self, gm: torch.fx.GraphModule, example_inputs):
         return _boxed(gm.get_submodule("memfuse_backward"))
@@ -195,36 +262,36 @@ class _Compilers:
         placeholders = gm.graph.find_nodes(op="placeholder")
         captured = _lower(gm, placeholders, trace_joint=False)
         the_plan = plan(captured)
-        self._dump(captured, the_plan)
+        self._check_fallbacks(captured)
         forward = self._program(the_plan.forward, captured, "forward")
         precompile([forward], _device(placeholders), self.config)
-        STATS["compiles"] += 1
-        log.info("memfuse: compiled %s (torch.compile, inference) in %.3f s", self.name,
+        self._compiled(captured, the_plan, Programs(forward, None))
+        log.info("memfuse: compiled %s (torch.compile, inference) in %.3f s", self.record.name,
                  time.perf_counter() - start)
         return _boxed(ForwardStep(forward, captured, the_plan.num_fwd_outputs, [], _device(placeholders),
-                                  inference=True))
+                                  inference=True), self.record)
 
     def _program(self, graph: Graph, captured: Captured, kind: str) -> Program:
         if self.config.check:
             verify(graph)
         return Program(schedule(graph, self.config, kind), list(captured.symbols), self.config)
 
-    def _dump(self, captured: Captured, the_plan: Plan) -> None:
-        dump(f"{self.name}.joint.txt", format_graph(captured.joint))
-        dump(f"{self.name}.forward.txt", format_graph(the_plan.forward))
-        if the_plan.backward is not None:
-            dump(f"{self.name}.backward.txt", format_graph(the_plan.backward))
+    def _check_fallbacks(self, captured: Captured) -> None:
+        """Ops without a lowering run through aten inside the program; strict mode refuses them."""
         for name, target, reason in captured.fallbacks:
-            message = f"memfuse: {name} ({target}) runs through aten: {reason}"
             if self.config.strict:
-                raise NotImplementedError(message + " (strict mode: MEMFUSE_STRICT=1 / Config.strict)")
-            log.info(message)
+                raise NotImplementedError(f"memfuse: {name} ({target}) runs through aten: {reason} "
+                                          "(strict mode: MEMFUSE_STRICT=1 / Config.strict)")
+
+    def _compiled(self, captured: Captured, the_plan: Plan, programs: Programs) -> None:
+        self.record.captured, self.record.plan, self.record.function = captured, the_plan, programs
 
 
 # -- lowering with Dynamo's size symbols ---------------------------------------------------------
 def _lower(gm: torch.fx.GraphModule, primals: list, trace_joint: bool) -> Captured:
     sources, hints = _size_sources(primals)
     captured = lower_graph(gm, sources, hints, num_primals=len(primals), trace_joint=trace_joint)
+    captured.aten_graph = gm
     missing = _free_symbols(captured.joint) - set(sources)
     if missing:
         raise NotImplementedError(
@@ -272,8 +339,12 @@ def _device(placeholders: list) -> torch.device:
 
 
 # -- the steps AOTAutograd calls ----------------------------------------------------------------
-def _boxed(step):
+def _boxed(step, record: Optional[GraphRecord] = None):
+    """AOTAutograd's boxed calling convention (one list of arguments). A forward step names its
+    graph's record, which it shows to open `watch()` blocks."""
     def run(args):
+        if _watching and record is not None:
+            _saw(record)
         return step(*args)
     run._boxed_call = True
     return run
