@@ -277,11 +277,13 @@ class _Compilers:
         return Program(schedule(graph, self.config, kind), list(captured.symbols), self.config)
 
     def _check_fallbacks(self, captured: Captured) -> None:
-        """Ops without a lowering run through aten inside the program; strict mode refuses them."""
+        """Ops without a lowering run through aten inside the program, counted as api counts them;
+        strict mode refuses them."""
         for name, target, reason in captured.fallbacks:
             if self.config.strict:
                 raise NotImplementedError(f"memfuse: {name} ({target}) runs through aten: {reason} "
                                           "(strict mode: MEMFUSE_STRICT=1 / Config.strict)")
+        STATS["fallbacks"] += len(captured.fallbacks)
 
     def _compiled(self, captured: Captured, the_plan: Plan, programs: Programs) -> None:
         self.record.captured, self.record.plan, self.record.function = captured, the_plan, programs

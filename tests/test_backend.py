@@ -157,3 +157,15 @@ def test_compile_reads_tensor_constants_outside_fake_mode():
     expected.sum().backward()
     torch.testing.assert_close(y, expected)
     torch.testing.assert_close((x.grad, w.grad), (x2.grad, w2.grad))
+
+
+def test_compile_counts_op_fallbacks_as_the_function_wrapper_does():
+    def fn(x, w):
+        return torch.relu(x @ w) * 2
+
+    x, w = torch.randn(4, 8), torch.randn(8, 8, requires_grad=True)
+    memfuse.memory_efficient_fusion(fn)(x, w).sum().backward()
+    wrapper = memfuse.stats()["fallbacks"]
+    memfuse.reset_stats()
+    torch.compile(fn, backend="memfuse")(x, w).sum().backward()
+    assert memfuse.stats()["fallbacks"] == wrapper > 0
