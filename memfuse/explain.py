@@ -21,6 +21,7 @@ from typing import Any, Optional
 
 import sympy
 import torch
+from torch._dynamo.eval_frame import OptimizedModule
 
 from .backend import watch
 from .debug import STATS, human_bytes, topic_log
@@ -520,7 +521,7 @@ class ModelReport:
 
 def is_torch_compiled(fn) -> bool:
     """`torch.compile(module)` (an OptimizedModule) or `torch.compile(function)`."""
-    return isinstance(fn, torch._dynamo.eval_frame.OptimizedModule) or hasattr(fn, "_torchdynamo_orig_callable")
+    return isinstance(fn, OptimizedModule) or hasattr(fn, "_torchdynamo_orig_callable")
 
 
 def explain_torch_compiled(compiled, args: tuple, kwargs: dict) -> ModelReport:
@@ -528,8 +529,7 @@ def explain_torch_compiled(compiled, args: tuple, kwargs: dict) -> ModelReport:
     it has not compiled yet), and read what the backend recorded for each; measure the bytes the
     call saves for backward against the original's, run the same way. Counters and torch's random
     state are left as they were."""
-    original = compiled._orig_mod if isinstance(compiled, torch._dynamo.eval_frame.OptimizedModule) \
-        else compiled._torchdynamo_orig_callable
+    original = compiled._orig_mod if isinstance(compiled, OptimizedModule) else compiled._torchdynamo_orig_callable
     name = type(original).__name__ if isinstance(original, torch.nn.Module) else \
         getattr(original, "__qualname__", type(original).__name__)
     with _counters_kept():
