@@ -5,14 +5,16 @@
     model = torch.compile(model, backend="memfuse")
 """
 from . import backend as _backend
+from . import debug as _debug
+from . import explain as _explain
 from .api import memory_efficient_fusion
 from .module import FusedModule
 from .config import Config
 from .debug import configure_logging, reset_stats, stats
-from .draw import draw_plan
-from .explain import explain
+from .explain import draw_plan, explain
 
 configure_logging()
+_debug.add_compile_hook(_explain.report_compile)   # reports sit above the pipeline: debug calls them back
 _backend.register()
 
 __all__ = ["memory_efficient_fusion", "FusedModule", "Config", "explain", "draw_plan", "stats", "reset_stats",

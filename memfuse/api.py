@@ -37,6 +37,7 @@ recompile_log = topic_log("recompiles")
 fallback_log = topic_log("fallbacks")
 CONSTANT_TYPES = (bool, int, float, type(None), str, torch.dtype)
 EXACT_CACHE_SIZE = 4096   # distinct exact argument shapes remembered in the front cache
+MODULE_WRAPPER: list = []  # [module.FusedModule], added by module.py, which builds on api: api never imports it
 
 
 def memory_efficient_fusion(fn: Callable, *, config: Optional[Config] = None, cuda_graphs: bool = False):
@@ -51,8 +52,7 @@ def memory_efficient_fusion(fn: Callable, *, config: Optional[Config] = None, cu
     if cuda_graphs:
         config = dataclasses.replace(config, seed_from_memory=True)
     if isinstance(fn, torch.nn.Module):
-        from .module import FusedModule
-        return FusedModule(fn, config, cuda_graphs=cuda_graphs)
+        return MODULE_WRAPPER[0](fn, config, cuda_graphs=cuda_graphs)
     if not callable(fn):
         raise TypeError(f"memfuse.memory_efficient_fusion: fn must be callable, got {type(fn).__name__}")
     return FusedFunction(fn, config, cuda_graphs=cuda_graphs)

@@ -14,27 +14,32 @@ from a dim of a tensor argument (`SizeSource`). Dynamo owns the guards.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 import time
+import traceback
 from dataclasses import dataclass
-from typing import Optional
+from pathlib import Path
+from typing import NamedTuple, Optional
 
 import sympy
 import torch
-from torch._guards import detect_fake_mode
+from torch._guards import CompileContext, detect_fake_mode
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from .capture import Captured, decomposition_table, lower_graph
 from .config import Config
-from .debug import STATS, dump
-from .ir import Graph, Symbol, format_graph, verify
+from .debug import STATS, on_compile, topic_log
+from .ir import Graph, Symbol, verify
 from .plan import Plan, plan
 from .precompile import precompile
 from .runtime import Program, _draw_seed
 from .schedule import schedule
 
 log = logging.getLogger("memfuse")
+fallback_log = topic_log("fallbacks")
+_MEMFUSE_DIR = Path(__file__).resolve().parent
 
 
 @dataclass(frozen=True)
@@ -50,19 +55,143 @@ class SizeSource:
 
 
 def memfuse_backend(gm: torch.fx.GraphModule, example_inputs, *, config: Optional[Config] = None):
-    """The `torch.compile` backend: AOTAutograd with memfuse's partition and compilers.
+    """The `torch.compile` backend: AOTAutograd with memfuse's partition and compilers. A graph
+    memfuse fails to compile, wherever it fails, runs through torch (`_through_torch`); in strict
+    mode the failure is an error.
 
     Through Dynamo's `aot_autograd` helper, as torch's own AOT backends, not a bare
     `aot_module_simplified`: Dynamo's DDPOptimizer (a graph split at DDP's bucket boundaries)
     reads the helper's call counter to know that each piece went through AOTAutograd, whose
     first call then returns fake outputs for the next piece's compile. Without it that fake
-    first call would reach the user at run time."""
+    first call would reach the user at run time.
+
+    Everything memfuse does happens while this call runs: AOTAutograd traces, calls the
+    partition function (which builds the forward and the backward Program) and then the forward
+    or inference compiler, all before returning. The backward compiler, which AOTAutograd may
+    call later (at the first `.backward()`), only hands over the step the partition built."""
     from torch._dynamo.backends.common import aot_autograd
-    compilers = _Compilers(config or Config(), name=f"dynamo_{id(gm):x}")
+    from torch._dynamo.exc import RestartAnalysis, ShortenTraceback, SkipFrame
+    config = config or Config()
+    record = GraphRecord(_graph_name(gm), _input_names(gm))
+    compilers = _Compilers(config, record)
     backend = aot_autograd(fw_compiler=compilers.forward, bw_compiler=compilers.backward,
                            inference_compiler=compilers.inference, partition_fn=compilers.partition,
                            decompositions=decomposition_table())
-    return backend(gm, example_inputs)
+    try:
+        compiled = backend(gm, example_inputs)
+    except (RestartAnalysis, SkipFrame, ShortenTraceback):
+        raise                  # Dynamo's own signals (restart the trace, skip the frame), not failures
+    except Exception as e:
+        return _through_torch(gm, record, e, config)
+    STATS["compiles"] += 1
+    on_compile(record.name, record)
+    return compiled
+
+
+def _through_torch(gm: torch.fx.GraphModule, record: GraphRecord, error: Exception, config: Config):
+    """A graph memfuse could not compile runs as Dynamo captured it, op by op through torch:
+    exactly what eager runs, so it fails only where eager fails, and autograd records each op as
+    in eager, so gradients are eager's. Not AOTAutograd again with torch's partition: the failure
+    may be AOTAutograd's own trace (with memfuse's decompositions), and a second trace would cost
+    a compile for nothing. Logged once (the exception, where it was raised, the way out) and
+    counted (`graph_fallbacks`); in strict mode an error, chained to the failure."""
+    reason = f"{type(error).__name__}: {error} (raised {_raised_at(error)})"
+    if config.strict:
+        raise RuntimeError(f"memfuse: could not compile graph {record.name}: {reason}; strict mode "
+                           f"(MEMFUSE_STRICT=1 / Config.strict) makes this an error, without it "
+                           f"the graph runs through torch") from error
+    record.through_torch = reason
+    STATS["graph_fallbacks"] += 1
+    fallback_log.warning("memfuse: graph %s runs through torch (eager), not memfuse: %s. MEMFUSE_STRICT=1 "
+                         "raises it with its traceback; MEMFUSE_LOG=debug logs the traceback here", record.name,
+                         reason, exc_info=error if fallback_log.isEnabledFor(logging.DEBUG) else None)
+    run = gm.forward
+
+    def through_torch(*args):
+        if _watching:
+            _saw(record)
+        return run(*args)
+    return torch._dynamo.disable(through_torch)    # Dynamo never traces the fallback itself
+
+
+def _raised_at(error: Exception) -> str:
+    """Where `error` was raised (file:line (function), the file from its package folder on) and,
+    when that is outside memfuse, the innermost memfuse stage it passed through."""
+    frames = traceback.extract_tb(error.__traceback__)
+    ours = [f for f in frames if _MEMFUSE_DIR in Path(f.filename).parents and f.name != "memfuse_backend"]
+    where = f"in {_frame(frames[-1])}"
+    if ours and ours[-1] is not frames[-1]:
+        where += f", from {_frame(ours[-1])}"
+    return where
+
+
+def _frame(frame: traceback.FrameSummary) -> str:
+    path = Path(frame.filename)
+    package = next((p for p in path.parents if p.parent.name in ("site-packages", "dist-packages")
+                    or p == _MEMFUSE_DIR), None)
+    shown = path.relative_to(package.parent) if package is not None else path.name
+    return f"{shown}:{frame.lineno} ({frame.name})"
+
+
+def _input_names(gm: torch.fx.GraphModule) -> list:
+    """The primals' names as the user knows them: Dynamo's source of each graph input (`L['x']`,
+    `L['self']._modules['fc']._parameters['weight']`), after the graph's own parameters and
+    buffers, which AOTAutograd lifts in front of them."""
+    names = [n for n, _ in gm.named_parameters()] + [n for n, _ in gm.named_buffers()]
+    for node in gm.graph.find_nodes(op="placeholder"):
+        source = getattr(node.meta.get("grapharg"), "source", None)
+        name = source.name if source is not None else node.target
+        names.append(name() if callable(name) else name)    # a method before torch 2.13
+    return names
+
+
+def _graph_name(gm: torch.fx.GraphModule) -> str:
+    """`dynamo_<frame>/<compile>`: Dynamo's compile id, as TORCH_LOGS and tlparse show it."""
+    compile_id = CompileContext.current_compile_id()
+    return f"dynamo_{compile_id}" if compile_id is not None else f"dynamo_{id(gm):x}"
+
+
+# -- what the backend made of each graph, and which graphs a call runs ------------------------------
+class Programs(NamedTuple):
+    forward: Program
+    backward: Optional[Program]          # None for an inference graph
+
+
+@dataclass
+class GraphRecord:
+    """What the backend made of one Dynamo graph, for the compile hook and `explain`: once memfuse
+    compiled it, the fields `explain.build_report` reads, named as on api's cache entry
+    (`captured`, `plan`, `function` with the `.forward` and `.backward` Programs, `input_names`);
+    else why the graph runs through torch."""
+    name: str
+    input_names: list
+    captured: Optional[Captured] = None
+    plan: Optional[Plan] = None
+    function: Optional[Programs] = None
+    through_torch: Optional[str] = None   # the failure, when the graph runs through torch
+
+
+_watching: list = []   # the lists of the open watch() blocks: empty but while explain runs a call
+
+
+@contextlib.contextmanager
+def watch():
+    """Collect the GraphRecords of the graphs that run inside the block, memfuse's and those run
+    through torch, each once, in the order they first ran: a graph Dynamo had cached counts as
+    much as one compiled in the block. Every forward (and inference) call of a backend graph
+    checks for open blocks: one truth test of a list."""
+    seen: list = []
+    _watching.append(seen)
+    try:
+        yield seen
+    finally:
+        _watching.remove(seen)
+
+
+def _saw(record: GraphRecord) -> None:
+    for seen in _watching:
+        if not any(r is record for r in seen):
+            seen.append(record)
 
 
 def register() -> None:
@@ -77,81 +206,94 @@ def register() -> None:
 
 class _Compilers:
     """One Dynamo graph's compilers. `partition` builds both Programs; `forward` and `backward`
-    return the steps it built; `inference` compiles a forward-only graph (nothing needs a grad)."""
+    return the steps it built; `inference` compiles a forward-only graph (nothing needs a grad).
 
-    def __init__(self, config: Config, name: str):
+    AOTAutograd calls the partition function and the compilers inside its FakeTensorMode, where an
+    operation on a real tensor is refused; memfuse's stages compute on real values (a lifted tensor
+    constant is read with `.item()`, a constant rounded through `torch.tensor`, kernels built), so
+    they run with the mode unset. The fx graphs handed back carry fakes made in that mode on
+    purpose (`_Fakes`)."""
+
+    def __init__(self, config: Config, record: GraphRecord):
         self.config = config
-        self.name = name
+        self.record = record
 
     def partition(self, joint: torch.fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **_):
+        with unset_fake_temporarily():   # see _Compilers: memfuse computes on real values
+            return self._partition(joint, len(joint_inputs[0]), num_fwd_outputs)
+
+    def _partition(self, joint: torch.fx.GraphModule, num_primals: int, num_fwd_outputs: int):
         start = time.perf_counter()
-        primals, _ = joint_inputs
         placeholders = joint.graph.find_nodes(op="placeholder")
-        captured = _lower(joint, placeholders[:len(primals)], trace_joint=True)
+        captured = _lower(joint, placeholders[:num_primals], trace_joint=True)
         if captured.num_fwd_outputs != num_fwd_outputs:
             raise RuntimeError(f"memfuse: lowered {captured.num_fwd_outputs} forward outputs, "
                                f"AOTAutograd expects {num_fwd_outputs}")
         the_plan = plan(captured)
-        self._dump(captured, the_plan)
+        self._check_fallbacks(captured)
         device = _device(placeholders)
         fakes = _Fakes(detect_fake_mode([n.meta.get("val") for n in placeholders]), captured, device)
-        with unset_fake_temporarily():
-            forward = self._program(the_plan.forward, captured, "forward")
-            backward = self._program(the_plan.backward, captured, "backward")
-            precompile([forward, backward], device, self.config)
+        forward = self._program(the_plan.forward, captured, "forward")
+        backward = self._program(the_plan.backward, captured, "backward")
+        precompile([forward, backward], device, self.config)
+        self._compiled(captured, the_plan, Programs(forward, backward))
         saved = [s.name for s in the_plan.saved]
         saved_ints = [captured.joint[n].value.dtype is None for n in saved]
         forward_step = ForwardStep(forward, captured, the_plan.num_fwd_outputs, saved_ints, device)
         backward_step = BackwardStep(backward, captured, saved_ints, device)
-        fw_module = _forward_module(joint, placeholders[:len(primals)], the_plan, saved_ints, forward_step, fakes)
-        bw_module = _backward_module(joint, placeholders[len(primals):], the_plan, saved_ints, backward_step, fakes)
-        STATS["compiles"] += 1
+        fw_module = _forward_module(joint, placeholders[:num_primals], the_plan, saved_ints, forward_step, fakes)
+        bw_module = _backward_module(joint, placeholders[num_primals:], the_plan, saved_ints, backward_step, fakes)
         log.info("memfuse: compiled %s (torch.compile) in %.3f s: saves %d bytes beyond the inputs",
-                 self.name, time.perf_counter() - start, the_plan.saved_bytes)
+                 self.record.name, time.perf_counter() - start, the_plan.saved_bytes)
         return fw_module, bw_module
 
     def forward(self, gm: torch.fx.GraphModule, example_inputs):
-        return _boxed(gm.get_submodule("memfuse_forward"))
+        return _boxed(gm.get_submodule("memfuse_forward"), self.record)
 
     def backward(self, gm: torch.fx.GraphModule, example_inputs):
         return _boxed(gm.get_submodule("memfuse_backward"))
 
     def inference(self, gm: torch.fx.GraphModule, example_inputs):
+        with unset_fake_temporarily():
+            return self._inference(gm)
+
+    def _inference(self, gm: torch.fx.GraphModule):
         start = time.perf_counter()
         placeholders = gm.graph.find_nodes(op="placeholder")
         captured = _lower(gm, placeholders, trace_joint=False)
         the_plan = plan(captured)
-        self._dump(captured, the_plan)
-        with unset_fake_temporarily():
-            forward = self._program(the_plan.forward, captured, "forward")
-            precompile([forward], _device(placeholders), self.config)
-        STATS["compiles"] += 1
-        log.info("memfuse: compiled %s (torch.compile, inference) in %.3f s", self.name,
+        self._check_fallbacks(captured)
+        forward = self._program(the_plan.forward, captured, "forward")
+        precompile([forward], _device(placeholders), self.config)
+        self._compiled(captured, the_plan, Programs(forward, None))
+        log.info("memfuse: compiled %s (torch.compile, inference) in %.3f s", self.record.name,
                  time.perf_counter() - start)
         return _boxed(ForwardStep(forward, captured, the_plan.num_fwd_outputs, [], _device(placeholders),
-                                  inference=True))
+                                  inference=True), self.record)
 
     def _program(self, graph: Graph, captured: Captured, kind: str) -> Program:
         if self.config.check:
             verify(graph)
         return Program(schedule(graph, self.config, kind), list(captured.symbols), self.config)
 
-    def _dump(self, captured: Captured, the_plan: Plan) -> None:
-        dump(f"{self.name}.joint.txt", format_graph(captured.joint))
-        dump(f"{self.name}.forward.txt", format_graph(the_plan.forward))
-        if the_plan.backward is not None:
-            dump(f"{self.name}.backward.txt", format_graph(the_plan.backward))
+    def _check_fallbacks(self, captured: Captured) -> None:
+        """Ops without a lowering run through aten inside the program, counted as api counts them;
+        strict mode refuses them."""
         for name, target, reason in captured.fallbacks:
-            message = f"memfuse: {name} ({target}) runs through aten: {reason}"
             if self.config.strict:
-                raise NotImplementedError(message + " (strict mode: MEMFUSE_STRICT=1 / Config.strict)")
-            log.info(message)
+                raise NotImplementedError(f"memfuse: {name} ({target}) runs through aten: {reason} "
+                                          "(strict mode: MEMFUSE_STRICT=1 / Config.strict)")
+        STATS["fallbacks"] += len(captured.fallbacks)
+
+    def _compiled(self, captured: Captured, the_plan: Plan, programs: Programs) -> None:
+        self.record.captured, self.record.plan, self.record.function = captured, the_plan, programs
 
 
 # -- lowering with Dynamo's size symbols ---------------------------------------------------------
 def _lower(gm: torch.fx.GraphModule, primals: list, trace_joint: bool) -> Captured:
     sources, hints = _size_sources(primals)
     captured = lower_graph(gm, sources, hints, num_primals=len(primals), trace_joint=trace_joint)
+    captured.aten_graph = gm
     missing = _free_symbols(captured.joint) - set(sources)
     if missing:
         raise NotImplementedError(
@@ -199,8 +341,12 @@ def _device(placeholders: list) -> torch.device:
 
 
 # -- the steps AOTAutograd calls ----------------------------------------------------------------
-def _boxed(step):
+def _boxed(step, record: Optional[GraphRecord] = None):
+    """AOTAutograd's boxed calling convention (one list of arguments). A forward step names its
+    graph's record, which it shows to open `watch()` blocks."""
     def run(args):
+        if _watching and record is not None:
+            _saw(record)
         return step(*args)
     run._boxed_call = True
     return run

@@ -29,6 +29,7 @@ COUNTERS = {
     "kernels_launched": "Triton kernel launches (runtime.Program._launch, every call)",
     "extern_calls": "aten calls made at run time for extern steps (matmul, ...)",
     "fallbacks": "ops (capture) and kernel groups (schedule) sent to aten, counted once per compile",
+    "graph_fallbacks": "Dynamo graphs the backend could not compile, run through torch instead (once per graph)",
     "graph_captures": "CUDA-graph instances captured (graphs.GraphedFunction, cuda_graphs=True)",
     "graph_replays": "calls served by replaying captured CUDA graphs (cuda_graphs=True)",
 }
@@ -114,23 +115,45 @@ def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
 
 
+def human_bytes(n: int) -> str:
+    if n < 1024:
+        return f"{n} B"
+    size = float(n)
+    for unit in ("KiB", "MiB", "GiB"):
+        size /= 1024
+        if size < 1024 or unit == "GiB":
+            return f"{size:.1f} {unit}"
+
+
 # -- the compile hook -----------------------------------------------------------------------------
+# Counters and logging are the ground floor: this module imports no other memfuse module. The
+# report layer (explain) registers what it does after a compile here, on `import memfuse`.
+_compile_hooks: list = []
+
+
+def add_compile_hook(hook: Callable[[str, object, Optional[Path]], None]) -> None:
+    """Call `hook(name, entry, folder)` after every compile while MEMFUSE_LOG or MEMFUSE_DUMP_DIR
+    is on: `entry` holds what the compile recorded (api._CacheEntry, backend.GraphRecord),
+    `folder` is where to dump it (None without MEMFUSE_DUMP_DIR). Adding a hook twice adds it once."""
+    if hook not in _compile_hooks:
+        _compile_hooks.append(hook)
+
+
 def _logging_on() -> bool:
     return any(topic_log(t).isEnabledFor(logging.INFO) for t in TOPICS)
 
 
 def on_compile(name: str, entry) -> Optional[Path]:
-    """After a compile: log the graphs, plan and kernels, and dump them when MEMFUSE_DUMP_DIR is
-    set. Returns the dump folder (None without dumps). Costs nothing while both switches are off."""
+    """After a compile: hand the entry to the compile hooks (the report layer logs the graphs, plan
+    and kernels, and dumps them when MEMFUSE_DUMP_DIR is set). Returns the dump folder (None
+    without dumps). Costs nothing while both switches are off."""
     folder = dump_dir()
     if folder is None and not _logging_on():
         return None
-    from .explain import build_report, log_report, write_dump   # explain reads the records
-    report = build_report(entry, name)
-    log_report(report)
-    if folder is None:
-        return None
-    return write_dump(report, folder / _next_dump_folder(name))
+    target = None if folder is None else folder / _next_dump_folder(name)
+    for hook in _compile_hooks:
+        hook(name, entry, target)
+    return target
 
 
 # -- recompiles -----------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """draw: the planner's min-cut as a picture (PNG/SVG/PDF through matplotlib) or as DOT text.
 
-    memfuse.draw_plan(fn, *example_args, path="plan.svg")   # or report.draw("plan.png")
+    memfuse.draw_plan(fn, *example_args, path="plan.svg")   # explain.draw_plan; or report.draw("plan.png")
 
 Every joint-graph node the forward or backward computes is drawn in one of three bands: the
 forward on top (inputs, forward-only values), the values computed in both programs in the
@@ -18,7 +18,7 @@ from typing import Optional
 
 import networkx as nx
 
-from .explain import compile_entry, human_bytes
+from .debug import human_bytes
 from .ir import Op
 from .plan import Decision
 
@@ -232,13 +232,3 @@ def _bands(ax, nodes: list) -> None:
                 fontsize=8, color="#525252")
     for upper, lower in zip(present, present[1:]):
         ax.axhline((spans[upper][0] + spans[lower][1]) / 2, color="#bdbdbd", linestyle="--", linewidth=0.8)
-
-
-def draw_plan(fn, *example_args, path=None, **kwargs) -> PlanDrawing:
-    """Compile `fn` for the example arguments and draw its plan; written to `path` when given
-    (.png, .svg, .pdf or .dot). `path` is taken by this call, never passed on to `fn`."""
-    fused, entry = compile_entry(fn, example_args, kwargs)
-    drawing = plan_drawing(entry.captured, entry.plan, title=fused._name())
-    if path is not None:
-        drawing.save(path)
-    return drawing

@@ -7,7 +7,8 @@
 Nothing here re-runs a stage: `build_report` reads what capture (fallbacks, the aten graph),
 plan (saved values, decisions with reasons), schedule (kernel groups, why nodes did not fuse)
 and codegen (kernel sources, bytes per row) recorded on a FusedFunction's cache entry. The same
-report feeds MEMFUSE_LOG and MEMFUSE_DUMP_DIR (debug.on_compile).
+report feeds MEMFUSE_LOG and MEMFUSE_DUMP_DIR: `report_compile` is debug's compile hook, registered
+on `import memfuse` (debug, the ground floor, never imports this module).
 """
 from __future__ import annotations
 
@@ -16,18 +17,19 @@ import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import sympy
 import torch
+from torch._dynamo.eval_frame import OptimizedModule
 
-from .debug import STATS, topic_log
+from .backend import watch
+from .debug import STATS, human_bytes, topic_log
+from .draw import PlanDrawing, plan_drawing
 from .ir import EXTERNAL, LEAF, RANDOM, REDUCTION, Graph, Op, format_graph, value_bytes
 from .plan import Decision
 from .schedule import ExternStep, KernelGroup
 
-if TYPE_CHECKING:
-    from .draw import PlanDrawing
 
 FAMILIES = ("pointwise", "reductions", "random", "extern", "leaves")
 
@@ -144,7 +146,6 @@ class Report:
 
     def drawing(self):
         """The min-cut as drawing data (draw.PlanDrawing): nodes, roles, positions, saved values."""
-        from .draw import plan_drawing
         return plan_drawing(self.entry.captured, self.entry.plan, title=self.name)
 
     def draw(self, path) -> PlanDrawing:
@@ -246,16 +247,6 @@ def _example_shape(shape: tuple, hints: dict) -> tuple:
 
 
 # -- printing -----------------------------------------------------------------------------------
-def human_bytes(n: int) -> str:
-    if n < 1024:
-        return f"{n} B"
-    size = float(n)
-    for unit in ("KiB", "MiB", "GiB"):
-        size /= 1024
-        if size < 1024 or unit == "GiB":
-            return f"{size:.1f} {unit}"
-
-
 def _dtype(dtype) -> str:
     return str(dtype).replace("torch.", "") if dtype is not None else "-"
 
@@ -356,6 +347,15 @@ def _fallback_lines(r: Report) -> list:
 
 
 # -- MEMFUSE_LOG and MEMFUSE_DUMP_DIR ----------------------------------------------------------
+def report_compile(name: str, entry, folder: Optional[Path]) -> None:
+    """debug's compile hook (registered on `import memfuse`): log the entry's report on the
+    topic loggers, and dump it to `folder` when MEMFUSE_DUMP_DIR is set."""
+    report = build_report(entry, name)
+    log_report(report)
+    if folder is not None:
+        write_dump(report, folder)
+
+
 def log_report(r: Report) -> None:
     """The report, one topic logger per section: summaries at INFO, details at DEBUG."""
     graphs, plan_log, kernels, fallbacks = (topic_log(t) for t in ("graphs", "plan", "kernels", "fallbacks"))
@@ -424,6 +424,8 @@ def explain(fn, *example_args, **kwargs) -> Report:
     and for the fused function, by running each forward once under saved_tensors_hooks (torch's
     random state is restored after each run). The counters of `memfuse.stats()` are left as
     they were."""
+    if is_torch_compiled(fn):     # torch.compile(model, backend="memfuse"): a report per graph
+        return explain_torch_compiled(fn, example_args, kwargs)
     fused, entry = compile_entry(fn, example_args, kwargs)
     report = build_report(entry, fused._name())
     with _counters_kept():
@@ -482,3 +484,80 @@ def _forked_rng(tensors):
     devices = sorted({t.device.index if t.device.index is not None else torch.cuda.current_device()
                       for t in tensors if t.device.type == "cuda"})
     return torch.random.fork_rng(devices=devices)
+
+
+def draw_plan(fn, *example_args, path=None, **kwargs) -> PlanDrawing:
+    """Compile `fn` for the example arguments and draw its plan; written to `path` when given
+    (.png, .svg, .pdf or .dot). `path` is taken by this call, never passed on to `fn`."""
+    fused, entry = compile_entry(fn, example_args, kwargs)
+    drawing = plan_drawing(entry.captured, entry.plan, title=fused._name())
+    if path is not None:
+        drawing.save(path)
+    return drawing
+
+
+# -- torch.compile(model, backend="memfuse") ---------------------------------------------------
+@dataclass(frozen=True)
+class TorchGraphRow:
+    """A graph of the call that runs through torch: memfuse could not compile it."""
+    name: str
+    reason: str
+
+
+@dataclass
+class ModelReport:
+    """explain() of a model compiled with `torch.compile(..., backend="memfuse")`: one Report per
+    graph memfuse compiled that the call ran, the graphs it ran through torch and why, and what
+    the whole call saves for backward, compiled and eager."""
+    name: str
+    graphs: list                       # Report, in the order the call first ran them
+    through_torch: list                # TorchGraphRow
+    compiled_saved: SavedMemory
+    eager_saved: SavedMemory
+
+    def __str__(self) -> str:
+        return format_model_report(self)
+
+
+def is_torch_compiled(fn) -> bool:
+    """`torch.compile(module)` (an OptimizedModule) or `torch.compile(function)`."""
+    return isinstance(fn, OptimizedModule) or hasattr(fn, "_torchdynamo_orig_callable")
+
+
+def explain_torch_compiled(compiled, args: tuple, kwargs: dict) -> ModelReport:
+    """Run `compiled(*args, **kwargs)` once, watching which graphs it runs (Dynamo compiles those
+    it has not compiled yet), and read what the backend recorded for each; measure the bytes the
+    call saves for backward against the original's, run the same way. Counters and torch's random
+    state are left as they were."""
+    original = compiled._orig_mod if isinstance(compiled, OptimizedModule) else compiled._torchdynamo_orig_callable
+    name = type(original).__name__ if isinstance(original, torch.nn.Module) else \
+        getattr(original, "__qualname__", type(original).__name__)
+    with _counters_kept():
+        eager_saved = measure_saved(original, args, kwargs)
+        with watch() as records:
+            compiled_saved = measure_saved(compiled, args, kwargs)
+    if not records:
+        raise ValueError(f"memfuse.explain: {name} ran no graph through memfuse's backend: compile it with "
+                         f"torch.compile(..., backend=\"memfuse\"), and check that the call reaches a graph "
+                         f"(TORCH_LOGS=graph_breaks says what Dynamo skipped)")
+    report = ModelReport(name, [build_report(r, r.name) for r in records if r.through_torch is None],
+                         [TorchGraphRow(r.name, r.through_torch) for r in records if r.through_torch is not None],
+                         compiled_saved, eager_saved)
+    print(report)
+    return report
+
+
+def format_model_report(r: ModelReport) -> str:
+    graphs = len(r.graphs) + len(r.through_torch)
+    lines = [f"memfuse.explain: {r.name} (torch.compile, backend=\"memfuse\"): the call ran {graphs} graph(s), "
+             f"{len(r.graphs)} compiled by memfuse, {len(r.through_torch)} through torch",
+             "  saved for backward by the whole call (saved_tensors_hooks, unique storages not among the "
+             "inputs, parameters and buffers):",
+             f"    compiled         {human_bytes(r.compiled_saved.bytes):>9} in {r.compiled_saved.tensors} tensors",
+             f"    eager autograd   {human_bytes(r.eager_saved.bytes):>9} in {r.eager_saved.tensors} tensors"]
+    if r.through_torch:
+        lines += ["", "graphs run through torch (memfuse could not compile them)"]
+        lines += [f"  {g.name}: {g.reason}" for g in r.through_torch]
+    for report in r.graphs:
+        lines += ["", format_report(report)]
+    return "\n".join(lines)

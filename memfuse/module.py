@@ -20,7 +20,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .api import FusedFunction, autocast_state
+from .api import MODULE_WRAPPER, FusedFunction, autocast_state
 from .config import Config
 
 # Per-instance state of nn.Module that the wrapper takes over from the original, so that
@@ -213,3 +213,6 @@ def _device(tensors: list, args: tuple, kwargs: dict) -> torch.device:
         if isinstance(t, torch.Tensor):
             return t.device
     raise TypeError("memfuse: a fused module needs a tensor parameter, buffer or argument")
+
+
+MODULE_WRAPPER.append(FusedModule)   # what memory_efficient_fusion(module) returns

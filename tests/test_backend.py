@@ -138,3 +138,34 @@ def test_fused_module_inside_compile_is_a_graph_break():
     compiled = torch.compile(lambda x: fused(x.sin()) * 2, backend="memfuse")
     x = torch.randn(3, 32)
     torch.testing.assert_close(compiled(x), block(x.sin()) * 2, rtol=1e-5, atol=1e-5)
+
+
+def test_compile_reads_tensor_constants_outside_fake_mode():
+    """`torch.tensor(...)` in the graph is a real tensor AOTAutograd lifts into the joint graph;
+    memfuse reads a 0-d one as a scalar (`.item()`), which AOTAutograd's FakeTensorMode refuses:
+    the pipeline runs with that mode unset."""
+    def fn(x, w):
+        return (x * w + torch.tensor(2) * torch.tensor(0.5)) * torch.tensor([1.0, -2.0, 3.0, 0.5])
+
+    compiled = torch.compile(fn, backend="memfuse")
+    x, w = torch.randn(3, 4, requires_grad=True), torch.randn(4, requires_grad=True)
+    y = compiled(x, w)
+    y.sum().backward()
+    assert memfuse.stats()["compiles"] == 1
+    x2, w2 = x.detach().requires_grad_(), w.detach().requires_grad_()
+    expected = fn(x2, w2)
+    expected.sum().backward()
+    torch.testing.assert_close(y, expected)
+    torch.testing.assert_close((x.grad, w.grad), (x2.grad, w2.grad))
+
+
+def test_compile_counts_op_fallbacks_as_the_function_wrapper_does():
+    def fn(x, w):
+        return torch.relu(x @ w) * 2
+
+    x, w = torch.randn(4, 8), torch.randn(8, 8, requires_grad=True)
+    memfuse.memory_efficient_fusion(fn)(x, w).sum().backward()
+    wrapper = memfuse.stats()["fallbacks"]
+    memfuse.reset_stats()
+    torch.compile(fn, backend="memfuse")(x, w).sum().backward()
+    assert memfuse.stats()["fallbacks"] == wrapper > 0

@@ -1,0 +1,106 @@
+"""memfuse's imports flow one way: counters and logging (debug) at the bottom, the pipeline above,
+the fronts (api, module, backend) above it, the reports (explain, draw) on top. Read from the
+source with `ast`: imports inside functions count, `if TYPE_CHECKING:` blocks do not."""
+import ast
+import textwrap
+from pathlib import Path
+
+import networkx as nx
+
+import memfuse
+
+PACKAGE = Path(memfuse.__file__).resolve().parent
+
+
+def module_name(path: Path) -> str:
+    parts = ("memfuse",) + path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported(tree: ast.AST, name: str, is_package: bool, known: set) -> set:
+    """The memfuse modules `tree` (module `name`) imports, at any depth, outside TYPE_CHECKING."""
+    package = name if is_package else name.rpartition(".")[0]
+    found = set()
+    for node in _reachable(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name in known}
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[:len(package.split(".")) - node.level + 1] if node.level else []
+            target = ".".join(base + ([node.module] if node.module else []))
+            for alias in node.names:
+                submodule = f"{target}.{alias.name}"
+                if submodule in known:
+                    found.add(submodule)
+                elif target in known:
+                    found.add(target)
+    return found
+
+
+def _reachable(tree: ast.AST):
+    """Every node of `tree` except the bodies of `if TYPE_CHECKING:` (or `typing.TYPE_CHECKING`)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            stack.extend(node.orelse)
+        else:
+            stack.extend(ast.iter_child_nodes(node))
+
+
+def import_graph(sources: dict) -> nx.DiGraph:
+    """sources: module name -> (source text, is a package)."""
+    graph = nx.DiGraph()
+    graph.add_nodes_from(sources)
+    for name, (text, is_package) in sources.items():
+        for target in imported(ast.parse(text), name, is_package, set(sources)):
+            if target != name:
+                graph.add_edge(name, target)
+    return graph
+
+
+def memfuse_graph() -> nx.DiGraph:
+    return import_graph({module_name(p): (p.read_text(), p.name == "__init__.py") for p in PACKAGE.rglob("*.py")})
+
+
+def cycle_of(graph: nx.DiGraph):
+    try:
+        return [a for a, _ in nx.find_cycle(graph)]
+    except nx.NetworkXNoCycle:
+        return None
+
+
+def test_memfuse_imports_are_acyclic():
+    cycle = cycle_of(memfuse_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle + cycle[:1])
+
+
+def test_counters_and_logging_import_no_memfuse_module():
+    assert list(memfuse_graph().successors("memfuse.debug")) == []
+
+
+def test_only_the_package_imports_the_reports():
+    graph = memfuse_graph()
+    assert nx.ancestors(graph, "memfuse.explain") == {"memfuse"}
+    assert nx.ancestors(graph, "memfuse.draw") == {"memfuse", "memfuse.explain"}
+
+
+def test_the_reader_sees_lazy_imports_and_skips_type_checking():
+    """The test above can fail: a function-level import closes a cycle, TYPE_CHECKING does not."""
+    a = textwrap.dedent("""
+        from typing import TYPE_CHECKING
+        from . import b
+        if TYPE_CHECKING:
+            from .c import Thing
+    """)
+    b = "def f():\n    from .a import g\n"
+    c = "from ..pkg import a\n"
+    graph = import_graph({"pkg": ("", True), "pkg.a": (a, False), "pkg.b": (b, False), "pkg.c": (c, False)})
+    assert set(graph.edges) == {("pkg.a", "pkg.b"), ("pkg.b", "pkg.a"), ("pkg.c", "pkg.a")}
+    assert cycle_of(graph) in (["pkg.a", "pkg.b"], ["pkg.b", "pkg.a"])
+
+
+def test_relative_imports_resolve_inside_subpackages():
+    edges = set(memfuse_graph().edges)
+    assert {("memfuse.codegen.row_kernel", "memfuse.ir"), ("memfuse.codegen", "memfuse.codegen.cache"),
+            ("memfuse.capture", "memfuse.views"), ("memfuse", "memfuse.backend")} <= edges
