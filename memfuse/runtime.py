@@ -821,10 +821,16 @@ class _MemfuseFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grad_outputs):
+        """The backward program takes the saved tensors over: read once into its input list, then
+        autograd's references go (`maybe_clear_saved_tensors`: unless the graph is retained for
+        another backward), so each one is freed after its last reader. The tangents stay alive
+        until this returns: the engine holds them for the call."""
         compiled, symbol_values, seed, device, unhooked = ctx.call
         tangents = [grad_outputs[i] for i in compiled.differentiable] if compiled.non_differentiable else grad_outputs
+        inputs = [*ctx.saved_tensors, *seed, *tangents]
+        ctx.maybe_clear_saved_tensors()
         run = compiled.backward.run_unhooked if unhooked else compiled.backward.run
-        return (None, *run([*ctx.saved_tensors, *seed, *tangents], symbol_values, device))
+        return (None, *run(inputs, symbol_values, device))
 
 
 _saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks   # (ignore_is_tracing) -> None or hooks
