@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import sympy
 import torch
 
+from .buffers import format_buffer_plan
 from .debug import STATS, topic_log
 from .ir import EXTERNAL, LEAF, RANDOM, REDUCTION, Graph, Op, format_graph, value_bytes
 from .plan import Decision
@@ -340,6 +341,17 @@ def _one_kernel(k: KernelRow) -> list:
         partials = " (+ fp32 column partials per program)" if k.column_sums else ""
         lines.append(f"      moves {k.bytes_per_row} B per row, {human_bytes(k.bytes)} at the example sizes{partials}")
         lines.append(f"      source: {k.path}")
+    return lines
+
+
+def buffer_lines(r: Report) -> list:
+    """The buffer plan of each program (memfuse.buffers): what each step allocates or reuses, binds
+    and drops, and why, with the bytes the program holds at the example sizes."""
+    lines = ["", "buffers (allocate / bind / drop per step; bytes held at the example sizes)"]
+    for name, program in (("forward", r.entry.function.forward), ("backward", r.entry.function.backward)):
+        if program is not None:
+            lines.append(f"  {name}")
+            lines += ["  " + line for line in format_buffer_plan(program.buffers, r.entry.captured.hints).splitlines()]
     return lines
 
 

@@ -17,6 +17,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 import memfuse
 from memfuse import backend, runtime
 from memfuse.buffers import ALLOCATED, BufferPlanError, Origin, memory_timeline, verify_buffer_plan
+from memfuse.explain import buffer_lines
 from memfuse.runtime import KernelLaunch
 
 from helpers import BLOCKS, block_inputs, leaves_like
@@ -407,3 +408,14 @@ def test_the_backend_clears_aotautograds_lists_and_frees_saved_tensors(monkeypat
     mlp(*refs).backward(torch.ones_like(out))
     for mine, ref in zip(leaves, refs):
         torch.testing.assert_close(mine.grad, ref.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_explain_formats_each_programs_buffer_plan(capsys):
+    fn, tensors = _inputs("scale_shift")
+    report = memfuse.explain(fn, *[t.requires_grad_() for t in tensors])
+    capsys.readouterr()
+    text = "\n".join(buffer_lines(report))
+    assert "  forward\n" in text and "  backward\n" in text
+    assert "allocate mf_totals_float32: float32[2, 16], 128 B: column totals: a new float32 buffer" in text
+    assert re.search(r"drop tangents_1: last read by memfuse_backward_0 \(releases tangents_1\)", text), text
+    assert re.search(r"peak: \d+ B while memfuse_backward_0 runs", text), text
