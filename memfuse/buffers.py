@@ -130,10 +130,15 @@ def plan_buffers(schedule: Schedule) -> BufferPlan:
     released = _released(buffers, last, outputs)
     reuses = _reuses(buffers, made, released)
     names = (ENTRY, *(s.name for s in schedule.steps))
+    dropped = [[] for _ in names]                 # per step: the locals it read (or made) last
+    for name in buffers:
+        if name not in outputs:
+            dropped[last[name]].append(name)
     read = {n for step_reads in reads for n in step_reads}
+    reused_by = {root: b for b, root in reuses.items()}
     steps = tuple(StepBuffers(names[k], _allocations(buffers, made[k], reuses),
                               tuple(b.name for b in made[k]), tuple(reads[k]),
-                              _frees(k, names, buffers, last, read, outputs, released, reuses))
+                              _frees(k, names[k], dropped[k], buffers, read, released, reused_by))
                   for k in range(len(names)))
     return BufferPlan(buffers, steps, rows, outputs)
 
@@ -161,7 +166,9 @@ def _rows(schedule: Schedule, totals: dict) -> dict:
     users = graph.users()
     rows = {}
     for group in schedule.kernels:
-        for dtype, names in group.totals(graph).items() if group.name in totals else ():
+        if group.name not in totals:              # a group run through aten returns its sums itself
+            continue
+        for dtype, names in group.totals(graph).items():
             for j, name in enumerate(names):
                 readers = users[name]
                 reshaped = len(readers) == 1 and graph[readers[0]].op is Op.VIEW and readers[0] in externs \
@@ -310,15 +317,12 @@ def _allocations(buffers: dict, step_made: list, reuses: dict) -> tuple:
     return tuple(allocations)
 
 
-def _frees(k: int, names: tuple, buffers: dict, last: dict, read: set, outputs: tuple, released: dict,
-           reuses: dict) -> tuple:
-    """The locals step k read last (or made, when nothing reads them), in the order they were made;
-    a storage released here is listed on the last of them that holds it."""
-    dropped = [n for n in buffers if last[n] == k and n not in outputs]
-    reused_by = {root: b for b, root in reuses.items()}
+def _frees(k: int, step: str, dropped: list, buffers: dict, read: set, released: dict, reused_by: dict) -> tuple:
+    """A Free per local step k reads (or makes) last, in the order they were made; a storage
+    released here is listed on the last of them that holds it."""
     holder = {root: n for n in dropped for root in buffers[n].storage if released.get(root) == k}
     return tuple(Free(n, tuple(r for r, h in holder.items() if h == n), reused_by.get(n),
-                      f"last read by {names[k]}" if n in read else "never read")
+                      f"last read by {step}" if n in read else "never read")
                  for n in dropped)
 
 
