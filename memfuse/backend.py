@@ -342,12 +342,12 @@ def _device(placeholders: list) -> torch.device:
 
 # -- the steps AOTAutograd calls ----------------------------------------------------------------
 def _boxed(step, record: Optional[GraphRecord] = None):
-    """AOTAutograd's boxed calling convention (one list of arguments). A forward step names its
-    graph's record, which it shows to open `watch()` blocks."""
+    """AOTAutograd's boxed calling convention: the step takes the argument list over and empties
+    it. A forward step names its graph's record, which it shows to open `watch()` blocks."""
     def run(args):
         if _watching and record is not None:
             _saw(record)
-        return step(*args)
+        return step.boxed(args)
     run._boxed_call = True
     return run
 
@@ -367,9 +367,16 @@ class ForwardStep(torch.nn.Module):
         self.inference = inference
 
     def forward(self, *args):
+        return self.boxed(list(args))
+
+    def boxed(self, args: list):
+        """Runs on `args` and empties it (the program does): a tensor nothing else holds goes after
+        its last reader."""
         symbol_values = tuple(source.read(args) for source in self.sources)
         seed = _draw_seed(self.device) if self.has_seed else 0
-        outs = self.program.run(list(args) + ([seed] if self.has_seed else []), symbol_values, self.device)
+        if self.has_seed:
+            args.append(seed)
+        outs = self.program.run(args, symbol_values, self.device)
         if self.inference:
             return outs[:self.num_outputs]
         saved = outs[self.num_outputs:]
@@ -393,15 +400,23 @@ class BackwardStep(torch.nn.Module):
         self.saved_ints = saved_ints
         self.num_tensors = saved_ints.count(False)
         self.device = device
+        # per saved value: (is an int, its position among the saved ints or the saved tensors)
+        self.slots = [(is_int, saved_ints[:i].count(is_int)) for i, is_int in enumerate(saved_ints)]
 
     def forward(self, *args):
-        tensors = iter(args[:self.num_tensors])
+        return self.boxed(list(args))
+
+    def boxed(self, args: list):
+        """Moves the saved tensors and tangents out of `args` (AOTAutograd's list: it holds the only
+        references once the node's are cleared) into the program's input list, which the program
+        empties: each one goes after its last reader."""
         context = args[self.num_tensors].tolist()
-        tangents = list(args[self.num_tensors + 1:])
-        seed, symbol_values = context[0], tuple(context[1:1 + self.num_symbols])
-        ints = iter(context[1 + self.num_symbols:])
-        saved = [next(ints) if is_int else next(tensors) for is_int in self.saved_ints]
-        inputs = saved + ([seed] if self.has_seed else []) + tangents
+        symbol_values, ints = tuple(context[1:1 + self.num_symbols]), context[1 + self.num_symbols:]
+        inputs = [ints[j] if is_int else args[j] for is_int, j in self.slots]
+        if self.has_seed:
+            inputs.append(context[0])
+        inputs += args[self.num_tensors + 1:]
+        args.clear()
         return self.program.run(inputs, symbol_values, self.device)
 
     def __deepcopy__(self, memo):

@@ -24,6 +24,7 @@ import torch
 from torch._dynamo.eval_frame import OptimizedModule
 
 from .backend import watch
+from .buffers import format_buffer_plan
 from .debug import STATS, human_bytes, topic_log
 from .draw import PlanDrawing, plan_drawing
 from .ir import EXTERNAL, LEAF, RANDOM, REDUCTION, Graph, Op, format_graph, value_bytes
@@ -253,7 +254,8 @@ def _dtype(dtype) -> str:
 
 def format_report(r: Report) -> str:
     lines = [f"memfuse.explain: {r.name}"]
-    lines += _graph_lines(r) + _saved_lines(r) + _decision_lines(r) + _kernel_lines(r) + _fallback_lines(r)
+    lines += _graph_lines(r) + _saved_lines(r) + _decision_lines(r) + _kernel_lines(r) + buffer_lines(r)
+    lines += _fallback_lines(r)
     return "\n".join(lines)
 
 
@@ -331,6 +333,17 @@ def _one_kernel(k: KernelRow) -> list:
         partials = " (+ fp32 column partials per program)" if k.column_sums else ""
         lines.append(f"      moves {k.bytes_per_row} B per row, {human_bytes(k.bytes)} at the example sizes{partials}")
         lines.append(f"      source: {k.path}")
+    return lines
+
+
+def buffer_lines(r: Report) -> list:
+    """The buffer plan of each program (memfuse.buffers): what each step allocates or reuses, binds
+    and drops, and why, with the bytes the program holds at the example sizes."""
+    lines = ["", "buffers (allocate / bind / drop per step; bytes held at the example sizes)"]
+    for name, program in (("forward", r.entry.function.forward), ("backward", r.entry.function.backward)):
+        if program is not None:
+            lines.append(f"  {name}")
+            lines += ["  " + line for line in format_buffer_plan(program.buffers, r.entry.captured.hints).splitlines()]
     return lines
 
 

@@ -21,6 +21,7 @@ from sympy.printing.lambdarepr import LambdaPrinter
 from triton import knobs
 from triton.runtime.errors import OutOfResources
 
+from .buffers import Origin, plan_buffers, verify_buffer_plan
 from .codegen import CompiledKernel, dtype_name, generate
 from .config import Config
 from .debug import STATS
@@ -302,7 +303,10 @@ class Program:
 
     `run` is one Python function written out when the program is built (`source`): each step
     is a few lines of it (allocate outputs, launch a kernel, take its column sums' rows, call
-    an aten op), so a call walks no list of steps and no dictionary of values.
+    an aten op, drop what it read last), so a call walks no list of steps and no dictionary of
+    values. `inputs` is a list the program takes over: it empties it once unpacked, and drops
+    each input after its last reader (`buffers`, the BufferPlan), so what the caller passed in
+    and holds nowhere else is freed as early as any intermediate.
 
     `contiguous_inputs`: inputs every caller passes contiguous (what the compile key says of a
     primal, tangents made contiguous); the others are made contiguous where a kernel reads them.
@@ -321,6 +325,9 @@ class Program:
         self.contiguous_inputs = frozenset(contiguous_inputs)
         self.device_inputs = frozenset(device_inputs)
         self.steps = [self._prepare(step) for step in schedule.steps]
+        self.buffers = plan_buffers(schedule)
+        if config.check:
+            verify_buffer_plan(self.buffers, schedule)
         self.source, self.run = _ProgramWriter(self, self.device_inputs).write()
         self.source_unhooked, self.run_unhooked = (self.source, self.run) if not saved_inputs else \
             _ProgramWriter(self, self.device_inputs | frozenset(saved_inputs)).write()
@@ -358,24 +365,19 @@ class _ProgramWriter:
                                 "mf_reinterpret": _reinterpret, "torch": torch,
                                 "floor": math.floor, "ceil": math.ceil, "copysign": math.copysign}
         self.lines: list = []
-        self.allocated: set = set()      # values memfuse allocates (aligned, contiguous)
+        self.plan = program.buffers
+        # values memfuse allocates (aligned, contiguous)
+        self.allocated = {b.name for b in self.plan.buffers.values() if b.origin in (Origin.OUTPUT, Origin.TOTALS)}
         self.allocates = False           # whether an allocation was written (the allocator is taken)
         self.contiguous: dict = {v: v for v in program.contiguous_inputs}   # value -> its local as kernels read it
         self.pointers: dict = {}         # local -> the local holding its data pointer
-        self.pending: dict = {}          # row read only by one reshape -> (totals local, offset)
-        self.totals_locals: dict = {}    # totals local -> kernels before this one that named theirs so
-        users: dict = {}
-        for node in self.graph.nodes.values():
-            for i in node.inputs:
-                users.setdefault(i, []).append(node)
-        self.users = users
-        self.extern_steps = {step.name for step in program.schedule.steps if isinstance(step, ExternStep)}
 
     def write(self) -> tuple:
         g = self.graph
         self.line("def run(mf_inputs, mf_sizes, device):")
         if g.inputs:
             self.line(f"    {', '.join(g.inputs)}, = mf_inputs")
+            self.line("    mf_inputs.clear()")
         if self.sizes:
             self.line(f"    {', '.join(str(s) for s in self.sizes.values())}, = mf_sizes")
         for name, node in g.nodes.items():
@@ -384,13 +386,15 @@ class _ProgramWriter:
             elif node.op is Op.SYMBOL:
                 cast = "float" if node.value.dtype.is_floating_point else "int"
                 self.line(f"    {name} = {cast}({self.expr(node.attr.expr)})")
-        for step, prepared in zip(self.program.schedule.steps, self.program.steps):
+        self.frees(0)
+        for k, (step, prepared) in enumerate(zip(self.program.schedule.steps, self.program.steps), 1):
             if isinstance(prepared, KernelLaunch):
-                self.kernel(step, prepared)
+                self.kernel(step, prepared, k)
             elif isinstance(prepared, AtenGroup):
                 self.aten_group(step, prepared)
             else:
                 self.extern(step.name)
+            self.frees(k)
         outputs = ", ".join(o if o is not None else "None" for o in g.outputs)
         self.line(f"    return [{outputs}]")
         source = "\n".join(self.lines) + "\n"
@@ -409,35 +413,44 @@ class _ProgramWriter:
         e = sympy.sympify(e).xreplace(self.sizes)
         return _SIZE_PRINTER.doprint(e)
 
-    def allocate(self, name: str, shape, dtype: torch.dtype) -> None:
-        """`name` = a new contiguous tensor: through the device's allocator (`_allocator`), taken
-        once per call before the first allocation."""
+    def allocate(self, allocation) -> None:
+        """A buffer the plan allocates: a new contiguous tensor through the device's allocator
+        (`_allocator`, taken once per call before the first allocation), or the storage of a dead
+        one of the same dtype and elements, whose local it takes over."""
+        b = self.plan.buffers[allocation.buffer]
+        shape, strides = self.expr(b.shape), self.expr(_contiguous_strides(b.shape))
+        if allocation.reuses is not None:
+            old = self.plan.buffers[allocation.reuses]
+            same = len(old.shape) == len(b.shape) and all(sympy.simplify(x - y) == 0 for x, y in zip(old.shape, b.shape))
+            made = old.name if same else f"mf_reinterpret({old.name}, {shape}, {strides}, 0)"
+            self.line(f"    {b.name} = {made}; del {old.name}")
+            return
         if not self.allocates:
             self.allocates = True
             self.line("    mf_empty_strided = mf_allocators.get(device) or mf_allocator(device)")
-        shape = tuple(shape)
-        self.line(f"    {name} = mf_empty_strided({self.expr(shape)}, {self.expr(_contiguous_strides(shape))}, {dtype})")
+        self.line(f"    {b.name} = mf_empty_strided({shape}, {strides}, {b.dtype})")
+
+    def frees(self, step: int) -> None:
+        """Drop the locals plan step `step` read last (with the copies made for kernels), except one
+        a later allocation takes over."""
+        names = []
+        for f in self.plan.steps[step].frees:
+            if f.reused_by is None:
+                copy = self.contiguous.get(f.buffer, f.buffer)
+                names += [f.buffer] if copy == f.buffer else [f.buffer, copy]
+        if names:
+            self.line(f"    del {', '.join(names)}")
 
     def bind(self, value, prefix: str) -> str:
         name = f"mf_{prefix}_{len(self.namespace)}"
         self.namespace[name] = value
         return name
 
-    def kernel(self, group: KernelGroup, launch: KernelLaunch) -> None:
-        g = self.graph
+    def kernel(self, group: KernelGroup, launch: KernelLaunch, step: int) -> None:
         self.line(f"    # {group.name}: a kernel over [M, D={group.space.d}]")
-        for name in group.outputs:
-            value = g[name].value
-            self.allocate(name, value.shape, value.dtype)
-            self.allocated.add(name)
-        totals = {}                      # dtype name -> local of the [n, D] totals the kernel writes
-        for dtype, names in launch.kernel.source.totals.items():
-            local = f"mf_totals_{dtype_name(dtype)}"
-            taken = self.totals_locals[local] = self.totals_locals.get(local, -1) + 1
-            if taken:                    # a pending row of an earlier kernel's totals may still read it
-                local += f"_{taken}"
-            totals[dtype_name(dtype)] = local
-            self.allocate(local, (len(names), group.space.d), dtype)
+        for allocation in self.plan.steps[step].allocations:     # outputs, [n, D] column totals
+            self.allocate(allocation)
+        totals = {dtype_name(dtype): local for dtype, local in self.plan.totals(step).items()}
         values, pointers, reads = [], [], []    # the general path's, the direct path's, the reads' pointers
         for arg in launch.kernel.source.args:
             if arg.role in ("read", "in_place") and arg.value not in self.allocated:
@@ -472,32 +485,19 @@ class _ProgramWriter:
             direct = f"None if ({' | '.join(reads)}) & 15 else {direct}"
         self.namespace[group.name] = launch
         self.line(f"    {group.name}(device, {rows}, {direct}, ({', '.join(values)}{',' if len(values) == 1 else ''}))")
-        for dtype, names in launch.kernel.source.totals.items():
-            self.rows(names, totals[dtype_name(dtype)], group.space.d)
+        for name in self.plan.steps[step].made:
+            if name in self.plan.rows:
+                self.row(name)
 
-    def rows(self, names: list, totals: str, d: int) -> None:
-        """The column sums: rows of their [n, D] totals (aligned only if D is)."""
-        for j, name in enumerate(names):
-            self.row(name, totals, j * d)
-
-    def row(self, name: str, totals: str, offset: int) -> None:
-        """`name` = the D values at `offset` of `totals`, in name's shape: a tensor over the totals'
-        memory made by inductor's `_reinterpret_tensor` (no view for autograd to track: cheaper to
-        make, and to hand back as a gradient, than `totals[j]`). When a reshape (a VIEW node) is
-        the value's only reader, the line waits for it and makes the reshape's value instead: the
-        backward's weight grads come as [D] -> [1, 1, D] -> [D], and cost no reshape."""
-        if self.waits(name):
-            self.pending[name] = (totals, offset)
-            return
+    def row(self, name: str) -> None:
+        """A column sum (or the reshape that is its only reader, at the reshape's step: the plan's
+        Row) = D values of its kernel's totals, in name's shape: a tensor over the totals' memory
+        made by inductor's `_reinterpret_tensor` (no view for autograd to track: cheaper to make,
+        and to hand back as a gradient, than `totals[j]`; aligned only if D is)."""
+        row = self.plan.rows[name]
         shape = tuple(self.graph[name].value.shape)
-        self.line(f"    {name} = mf_reinterpret({totals}, {self.expr(shape)}, {self.expr(_contiguous_strides(shape))}, "
-                  f"{offset})")
-
-    def waits(self, name: str) -> bool:
-        """Whether `name`'s only reader is a reshape its line waits for (`row`)."""
-        readers = self.users.get(name, [])
-        return len(readers) == 1 and readers[0].op is Op.VIEW and readers[0].name in self.extern_steps \
-            and name not in self.graph.outputs
+        self.line(f"    {name} = mf_reinterpret({row.totals}, {self.expr(shape)}, {self.expr(_contiguous_strides(shape))}, "
+                  f"{row.offset})")
 
     def pointer(self, tensor: str) -> str:
         """The local holding the data pointer of `tensor` (a local), written once."""
@@ -528,8 +528,8 @@ class _ProgramWriter:
         source = node.inputs[0] if node.inputs else None
         if node.op is Op.GETITEM:
             self.line(f"    {name} = {source}[{node.attr.index}]")
-        elif node.op is Op.VIEW and source in self.pending:
-            self.row(name, *self.pending.pop(source))
+        elif name in self.plan.rows:
+            self.row(name)
         elif node.op in (Op.VIEW, Op.CAST):
             cast = "" if self.graph[source].value.dtype == node.value.dtype else f".to({node.value.dtype})"
             self.line(f"    {name} = {source}.reshape({self.expr(node.value.shape)}){cast}")
@@ -747,7 +747,7 @@ class CompiledFunction:
             seed = _draw_seed(device)
             seed = (torch.tensor([seed], dtype=torch.int64, device=device),) if self.seed_from_memory else (seed,)
         symbol_values = self.symbol_values(inputs)
-        return self.forward.run((*inputs, *seed), symbol_values, device), symbol_values, seed, device
+        return self.forward.run([*inputs, *seed], symbol_values, device), symbol_values, seed, device
 
     def forward_only(self, *inputs) -> tuple:
         return tuple(self.run_forward(inputs)[0][:self.num_fwd_outputs])
@@ -821,10 +821,16 @@ class _MemfuseFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grad_outputs):
+        """The backward program takes the saved tensors over: read once into its input list, then
+        autograd's references go (`maybe_clear_saved_tensors`: unless the graph is retained for
+        another backward), so each one is freed after its last reader. The tangents stay alive
+        until this returns: the engine holds them for the call."""
         compiled, symbol_values, seed, device, unhooked = ctx.call
         tangents = [grad_outputs[i] for i in compiled.differentiable] if compiled.non_differentiable else grad_outputs
+        inputs = [*ctx.saved_tensors, *seed, *tangents]
+        ctx.maybe_clear_saved_tensors()
         run = compiled.backward.run_unhooked if unhooked else compiled.backward.run
-        return (None, *run((*ctx.saved_tensors, *seed, *tangents), symbol_values, device))
+        return (None, *run(inputs, symbol_values, device))
 
 
 _saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks   # (ignore_is_tracing) -> None or hooks

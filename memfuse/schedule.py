@@ -55,6 +55,14 @@ class KernelGroup:
     column_sums: list = field(default_factory=list)    # reductions over M: partials per program
     aten_reason: Optional[str] = None                  # set when the group runs through aten
 
+    def totals(self, graph: Graph) -> dict:
+        """dtype -> the column sums of that dtype, in order: the rows of one [n, D] totals tensor
+        the kernel writes (codegen's argument, the runtime's allocation)."""
+        totals: dict = {}
+        for name in self.column_sums:
+            totals.setdefault(graph[name].value.dtype, []).append(name)
+        return totals
+
 
 @dataclass(frozen=True)
 class ExternStep:

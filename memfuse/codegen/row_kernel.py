@@ -100,9 +100,7 @@ class RowKernelWriter:
         self.sums = {op: [n for n in group.column_sums if graph[n].op is op] for op in REDUCE}
         self.partials_dtypes = {op: max((accumulate_dtype(graph[n].value.dtype) for n in names), key=lambda t: t.itemsize)
                                 for op, names in self.sums.items() if names}
-        self.totals: dict = {}    # dtype -> column sums of that dtype: the rows of one [n, D] output
-        for name in group.column_sums:
-            self.totals.setdefault(graph[name].value.dtype, []).append(name)
+        self.totals = group.totals(graph)   # dtype -> column sums of that dtype: the rows of one [n, D] output
         self.persistent = bool(group.column_sums)
         self.helpers: list = []   # HELPERS entries the kernel calls
         # tensors that STRIDED views read in place -> a read's Strided attr (it says how the root is laid out)
