@@ -45,8 +45,9 @@ def pytest_sessionfinish(session, exitstatus):
 
 @pytest.fixture(autouse=True)
 def _fresh_state():
-    """Every test starts from counters at zero and a fixed RNG state."""
+    """Every test starts from counters at zero, no fallback reason told yet and a fixed RNG state."""
     memfuse.reset_stats()
+    memfuse.eager.TOLD.clear()
     torch.manual_seed(0)
     yield
 
