@@ -61,7 +61,7 @@ WAYS_OUT = (
      "BatchNorm use eval() or track_running_stats=False, or leave that module unfused"),
     ((UntraceableOutputError,),
      f"return a tensor, or a pytree (tuple, list, dict, dataclass) of tensors and constants ({CONSTANT_NAMES}) "
-     f"holding at least one tensor"),
+     f"holding at least one tensor (a HuggingFace model returns its KV cache unless use_cache=False)"),
     ((Exception,), "MEMFUSE_STRICT=1 raises the error with its traceback; if the original runs in eager, "
                    "this is memfuse's limit: please report it"),
 )
