@@ -38,7 +38,7 @@ from .debug import STATS, describe_key_change, on_compile, topic_log
 from .eager import (STRICT, EagerCall, StrictModeError, UntraceableOutputError, compile_failed, say_once,
                     under_transform, untraceable_argument)
 from .graphs import GraphedFunction
-from .ir import verify
+from .ir import GraphError, verify
 from .plan import plan
 from .precompile import enabled as precompile_enabled, precompile, start_driver
 from .runtime import SIZE_FUNCTIONS, CompiledFunction
@@ -345,7 +345,7 @@ class FusedFunction:
         torch (an error in strict mode, chained to the failure)."""
         try:
             return self._compile(flat, key)
-        except StrictModeError:
+        except (StrictModeError, GraphError):   # strict mode's errors; the IR verifier's (Config.check): memfuse's bug
             raise
         except Exception as e:   # noqa: BLE001 -- any failure to compile: the original runs, with the reason
             decision = compile_failed(self._name(), e)
