@@ -7,7 +7,7 @@
 from . import backend as _backend
 from . import debug as _debug
 from . import explain as _explain
-from .api import memory_efficient_fusion
+from .wrap import memory_efficient_fusion
 from .module import FusedModule
 from .config import Config
 from .debug import configure_logging, reset_stats, stats

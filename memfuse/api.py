@@ -3,11 +3,20 @@
 A compiled program is keyed by what it was specialized on: grad mode, the autocast state, and
 per tensor argument its dtype, device, rank, last dim (D), requires_grad, layout (contiguous;
 else whether its last stride is 1) and which leading dims are 0, 1 or equal to each other;
-non-tensor arguments are constants of the graph and part of the key. Leading sizes and strides
+non-tensor arguments are constants of the graph and part of the key. An argument may also be a
+pytree (tuple, list, dict, registered dataclass or pytree node) of tensors and constants: its
+leaves are keyed as above and the structure (tree spec) joins the key. Leading sizes and strides
 are not in the key: a new batch or sequence size reuses the program. A trace that guards on a
 non-contiguous input's strides (a contiguity check: its row stride is not D) keeps its program
 for every call whose sizes and strides keep those guards, checked at the lookup; another layout
 compiles its own.
+
+A call memfuse cannot compile runs the original function through torch, op by op (`EagerCall`:
+the decision, its reason and the way out, logged once on the `fallbacks` topic, counted in
+`stats()["eager_calls"]`; strict mode raises instead): an argument it cannot trace (an object the
+call may mutate, such as a KV cache), a functorch transform around the call, or a compile that
+failed (a trace that branches on a tensor's value, a function writing into its input, ...); the
+last is decided once per compile key. An error the original raises then is the user's, as in eager.
 """
 from __future__ import annotations
 
@@ -15,17 +24,21 @@ import dataclasses
 import functools
 import inspect
 import logging
+import operator
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import sympy
 import torch
+from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from .capture import capture
 from .config import Config
 from .debug import STATS, describe_key_change, on_compile, topic_log
+from .eager import (STRICT, EagerCall, StrictModeError, UntraceableOutputError, compile_failed, say_once,
+                    under_transform, untraceable_argument)
 from .graphs import GraphedFunction
-from .ir import verify
+from .ir import GraphError, verify
 from .plan import plan
 from .precompile import enabled as precompile_enabled, precompile, start_driver
 from .runtime import SIZE_FUNCTIONS, CompiledFunction
@@ -36,38 +49,23 @@ cache_log = topic_log("cache")
 recompile_log = topic_log("recompiles")
 fallback_log = topic_log("fallbacks")
 CONSTANT_TYPES = (bool, int, float, type(None), str, torch.dtype)
+LEAF_TYPES = (torch.Tensor, *CONSTANT_TYPES)   # what a traced argument or output is made of
 EXACT_CACHE_SIZE = 4096   # distinct exact argument shapes remembered in the front cache
-MODULE_WRAPPER: list = []  # [module.FusedModule], added by module.py, which builds on api: api never imports it
-
-
-def memory_efficient_fusion(fn: Callable, *, config: Optional[Config] = None, cuda_graphs: bool = False):
-    """Wrap `fn` (tensors and constants -> tensor or tuple of tensors): same signature, same
-    results as eager within float tolerance, forward and backward fused into Triton kernels.
-    An nn.Module becomes a `FusedModule` (module.py) sharing its parameters and state_dict keys.
-
-    `cuda_graphs=True` (opt-in, for static shapes): each call signature's forward and backward
-    programs are captured into CUDA graphs and replayed (graphs.py; docs/usage.md says what is
-    static). Outputs live in graph memory, rewritten by a later replay once nothing holds them."""
-    config = config or Config()
-    if cuda_graphs:
-        config = dataclasses.replace(config, seed_from_memory=True)
-    if isinstance(fn, torch.nn.Module):
-        return MODULE_WRAPPER[0](fn, config, cuda_graphs=cuda_graphs)
-    if not callable(fn):
-        raise TypeError(f"memfuse.memory_efficient_fusion: fn must be callable, got {type(fn).__name__}")
-    return FusedFunction(fn, config, cuda_graphs=cuda_graphs)
 
 
 class FusedFunction:
     """`static_prefix`: the first N tensor arguments keep every dim static and their whole shape
-    joins the compile key (a module's parameters and buffers; nn.Parameter arguments always do)."""
+    joins the compile key (a module's parameters and buffers; nn.Parameter arguments always do).
+    `names`: the user's name of each bound value where fn's signature does not say it (a module's
+    parameters, buffers and arguments, module.py)."""
 
-    def __init__(self, fn: Callable, config: Config, *, static_prefix: int = 0, cuda_graphs: bool = False):
+    def __init__(self, fn: Callable, config: Config, *, static_prefix: int = 0, cuda_graphs: bool = False,
+                 names: Optional[list] = None):
         self.fn = fn
         self.config = config
         self.static_prefix = static_prefix
         self.graphs = GraphedFunction(self) if cuda_graphs else None   # CUDA-graph replays (graphs.py)
-        self.cache: dict = {}
+        self.cache: dict = {}                 # compile key -> _CacheEntry, or EagerCall where the compile failed
         self.shape_specialized: set = set()   # keys whose traces guard on the leading sizes
         self.recipes: dict = {}               # (n positional, keywords) -> binding recipe
         self.exact: dict = {}                 # exact shapes and types -> entry (front cache)
@@ -84,6 +82,8 @@ class FusedFunction:
         # keyword-only parameters close the bound values and are passed back by name
         self.keyword_only = [] if self.signature is None else [
             name for name, p in self.signature.parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+        self.names = names if names is not None else [p.name for p in params]
+        self.positions_shown = names is None   # a signature's names come with their position
         functools.update_wrapper(self, fn, updated=())
 
     def __call__(self, *args, **kwargs):
@@ -92,12 +92,14 @@ class FusedFunction:
             outputs = front.call(args, kwargs)
             if outputs is not MISS:
                 return outputs
-        if torch._C._are_functorch_transforms_active():
-            return self._under_transform(args, kwargs)
-        if self.graphs is not None:
-            return self.graphs(self._bind(args, kwargs))
         values = self._bind(args, kwargs)
+        if torch._C._are_functorch_transforms_active():
+            return self.run_eager(under_transform(self._name()), values)
+        if self.graphs is not None and _flatten(values).tree is None:
+            return self.graphs(values)
         entry, tensors = self._lookup(values)
+        if isinstance(entry, EagerCall):
+            return self.run_eager(entry, values)
         self._remember(args, kwargs, values, entry)
         device_type = tensors[0].device.type
         if torch.is_autocast_enabled(device_type):
@@ -105,22 +107,22 @@ class FusedFunction:
                 outputs = entry.function(tensors)
         else:
             outputs = entry.function(tensors)
-        return outputs[0] if entry.single_output else outputs
+        return entry.rebuild(outputs)
 
-    def _under_transform(self, args: tuple, kwargs: dict):
-        """Under a functorch transform (vmap, grad, jacrev, ...) `fn` runs as written, op by op:
-        memfuse's kernels read real tensors' memory, not the transform's wrappers."""
-        reason = "a functorch transform (vmap, grad, jacrev, ...) is active"
+    def run_eager(self, decision: "EagerCall", values: list):
+        """Run fn as written on the bound values, op by op through torch: the call `decision` says
+        memfuse cannot compile. Logged once per reason; an error in strict mode."""
         if self.config.strict:
-            raise NotImplementedError(f"memfuse: {self._name()} runs through aten: {reason} "
-                                      "(strict mode: MEMFUSE_STRICT=1 / Config.strict)")
-        fallback_log.info("memfuse: %s runs through aten: %s", self._name(), reason)
-        return self.fn(*args, **kwargs)
+            raise StrictModeError(f"{decision}{STRICT}")
+        say_once(decision)
+        STATS["eager_calls"] += 1
+        return self._call(values)
 
     def _remember(self, args: tuple, kwargs: dict, values: list, entry: "_CacheEntry") -> None:
         """Enter a call that went through `_lookup` in the front of its call shape, made for the
-        argument pattern (which values are tensors) of the shape's first call."""
-        if _any_autocast():           # the front serves calls with autocast off
+        argument pattern (which values are tensors) of the shape's first call. Calls with pytree
+        arguments stay on the slower path: the front reads tensors and constants only."""
+        if _any_autocast() or entry.tree is not None:   # the front serves flat calls with autocast off
             return
         shape = (len(args), *kwargs) if kwargs else len(args)
         front = self.fronts.get(shape)
@@ -128,52 +130,60 @@ class FusedFunction:
             front = self.fronts[shape] = _Front(self._binding(len(args), tuple(kwargs)), values)
         if front.pattern == [isinstance(v, torch.Tensor) for v in values] and len(front.entries) < EXACT_CACHE_SIZE:
             key, tensors = front.read(args, kwargs)
-            front.entries[key] = (entry.function.apply, entry.single_output, _tensor_guards(tensors))
+            front.entries[key] = (entry.function.apply, entry.rebuild, _tensor_guards(tensors))
 
-    def compiled_for(self, *args, **kwargs) -> "_CacheEntry":
+    def compiled_for(self, *args, **kwargs) -> "_CacheEntry | EagerCall":
         """The compiled program (cache entry) these arguments select, compiled if it is not
-        cached yet; nothing runs. `memfuse.explain` reads its records."""
+        cached yet, or the EagerCall saying why such a call runs through torch; nothing runs.
+        `memfuse.explain` reads its records."""
         return self._lookup(self._bind(args, kwargs))[0]
 
-    def _lookup(self, values: list):
-        tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    def _lookup(self, values: list) -> tuple:
+        """(cache entry or EagerCall, the tensor leaves) for a call's bound values."""
+        flat = _flatten(values)
+        untraceable = flat.untraceable()
+        if untraceable is not None:     # not cached: the object is new in every call
+            leaf = flat.leaves[untraceable]
+            return untraceable_argument(self._name(), self._leaf_name(flat.tree, untraceable), leaf), []
+        tensors = [v for v in flat.leaves if isinstance(v, torch.Tensor)]
         if not tensors:
             raise TypeError(f"memfuse: {self._name()} got no tensor arguments; nothing to compile")
-        exact = self._exact_key(values)
-        try:
-            compiled = self.exact.get(exact)
-        except TypeError:          # an unhashable argument: _key names it
-            compiled = exact = None
+        exact = self._exact_key(flat.leaves, flat.tree)
+        compiled = self.exact.get(exact)
         if compiled is not None:
-            STATS["cache_hits"] += 1
+            if isinstance(compiled, _CacheEntry):
+                STATS["cache_hits"] += 1
             return compiled, tensors
-        compiled = self._lookup_key(values, tensors)
-        if exact is not None and len(self.exact) < EXACT_CACHE_SIZE:
+        compiled = self._lookup_key(flat, tensors)
+        if len(self.exact) < EXACT_CACHE_SIZE:
             self.exact[exact] = compiled
         return compiled, tensors
 
-    def _exact_key(self, values: list) -> tuple:
-        """Exact shapes and types (and the strides of a non-contiguous tensor): a front cache
-        before the compile key, which costs more to build (equality classes of sizes, parameter
-        checks). Same exact key, same compile key."""
+    def _exact_key(self, leaves: list, tree: Optional[TreeSpec] = None) -> tuple:
+        """Exact shapes and types (and the strides of a non-contiguous tensor) of a call's leaves,
+        and their tree: a front cache before the compile key, which costs more to build
+        (equality classes of sizes, parameter checks). Same exact key, same compile key."""
         parts = [(v.shape, v.dtype, v.device, v.requires_grad, v.is_contiguous() or v.stride(), type(v))
-                 if isinstance(v, torch.Tensor) else (type(v), v) for v in values]
-        return (torch.is_grad_enabled(), _autocast_now(), *parts)
+                 if isinstance(v, torch.Tensor) else (type(v), v) for v in leaves]
+        return (torch.is_grad_enabled(), _autocast_now(), tree, *parts)
 
-    def _lookup_key(self, values: list, tensors: list):
-        key = self._key(values)
+    def _lookup_key(self, flat: "_Flat", tensors: list):
+        key = self._key(flat)
         shapes = tuple(t.shape for t in tensors)
         compiled, slot, broken = self._find(key, shapes, tensors)
         if compiled is None:
             where = slot + (shapes,) if slot in self.shape_specialized else slot
-            recompile = self._log_miss(where, broken)
-            compiled = self._compile(values, where)
+            recompile = self._log_miss(where, flat.tree, broken)
+            compiled = self._compile_or_decide(flat, where)
+            if isinstance(compiled, EagerCall):
+                self.cache[where] = compiled
+                return compiled
             STATS["recompiles"] += recompile
             if compiled.captured.specialized and slot not in self.shape_specialized:
                 self.shape_specialized.add(slot)
                 where = slot + (shapes,)
             self.cache[where] = compiled
-        else:
+        elif isinstance(compiled, _CacheEntry):
             STATS["cache_hits"] += 1
             if cache_log.isEnabledFor(logging.DEBUG):
                 cache_log.debug("memfuse: %s: cache hit (%d compiled programs)", self._name(), len(self.cache))
@@ -184,23 +194,23 @@ class FusedFunction:
         compile key, followed by the shapes where its trace specialized on them (`shape_specialized`).
         A trace may also guard on strides (a slice's row stride is not D): its entry serves every
         call whose sizes and strides keep those guards; other layouts get slots of their own,
-        `key` + LayoutVariant(1), (2), ..."""
+        `key` + LayoutVariant(1), (2), ... A failed compile's EagerCall serves its whole key."""
         variant, slot, broken = 0, key, None
         while (entry := self.cache.get(slot + (shapes,) if slot in self.shape_specialized else slot)) is not None:
-            broken = entry.broken_guard(tensors)
+            broken = entry.broken_guard(tensors) if isinstance(entry, _CacheEntry) else None
             if broken is None:
                 return entry, slot, None
             variant += 1
             slot = key + (LayoutVariant(variant),)
         return None, slot, broken
 
-    def _log_miss(self, key: tuple, broken: str | None = None) -> bool:
+    def _log_miss(self, key: tuple, tree: Optional[TreeSpec], broken: str | None = None) -> bool:
         """A miss on a function with compiled programs is a recompile: say which key part changed."""
         if not self.cache:
             cache_log.info("memfuse: %s: cache miss (first call), compiling", self._name())
             return False
         change = f"the strides break the trace's layout guard {broken}" if broken else \
-            describe_key_change(self.cache, key, self._arg_name)
+            describe_key_change(self.cache, key, lambda position: self._leaf_name(tree, position))
         cache_log.info("memfuse: %s: cache miss on a new key (%d programs compiled), compiling", self._name(),
                        len(self.cache))
         recompile_log.info("memfuse: %s: recompile #%d of this function: %s", self._name(), len(self.cache), change)
@@ -255,7 +265,7 @@ class FusedFunction:
             return self.fn(*values)
         return self.fn(*values[:-k], **dict(zip(self.keyword_only, values[-k:])))
 
-    def _key(self, values: list) -> tuple:
+    def _key(self, flat: "_Flat") -> tuple:
         """What a compiled program is specialized on (module docstring). On the hot path: kept to
         plain attribute reads."""
         sizes: dict = {}
@@ -263,12 +273,12 @@ class FusedFunction:
         device = None
         needs_grad = False
         tensor_index = 0
-        for position, v in enumerate(values):
+        for position, v in enumerate(flat.leaves):
             if isinstance(v, torch.Tensor):
                 if device is None:
                     device = v.device
                 elif v.device != device:
-                    raise ValueError(f"memfuse: {self._name()}: argument {self._arg_name(position)} is on "
+                    raise ValueError(f"memfuse: {self._name()}: argument {self._leaf_name(flat.tree, position)} is on "
                                      f"{v.device}, expected {device} like the other tensor arguments")
                 shape = v.shape
                 rank = len(shape)
@@ -282,49 +292,65 @@ class FusedFunction:
                 needs_grad = needs_grad or v.requires_grad
                 parts.append(("T", v.dtype, device, rank, shape[-1] if rank else None, lead, v.requires_grad,
                               _layout(v), isinstance(v, torch.nn.Parameter)))
-            elif isinstance(v, CONSTANT_TYPES):
-                parts.append(("C", type(v), v))
             else:
-                raise TypeError(f"memfuse: {self._name()}: argument {self._arg_name(position)} is a "
-                                f"{type(v).__name__}; expected a tensor or a constant (bool, int, float, str, None)")
+                parts.append(("C", type(v), v))
         if device is not None:
             _, enabled, dtype = autocast_state(device.type)
             if enabled:                  # the trace holds autocast's casts
                 parts.append(("autocast", dtype))
+        if flat.tree is not None:        # how the leaves are nested in the arguments
+            parts.append(("tree", flat.tree))
         return (needs_grad and torch.is_grad_enabled(), *parts)
 
     def _is_static(self, tensor_index: int, t: torch.Tensor) -> bool:
         return tensor_index < self.static_prefix or isinstance(t, torch.nn.Parameter)
 
-    def _arg_name(self, position: int) -> str:
-        if self.signature is not None:
-            names = list(self.signature.parameters)
-            if position < len(names):
-                return f"'{names[position]}' (position {position})"
-        return f"at position {position}"
+    def _arg_name(self, position: int, path: str = "") -> str:
+        """How messages name the bound value at `position` (and a leaf `path` inside it)."""
+        if position >= len(self.names):
+            return f"at position {position}{path}"
+        return f"'{self.names[position]}{path}'" + (f" (position {position})" if self.positions_shown else "")
+
+    def _leaf_name(self, tree: Optional[TreeSpec], position: int) -> str:
+        """How messages name a call's leaf: its argument, with its path inside a pytree argument."""
+        return self._arg_name(*_leaf_path(tree, position))
+
+    def _input_name(self, tree: Optional[TreeSpec], position: int) -> str:
+        """The user's name of a call's leaf, as explain's rows show it: `hidden_states`, `pair[0]`."""
+        argument, path = _leaf_path(tree, position)
+        return f"{self.names[argument] if argument < len(self.names) else f'arg{argument}'}{path}"
 
     # -- compiling --------------------------------------------------------------------------
-    def _compile(self, values: list, key: tuple) -> "_CacheEntry":
+    def _compile_or_decide(self, flat: "_Flat", key: tuple) -> "_CacheEntry | EagerCall":
+        """The compiled program, or where compiling fails the decision to run this key through
+        torch (an error in strict mode, chained to the failure)."""
+        try:
+            return self._compile(flat, key)
+        except (StrictModeError, GraphError):   # strict mode's errors; the IR verifier's (Config.check): memfuse's bug
+            raise
+        except Exception as e:   # noqa: BLE001 -- any failure to compile: the original runs, with the reason
+            decision = compile_failed(self._name(), e)
+            if self.config.strict:
+                raise StrictModeError(f"{decision}{STRICT}") from e
+            fallback_log.debug("memfuse: %s: compiling failed", self._name(), exc_info=e)
+            return decision
+
+    def _compile(self, flat: "_Flat", key: tuple) -> "_CacheEntry":
         start = time.perf_counter()
-        positions = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
-        tensors = [values[i] for i in positions]
+        positions = [i for i, v in enumerate(flat.leaves) if isinstance(v, torch.Tensor)]
+        tensors = [flat.leaves[i] for i in positions]
         device = tensors[0].device
         if precompile_enabled(device, self.config):
             start_driver(device)       # Triton's driver set-up runs beside the trace
-        single = []
+        rebuilds = []                  # how the trace's output is rebuilt from its tensors
 
         def traced(*tensor_args):
-            merged = list(values)
+            leaves = list(flat.leaves)
             for i, t in zip(positions, tensor_args):
-                merged[i] = t
-            out = self._call(merged)
-            single.append(isinstance(out, torch.Tensor))
-            outs = (out,) if isinstance(out, torch.Tensor) else out
-            if not isinstance(outs, (tuple, list)) or not all(isinstance(o, torch.Tensor) for o in outs):
-                got = type(out).__name__ if not isinstance(outs, (tuple, list)) else \
-                    f"a {type(out).__name__} holding {', '.join(type(o).__name__ for o in outs)}"
-                raise TypeError(f"memfuse: {self._name()} must return a tensor or a tuple/list of tensors, got {got}")
-            return tuple(outs)
+                leaves[i] = t
+            outputs, rebuild = _output_tensors(self._call(flat.values(leaves)), self._name())
+            rebuilds.append(rebuild)
+            return outputs
 
         grad = key[0]
         static = [self._is_static(i, t) for i, t in enumerate(tensors)]
@@ -340,8 +366,7 @@ class FusedFunction:
                 verify(the_plan.backward)
         for name, target, reason in captured.fallbacks:
             if config.strict:
-                raise NotImplementedError(f"memfuse: {name} ({target}) runs through aten: {reason}"
-                                          " (strict mode: MEMFUSE_STRICT=1 / Config.strict)")
+                raise StrictModeError(f"memfuse: {name} ({target}) runs through aten: {reason}{STRICT}")
         STATS["fallbacks"] += len(captured.fallbacks)
         function = CompiledFunction(the_plan, captured, config, lambda graph, kind: _scheduled(graph, config, kind),
                                     contiguous=[t.is_contiguous() for t in tensors])
@@ -349,9 +374,8 @@ class FusedFunction:
         STATS["compiles"] += 1
         cache_log.info("memfuse: compiled %s in %.3f s: saves %d bytes beyond the inputs", self._name(),
                        time.perf_counter() - start, the_plan.saved_bytes)
-        names = list(self.signature.parameters) if self.signature is not None else []
-        entry = _CacheEntry(function, single[0] if single else False, captured, the_plan,
-                            input_names=[names[i] if i < len(names) else f"arg{i}" for i in positions])
+        entry = _CacheEntry(function, rebuilds[0], flat.tree, captured, the_plan,
+                            input_names=[self._input_name(flat.tree, i) for i in positions])
         on_compile(self._name(), entry)
         return entry
 
@@ -371,8 +395,7 @@ def _scheduled(graph, config: Config, kind: str):
         for group in result.kernels:
             if group.aten_reason is not None:
                 ops = ", ".join(graph[n].op.value for n in group.nodes)
-                raise NotImplementedError(f"memfuse: {group.name} ({ops}) runs through aten: {group.aten_reason} "
-                                          "(strict mode: MEMFUSE_STRICT=1 / Config.strict)")
+                raise StrictModeError(f"memfuse: {group.name} ({ops}) runs through aten: {group.aten_reason}{STRICT}")
     return result
 
 
@@ -396,8 +419,8 @@ class _Front:
 
     def __init__(self, binding: list, values: list):
         self.pattern = [isinstance(v, torch.Tensor) for v in values]
-        self.entries: dict = {}          # exact key -> (compiled apply, single output, tensor guards or None)
-        self.last = [(None, None, None, None, None)]   # (guards, grad mode, constants, apply, single output)
+        self.entries: dict = {}          # exact key -> (compiled apply, output rebuild, tensor guards or None)
+        self.last = [(None, None, None, None, None)]   # (guards, grad mode, constants, apply, output rebuild)
         namespace: dict = {"grad_enabled": torch.is_grad_enabled, "entries": self.entries, "last": self.last,
                            "MISS": MISS, "transforms_active": torch._C._are_functorch_transforms_active,
                            "any_autocast": _any_autocast,
@@ -426,18 +449,18 @@ class _Front:
         constants = f"({', '.join(constants)})"
         tensors, unwrapped = ", ".join(tensors), ", ".join(f"unwrap({t})" for t in tensors)
         same_constants = f" and {constants} == constants" if constants != "()" else ""
-        run = ["    STATS['cache_hits'] += 1", "    outputs = apply({})", "    return outputs[0] if single_output else outputs"]
+        run = ["    STATS['cache_hits'] += 1", "    return rebuild(apply({}))"]
         self.source = "\n".join([
             "def read(args, kwargs):", *binds, f"    return {key}, [{tensors}]",
             "", "def call(args, kwargs):", *binds,
-            "    guards, grad, constants, apply, single_output = last[0]",
+            "    guards, grad, constants, apply, rebuild = last[0]",
             f"    if grad_enabled() is grad and not any_autocast(){same_constants} and guards.check({tensors})"
             " and not transforms_active():",
             *("    " + line.format(tensors) for line in run),
-            "    try:", f"        key = {key}", "        apply, single_output, guards = entries[key]",
+            "    try:", f"        key = {key}", "        apply, rebuild, guards = entries[key]",
             "    except (AttributeError, TypeError, KeyError):", "        return MISS",
             "    if transforms_active():", "        return MISS",
-            "    if guards is not None:", f"        last[0] = guards, key[0], {constants}, apply, single_output",
+            "    if guards is not None:", f"        last[0] = guards, key[0], {constants}, apply, rebuild",
             *(line.format(unwrapped) for line in run)]) + "\n"
         exec(compile(self.source, "<memfuse front>", "exec"), namespace)
         self.read, self.call = namespace["read"], namespace["call"]
@@ -482,6 +505,76 @@ TensorGuards = getattr(torch._C._dynamo.guards, "TensorGuards", None)
 MISS = object()   # what _Front.call returns when it ran nothing
 
 
+# -- pytrees: arguments and outputs ----------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Flat:
+    """A call's bound values as the leaves memfuse traces and the tree they came in: `tree` is
+    None when every value is a leaf (a tensor or a constant), as in most calls."""
+    leaves: list
+    tree: Optional[TreeSpec]
+
+    def values(self, leaves: list) -> list:
+        """The bound values, with these leaves in place of the call's."""
+        return leaves if self.tree is None else tree_unflatten(leaves, self.tree)
+
+    def untraceable(self) -> Optional[int]:
+        """The position of the first leaf that is neither a tensor nor a constant, or None."""
+        if self.tree is None:
+            return None
+        return next((i for i, v in enumerate(self.leaves) if not isinstance(v, LEAF_TYPES)), None)
+
+
+def _flatten(values: list) -> _Flat:
+    if all(isinstance(v, LEAF_TYPES) for v in values):
+        return _Flat(values, None)
+    leaves, tree = tree_flatten(values)
+    return _Flat(leaves, tree)
+
+
+def _leaf_path(tree: Optional[TreeSpec], position: int) -> tuple:
+    """(the argument's position, the path inside it, e.g. "[0]" or "['k']") of a call's leaf."""
+    if tree is None:
+        return position, ""
+    arguments = [tree_flatten(value) for value in tree_unflatten(list(range(tree.num_leaves)), tree)]
+    argument, (numbers, spec) = next((i, a) for i, a in enumerate(arguments) if position in a[0])
+    return argument, _key_path(spec, numbers.index(position))
+
+
+def _key_path(tree: TreeSpec, index: int) -> str:
+    """The path of leaf `index` in a pytree of this structure, as pytree's keystr writes it."""
+    try:
+        return keystr(tree_flatten_with_path(tree_unflatten(list(range(tree.num_leaves)), tree))[0][index][0])
+    except ValueError:   # a node registered without key paths (flatten_with_keys_fn)
+        return f"<leaf {index}>"
+
+
+def _output_tensors(out: Any, name: str) -> tuple:
+    """(the tensors of fn's output, in order; the function rebuilding the output from them). The
+    output is a tensor or a pytree of tensors and constants with at least one tensor."""
+    if isinstance(out, torch.Tensor):
+        return (out,), _first
+    leaves, tree = tree_flatten(out)
+    for index, leaf in enumerate(leaves):
+        if not isinstance(leaf, LEAF_TYPES):
+            raise UntraceableOutputError(f"{name} returns a {type(leaf).__name__} at output{_key_path(tree, index)}")
+    tensors = tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
+    if not tensors:
+        raise UntraceableOutputError(f"{name} returns no tensor (a {type(out).__name__}): nothing to compile")
+    if type(out) is tuple and len(tensors) == len(out):
+        return tensors, tuple
+    template = [_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+    return tensors, functools.partial(_rebuild, tree, template)
+
+
+def _rebuild(tree: TreeSpec, template: list, tensors) -> Any:
+    it = iter(tensors)
+    return tree_unflatten([next(it) if leaf is _TENSOR else leaf for leaf in template], tree)
+
+
+_first = operator.itemgetter(0)
+_TENSOR = object()   # a tensor's slot among an output's constant leaves
+
+
 class _Slot:
     """A placeholder bound in place of a real argument, to learn where each one goes."""
     def __init__(self, source: str, index):
@@ -495,9 +588,11 @@ class LayoutVariant:
 
 
 class _CacheEntry:
-    def __init__(self, function: CompiledFunction, single_output: bool, captured, plan, input_names=None):
+    def __init__(self, function: CompiledFunction, rebuild: Callable, tree: Optional[TreeSpec], captured, plan,
+                 input_names=None):
         self.function = function
-        self.single_output = single_output
+        self.rebuild = rebuild                 # the program's output tensors -> fn's output (_output_tensors)
+        self.tree = tree                       # the arguments' structure, None for a flat call
         self.captured = captured
         self.plan = plan
         self.input_names = input_names or []   # the user's name of each tensor argument, in order

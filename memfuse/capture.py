@@ -75,6 +75,10 @@ class Captured:
     aten_graph: Optional[torch.fx.GraphModule] = None
 
 
+class MutatedInputError(RuntimeError):
+    """The traced function writes into one of its inputs (an argument, a module's buffer) in place."""
+
+
 def capture(fn: Callable, args: Sequence[torch.Tensor], *, trace_joint: bool,
             static_inputs: Sequence[bool] = ()) -> Captured:
     """Trace `fn(*args)` (tensor args only) and lower it. `static_inputs[i]`: keep all dims of
@@ -111,9 +115,8 @@ def _export(fn: Callable, fakes: tuple, trace_joint: bool) -> torch.fx.GraphModu
         return aot_export_joint_simple(fn, fakes, trace_joint=trace_joint, decompositions=decomposition_table())
     except RuntimeError as e:
         if "does not support input mutations" in str(e):
-            raise RuntimeError("memfuse: the function modifies one of its input tensors in place (x.add_(...), "
-                               "x[...] = ...); memfuse compiles functions that leave their inputs unchanged: "
-                               "use the out-of-place op") from e
+            raise MutatedInputError("memfuse: the function modifies one of its input tensors in place (x.add_(...), "
+                                    "x[...] = ...); memfuse compiles functions that leave their inputs unchanged") from e
         if "does not support outputs that alias inputs" not in str(e):
             raise
 

@@ -30,6 +30,8 @@ COUNTERS = {
     "extern_calls": "aten calls made at run time for extern steps (matmul, ...)",
     "fallbacks": "ops (capture) and kernel groups (schedule) sent to aten, counted once per compile",
     "graph_fallbacks": "Dynamo graphs the backend could not compile, run through torch instead (once per graph)",
+    "eager_calls": "calls that ran the original function or module through torch, op by op, instead of a "
+                   "compiled program (api.EagerCall: each reason logged once on the fallbacks topic)",
     "graph_captures": "CUDA-graph instances captured (graphs.GraphedFunction, cuda_graphs=True)",
     "graph_replays": "calls served by replaying captured CUDA graphs (cuda_graphs=True)",
 }
@@ -162,7 +164,14 @@ def describe_key_change(old_keys, new_key: tuple, arg_name: Callable[[int], str]
     (the fewest differing parts), e.g. "argument 'x' (position 0): dtype float32 -> float16"."""
     best = None
     for old in old_keys:
-        changes = _key_changes(old, new_key, arg_name)
+        trees = [next((p[1] for p in k[1:] if isinstance(p, tuple) and p[:1] == ("tree",)), None)
+                 for k in (old, new_key)]          # how pytree arguments nest the leaves (api._key)
+        if trees[0] != trees[1]:                   # then the leaves do not line up: name the structures
+            old_tree, new_tree = ("(flat: tensors and constants)" if t is None else " ".join(str(t).split())
+                                  for t in trees)
+            changes = [f"argument structure {old_tree} -> {new_tree}"]
+        else:
+            changes = _key_changes(old, new_key, arg_name)
         if best is None or len(changes) < len(best):
             best = changes
     if not best:

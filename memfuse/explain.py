@@ -23,13 +23,17 @@ import sympy
 import torch
 from torch._dynamo.eval_frame import OptimizedModule
 
+from .api import FusedFunction
 from .backend import watch
 from .buffers import format_buffer_plan
 from .debug import STATS, human_bytes, topic_log
 from .draw import PlanDrawing, plan_drawing
+from .eager import EagerCall
 from .ir import EXTERNAL, LEAF, RANDOM, REDUCTION, Graph, Op, format_graph, value_bytes
+from .module import FusedModule
 from .plan import Decision
 from .schedule import ExternStep, KernelGroup
+from .wrap import memory_efficient_fusion
 
 
 FAMILIES = ("pointwise", "reductions", "random", "extern", "leaves")
@@ -429,9 +433,11 @@ def write_dump(r: Report, folder: Path) -> Path:
 
 
 # -- explain() ---------------------------------------------------------------------------------
-def explain(fn, *example_args, **kwargs) -> Report:
-    """Compile `fn` (a function, or a memfuse FusedFunction) for the example arguments, print
-    what was fused, saved and why, and return the report.
+def explain(fn, *example_args, **kwargs) -> "Report | EagerCall":
+    """Compile `fn` (a function, an nn.Module, or a memfuse FusedFunction or FusedModule) for the
+    example arguments, print what was fused, saved and why, and return the report. For a call
+    memfuse runs through torch instead, it prints and returns that decision (eager.EagerCall: why,
+    and the way out).
 
     It also measures the bytes saved for backward on the example arguments, for eager autograd
     and for the fused function, by running each forward once under saved_tensors_hooks (torch's
@@ -440,19 +446,23 @@ def explain(fn, *example_args, **kwargs) -> Report:
     if is_torch_compiled(fn):     # torch.compile(model, backend="memfuse"): a report per graph
         return explain_torch_compiled(fn, example_args, kwargs)
     fused, entry = compile_entry(fn, example_args, kwargs)
+    if isinstance(entry, EagerCall):
+        print(f"memfuse.explain: {entry.name}\n\n{entry}")
+        return entry
     report = build_report(entry, fused._name())
     with _counters_kept():
-        report.eager_saved = measure_saved(fused.fn, example_args, kwargs)
+        report.eager_saved = measure_saved(fused.original if isinstance(fused, FusedModule) else fused.fn,
+                                           example_args, kwargs)
         report.memfuse_saved = measure_saved(fused, example_args, kwargs)
     print(report)
     return report
 
 
 def compile_entry(fn, args: tuple, kwargs: dict):
-    """(FusedFunction, cache entry) for these arguments: `fn` itself when it is a FusedFunction
-    (its cache is reused), else a fresh wrapper. The counters are left as they were."""
-    from .api import FusedFunction, memory_efficient_fusion
-    fused = fn if isinstance(fn, FusedFunction) else memory_efficient_fusion(fn)
+    """(FusedFunction or FusedModule, cache entry or eager.EagerCall) for these arguments: `fn`
+    itself when it is one (its cache is reused), else a fresh wrapper. The counters are left as
+    they were."""
+    fused = fn if isinstance(fn, (FusedFunction, FusedModule)) else memory_efficient_fusion(fn)
     with _counters_kept():
         return fused, fused.compiled_for(*args, **kwargs)
 

@@ -45,6 +45,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .debug import STATS, topic_log
+from .eager import EagerCall
 from .ir import Op
 
 log = logging.getLogger("memfuse")
@@ -108,11 +109,8 @@ class GraphedFunction:
         self.told: set = set()           # reasons already logged
 
     def __call__(self, values: list):
-        try:
-            key = self.fused._exact_key(values)
-            signature = self.signatures.get(key)
-        except TypeError:                # an unhashable argument: the normal path names it
-            return self._without_graphs(values)
+        key = self.fused._exact_key(values)     # flat values (FusedFunction.__call__): all hashable
+        signature = self.signatures.get(key)
         tensors = [v for v in values if isinstance(v, torch.Tensor)]
         if signature is None:
             if not tensors or not self.recorder.supports(tensors[0].device):
@@ -120,6 +118,8 @@ class GraphedFunction:
                            "running without graphs", tensors[0].device.type if tensors else "no")
                 return self._without_graphs(values)
             entry, _ = self.fused._lookup(values)
+            if isinstance(entry, EagerCall):     # a compile that failed
+                return self.fused.run_eager(entry, values)
             signature = self.signatures[key] = _Signature(entry, self.fused._name())
         instance = self._instance(signature, tensors)
         if instance is None:
@@ -158,6 +158,8 @@ class GraphedFunction:
 
     def _without_graphs(self, values: list):
         entry, tensors = self.fused._lookup(values)
+        if isinstance(entry, EagerCall):     # a compile that failed
+            return self.fused.run_eager(entry, values)
         return _format(entry, entry.function(tensors))
 
     def _tell(self, reason: str, message: str, *args) -> None:
@@ -167,7 +169,7 @@ class GraphedFunction:
 
 
 def _format(entry, outputs):
-    return outputs[0] if entry.single_output else tuple(outputs)
+    return entry.rebuild(tuple(outputs))
 
 
 class _Signature:

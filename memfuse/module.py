@@ -7,31 +7,33 @@ they saw before; a checkpoint moves freely between a wrapped and a plain model.
 A call is the original's forward, functionalized: `functional_call(module, {name: tensor}, args)`
 inside a function whose tensor inputs are the parameters and buffers (kept static) followed by
 the user's arguments. That function goes through `FusedFunction` (api.py), which keys on the
-tensors; this module adds what the tensors do not say: which submodules are in training mode
-(dropout on or off is a different graph), the autocast state, and the call's argument layout.
+tensors (and pytrees of them, and rebuilds the output's structure); this module adds what the
+tensors do not say: which submodules are in training mode (dropout on or off is a different
+graph), the autocast state, and the call's argument layout. A call FusedFunction cannot compile
+runs the same function on the module's own tensors: the original's forward, through torch.
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.func import functional_call
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_leaves
 
-from .api import MODULE_WRAPPER, FusedFunction, autocast_state
+from .api import FusedFunction, _CacheEntry, autocast_state
+from .capture import MutatedInputError
 from .config import Config
+from .eager import EagerCall
 
 # Per-instance state of nn.Module that the wrapper takes over from the original, so that
 # everything reading it (state_dict, load_state_dict, named_parameters, _apply) agrees.
 SHARED_STATE = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set",
                 "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
                 "_load_state_dict_post_hooks")
-
-
-class MutatedInputError(RuntimeError):
-    """The traced forward writes into a buffer or an argument in place."""
 
 
 class ShardedParameterError(RuntimeError):
@@ -70,6 +72,22 @@ class FusedModule(nn.Module):
 
     @torch.compiler.disable   # inside torch.compile: a graph break around the fused call
     def forward(self, *args, **kwargs):
+        call, values, device = self._call_for(args, kwargs)
+        if call.key.autocast[1]:
+            # The trace ran under autocast and holds its casts; the compiled steps must not be
+            # autocast a second time.
+            with torch.autocast(device.type, enabled=False):
+                return call.fused(*values)
+        return call.fused(*values)
+
+    def compiled_for(self, *args, **kwargs) -> "_CacheEntry | EagerCall":
+        """The compiled program (cache entry) a call with these arguments runs, compiled if it is
+        not cached yet, or the EagerCall saying why such a call runs through torch; nothing runs."""
+        call, values, _ = self._call_for(args, kwargs)
+        return call.fused.compiled_for(*values)
+
+    def _call_for(self, args: tuple, kwargs: dict) -> tuple:
+        """(the _ModuleCall of this call's CallKey, the values it takes, the device)."""
         module = self.original
         names, tensors = _state(module)
         device = _device(tensors, args, kwargs)
@@ -80,15 +98,10 @@ class FusedModule(nn.Module):
             _check_not_sharded(module, names, tensors)
             call = self._memfuse_calls[key] = _ModuleCall(module, key, self._memfuse_config,
                                                           self._memfuse_cuda_graphs)
-        values = (*tensors, *args, *kwargs.values())
-        if key.autocast[1]:
-            # The trace ran under autocast and holds its casts; the compiled steps must not be
-            # autocast a second time.
-            with torch.autocast(device.type, enabled=False):
-                leaves = call.fused(*values)
-        else:
-            leaves = call.fused(*values)
-        return call.unflatten(leaves)
+        return call, (*tensors, *args, *kwargs.values()), device
+
+    def _name(self) -> str:
+        return type(self.original).__qualname__
 
     # -- the original's identity: state_dict, train/eval, attributes, printing ---------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -125,15 +138,15 @@ class FusedModule(nn.Module):
 
 class _ModuleCall:
     """The function FusedFunction compiles for one CallKey: (*params_and_buffers, *args,
-    *kwarg_values) -> tensor leaves of the module's output. The output's structure is recorded
-    at trace time and rebuilt by `unflatten`."""
+    *kwarg_values) -> the module's output. Run on the module's own tensors it is the original's
+    forward through torch, what a call FusedFunction cannot compile runs."""
 
     def __init__(self, module: nn.Module, key: CallKey, config: Config, cuda_graphs: bool = False):
         self.module = module
         self.key = key
-        self.structure: Optional[tuple] = None     # (pytree spec, leaf slots, non-tensor leaves)
         self.__qualname__ = type(module).__qualname__
-        self.fused = FusedFunction(self, config, static_prefix=len(key.state), cuda_graphs=cuda_graphs)
+        self.fused = FusedFunction(self, config, static_prefix=len(key.state), cuda_graphs=cuda_graphs,
+                                   names=_argument_names(module, key))
 
     def __call__(self, *values):
         key = self.key
@@ -142,41 +155,42 @@ class _ModuleCall:
         rest = values[count:]
         args, kwargs = rest[:key.num_args], dict(zip(key.kwarg_names, rest[key.num_args:]))
         device_type, enabled, dtype = key.autocast
-        if enabled:   # the caller switched autocast off around the compiled call: trace under it
+        if enabled:   # the caller switched autocast off around the compiled call: run under it
             with torch.autocast(device_type, dtype=dtype, enabled=True, cache_enabled=False):
                 out = functional_call(self.module, state, args, kwargs)
         else:
             out = functional_call(self.module, state, args, kwargs)
         self._check_no_mutation(values)
-        leaves, spec = tree_flatten(out)
-        slots = tuple(isinstance(leaf, torch.Tensor) for leaf in leaves)
-        constants = tuple(None if slot else leaf for slot, leaf in zip(slots, leaves))
-        self.structure = (spec, slots, constants)
-        return tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
-
-    def unflatten(self, tensors) -> Any:
-        spec, slots, constants = self.structure
-        tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tensors
-        if len(tensors) != sum(slots):
-            raise RuntimeError(f"memfuse: {self.__qualname__} returned {len(tensors)} tensors, "
-                               f"its traced output structure has {sum(slots)}")
-        it = iter(tensors)
-        return tree_unflatten([next(it) if slot else c for slot, c in zip(slots, constants)], spec)
+        return out
 
     def _check_no_mutation(self, values) -> None:
+        """While tracing (the values are FunctionalTensors): no buffer or argument written in place."""
         try:
             from torch._functorch._aot_autograd.functional_utils import has_data_mutation
         except ImportError:   # torch moved it: AOTAutograd's own (unnamed) error still fires
             return
         count = len(self.key.state)
-        mutated = [f"buffer '{self.key.state[i]}'" if i < count else f"argument {i - count}"
-                   for i, v in enumerate(values) if isinstance(v, torch.Tensor) and has_data_mutation(v)]
+        names = self.fused.names
+        mutated = [f"buffer '{names[i]}'" if i < count else f"argument '{names[i]}'"
+                   for i, v in enumerate(values) for leaf in tree_leaves(v)
+                   if isinstance(leaf, FunctionalTensor) and has_data_mutation(leaf)]
         if mutated:
             raise MutatedInputError(
                 f"memfuse: {self.__qualname__}.forward writes in place into its {', '.join(mutated)} (e.g. "
                 f"BatchNorm running statistics in training mode); memfuse cannot fuse a forward that "
-                f"mutates its inputs. Use eval() for that submodule, construct it with "
-                f"track_running_stats=False, or leave this module unfused.")
+                f"mutates its inputs")
+
+
+def _argument_names(module: nn.Module, key: CallKey) -> list:
+    """The name of each value a _ModuleCall takes: parameters and buffers, then the forward's
+    positional arguments (by its signature) and keyword arguments."""
+    try:
+        params = [p.name for p in inspect.signature(module.forward).parameters.values()
+                  if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        params = []
+    positional = [params[i] if i < len(params) else f"args[{i}]" for i in range(key.num_args)]
+    return [*key.state, *positional, *key.kwarg_names]
 
 
 def _state(module: nn.Module) -> tuple[list, list]:
@@ -215,4 +229,3 @@ def _device(tensors: list, args: tuple, kwargs: dict) -> torch.device:
     raise TypeError("memfuse: a fused module needs a tensor parameter, buffer or argument")
 
 
-MODULE_WRAPPER.append(FusedModule)   # what memory_efficient_fusion(module) returns

@@ -43,12 +43,23 @@ def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(_CACHE_DIR, ignore_errors=True)
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "compile_fails: the test makes a compile fail on purpose (the call then "
+                                       "runs through torch); elsewhere a failed compile fails the test")
+
+
 @pytest.fixture(autouse=True)
-def _fresh_state():
-    """Every test starts from counters at zero and a fixed RNG state."""
+def _fresh_state(request):
+    """Every test starts from counters at zero, no fallback reason told yet and a fixed RNG state.
+    A compile that fails runs the original through torch, whose results then match eager: unless
+    the test expects it (`compile_fails`), that hides a memfuse error, so it fails the test."""
     memfuse.reset_stats()
+    memfuse.eager.TOLD.clear()
     torch.manual_seed(0)
     yield
+    failed = [f"{name}: {reason}" for name, reason in memfuse.eager.TOLD if reason.startswith("compiling it failed")]
+    if failed and "compile_fails" not in request.keywords:
+        pytest.fail("a compile failed and the call ran through torch: " + "; ".join(failed), pytrace=False)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -178,3 +178,33 @@ def test_svg_and_dot_mark_a_computed_saved_value(matmul, tmp_path):
 def test_draw_rejects_unknown_formats(layer_norm, tmp_path):
     with pytest.raises(ValueError, match=r"\.png"):
         layer_norm[0].draw(tmp_path / "plan.jpg")
+
+
+# -- modules and calls that run through torch --------------------------------------------------------
+class NormGate(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(16)
+
+    def forward(self, x, cache=None):
+        return torch.sigmoid(self.norm(x)) * x
+
+
+def test_explain_a_module_and_its_wrapper():
+    module, x = NormGate(), torch.randn(4, 16, requires_grad=True)
+    report, printed = quiet_explain(module, x)
+    assert report.name == "NormGate" and len(report.kernels_of("forward")) == 1
+    assert {s.argument for s in report.saved if s.is_input} <= {"norm.weight", "norm.bias", "x"}
+    assert report.eager_saved.bytes > report.memfuse_saved.bytes and "memfuse.explain: NormGate" in printed
+    fused = memfuse.memory_efficient_fusion(module)
+    fused(x)
+    report, _ = quiet_explain(fused, x)
+    (call,) = fused._memfuse_calls.values()
+    assert report.entry is next(iter(call.fused.cache.values())), "the wrapper's own program"
+
+
+def test_explain_a_call_that_runs_through_torch_says_why():
+    decision, printed = quiet_explain(NormGate(), torch.randn(4, 16), cache=object())
+    assert isinstance(decision, memfuse.eager.EagerCall)
+    assert "runs through torch, not compiled: argument 'cache' is a object" in printed
+    assert all(v == 0 for v in memfuse.stats().values())

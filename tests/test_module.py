@@ -1,7 +1,8 @@
 """memory_efficient_fusion(module): shared parameters and state_dict keys, train/eval, no_grad,
-autocast, checkpoints, and the error for forwards that mutate their buffers."""
+autocast, checkpoints, and forwards that mutate their buffers (run through torch)."""
 import copy
 import io
+import re
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import memfuse
+from memfuse.eager import StrictModeError
 from memfuse.module import FusedModule, MutatedInputError
 
 
@@ -187,13 +189,27 @@ def test_autocast_traces_the_casts(dtype):
     assert len(fused._memfuse_calls) == 2
 
 
-def test_mutating_a_buffer_is_an_error_naming_it():
-    model = memfuse.memory_efficient_fusion(nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)))
+@pytest.mark.compile_fails
+def test_mutating_a_buffer_runs_the_original_naming_it(caplog):
+    """BatchNorm in training mode writes its running statistics: the compile fails, the call runs
+    the original (which updates them as in eager), the reason names the buffers; strict raises."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))
+    model = memfuse.memory_efficient_fusion(copy.deepcopy(plain))
     x = torch.randn(4, 8)
-    with pytest.raises(MutatedInputError, match=r"'1\.running_mean'.*'1\.running_var'"):
-        model(x)
+    for _ in range(2):
+        torch.testing.assert_close(model(x), plain(x))
+    torch.testing.assert_close(model.original[1].running_mean, plain[1].running_mean)
+    assert re.search(r"buffer '1\.running_mean', buffer '1\.running_var'.*Way out: .*eval\(\)", caplog.text)
+    assert caplog.text.count("runs through torch") == 1
+    assert (memfuse.stats()["eager_calls"], memfuse.stats()["compiles"]) == (2, 0)   # decided once per key
     model.eval()   # eval mode reads the running statistics without writing them
     torch.testing.assert_close(model(x), model.original(x))
+    assert memfuse.stats()["compiles"] == 1
+    strict = memfuse.memory_efficient_fusion(plain, config=memfuse.Config(strict=True))
+    with pytest.raises(StrictModeError, match=r"'1\.running_mean'.*strict mode") as raised:
+        strict(x)
+    assert isinstance(raised.value.__cause__, MutatedInputError)
 
 
 def test_kwargs_constants_and_structured_outputs():

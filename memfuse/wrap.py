@@ -1,0 +1,30 @@
+"""wrap: `memory_efficient_fusion`, the public entry. A function becomes a FusedFunction
+(api.py), an nn.Module a FusedModule (module.py, which builds on api)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import torch
+
+from .api import FusedFunction
+from .config import Config
+from .module import FusedModule
+
+
+def memory_efficient_fusion(fn: Callable, *, config: Optional[Config] = None, cuda_graphs: bool = False):
+    """Wrap `fn` (tensors, constants and pytrees of them -> the same): same signature, same
+    results as eager within float tolerance, forward and backward fused into Triton kernels.
+    An nn.Module becomes a `FusedModule` (module.py) sharing its parameters and state_dict keys.
+
+    `cuda_graphs=True` (opt-in, for static shapes): each call signature's forward and backward
+    programs are captured into CUDA graphs and replayed (graphs.py; docs/usage.md says what is
+    static). Outputs live in graph memory, rewritten by a later replay once nothing holds them."""
+    config = config or Config()
+    if cuda_graphs:
+        config = dataclasses.replace(config, seed_from_memory=True)
+    if isinstance(fn, torch.nn.Module):
+        return FusedModule(fn, config, cuda_graphs=cuda_graphs)
+    if not callable(fn):
+        raise TypeError(f"memfuse.memory_efficient_fusion: fn must be callable, got {type(fn).__name__}")
+    return FusedFunction(fn, config, cuda_graphs=cuda_graphs)
