@@ -8,6 +8,7 @@ Anything the kernels cannot take becomes an EXTERN node with the reason recorded
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import operator
 import re
@@ -88,7 +89,8 @@ def capture(fn: Callable, args: Sequence[torch.Tensor], *, trace_joint: bool,
     fake_mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
     fakes = [_fake_input(fake_mode, t, static=i < len(static_inputs) and static_inputs[i])
              for i, t in enumerate(args)]
-    gm = _export(fn, tuple(fakes), trace_joint)
+    with compiling():
+        gm = _export(fn, tuple(fakes), trace_joint)
     symbols, hints = _symbol_sources(fakes)
     # read in place, by their strides; a last stride of 1 is part of the compile key (api._key)
     strided = {i: t.stride(-1) == 1 for i, t in enumerate(args) if not t.is_contiguous()}
@@ -106,6 +108,20 @@ def lower_graph(gm: torch.fx.GraphModule, symbols: dict, hints: dict, *, num_pri
     with `decomposition_table()`: a joint graph (primals, tangents) or a forward-only one.
     `symbols` maps each size symbol to where a call reads it; `hints` gives its traced value."""
     return _Lowering(gm, symbols, hints).run(num_primals=num_primals, trace_joint=trace_joint)
+
+
+@contextlib.contextmanager
+def compiling():
+    """`torch.compiler.is_compiling()` answers True while memfuse traces, as it does under
+    torch.compile and torch.export (non-strict export sets the same flag): libraries then take
+    their trace-friendly paths. HuggingFace's attention-mask code, for one, otherwise branches on
+    `mask.all()`, a data-dependent value no trace can follow."""
+    before = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = before
 
 
 def _export(fn: Callable, fakes: tuple, trace_joint: bool) -> torch.fx.GraphModule:

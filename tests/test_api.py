@@ -347,3 +347,22 @@ def test_other_errors_name_the_problem():
         fused(torch.randn(3, 4), 1.0, 2.0, 3.0)             # too many arguments
     with pytest.raises(TypeError, match=r"\*\*kw arguments are not supported"):
         memfuse.memory_efficient_fusion(lambda x, **kw: x * 2)(torch.randn(3, 4), a=1)
+
+
+def test_libraries_see_a_compile_while_memfuse_traces():
+    """HuggingFace's mask code skips its data-dependent `mask.all()` checks when
+    `torch.compiler.is_compiling()`: memfuse's trace must say so, as torch.compile's and export's do."""
+    def masked_scale(x, mask):
+        if not torch.compiler.is_compiling() and bool(mask.all()):   # a branch no trace can follow
+            return x * 2.0
+        return torch.where(mask, x * 2.0, x)
+
+    fused = memfuse.memory_efficient_fusion(masked_scale)
+    x = torch.randn(4, 8, requires_grad=True)
+    mask = torch.ones(4, 8, dtype=torch.bool)
+    memfuse.reset_stats()
+    out = fused(x, mask)
+    out.sum().backward()
+    assert memfuse.stats()["eager_calls"] == 0 and memfuse.stats()["compiles"] == 1
+    assert torch.equal(out, x * 2.0) and torch.equal(x.grad, torch.full_like(x, 2.0))
+    assert not torch.compiler.is_compiling()
