@@ -559,12 +559,12 @@ def write_chart(results: list[dict], path: Path) -> str:
 
     figure, axes = plt.subplots(1, max(len(results), 1), figsize=(5 * max(len(results), 1), 4.5),
                                 constrained_layout=True, squeeze=False)
-    markers = dict(zip(MODES, "osD^v"))
     for axis, result in zip(axes[0], results):
         rows = [r for r in result["rows"] if r["it_s"]]
         if rows and all(r["peak_bytes"] is not None for r in rows):
             for row in rows:
-                axis.scatter(row["peak_bytes"] / MB, row["it_s"], marker=markers.get(row["mode"], "x"), s=60,
+                index = MODES.index(row["mode"])
+                axis.scatter(row["peak_bytes"] / MB, row["it_s"], marker="osD^v"[index], color=f"C{index}", s=60,
                              label=row["mode"])
             axis.set_xlabel("peak MB above the model's own (one step)")
         else:
@@ -590,7 +590,8 @@ def write_report(out_dir: Path, tiny: bool) -> None:
     """Merge every model's JSON of this kind in out_dir: stdout, <stem>.md and <stem>.png."""
     results = load_results(out_dir, tiny)
     if not results:
-        sys.exit(f"no models-{'tiny-' if tiny else ''}*.json in {out_dir}: run the models first")
+        sys.exit(f"no {json_path(out_dir, '*', tiny).name} in {out_dir}: run the models first"
+                 + ("" if tiny else " (--tiny merges a tiny run's)"))
     stem = report_stem(out_dir, tiny)
     print()
     print(render(results, markdown=False))
@@ -622,16 +623,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--use-cache", action="store_true",
                         help="keep transformers' default config.use_cache=True (a step builds a cache it never "
                              "uses; per-layer wrapping cannot take the Cache object)")
-    parser.add_argument("--report", action="store_true", help="only merge the JSONs in --out into the report")
+    parser.add_argument("--report", action="store_true",
+                        help="only merge the JSONs in --out into the report (the GPU runs'; --tiny: the tiny runs')")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.report:  # the GPU runs' JSONs, wherever they are merged, unless --tiny
+        return write_report(args.out, args.tiny)
     tiny = args.tiny or not torch.cuda.is_available()
-    if args.report:
-        return write_report(args.out, tiny)
     if tiny and os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("--tiny runs memfuse through the Triton interpreter: set TRITON_INTERPRET=1 before "
                  "triton loads (python -m benchmarks.models --tiny does)")
