@@ -312,12 +312,24 @@ def _dynamo_counts() -> dict:
     return {"graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values())}
 
 
-def measure_speed(family: Family, mode: str, templates: Templates, batch: dict, setup: Setup) -> Row:
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One model's run: the family, where its steps execute, the originals every mode copies and
+    the batch every mode trains on."""
+
+    family: Family
+    setup: Setup
+    templates: Templates
+    batch: dict
+
+
+def measure_speed(case: Case, mode: str) -> Row:
     """First step (wrap and compile included), warm-up, the timed steps, then one step's memory."""
-    model = fresh(templates.dropout, setup.device)
+    setup, batch = case.setup, case.batch
+    model = fresh(case.templates.dropout, setup.device)
     setup.synchronize()
     start = time.perf_counter()
-    wrapped = WRAPPERS[mode](model, family)
+    wrapped = WRAPPERS[mode](model, case.family)
     train_step(wrapped, batch, setup)
     setup.synchronize()
     first_step_s = time.perf_counter() - start
@@ -331,7 +343,7 @@ def measure_speed(family: Family, mode: str, templates: Templates, batch: dict, 
     if setup.device.type == "cuda":
         peak, kept = step_memory(wrapped, batch, setup)
         steps += 1
-    return Row(family.name, mode, first_step_s=first_step_s, step_s=statistics.median(samples),
+    return Row(case.family.name, mode, first_step_s=first_step_s, step_s=statistics.median(samples),
                step_samples_s=tuple(samples), peak_bytes=peak, kept_bytes=kept, memfuse_compile=compiled,
                memfuse_per_step=_counter_growth(memfuse.stats(), compiled, steps),
                dynamo=_dynamo_counts() if mode in DYNAMO_MODES else None)
@@ -356,24 +368,26 @@ def grad_error(grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor
 
 
 @dataclasses.dataclass(frozen=True)
-class Reference:
+class StepResult:
+    """A step's loss and its parameters' gradients (by name)."""
+
     loss: float
     grads: dict[str, torch.Tensor]
 
 
-def dropout_free_step(family: Family, mode: str, templates: Templates, batch: dict, setup: Setup
-                      ) -> tuple[float, dict[str, torch.Tensor]]:
+def dropout_free_step(case: Case, mode: str) -> StepResult:
     """One step of a fresh dropout-free copy in `mode`: its loss and its parameters' gradients."""
-    model = fresh(templates.dropout_free, setup.device)
-    loss = train_step(WRAPPERS[mode](model, family), batch, setup)
-    return loss.item(), gradients(model)
+    model = fresh(case.templates.dropout_free, case.setup.device)
+    loss = train_step(WRAPPERS[mode](model, case.family), case.batch, case.setup)
+    return StepResult(loss.item(), gradients(model))
 
 
-def check(row: Row, family: Family, templates: Templates, batch: dict, setup: Setup, reference: Reference) -> Row:
+def check(case: Case, row: Row, reference: StepResult) -> Row:
     """The dropout-free copy's loss and gradients against eager's (eager's row: a second eager copy,
     so its errors show eager's own run-to-run differences)."""
-    loss, grads = dropout_free_step(family, row.mode, templates, batch, setup)
-    error, worst = grad_error(grads, reference.grads)
+    result = dropout_free_step(case, row.mode)
+    error, worst = grad_error(result.grads, reference.grads)
+    loss = result.loss
     return dataclasses.replace(row, loss=loss, loss_error=abs(loss - reference.loss) / abs(reference.loss),
                                grad_error=error, worst_grad=worst)
 
@@ -384,28 +398,29 @@ def _error_text(error: Exception) -> str:
     traceback.print_exc()
     frames = [f for f in traceback.extract_tb(error.__traceback__)
               if not any(part in Path(f.filename).parts for part in ("torch", "triton"))]
-    where = f" at {'/'.join(Path(frames[-1].filename).parts[-2:])}:{frames[-1].lineno} ({frames[-1].name})" \
-        if frames else ""
-    return f"{type(error).__name__}{where}: {error}"
+    if not frames:
+        return f"{type(error).__name__}: {error}"
+    where = "/".join(Path(frames[-1].filename).parts[-2:])
+    return f"{type(error).__name__} at {where}:{frames[-1].lineno} ({frames[-1].name}): {error}"
 
 
-def run_mode(family: Family, mode: str, templates: Templates, batch: dict, setup: Setup, reference: Reference | None) -> Row:
+def run_mode(case: Case, mode: str, reference: StepResult | None) -> Row:
     """Speed and memory, then the dropout-free check; either part that raises is reported in the row."""
-    print(f"{family.name} {mode} ...", flush=True)
-    row = Row(family.name, mode)
-    isolate(setup)
+    print(f"{case.family.name} {mode} ...", flush=True)
+    row = Row(case.family.name, mode)
+    isolate(case.setup)
     try:
-        row = measure_speed(family, mode, templates, batch, setup)
+        row = measure_speed(case, mode)
     except Exception as error:  # one failing mode must not end the comparison
         row = dataclasses.replace(row, error=_error_text(error))
-    isolate(setup)
+    isolate(case.setup)
     try:
         if reference is None:
             raise RuntimeError("no eager reference (eager's dropout-free step failed)")
-        row = check(row, family, templates, batch, setup, reference)
+        row = check(case, row, reference)
     except Exception as error:  # reported in the row
         row = dataclasses.replace(row, check_error=_error_text(error))
-    isolate(setup)
+    isolate(case.setup)
     return row
 
 
@@ -413,14 +428,13 @@ def run_model(family: Family, modes: tuple[str, ...], setup: Setup) -> dict:
     """Every mode on the same weights and tokens; the model's part of the JSON."""
     size = family.tiny if setup.tiny else family.size
     templates = Templates.build(family, size, setup.use_cache)
-    batch = make_batch(size, setup.device)
+    case = Case(family, setup, templates, make_batch(size, setup.device))
     reference = None
     try:
-        loss, grads = dropout_free_step(family, "eager", templates, batch, setup)
-        reference = Reference(loss, grads)
+        reference = dropout_free_step(case, "eager")
     except Exception as error:  # every row's check says so
         _error_text(error)
-    rows = [run_mode(family, mode, templates, batch, setup, reference) for mode in modes]
+    rows = [run_mode(case, mode, reference) for mode in modes]
     config = templates.dropout.config
     return {"model": family.name, "class": family.model_class, "size": dataclasses.asdict(size),
             "dropout": DROPOUT, "use_cache": config.use_cache, "attention": config._attn_implementation,
