@@ -1,6 +1,6 @@
 """Whole HuggingFace models side by side: a training step (forward, loss, backward) in five modes.
 
-    python -m benchmarks.models [--models bert,gpt2,llama] [--modes NAME,..] [--tiny] [--out DIR]
+    python -m benchmarks.models [--models bert,gpt2,llama] [--modes NAME,..] [--tiny] [--use-cache] [--out DIR]
     python -m benchmarks.models --report [--tiny] [--out DIR]
 
 BERT (masked LM), GPT-2 and Llama (causal LM) are built from configs with random weights (nothing
@@ -12,7 +12,8 @@ soon as it is done; then every models-*.json in --out is merged into models.md a
 copy of the model, compared with eager on the same weights and tokens.
 
 Without CUDA, or with --tiny, tiny configs run on CPU in fp32 through the Triton interpreter: a
-smoke run of the harness, not a measurement (models-tiny-*.json, models-tiny.md).
+smoke run of the harness, not a measurement (models-tiny-*.json, models-tiny.md; torch_compile only
+when --modes names it). docs/benchmarks.md defines every column.
 """
 
 from __future__ import annotations
@@ -662,7 +663,7 @@ def main(argv: list[str] | None = None) -> None:
                   args.use_cache)
     if tiny:
         print(TINY_BANNER, flush=True)
-    elif setup.device.type == "cuda":
+    else:
         torch.ones(8, 8, device=setup.device) @ torch.ones(8, 8, device=setup.device)  # CUDA and cuBLAS up
     args.out.mkdir(parents=True, exist_ok=True)
     for family in families:
