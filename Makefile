@@ -1,17 +1,29 @@
 # make test: fresh virtualenv, CPU torch, the suite through Triton's interpreter.
-# make bench: side-by-side benchmark (a small interpreter smoke run without a GPU).
+# make bench: side-by-side benchmark of the seed's blocks; make bench-models: of whole HuggingFace
+# models. Without a GPU both are small smoke runs through the interpreter, and say so.
 PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: test bench install clean
+# The benchmarks' Python: PY if given (make bench PY=python3); else $(PYTHON) when it already
+# imports torch with CUDA (a GPU machine with torch preinstalled: nothing is installed); else the
+# venv, built as for make test.
+ifeq ($(origin PY),command line)
+BENCH_PY := $(PY)
+else ifneq ($(filter bench%,$(MAKECMDGOALS)),)
+BENCH_PY := $(shell $(PYTHON) -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null && echo $(PYTHON))
+endif
+BENCH_PY := $(or $(BENCH_PY),$(VENV)/bin/python)
+BENCH_SETUP = $(if $(filter $(VENV)/bin/python,$(BENCH_PY)),$(VENV)/.installed)
+
+.PHONY: test bench bench-models install clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_PIN)"
-	$(PY) -m pip install -q -e ".[test,bench]"
+	$(VENV)/bin/python -m pip install -q --upgrade pip
+	$(VENV)/bin/python -m pip install -q "$(TORCH_PIN)"
+	$(VENV)/bin/python -m pip install -q -e ".[test,bench,models]"
 	touch $@
 
 install: $(VENV)/.installed
@@ -19,9 +31,12 @@ install: $(VENV)/.installed
 test: $(VENV)/.installed
 	TRITON_INTERPRET=1 $(PY) -m pytest -q tests
 
-# On a GPU machine with torch and triton preinstalled: make bench PY=python3
-bench:
-	@if [ -x "$(PY)" ]; then $(PY) -m benchmarks.run $(ARGS); else python3 -m benchmarks.run $(ARGS); fi
+# ARGS: e.g. --workloads rms --quick (bench), --models gpt2 --modes eager,memfuse_whole (bench-models)
+bench: $(BENCH_SETUP)
+	$(BENCH_PY) -m benchmarks.run $(ARGS)
+
+bench-models: $(BENCH_SETUP)
+	$(BENCH_PY) -m benchmarks.models $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

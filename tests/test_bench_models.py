@@ -1,0 +1,36 @@
+"""benchmarks/models.py's tiny run (CPU, fp32, the Triton interpreter) on one model: a row per
+mode with no error, the dropout-free check against eager, the JSON's metadata and the merged
+report (Markdown and PNG)."""
+import json
+import os
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from benchmarks import models as bench  # noqa: E402
+
+MODEL = "gpt2"
+MODES = ("eager", "memfuse_backend", "memfuse_per_layer")  # memfuse_whole: see tests/test_models.py
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the tiny run needs Triton's interpreter")
+def test_tiny_run(tmp_path, capsys):
+    bench.main(["--tiny", "--models", MODEL, "--modes", ",".join(MODES), "--out", str(tmp_path)])
+    result = json.loads(bench.json_path(tmp_path, MODEL, tiny=True).read_text())
+    assert result["metadata"]["tiny"] and result["metadata"]["transformers"]
+    assert result["use_cache"] is False and result["attention"] == "sdpa"
+    rows = {row["mode"]: row for row in result["rows"]}
+    assert tuple(rows) == MODES
+    for mode, row in rows.items():
+        assert row["error"] is None and row["check_error"] is None, (mode, row["error"], row["check_error"])
+        assert row["it_s"] > 0 and row["first_step_s"] > 0
+        assert row["peak_bytes"] is None and row["kept_bytes"] is None  # n/a on CPU
+        assert row["loss_error"] <= 1e-5 and row["grad_error"] <= 1e-4, (mode, row["loss_error"], row["grad_error"])
+    assert rows["memfuse_backend"]["memfuse_compile"]["compiles"] >= 1
+    assert rows["memfuse_per_layer"]["memfuse_compile"]["compiles"] == result["size"]["layers"]
+    assert rows["memfuse_per_layer"]["memfuse_per_step"]["compiles"] == 0  # no recompile after the first step
+    markdown = bench.report_stem(tmp_path, tiny=True).with_suffix(".md").read_text()
+    assert markdown.count(f"| {MODEL} |") == len(MODES) and "TINY RUN" in markdown
+    assert bench.report_stem(tmp_path, tiny=True).with_suffix(".png").exists()
+    assert "TINY RUN" in capsys.readouterr().out
