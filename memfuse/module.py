@@ -8,8 +8,8 @@ A call is the original's forward, functionalized: `functional_call(module, {name
 inside a function whose tensor inputs are the parameters and buffers (kept static) followed by
 the user's arguments. That function goes through `FusedFunction` (api.py), which keys on the
 tensors (and pytrees of them, and rebuilds the output's structure); this module adds what the
-tensors do not say: which submodules are in training mode (dropout on or off is a different
-graph), the autocast state, and the call's argument layout. A call FusedFunction cannot compile
+tensors do not say: every submodule's plain attributes (training mode, dropout's p, a norm's
+eps: a forward reads them as constants of its trace), the autocast state, and the call's argument layout. A call FusedFunction cannot compile
 runs the same function on the module's own tensors: the original's forward, through torch.
 """
 from __future__ import annotations
@@ -43,7 +43,7 @@ class ShardedParameterError(RuntimeError):
 @dataclass(frozen=True)
 class CallKey:
     """What a FusedModule call is specialized on beyond its tensors."""
-    training: tuple              # module.training of every submodule, in modules() order
+    attributes: tuple            # every submodule's plain attributes, training included (_attributes)
     autocast: tuple              # (device type, enabled, dtype)
     state: tuple                 # parameter and buffer names, in call order
     num_args: int
@@ -91,7 +91,7 @@ class FusedModule(nn.Module):
         module = self.original
         names, tensors = _state(module)
         device = _device(tensors, args, kwargs)
-        key = CallKey(tuple(m.training for m in module.modules()), autocast_state(device.type),
+        key = CallKey(_attributes(module), autocast_state(device.type),
                       tuple(names), len(args), tuple(kwargs))
         call = self._memfuse_calls.get(key)
         if call is None:
@@ -191,6 +191,18 @@ def _argument_names(module: nn.Module, key: CallKey) -> list:
         params = []
     positional = [params[i] if i < len(params) else f"args[{i}]" for i in range(key.num_args)]
     return [*key.state, *positional, *key.kwarg_names]
+
+
+PLAIN_ATTRIBUTE_TYPES = frozenset((bool, int, float, str, type(None)))
+
+
+def _attributes(module: nn.Module) -> tuple:
+    """The plain attributes (bool, int, float, str, None) of every submodule, in modules() order:
+    `training`, dropout's `p`, a norm's `eps`, flags. A forward reads them as constants of its
+    trace, so changing one (`model.drop.p = 0.0`) must select another program, as Dynamo's guards
+    would. Attributes of other objects a forward reads (a HuggingFace config) are not watched."""
+    return tuple(tuple(v for v in m.__dict__.values() if type(v) in PLAIN_ATTRIBUTE_TYPES)
+                 for m in module.modules())
 
 
 def _state(module: nn.Module) -> tuple[list, list]:

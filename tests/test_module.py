@@ -130,6 +130,21 @@ def test_train_and_eval_are_separate_programs():
     torch.testing.assert_close(fused(x), block(x), rtol=1e-5, atol=1e-5)
 
 
+def test_changing_a_submodules_plain_attribute_compiles_anew():
+    """Dropout's p and a norm's eps are constants of the trace: changing one after the first call
+    must select another program, never run the old constant."""
+    torch.manual_seed(0)
+    block = Block(p=0.5)
+    fused = memfuse.memory_efficient_fusion(block)
+    x = torch.randn(8, 32)
+    fused(x)
+    block.drop.p = 0.0
+    block.norm.eps = 0.5
+    memfuse.reset_stats()
+    torch.testing.assert_close(fused(x), block(x), rtol=1e-5, atol=1e-5)
+    assert memfuse.stats()["compiles"] == 1
+
+
 def test_dropout_backward_reuses_the_forward_mask():
     class Drop(nn.Module):
         def __init__(self):
