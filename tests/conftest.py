@@ -29,6 +29,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import memfuse  # noqa: E402
+from memfuse.debug import TOPICS, configure_logging  # noqa: E402
 
 # torch's structured trace log (tlparse) emits DEBUG records that flood failure reports.
 logging.getLogger("torch.__trace").setLevel(logging.INFO)
@@ -78,6 +79,15 @@ def _flush(a: np.ndarray) -> np.ndarray:
     if a.dtype != np.float32:
         return a
     return np.where(np.abs(a) < np.finfo(np.float32).tiny, np.copysign(np.float32(0), a), a)
+
+
+@pytest.fixture
+def logs(caplog):
+    """Every memfuse topic at DEBUG, captured; the switches restored afterwards."""
+    for topic in TOPICS:
+        caplog.set_level(logging.DEBUG, logger=f"memfuse.{topic}")
+    yield caplog
+    configure_logging("0")
 
 
 @pytest.fixture

@@ -9,21 +9,12 @@ import torch
 
 import memfuse
 import memfuse.backend
-from memfuse.debug import TOPICS, configure_logging
 
 aten = torch.ops.aten
 
 
 def setup_function():
     torch._dynamo.reset()
-
-
-@pytest.fixture
-def logs(caplog):
-    for topic in TOPICS:
-        caplog.set_level(logging.DEBUG, logger=f"memfuse.{topic}")
-    yield caplog
-    configure_logging("0")
 
 
 def fallback_messages(caplog) -> list:

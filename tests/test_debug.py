@@ -11,7 +11,7 @@ import torch
 
 import memfuse
 from benchmarks.workloads import layer_norm_block, smoke_registry
-from memfuse.debug import COUNTERS, TOPICS, configure_logging, describe_key_change, topic_log
+from memfuse.debug import COUNTERS, configure_logging, describe_key_change, topic_log
 from memfuse.ir import Op
 from memfuse.runtime import KernelLaunch
 from memfuse.schedule import ExternStep
@@ -29,15 +29,6 @@ def scale_shift(x, w, scale: float = 1.0):
 
 def layer_norm_inputs():
     return next(w for w in smoke_registry() if w.fn is layer_norm_block).make_inputs("cpu")
-
-
-@pytest.fixture
-def logs(caplog):
-    """Every memfuse topic at DEBUG, captured; the switches restored afterwards."""
-    for topic in TOPICS:
-        caplog.set_level(logging.DEBUG, logger=f"memfuse.{topic}")
-    yield caplog
-    configure_logging("0")
 
 
 def messages(caplog, topic: str) -> list:
