@@ -1115,6 +1115,10 @@ class _Lowering:
         if producer.op not in (Op.ARGMAX, Op.ARGMIN) or self.graph[producer.inputs[0]].value.d != value.d \
                 or self.graph[index].value.kind is not Kind.ROW:
             raise NotFusible(EXTERN_REASONS[aten.scatter.src])
+        if self.graph[src].value.kind not in (Kind.ROW, Kind.SCALAR):
+            # row i takes src[i][0], the element beside its one index, not src[i][index]
+            raise NotFusible(f"a scatter of a {self.graph[src].value.kind.value} source: one index per row "
+                             "takes the row's first source element")
         column = self.add(Op.IOTA, [], Value(torch.int64, Kind.COL, (sympy.Integer(value.d),), d=value.d),
                           name=f"{node.name}_column")
         full_bool = Value(torch.bool, Kind.FULL, value.shape, value.m, value.d)

@@ -413,6 +413,14 @@ def test_extern_op_is_correct_and_reported(target):
         assert reasons[str(target)] == EXTERN_REASONS[target]
 
 
+def test_scatter_of_a_full_source_at_argmax_stays_extern():
+    """scatter(self, -1, index [M, 1], src [M, D]) writes src[i][0] at row i's index, not
+    src[i][index]: a compare with the column would read the wrong element."""
+    fn = (lambda x: torch.zeros_like(x).scatter(-1, x.argmax(-1, keepdim=True), x * 2) * 3)
+    both = assert_matches_eager(fn, Sample(fn, "f", grad=False).args(torch.float32))   # (eager has no backward for it)
+    assert [f[1] for f in both.fallbacks] == ["aten.scatter.src"], both.fallbacks
+
+
 def test_strict_mode_names_the_op():
     fused = memfuse.memory_efficient_fusion(lambda x: torch.polygamma(2, x + 1), config=memfuse.Config(strict=True))
     with pytest.raises(NotImplementedError, match=r"aten\.polygamma\.default.*order 2.*strict"):
