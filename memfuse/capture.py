@@ -1270,7 +1270,8 @@ def _reads_each_once(graph: Graph, node: Node) -> bool:
         if constant != 0 or len(hits) != 1 or hits[0] in used or hits[0] >= len(value_shape):
             return False
         k = hits[0]
-        if not (isinstance(coefficients[k], int) and coefficients[k] == 1) or not views.same(value_shape[k], root_shape[j]):
+        unit = isinstance(coefficients[k], int) and coefficients[k] == 1
+        if not unit or not views.same(value_shape[k], root_shape[j]):
             return False
         used.add(k)
     return all(views.same(value_shape[k], 1) for k in range(len(value_shape)) if k not in used)
