@@ -23,8 +23,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
 from . import views
-from .ir import (COMPARISON, Cast, Constant, Extern, Graph, Index, Kind, Node, Op, Reduce, Seeded, Strided,
-                 Symbol, Value, ValueRef, fits, verify)
+from .ir import (BINARY, COMPARISON, UNARY, Cast, Constant, Extern, Graph, Index, Kind, Node, Op, Reduce, Seeded,
+                 Strided, Symbol, Value, ValueRef, fits, verify)
 from .ops import OPS, accumulate_dtype
 
 aten = torch.ops.aten
@@ -375,8 +375,11 @@ SPECIAL_ATEN = {
     aten.cat.default: "windowed strided reads of the parts in memory, each where its range lies",
     aten.slice_scatter.default: "a windowed strided read of the source over the base (step 1; else an extern)",
     aten.select_backward.default: "a windowed strided read of the gradient over zeros",
-    aten.scatter.src: "where(column == index, src, self) for an index from argmax/argmin over D "
-                      "(max.dim's backward; else an extern)",
+    aten.scatter.src: "where(column == index, src, self) for an index known to lie in [0, D): from argmax/argmin "
+                      "over D (max.dim's backward) or checked by a gather of the graph; else an extern",
+    aten.scatter.value: "where(column == index, value, self) for an index known to lie in [0, D): from "
+                        "argmax/argmin over D or checked by a gather of the graph (cross-entropy's one-hot); "
+                        "else an extern",
     aten.polygamma.default: "digamma (order 0), trigamma (order 1: digamma's derivative); higher orders: an extern",
 }
 
@@ -387,6 +390,7 @@ EXTERN_REASONS = {
     aten.addmm.default: "matrix multiply: an aten (cuBLAS) call",
     aten.flip.default: "flip reverses element order",
     aten.scatter.src: "scatter: data-dependent addressing",
+    aten.scatter.value: "scatter: data-dependent addressing",
     aten.gather.default: "gather: data-dependent addressing",
     aten.index.Tensor: "indexing: data-dependent addressing",
     aten.cumsum.default: "scan along a dim",
@@ -570,7 +574,7 @@ class _Lowering:
             return self.lower_rand(node, value)
         if target in REDUCE_ATEN:
             return self.lower_reduction(node, REDUCE_ATEN[target], value)
-        if target is aten.scatter.src:
+        if target in (aten.scatter.src, aten.scatter.value):
             return self.lower_scatter(node, value)
         if target in (aten.mean.dim, aten.mean.default):
             return self.lower_mean(node, value)
@@ -1121,22 +1125,25 @@ class _Lowering:
         return (var, mean) if node.target is aten.var_mean.correction else var
 
     def lower_scatter(self, node, value: Value) -> str:
-        """scatter(self, -1, index, src) with one index per row that an argmax/argmin of this
-        graph produced (max.dim's backward): where(column == index, src, self). Any other
-        index could be out of range, which eager reports: that stays an extern."""
+        """scatter(self, -1, index, src) and scatter(self, -1, index, value) with one index per
+        row: where(column == index, src, self), when every index is known to lie in [0, D)
+        (`index_in_range`: an argmax/argmin over rows of D, or the index a gather over rows of D
+        checked, as nll_loss's backward scatters its one-hot at the targets its forward gathered).
+        Any other index could be out of range, which eager reports: that stays an extern."""
         base, dim, index, src = (self.operand(a) if isinstance(a, torch.fx.Node) else a for a in node.args[:4])
-        if value.kind is not Kind.FULL or dim % len(value.shape) != len(value.shape) - 1:
-            raise NotFusible(EXTERN_REASONS[aten.scatter.src])
-        origin = index
-        while self.graph[origin].op is Op.VIEW:
-            origin = self.graph[origin].inputs[0]
-        producer = self.graph[origin]
-        if producer.op not in (Op.ARGMAX, Op.ARGMIN) or self.graph[producer.inputs[0]].value.d != value.d \
-                or self.graph[index].value.kind is not Kind.ROW:
-            raise NotFusible(EXTERN_REASONS[aten.scatter.src])
+        if value.kind is not Kind.FULL or dim % len(value.shape) != len(value.shape) - 1 \
+                or self.graph[index].value.kind is not Kind.ROW or not index_in_range(self.graph, index, value.d):
+            raise NotFusible(EXTERN_REASONS[node.target])
+        if not isinstance(src, str):     # scatter.value: a number
+            src = self.const(src, value.dtype)
+        if self.graph[src].value.kind not in (Kind.ROW, Kind.SCALAR):
+            # row i takes src[i][0], the element beside its one index, not src[i][index]
+            raise NotFusible(f"a scatter of a {self.graph[src].value.kind.value} source: one index per row "
+                             "takes the row's first source element")
+        full_bool = Value(torch.bool, Kind.FULL, value.shape, value.m, value.d)
+        self.check_fits(Op.EQ, [index], full_bool)
         column = self.add(Op.IOTA, [], Value(torch.int64, Kind.COL, (sympy.Integer(value.d),), d=value.d),
                           name=f"{node.name}_column")
-        full_bool = Value(torch.bool, Kind.FULL, value.shape, value.m, value.d)
         hit = self.pointwise(Op.EQ, [column, index], full_bool, f"{node.name}_hit")
         return self.pointwise(Op.WHERE, [hit, src, base], value, node.name)
 
@@ -1206,3 +1213,84 @@ def _refs(args) -> list:
         elif isinstance(a, (list, tuple)):
             out.extend(_refs(a))
     return out
+
+
+# -- index ranges: when a scatter's index is known to lie in [0, D) ------------------------------
+def index_in_range(graph: Graph, index: str, width: int) -> bool:
+    """Whether every value of `index` lies in [0, width): it is an argmax/argmin over rows of
+    `width`, or the same elementwise function of the same tensor as the index of a gather over
+    rows of `width` in this graph (aten's gather checks its index; AOTAutograd's graphs hold no
+    dead code, so that gather runs in the same call: cross-entropy's forward gathers the target
+    logit at where(t != ignore, t, 0), its backward scatters the one-hot at the same values)."""
+    origin = index
+    while graph[origin].op is Op.VIEW:
+        origin = graph[origin].inputs[0]
+    producer = graph[origin]
+    if producer.op in (Op.ARGMAX, Op.ARGMIN) and graph[producer.inputs[0]].value.d == width:
+        return True
+    mine = elementwise_of_one(graph, index, covering=False)
+    if mine is None:
+        return False
+    for node in graph.nodes.values():
+        if node.op is not Op.EXTERN or node.attr.target is not aten.gather.default:
+            continue
+        source, dim, checked = node.attr.args[:3]
+        if not (isinstance(source, ValueRef) and isinstance(checked, ValueRef) and isinstance(dim, int)):
+            continue
+        shape = graph[source.name].value.shape
+        if shape and dim % len(shape) == len(shape) - 1 and shape[-1] == width \
+                and elementwise_of_one(graph, checked.name, covering=True) == mine:
+            return True
+    return False
+
+
+def elementwise_of_one(graph: Graph, name: str, covering: bool) -> Optional[tuple]:
+    """(root, expression) when `name` is a pointwise function, element by element, of one tensor
+    read in one way (the `entry`: a read of `root`) and of scalars; else None. Reads (VIEW,
+    STRIDED without a window or sums) above the expression and at its entry are looked through:
+    every value `name` holds is then the expression of a value `root` holds. With `covering`, only
+    reads that keep every element of their source are looked through, so the converse holds too."""
+    entries, roots = set(), set()
+
+    def form(n: str):
+        node = graph[n]
+        if node.op in UNARY | BINARY | {Op.WHERE}:
+            return (node.op, node.attr, node.value.dtype, tuple(form(i) for i in node.inputs))
+        root = _through_reads(graph, n, covering)
+        if graph[root].op in (Op.CONSTANT, Op.SYMBOL):
+            return (graph[root].op, graph[root].attr)
+        entries.add(n)
+        roots.add(root)
+        return ("entry",)
+
+    expression = form(_through_reads(graph, name, covering))
+    return (roots.pop(), expression) if len(entries) == 1 else None
+
+
+def _through_reads(graph: Graph, name: str, covering: bool) -> str:
+    while True:
+        node = graph[name]
+        plain_read = node.op is Op.STRIDED and node.attr.window is None and not node.attr.summed
+        if node.op is Op.VIEW or plain_read and (not covering or _reads_each_once(graph, node)):
+            name = node.inputs[0]
+        else:
+            return name
+
+
+def _reads_each_once(graph: Graph, node: Node) -> bool:
+    """A STRIDED read that visits every element of its root once: a permute, or a reshape that
+    adds or drops size-1 dims (each root dim of size > 1 is one value dim of the same size)."""
+    value_shape, root_shape = node.value.shape, graph[node.inputs[0]].value.shape
+    used = set()
+    for j, (coefficients, constant) in enumerate(node.attr.index):
+        if views.same(root_shape[j], 1):
+            continue
+        hits = [k for k, c in enumerate(coefficients) if not (isinstance(c, int) and c == 0)]
+        if constant != 0 or len(hits) != 1 or hits[0] in used or hits[0] >= len(value_shape):
+            return False
+        k = hits[0]
+        unit = isinstance(coefficients[k], int) and coefficients[k] == 1
+        if not unit or not views.same(value_shape[k], root_shape[j]):
+            return False
+        used.add(k)
+    return all(views.same(value_shape[k], 1) for k in range(len(value_shape)) if k not in used)

@@ -7,6 +7,21 @@ is the cheapest set of values to keep alive; the forward computes its own output
 anyway, and the byte only breaks ties towards fewer tensors. Random values are recomputable
 for free: their only input, the seed, is a Python int kept on the side, so a dropout mask is
 regenerated in the backward and never saved.
+
+Three rules for whole models (a language-model head and its cross-entropy):
+- Index ops on integer targets (the one-hot, the `ne(ignore_index)` masks, where over them)
+  are recomputed from the targets: fused ones like any pointwise op; an extern one (a scatter
+  that stays an aten call) when it expands its integer inputs at least INDEX_EXPANSION-fold.
+- Views cost nothing: a VIEW node, or an aten view run as an extern (a permute of a weight for
+  mm), is never saved (infinite capacity) and is rebuilt from its base in the backward, so
+  saving x and x.t() costs x's bytes once, and a tie between a value and its reshape keeps the
+  value (no copy written to be saved).
+- A value behind an exact upcast (a bf16 matmul output cast to fp32 for the loss) is saved in
+  the narrow dtype and the cast recomputed: the cut is the cheaper of the two by construction,
+  and the plan says so. A downcast is never moved across: the narrow value does not give the
+  wide one back.
+Ties go to values already in memory (an extern's result, a forward output) over values a
+kernel would write only to be saved (WRITE_TIE).
 """
 from __future__ import annotations
 
@@ -14,6 +29,7 @@ import enum
 from dataclasses import dataclass, field
 
 import networkx as nx
+import torch
 
 from .capture import Captured
 from .ir import REDUCTION, Graph, Kind, Node, Op, Reduce, value_bytes
@@ -21,6 +37,14 @@ from .ir import REDUCTION, Graph, Kind, Node, Op, Reduce, value_bytes
 INFINITE = float("inf")
 FREE_LEAVES = {Op.SEED, Op.CONSTANT, Op.SYMBOL}   # available to both graphs at no cost
 INPUT_COST = 1
+# An extern index op (computed from integer inputs only) is recomputed in the backward when its
+# result holds at least this many times the bytes of those inputs (a one-hot [tokens, vocab]
+# from [tokens] targets); one that does not (a pad, a count) is kept: recomputing it would cost
+# an aten launch to spare few bytes.
+INDEX_EXPANSION = 2
+# A value a kernel would write only to be saved costs this much more than the same bytes already
+# in memory (an extern's result, a forward output): a tie keeps what nothing has to write.
+WRITE_TIE = 1
 
 
 class Side(enum.Enum):
@@ -57,14 +81,58 @@ class Plan:
         return sum(s.bytes for s in self.saved if not s.is_input)
 
 
-def recomputable(node: Node) -> bool:
-    if node.op in (Op.EXTERN, Op.GETITEM):
+def is_view(node: Node) -> bool:
+    """A VIEW node, or an aten view (permute, expand, view, ...) run as an extern: nothing to
+    recompute, and saving it keeps its base."""
+    return node.op is Op.VIEW or node.op is Op.EXTERN and getattr(node.attr.target, "is_view", False)
+
+
+def is_exact_upcast(node: Node, joint: Graph) -> bool:
+    """A cast to a wider floating dtype (bf16 -> fp32): the narrow value gives it back exactly."""
+    if node.op is not Op.CAST:
         return False
+    source = joint[node.inputs[0]].value.dtype
+    target = node.value.dtype
+    return source is not None and target is not None and target.is_floating_point and \
+        (source == torch.bool or source.is_floating_point and target.itemsize > source.itemsize)
+
+
+def index_inputs(joint: Graph) -> dict:
+    """Nodes computed from integer inputs only (targets, labels; constants aside) -> the names of
+    those inputs. A random value, a float input or a seeded extern (randint) below a node keeps
+    it out, and so does having no integer input at all (an arange is a constant)."""
+    sources, found = {}, {}
+    for name, node in joint.nodes.items():
+        if node.op is Op.INPUT:
+            if node.value.dtype is not None and not node.value.is_floating:
+                sources[name] = frozenset([name])
+            continue
+        if node.op in (Op.CONSTANT, Op.SYMBOL):
+            sources[name] = frozenset()
+            continue
+        seeded = node.op is Op.EXTERN and torch.Tag.nondeterministic_seeded in getattr(node.attr.target, "tags", ())
+        if node.op in (Op.SEED, Op.RAND) or seeded or any(i not in sources for i in node.inputs):
+            continue
+        sources[name] = frozenset().union(*(sources[i] for i in node.inputs))
+        if sources[name]:
+            found[name] = sources[name]
+    return found
+
+
+def pinned_reason(node: Node, index_bytes: dict, hints: dict) -> str | None:
+    """Why `node` cannot be recomputed in the backward (it hangs from the source), or None."""
+    if node.op in (Op.EXTERN, Op.GETITEM):
+        if is_view(node):
+            return None
+        if node.op is Op.EXTERN and node.name in index_bytes and node.value.dtype is not None and \
+                value_bytes(node.value, hints) >= INDEX_EXPANSION * max(index_bytes[node.name], 1):
+            return None
+        return "an extern call"
     if node.op in REDUCTION and isinstance(node.attr, Reduce) and node.attr.axis is Kind.COL:
-        return False   # a reduction over every row: recomputing it costs a whole extra pass
+        return "a reduction over M"   # recomputing it costs a whole extra pass
     if node.op is Op.STRIDED and node.attr.summed:
-        return False   # a sum over leading dims: recomputing it re-reads every row it adds up
-    return True
+        return "a sum over leading dims"   # recomputing it re-reads every row it adds up
+    return None
 
 
 def plan(captured: Captured) -> Plan:
@@ -78,17 +146,20 @@ def plan(captured: Captured) -> Plan:
 
     backward_only = _descendants(joint, tangents)
     backward_needed = _ancestors(joint, [g for g in grads if g is not None])
-    cut = _min_cut(captured, backward_only, backward_needed, grads)
+    index_ops = index_inputs(joint)
+    index_bytes = {n: sum(value_bytes(joint[i].value, captured.hints) for i in srcs) for n, srcs in index_ops.items()}
+    cut = _min_cut(captured, backward_only, backward_needed, grads, index_bytes)
 
     saved_names = [n for n in joint.nodes if n in cut]
-    saved = [SavedValue(n, value_bytes(joint[n].value, captured.hints), joint[n].op is Op.INPUT,
-                        _save_reason(joint[n], backward_only, joint))
-             for n in saved_names]
     forward = _subgraph(joint, inputs=primals + (["seed"] if captured.has_seed else []),
                         outputs=list(fwd_outputs) + saved_names)
     bw_inputs = saved_names + (["seed"] if captured.has_seed else []) + tangents
     backward = _subgraph(joint, inputs=bw_inputs, outputs=list(grads))
-    decisions = _decisions(joint, forward, backward, saved, backward_only)
+    context = _Context(joint, joint.users(), backward, index_bytes, captured.hints)
+    saved = [SavedValue(n, value_bytes(joint[n].value, captured.hints), joint[n].op is Op.INPUT,
+                        _save_reason(joint[n], context))
+             for n in saved_names]
+    decisions = _decisions(joint, forward, backward, saved, backward_only, context)
     return Plan(forward, backward, n_fwd, saved, decisions)
 
 
@@ -102,11 +173,12 @@ def plan_inference(captured: Captured) -> Plan:
     return Plan(forward, None, n_fwd, [], decisions)
 
 
-def _min_cut(captured, backward_only, backward_needed, grads) -> set:
+def _min_cut(captured, backward_only, backward_needed, grads, index_bytes) -> set:
     """The values the backward receives. Forward-needed nodes are not tied to the source:
     the forward computes them anyway, and the backward may compute them again."""
     joint = captured.joint
     users = joint.users()
+    fwd_outputs = set(joint.outputs[:captured.num_fwd_outputs])
     flow = nx.DiGraph()
     source, sink = "source", "sink"
     flow.add_node(source)
@@ -117,14 +189,11 @@ def _min_cut(captured, backward_only, backward_needed, grads) -> set:
         if name not in backward_needed:
             continue   # the backward never reads it, directly or through recomputation
         inside, outside = (name, Side.IN), (name, Side.OUT)
-        if node.op is Op.INPUT:
-            capacity = INPUT_COST
-        elif node.value.dtype is None:
-            capacity = INFINITE   # a tuple result cannot be saved as one tensor
-        else:
-            capacity = max(value_bytes(node.value, captured.hints), 1)
+        capacity = _capacity(node, captured.hints)
+        if node.op not in (Op.INPUT, Op.EXTERN, Op.GETITEM) and name not in fwd_outputs:
+            capacity += WRITE_TIE
         flow.add_edge(inside, outside, capacity=capacity)
-        if node.op is Op.INPUT or not recomputable(node):
+        if node.op is Op.INPUT or pinned_reason(node, index_bytes, captured.hints) is not None:
             flow.add_edge(source, inside, capacity=INFINITE)
         for inp in node.inputs:
             if (inp, Side.OUT) in flow:
@@ -136,6 +205,17 @@ def _min_cut(captured, backward_only, backward_needed, grads) -> set:
     _, (reachable, _) = nx.minimum_cut(flow, source, sink)
     return {key[0] for key in reachable if key != source and key[1] is Side.IN
             and (key[0], Side.OUT) not in reachable}
+
+
+def _capacity(node: Node, hints: dict) -> float:
+    """Bytes of keeping `node` for the backward."""
+    if node.op is Op.INPUT:
+        return INPUT_COST
+    if node.value.dtype is None:
+        return INFINITE   # a tuple result cannot be saved as one tensor
+    if is_view(node):
+        return INFINITE   # keeping a view keeps its base: the cut counts the base (once)
+    return max(value_bytes(node.value, hints), 1)
 
 
 def _subgraph(joint: Graph, inputs: list, outputs: list) -> Graph:
@@ -177,16 +257,51 @@ def _descendants(graph: Graph, roots) -> set:
     return seen
 
 
-def _save_reason(node: Node, backward_only: set, joint: Graph) -> str:
+@dataclass(frozen=True)
+class _Context:
+    """What the reasons read: the joint graph and its users, the backward, the index ops' input
+    bytes, the sizes."""
+    joint: Graph
+    users: dict
+    backward: Graph
+    index_bytes: dict
+    hints: dict
+
+
+def _save_reason(node: Node, context: _Context) -> str:
     if node.op is Op.INPUT:
         return "an input, alive anyway: the backward recomputes from it"
-    if not recomputable(node):
-        what = "an extern call" if node.op in (Op.EXTERN, Op.GETITEM) else "a reduction over M"
-        return f"{what}: cheaper to keep than to redo"
-    return "cheaper to keep than to recompute from the inputs (min-cut)"
+    upcasts = [u for u in context.users[node.name]
+               if is_exact_upcast(context.joint[u], context.joint) and u in context.backward.nodes
+               and context.backward[u].op is not Op.INPUT]
+    narrow = f"; kept in {_dtype(node)}, the backward recomputes its {_dtype(context.joint[upcasts[0]])} " \
+             f"upcast {upcasts[0]} (exact)" if upcasts else ""
+    pinned = pinned_reason(node, context.index_bytes, context.hints)
+    if pinned == "an extern call" and node.name in context.index_bytes:
+        return ("an index op on integer targets that does not expand them (a pad, a count): cheaper to keep "
+                f"than another aten launch{narrow}")
+    if pinned is not None:
+        return f"{pinned}: cheaper to keep than to redo{narrow}"
+    return f"cheaper to keep than to recompute from the inputs (min-cut){narrow}"
 
 
-def _decisions(joint, forward, backward, saved, backward_only) -> dict:
+def _recompute_reason(node: Node, context: _Context) -> str:
+    if not node.inputs:
+        return "a constant (the column index, a fill): rebuilt in the backward for free"
+    if is_view(node):
+        return "a view: rebuilt from its base in the backward, for free"
+    if node.name in context.index_bytes:
+        return "index op on integer targets: recomputed from the targets"
+    if is_exact_upcast(node, context.joint):
+        return "an exact upcast: recomputed from the narrower value"
+    return "recomputed in the backward from saved inputs"
+
+
+def _dtype(node: Node) -> str:
+    return str(node.value.dtype).replace("torch.", "")
+
+
+def _decisions(joint, forward, backward, saved, backward_only, context) -> dict:
     saved_names = {s.name: s for s in saved}
     decisions = {}
     for name, node in joint.nodes.items():
@@ -198,7 +313,7 @@ def _decisions(joint, forward, backward, saved, backward_only) -> dict:
             if node.op is Op.RAND:
                 decisions[name] = (Decision.REGENERATE, "redrawn from the seed: the mask is never saved")
             else:
-                decisions[name] = (Decision.RECOMPUTE, "recomputed in the backward from saved inputs")
+                decisions[name] = (Decision.RECOMPUTE, _recompute_reason(node, context))
         elif name in forward.nodes:
             decisions[name] = (Decision.FORWARD, "needed by the forward outputs only")
     return decisions

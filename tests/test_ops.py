@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import memfuse
-from memfuse.capture import EXTERN_REASONS, decomposition_table, lowering_table
+from memfuse.capture import EXTERN_REASONS, capture, decomposition_table, lowering_table
 
 from compare import assert_matches_eager, assert_same, run_both
 
@@ -245,6 +245,9 @@ SAMPLES = {
     aten.argmin.default: [S(lambda a: aten.argmin.default(a, -1, True), "q", grad=False)],
     aten.max.dim: [S(lambda a: aten.max.dim(a, -1), "f")],
     aten.scatter.src: [S(lambda a: aten.max.dim(a, -1)[0] * 2, "f")],   # max.dim's backward
+    # cross-entropy's backward: a one-hot at the targets its forward gathered
+    aten.scatter.value: [S(lambda a: F.cross_entropy(a.view(-1, 8), (a.detach()[..., 0].abs() * 3).long().clamp(max=7)
+                                                     .view(-1)), "f")],
     aten.min.dim: [S(lambda a: aten.min.dim(a, -1, True), "q")],
     aten.mean.dim: [S(lambda a: aten.mean.dim(a, [-1]), "f"), S(lambda a: aten.mean.dim(a, [0, 1]), "f"),
                     S(lambda a: aten.mean.dim(a, [1], True), "f", name="leading")],
@@ -397,6 +400,7 @@ EXTERNS = {
     aten.var.correction: (lambda x: x.var() * 2, "f"),
     aten.mm.default: (lambda x, w: (x @ w).relu(), "fs"),
     aten.scatter.src: (lambda x, y: x.scatter(-1, (y.abs() * 3).long().clamp(max=7), y) * 2, "ff"),
+    aten.scatter.value: (lambda x, y: x.scatter(-1, (y.abs() * 3).long().clamp(max=7)[..., :1], 1.0) * 2, "ff"),
 }
 
 
@@ -411,6 +415,37 @@ def test_extern_op_is_correct_and_reported(target):
     assert str(target) in reasons, f"{target} not reported among {both.fallbacks}"
     if target in EXTERN_REASONS:
         assert reasons[str(target)] == EXTERN_REASONS[target]
+
+
+def test_scatter_of_a_full_source_at_argmax_stays_extern():
+    """scatter(self, -1, index [M, 1], src [M, D]) writes src[i][0] at row i's index, not
+    src[i][index]: a compare with the column would read the wrong element."""
+    fn = (lambda x: torch.zeros_like(x).scatter(-1, x.argmax(-1, keepdim=True), x * 2) * 3)
+    both = assert_matches_eager(fn, Sample(fn, "f", grad=False).args(torch.float32))   # (eager has no backward for it)
+    assert [f[1] for f in both.fallbacks] == ["aten.scatter.src"], both.fallbacks
+
+
+def gathered_and_scattered(index_of_scatter):
+    """x.gather at where(t != -100, t, 0) (aten checks that index), then a one-hot scattered
+    at `index_of_scatter(t)`: a compare only when that index is the one the gather checked."""
+    def fn(x, t):
+        picked = x.gather(-1, torch.where(t != -100, t, 0)[:, None])
+        onehot = torch.zeros_like(x).scatter(-1, index_of_scatter(t)[:, None], 1.0)
+        return (picked.sum() + (x * onehot).sum(),)
+    x, t = torch.randn(6, 8, requires_grad=True), torch.tensor([0, 7, -100, 3, 3, 5])
+    return capture(fn, [x, t], trace_joint=True, static_inputs=[True])   # x's rows are t's size
+
+
+@pytest.mark.parametrize("index,fused", [
+    (lambda t: torch.where(t != -100, t, 0), True),           # the checked values, read again
+    (lambda t: torch.where(t != -100, t, 0) + 1, False),      # may be D
+    (lambda t: torch.where(t != -100, t.flip(0), 0), False),  # another row's target: may be -100
+    (lambda t: t, False),                                      # -100 itself
+], ids=["same", "plus_one", "misaligned", "unmasked"])
+def test_scatter_is_a_compare_only_at_an_index_a_gather_checked(index, fused):
+    captured = gathered_and_scattered(index)
+    scattered = [f for f in captured.fallbacks if f[1] == "aten.scatter.value"]
+    assert (not scattered) == fused, captured.fallbacks
 
 
 def test_strict_mode_names_the_op():
