@@ -34,3 +34,19 @@ def test_tiny_run(tmp_path, capsys):
     assert markdown.count(f"| {MODEL} |") == len(MODES) and "TINY RUN" in markdown
     assert bench.report_stem(tmp_path, tiny=True).with_suffix(".png").exists()
     assert "TINY RUN" in capsys.readouterr().out
+
+
+def test_peak_replay_finds_the_blocks_alive_at_the_peak():
+    """benchmarks.peak replays a snapshot's trace: the peak and what was alive then, by frame."""
+    from benchmarks.peak import live_at_peak, where
+    program = [{"filename": "<memfuse program 1>", "line": 2, "name": "run"}]
+    library = [{"filename": "/x/transformers/models/llama.py", "line": 7, "name": "forward"}]
+    trace = [{"action": "alloc", "addr": 1, "size": 100, "frames": program},
+             {"action": "alloc", "addr": 2, "size": 50, "frames": library},
+             {"action": "free_completed", "addr": 1, "size": 100},
+             {"action": "alloc", "addr": 3, "size": 60, "frames": library}]
+    peak, at, alive = live_at_peak(trace)
+    assert (peak, at, sorted(alive)) == (150, 1, [1, 2])
+    sources = {"<memfuse program 1>": ["def run(mf_inputs):", "    buf = mf_empty((4,), (1,), f32)"]}
+    assert where(program, sources) == "memfuse program: buf = mf_empty((4,), (1,), f32)"
+    assert where(library, sources) == "transformers/models/llama.py:7 (forward)"
