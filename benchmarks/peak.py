@@ -37,7 +37,7 @@ def program_sources() -> dict:
     """The source of every memfuse Program alive, by the file name its `run` was compiled under."""
     sources = {}
     for obj in gc.get_objects():
-        if isinstance(obj, Program):
+        if type(obj) is Program:      # (isinstance would call into dead weak proxies)
             for source, run in ((obj.source, obj.run), (obj.source_unhooked, obj.run_unhooked)):
                 sources[run.__code__.co_filename] = source.splitlines()
     return sources
@@ -55,7 +55,8 @@ def where(frames: list, sources: dict) -> str:
             if marker in frame["filename"]:
                 short = frame["filename"].split(marker, 1)[1]
                 return f"{marker}{short}:{frame['line']} ({frame['name']})"
-    frame = frames[0] if frames else {"filename": "?", "line": 0, "name": "?"}
+    python = [f for f in frames if f["filename"].endswith(".py")]
+    frame = (python or frames or [{"filename": "?", "line": 0, "name": "?"}])[0]
     return f"{frame['filename']}:{frame['line']} ({frame['name']})"
 
 
