@@ -23,8 +23,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
 from . import views
-from .ir import (BINARY, COMPARISON, UNARY, Cast, Constant, Extern, Graph, Index, Kind, Node, Op, Reduce, Seeded,
-                 Strided, Symbol, Value, ValueRef, fits, verify)
+from .ir import (BINARY, COMPARISON, UNARY, Cast, Constant, Extern, Graph, Index, Kind, Matmul, Node, Op, Reduce,
+                 Seeded, Strided, Symbol, Value, ValueRef, fits, verify)
 from .ops import OPS, accumulate_dtype
 
 aten = torch.ops.aten
@@ -344,6 +344,8 @@ NOOP_ATEN = {aten._assert_tensor_metadata.default}   # checks the trace already 
 ANY_STRIDES_ATEN = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.permute.default,
                     aten.slice.Tensor, aten.select.int, aten.expand.default, aten.unsqueeze.default,
                     aten.squeeze.dims, aten.alias.default}
+# Matmuls: extern (cuBLAS) calls whose operands memfuse.padding may align (ir.Matmul).
+MATMUL_ATEN = {aten.mm.default, aten.bmm.default, aten.addmm.default}
 REDUCE_ATEN = {aten.sum.dim_IntList: Op.SUM, aten.amax.default: Op.MAX, aten.amin.default: Op.MIN,
                prims.sum.default: Op.SUM, aten.prod.dim_int: Op.PROD, aten.argmax.default: Op.ARGMAX,
                aten.argmin.default: Op.ARGMIN, aten.prod.default: Op.PROD}
@@ -688,16 +690,7 @@ class _Lowering:
         value's that the read adds up (a sum over leading dims)."""
         if value.kind in (Kind.SCALAR, Kind.TENSOR):
             raise NotFusible(f"a view of shape {_shape(value.shape)} is outside the [M, D] space")
-        # the rows unravel over the leading dims (all dims of a row value): the outermost size is not needed
-        col = len(value.shape) - 1 if value.kind in (Kind.FULL, Kind.COL) else None
-        outer = next((k for k, s in enumerate(value.shape) if k != col and not views.same(s, 1)), None)
-        sizes = tuple(None if k == outer else self.size_operand(s) for k, s in enumerate(value.shape))
-        index = tuple((tuple(self.size_operand(c) for c in row), self.size_operand(const))
-                      for row, const in zip(m.coeffs, m.consts))
-        win = None if window is None else tuple(
-            None if w is None else (self.size_operand(w[0]), self.size_operand(w[1])) for w in window)
-        attr = Strided(sizes, index, win, m.contiguous_root, describe, tuple(self.size_operand(s) for s in summed),
-                       m.last_stride_one)
+        attr = strided_attr(m, value, describe, self.size_operand, window, summed)
         if fallback is not None:
             self.check_fits(Op.STRIDED, [fallback], value)
         inputs = [m.root] + ([fallback] if fallback is not None else []) + attr.scalars()
@@ -1185,7 +1178,25 @@ class _Lowering:
         kwargs = tuple((k, ref(v)) for k, v in node.kwargs.items())
         inputs = _refs(args) + _refs(tuple(v for _, v in kwargs))
         value = classify(val) if isinstance(val, torch.Tensor) else Value(None, Kind.TENSOR)
+        if node.target in MATMUL_ATEN and isinstance(val, torch.Tensor):   # the device decides padding
+            return list(dict.fromkeys(inputs)), value, Matmul(node.target, args, kwargs, val.device.type)
         return list(dict.fromkeys(inputs)), value, Extern(node.target, args, kwargs)
+
+
+def strided_attr(m: "views.AccessMap", value: Value, describe: str, size_operand: Callable,
+                 window: Optional[tuple] = None, summed: tuple = ()) -> Strided:
+    """The access map of a STRIDED node reading `m.root` through `m` as `value` (FULL, ROW or COL).
+    `size_operand` turns a sympy entry into an int or a ValueRef to a SYMBOL node of the graph
+    being built (capture's, or a later pass's: memfuse.padding)."""
+    # the rows unravel over the leading dims (all dims of a row value): the outermost size is not needed
+    col = len(value.shape) - 1 if value.kind in (Kind.FULL, Kind.COL) else None
+    outer = next((k for k, s in enumerate(value.shape) if k != col and not views.same(s, 1)), None)
+    sizes = tuple(None if k == outer else size_operand(s) for k, s in enumerate(value.shape))
+    index = tuple((tuple(size_operand(c) for c in row), size_operand(const)) for row, const in zip(m.coeffs, m.consts))
+    win = None if window is None else tuple(
+        None if w is None else (size_operand(w[0]), size_operand(w[1])) for w in window)
+    return Strided(sizes, index, win, m.contiguous_root, describe, tuple(size_operand(s) for s in summed),
+                   m.last_stride_one)
 
 
 class TensorConstant:

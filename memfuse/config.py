@@ -42,3 +42,16 @@ class Config:
     # CUDA-graph mode: most graph pairs (forward + backward) one fused function captures, over
     # all its call signatures; calls past it run without graphs (logged once).
     cuda_graphs_limit: int = 32
+    # Align the operands of extern matmuls (mm, bmm, addmm) as torch.compile's pad_mm does: a static
+    # M, N or K that is not a multiple of 8 elements (fp16/bf16) or 4 (fp32) is padded with zeros and
+    # the result sliced back, so cuBLAS runs its aligned kernels (an odd vocabulary of 50257 otherwise
+    # runs the LM head in `align1` kernels, several times slower). memfuse.padding; `explain` lists each
+    # matmul's decision. "auto": matmuls traced on CUDA whose static dims say it pays
+    # (pad_matmul_min_intensity); "force": every unaligned static dim, any device (tests, measurements);
+    # "off": never. MEMFUSE_PAD_MATMULS sets it.
+    pad_matmuls: str = field(default_factory=lambda: os.environ.get("MEMFUSE_PAD_MATMULS", "auto").strip().lower())
+    # "auto" pads a matmul when it is compute-bound enough for the aligned kernels' speed to pay for the
+    # pad: its arithmetic intensity MNK / (MK + KN + MN) in elements, with symbolic dims (the tokens)
+    # taken as large, is at least this. pad_mm's test: above half the machine balance, about 100-150 on
+    # an H100/H200 in bf16 (the LM head of GPT-2: 756; a [101 x 64] test matmul: 39).
+    pad_matmul_min_intensity: float = 100.0

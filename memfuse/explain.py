@@ -109,6 +109,13 @@ class NotFusedRow:
 
 
 @dataclass(frozen=True)
+class PaddingRow:
+    """One extern matmul's padding decision (memfuse.padding.MatmulPadding) in one program."""
+    program: str
+    padding: Any                       # padding.MatmulPadding
+
+
+@dataclass(frozen=True)
 class FallbackRow:
     node: str
     target: str
@@ -139,6 +146,7 @@ class Report:
     eager_saved: Optional[SavedMemory] = None     # eager autograd on the example args
     memfuse_saved: Optional[SavedMemory] = None   # the fused function, measured the same way
     entry: Any = field(default=None, repr=False, compare=False)   # the cache entry read
+    paddings: list = field(default_factory=list)   # PaddingRow per extern matmul, forward then backward
 
     def kernels_of(self, program: str, generated_only: bool = True) -> list:
         return [k for k in self.kernels if k.program == program and (k.is_kernel or not generated_only)]
@@ -190,15 +198,16 @@ def build_report(entry, name: str) -> Report:
                       joint[s.name].value.dtype, s.bytes, s.is_input, s.reason, arguments.get(s.name))
              for s in the_plan.saved]
     decisions = [DecisionRow(n, joint[n].op.value, d, reason) for n, (d, reason) in the_plan.decisions.items()]
-    kernels, externs, not_fused = [], [], []
+    kernels, externs, not_fused, paddings = [], [], [], []
     for program_name, program in (("forward", function.forward), ("backward", function.backward)):
         if program is not None:
             _read_program(program_name, program, hints, kernels, externs, not_fused)
+            paddings.extend(PaddingRow(program_name, p) for p in program.schedule.paddings)
     fallbacks = [FallbackRow(*f) for f in captured.fallbacks]
     return Report(name, graph_size(joint), graph_size(the_plan.forward),
                   graph_size(the_plan.backward) if the_plan.backward is not None else None,
                   saved, the_plan.saved_bytes, decisions, kernels, externs, not_fused, fallbacks,
-                  captured.specialized, entry=entry)
+                  captured.specialized, entry=entry, paddings=paddings)
 
 
 def _read_program(program_name: str, program, hints: dict, kernels: list, externs: list,
@@ -258,7 +267,8 @@ def _dtype(dtype) -> str:
 
 def format_report(r: Report) -> str:
     lines = [f"memfuse.explain: {r.name}"]
-    lines += _graph_lines(r) + _saved_lines(r) + _decision_lines(r) + _kernel_lines(r) + buffer_lines(r)
+    lines += _graph_lines(r) + _saved_lines(r) + _decision_lines(r) + _kernel_lines(r) + padding_lines(r)
+    lines += buffer_lines(r)
     lines += _fallback_lines(r)
     return "\n".join(lines)
 
@@ -337,6 +347,17 @@ def _one_kernel(k: KernelRow) -> list:
         partials = " (+ fp32 column partials per program)" if k.column_sums else ""
         lines.append(f"      moves {k.bytes_per_row} B per row, {human_bytes(k.bytes)} at the example sizes{partials}")
         lines.append(f"      source: {k.path}")
+    return lines
+
+
+def padding_lines(r: Report) -> list:
+    """Each extern matmul's operand padding (memfuse.padding): which of M, N, K were padded to
+    what, or why none was."""
+    if not r.paddings:
+        return []
+    lines = ["", "matmul padding (cuBLAS alignment: Config.pad_matmuls)"]
+    for row in r.paddings:
+        lines.append(f"  {row.program} {row.padding}")
     return lines
 
 

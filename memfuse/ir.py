@@ -123,6 +123,13 @@ class Extern:
 
 
 @dataclass(frozen=True)
+class Matmul(Extern):
+    """An aten matmul (mm, bmm, addmm): an Extern that also says which device type it was traced
+    on, which decides whether aligning its operands pays (memfuse.padding)."""
+    device: str = "cpu"
+
+
+@dataclass(frozen=True)
 class Index:
     index: int
 
@@ -168,7 +175,7 @@ class Strided:
         return list(dict.fromkeys(r.name for r in refs if isinstance(r, ValueRef)))
 
 
-Attr = Union[None, Cast, Constant, Symbol, Seeded, Reduce, Extern, Index, Strided]
+Attr = Union[None, Cast, Constant, Symbol, Seeded, Reduce, Extern, Matmul, Index, Strided]
 
 
 @dataclass(frozen=True)

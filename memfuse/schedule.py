@@ -17,7 +17,8 @@ import sympy
 
 from .config import Config
 from .ops import TRITON_DTYPES
-from .ir import EXTERNAL, FUSIBLE, LEAF, MEMORY_VIEWS, REDUCTION, Graph, Kind, Op, Reduce, Value
+from .ir import EXTERNAL, FUSIBLE, LEAF, MEMORY_VIEWS, REDUCTION, Graph, Kind, Op, Reduce, Value, verify
+from .padding import pad_matmuls
 
 
 @dataclass(frozen=True)
@@ -72,9 +73,10 @@ class ExternStep:
 
 @dataclass
 class Schedule:
-    graph: Graph
+    graph: Graph                                       # the graph scheduled (its matmuls padded: memfuse.padding)
     steps: list                                        # KernelGroup | ExternStep, in run order
     not_fused: list = field(default_factory=list)      # (node, input, reason)
+    paddings: list = field(default_factory=list)       # padding.MatmulPadding per extern matmul
 
     @property
     def kernels(self) -> list:
@@ -82,7 +84,11 @@ class Schedule:
 
 
 def schedule(graph: Graph, config: Config, kind: str) -> Schedule:
-    """`kind` names the graph ("forward", "backward") in kernel names."""
+    """`kind` names the graph ("forward", "backward") in kernel names. Matmuls whose operands are
+    better aligned are rewritten first (memfuse.padding, Config.pad_matmuls)."""
+    graph, paddings = pad_matmuls(graph, config)
+    if config.check and any(p.padded for p in paddings):
+        verify(graph)
     stage: dict = {}
     group_of: dict = {}
     groups: list = []
@@ -120,7 +126,7 @@ def schedule(graph: Graph, config: Config, kind: str) -> Schedule:
         if isinstance(group, KernelGroup):
             _fill_io(graph, group, group_of)
             group.aten_reason = _codegen_limit(graph, group, config)
-    return Schedule(graph, steps, not_fused)
+    return Schedule(graph, steps, not_fused, paddings)
 
 
 def _node_space(graph: Graph, node) -> Space:
