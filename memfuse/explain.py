@@ -532,8 +532,11 @@ def _forked_rng(tensors):
 
 def draw_plan(fn, *example_args, path=None, **kwargs) -> PlanDrawing:
     """Compile `fn` for the example arguments and draw its plan; written to `path` when given
-    (.png, .svg, .pdf or .dot). `path` is taken by this call, never passed on to `fn`."""
+    (.png, .svg, .pdf or .dot). `path` is taken by this call, never passed on to `fn`. A call
+    that runs through torch has no plan to draw: a ValueError says why."""
     fused, entry = compile_entry(fn, example_args, kwargs)
+    if isinstance(entry, EagerCall):
+        raise ValueError(f"memfuse.draw_plan: no plan to draw: {entry}")
     drawing = plan_drawing(entry.captured, entry.plan, title=fused._name())
     if path is not None:
         drawing.save(path)

@@ -208,3 +208,8 @@ def test_explain_a_call_that_runs_through_torch_says_why():
     assert isinstance(decision, memfuse.eager.EagerCall)
     assert "runs through torch, not compiled: argument 'cache' is a object" in printed
     assert all(v == 0 for v in memfuse.stats().values())
+
+
+def test_draw_plan_of_a_call_that_runs_through_torch_says_why():
+    with pytest.raises(ValueError, match="no plan to draw: memfuse: NormGate runs through torch"):
+        memfuse.draw_plan(NormGate(), torch.randn(4, 16), cache=object())
