@@ -19,6 +19,7 @@ from .config import Config
 from .ops import TRITON_DTYPES
 from .ir import EXTERNAL, FUSIBLE, LEAF, MEMORY_VIEWS, REDUCTION, Graph, Kind, Op, Reduce, Value, verify
 from .padding import pad_matmuls
+from .reinplace import reinplace_fills
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,7 @@ class Schedule:
     steps: list                                        # KernelGroup | ExternStep, in run order
     not_fused: list = field(default_factory=list)      # (node, input, reason)
     paddings: list = field(default_factory=list)       # padding.MatmulPadding per extern matmul
+    in_place: list = field(default_factory=list)       # reinplace.InPlace: scatters written into their fill
 
     @property
     def kernels(self) -> list:
@@ -84,10 +86,12 @@ class Schedule:
 
 
 def schedule(graph: Graph, config: Config, kind: str) -> Schedule:
-    """`kind` names the graph ("forward", "backward") in kernel names. Matmuls whose operands are
-    better aligned are rewritten first (memfuse.padding, Config.pad_matmuls)."""
+    """`kind` names the graph ("forward", "backward") in kernel names. Two rewrites of its extern
+    calls come first: matmuls whose operands are better aligned (memfuse.padding, Config.pad_matmuls),
+    scatters into a fresh fill made in place (memfuse.reinplace)."""
     graph, paddings = pad_matmuls(graph, config)
-    if config.check and any(p.padded for p in paddings):
+    graph, in_place = reinplace_fills(graph)
+    if config.check and (in_place or any(p.padded for p in paddings)):
         verify(graph)
     stage: dict = {}
     group_of: dict = {}
@@ -126,7 +130,7 @@ def schedule(graph: Graph, config: Config, kind: str) -> Schedule:
         if isinstance(group, KernelGroup):
             _fill_io(graph, group, group_of)
             group.aten_reason = _codegen_limit(graph, group, config)
-    return Schedule(graph, steps, not_fused, paddings)
+    return Schedule(graph, steps, not_fused, paddings, in_place)
 
 
 def _node_space(graph: Graph, node) -> Space:
