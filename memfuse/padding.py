@@ -201,7 +201,24 @@ class _Rewrite:
                 self.matmul(node, self.padded[name])
             else:
                 self.new.add(self.reroute(node))
+        self.drop_unread([r.name for name in self.padded for r in _operands(self.old[name])
+                          + (self.old[name].attr.args[0],) if isinstance(r, ValueRef)])
         return self.new
+
+    def drop_unread(self, names: list) -> None:
+        """Drop what only the unpadded matmuls read (a transpose of the unpadded operand, the
+        operand itself when its kernel now stores only the padded one), and what only that read."""
+        users = self.new.users()
+        keep = set(self.new.inputs) | self.outputs
+        while names:
+            name = names.pop()
+            node = self.new.nodes.get(name)
+            if node is None or users[name] or name in keep or node.op in (Op.INPUT, Op.SEED):
+                continue
+            del self.new.nodes[name]
+            for i in node.inputs:
+                users[i] = [u for u in users[i] if u != name]
+                names.append(i)
 
     # -- names, constants, sizes ---------------------------------------------------------------
     def fresh(self, base: str) -> str:

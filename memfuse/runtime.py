@@ -664,6 +664,9 @@ def _run_aten_group(graph: Graph, step: AtenGroup, env: dict, symbol_values: tup
             result = torch.empty(rows, d, dtype=compute_dtype(node.value.dtype), device=device)
         elif node.op is Op.VIEW:
             result = read(node.inputs[0])
+        elif node.op is Op.STRIDED and node.inputs[0] in local:   # a padded store: zero columns appended
+            value = torch.broadcast_to(local[node.inputs[0]], (rows, d))
+            result = torch.nn.functional.pad(value, (0, node.value.d - d))
         elif node.op is Op.STRIDED:
             shape = step.view_shapes[name](*symbol_values)
             values, inside = (_canonical(t, node.value.kind, rows, d)
@@ -689,7 +692,8 @@ def _run_aten_group(graph: Graph, step: AtenGroup, env: dict, symbol_values: tup
         value = local[name]
         if not isinstance(value, torch.Tensor):   # a fill with a constant (zeros under a scatter)
             value = torch.tensor(value, dtype=graph[name].value.dtype, device=device)
-        full = torch.broadcast_to(value, _canonical_shape(graph[name].value.kind, rows, d))
+        kind = graph[name].value.kind
+        full = torch.broadcast_to(value, _canonical_shape(kind, rows, graph[name].value.d if kind is Kind.FULL else d))
         results.append(full.to(graph[name].value.dtype).reshape(shape(*symbol_values)).contiguous())
     return results
 

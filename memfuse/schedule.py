@@ -17,7 +17,8 @@ import sympy
 
 from .config import Config
 from .ops import TRITON_DTYPES
-from .ir import EXTERNAL, FUSIBLE, LEAF, MEMORY_VIEWS, REDUCTION, Graph, Kind, Op, Reduce, Value, verify
+from .ir import (EXTERNAL, FUSIBLE, LEAF, MEMORY_VIEWS, REDUCTION, Graph, Kind, Op, Reduce, Value, column_padding,
+                 verify)
 from .padding import pad_matmuls
 from .reinplace import reinplace_fills
 
@@ -108,7 +109,7 @@ def schedule(graph: Graph, config: Config, kind: str) -> Schedule:
             externs.append(ExternStep(name, stage[name]))
             continue
         assert node.op in FUSIBLE, node.op
-        space = _node_space(graph, node)
+        space = _node_space(graph, node, group_of)
         here = 0
         for inp in node.inputs:
             here = max(here, _input_stage(graph, inp, stage, group_of, space, not_fused, name))
@@ -133,13 +134,27 @@ def schedule(graph: Graph, config: Config, kind: str) -> Schedule:
     return Schedule(graph, steps, not_fused, paddings, in_place)
 
 
-def _node_space(graph: Graph, node) -> Space:
+def _node_space(graph: Graph, node, group_of: dict) -> Space:
     """Where a node runs: its value's space, and for a reduction also its source's [M, D] (a
-    column sum alone in its group must still walk the M rows, a row sum the D columns)."""
+    column sum alone in its group must still walk the M rows, a row sum the D columns); a padded
+    store runs where its root does."""
+    if stores_padded(graph, node, group_of):
+        return Space.of(graph[node.inputs[0]].value)
     space = Space.of(node.value)
     if node.op in REDUCTION:
         space = space.join(Space.of(graph[node.inputs[0]].value))
     return space
+
+
+def stores_padded(graph: Graph, node, computed) -> bool:
+    """Whether `node` is a zero padding of the columns of a value a kernel computes (`computed`:
+    the names kernels compute), which that kernel stores padded (memfuse.padding): its tiles span
+    the padded row (BLOCK_D, the next power of two of D, reaches it)."""
+    d = column_padding(graph, node)
+    if d is None or node.inputs[0] not in computed:
+        return False
+    root_d = graph[node.inputs[0]].value.d
+    return d <= 1 << max(0, (root_d - 1).bit_length())
 
 
 def _finishing(graph: Graph, node) -> bool:
@@ -167,6 +182,8 @@ def _input_stage(graph, inp, stage, group_of, space, not_fused, name) -> int:
         not_fused.append((name, inp, barrier))
         return stage[inp] + 1
     node = graph[name]
+    if inp == node.inputs[0] and stores_padded(graph, node, group_of):
+        return stage[inp]      # the kernel that computes inp stores it padded
     if node.op in MEMORY_VIEWS and inp == node.inputs[0] and inp in group_of:
         not_fused.append((name, inp, f"reads {inp} in place ({node.attr.describe}): a kernel writes it "
                                      f"to memory first"))
