@@ -70,6 +70,7 @@ class Tagger(nn.Module):
 
 
 def test_scatters_into_fills_run_in_place():
+    """(When the planner makes the one-hot a compare of the targets, no scatter is left for it.)"""
     torch.manual_seed(0)
     eager = Tagger()
     fused = memfuse.memory_efficient_fusion(Tagger())
@@ -78,8 +79,8 @@ def test_scatters_into_fills_run_in_place():
     with Dispatched() as seen:
         loss = fused(ids)
         loss.backward()
-    in_place = {aten.index_put_.default, aten.scatter_.value, aten.scatter_.src}
-    assert sum(seen.ops[op] for op in in_place) >= 2
+    # the embedding's backward writes into its zeros; the one-hot, where it is still a scatter, too
+    assert seen.ops[aten.index_put_.default] == 1
     assert seen.ops[aten.index_put.default] == seen.ops[aten.scatter.value] == seen.ops[aten.scatter.src] == 0
     eager(ids).backward()
     torch.testing.assert_close(loss, eager(ids))
