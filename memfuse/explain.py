@@ -268,7 +268,7 @@ def _dtype(dtype) -> str:
 def format_report(r: Report) -> str:
     lines = [f"memfuse.explain: {r.name}"]
     lines += _graph_lines(r) + _saved_lines(r) + _decision_lines(r) + _kernel_lines(r) + padding_lines(r)
-    lines += buffer_lines(r)
+    lines += in_place_lines(r) + buffer_lines(r)
     lines += _fallback_lines(r)
     return "\n".join(lines)
 
@@ -359,6 +359,16 @@ def padding_lines(r: Report) -> list:
     for row in r.paddings:
         lines.append(f"  {row.program} {row.padding}")
     return lines
+
+
+def in_place_lines(r: Report) -> list:
+    """The aten scatters that write into their fresh fill in place (memfuse.reinplace)."""
+    rows = [(name, s) for name, program in (("forward", r.entry.function.forward),
+                                            ("backward", r.entry.function.backward))
+            if program is not None for s in program.schedule.in_place]
+    if not rows:
+        return []
+    return ["", "scatters written in place (no clone of their base)"] + [f"  {name} {s}" for name, s in rows]
 
 
 def buffer_lines(r: Report) -> list:

@@ -238,6 +238,27 @@ def _format_attr(attr) -> str:
     return repr(attr)
 
 
+def column_padding(graph: "Graph", node: Node) -> Optional[int]:
+    """The row length of `node` when it is its root with zero columns appended (memfuse.padding's
+    pad of a matmul operand: an identity read of a FULL value, windowed to the root's D along the
+    last dim, 0 outside): the kernel that computes the root can store it padded itself. None for
+    any other node."""
+    a = node.attr
+    if node.op is not Op.STRIDED or node.value.kind is not Kind.FULL or a.summed or a.window is None \
+            or len(node.inputs) < 2:
+        return None
+    root, fill = graph[node.inputs[0]], graph[node.inputs[1]]
+    rank = len(a.index)
+    if root.value.kind is not Kind.FULL or root.value.m != node.value.m or not root.value.d \
+            or node.value.d <= root.value.d or fill.op is not Op.CONSTANT or fill.attr.value != 0 \
+            or len(root.value.shape) != rank or len(a.window) != rank:
+        return None
+    identity = all(const == 0 and all(c == (1 if j == k else 0) for k, c in enumerate(coeffs))
+                   for j, (coeffs, const) in enumerate(a.index))
+    window = all(w is None for w in a.window[:-1]) and a.window[-1] == (0, root.value.d)
+    return node.value.d if identity and window else None
+
+
 class GraphError(AssertionError):
     pass
 

@@ -22,8 +22,11 @@ and `Config.pad_matmul_min_intensity` say when it pays.
 - a cast or reshape of a tensor in memory (an input, an aten result: a weight cast to bf16): one
   kernel reads that tensor through a window (zeros outside it) and casts, writing the padded value
   directly;
-- anything else (a kernel's output, like the gradient of the logits): a kernel copies it into the
-  padded shape (a windowed read with zeros outside), one read and one write of it.
+- anything else: a windowed read of it with zeros outside (a STRIDED node). When a kernel computes
+  the value (the gradient of the logits) and only its columns are padded, that kernel stores it
+  padded itself (`schedule.stores_padded`: zero columns past D, no second pass, the unpadded value
+  not written unless something else reads it); an input, an aten result or a row pad is copied by
+  a kernel, one read and one write of it.
 The result is read back without a copy where the readers allow: slicing away trailing rows or
 columns keeps every index, so a kernel reads the padded result in place through its strides (a
 STRIDED node, or a STRIDED reader moved onto the padded result) and an aten call that takes any
@@ -201,7 +204,24 @@ class _Rewrite:
                 self.matmul(node, self.padded[name])
             else:
                 self.new.add(self.reroute(node))
+        self.drop_unread([r.name for name in self.padded for r in _operands(self.old[name])
+                          + (self.old[name].attr.args[0],) if isinstance(r, ValueRef)])
         return self.new
+
+    def drop_unread(self, names: list) -> None:
+        """Drop what only the unpadded matmuls read (a transpose of the unpadded operand, the
+        operand itself when its kernel now stores only the padded one), and what only that read."""
+        users = self.new.users()
+        keep = set(self.new.inputs) | self.outputs
+        while names:
+            name = names.pop()
+            node = self.new.nodes.get(name)
+            if node is None or users[name] or name in keep or node.op in (Op.INPUT, Op.SEED):
+                continue
+            del self.new.nodes[name]
+            for i in node.inputs:
+                users[i] = [u for u in users[i] if u != name]
+                names.append(i)
 
     # -- names, constants, sizes ---------------------------------------------------------------
     def fresh(self, base: str) -> str:

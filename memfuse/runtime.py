@@ -370,6 +370,7 @@ class _ProgramWriter:
         self.allocated = {b.name for b in self.plan.buffers.values() if b.origin in (Origin.OUTPUT, Origin.TOTALS)}
         self.allocates = False           # whether an allocation was written (the allocator is taken)
         self.contiguous: dict = {v: v for v in program.contiguous_inputs}   # value -> its local as kernels read it
+        self.unit_stride: dict = {}      # value -> its local for kernels reading it through access maps only
         self.pointers: dict = {}         # local -> the local holding its data pointer
 
     def write(self) -> tuple:
@@ -436,8 +437,8 @@ class _ProgramWriter:
         names = []
         for f in self.plan.steps[step].frees:
             if f.reused_by is None:
-                copy = self.contiguous.get(f.buffer, f.buffer)
-                names += [f.buffer] if copy == f.buffer else [f.buffer, copy]
+                copies = {self.contiguous.get(f.buffer, f.buffer), self.unit_stride.get(f.buffer, f.buffer)}
+                names += [f.buffer] + sorted(copies - {f.buffer})
         if names:
             self.line(f"    del {', '.join(names)}")
 
@@ -451,19 +452,20 @@ class _ProgramWriter:
         for allocation in self.plan.steps[step].allocations:     # outputs, [n, D] column totals
             self.allocate(allocation)
         totals = {dtype_name(dtype): local for dtype, local in self.plan.totals(step).items()}
+        strided_only = self.strided_only(group)
         values, pointers, reads = [], [], []    # the general path's, the direct path's, the reads' pointers
         for arg in launch.kernel.source.args:
             if arg.role in ("read", "in_place") and arg.value not in self.allocated:
                 # an input (an in-place one is read by its own strides), or an extern step's result:
                 # a raw pointer only where the caller vouches for the device (`device_inputs`); an
                 # extern result may view what a saved-tensors hook unpacked, so it stays a tensor
-                tensor = self.made_contiguous(arg.value) if arg.role == "read" else arg.value
+                tensor = self.as_read(arg.value, strided_only) if arg.role == "read" else arg.value
                 reads.append(self.pointer(tensor))
                 values.append(tensor)
                 pointers.append(reads[-1] if arg.value in self.device_inputs else tensor)
             elif arg.role == "stride":         # of the tensor as the kernel reads it
                 in_place = any(b.role == "in_place" and b.value == arg.value for b in launch.kernel.source.args)
-                tensor = arg.value if in_place or arg.value in self.allocated else self.made_contiguous(arg.value)
+                tensor = arg.value if in_place or arg.value in self.allocated else self.as_read(arg.value, strided_only)
                 local = f"mf_stride{len(self.lines)}"
                 self.line(f"    {local} = {tensor}.stride({arg.dim})")
                 values.append(local)
@@ -505,6 +507,26 @@ class _ProgramWriter:
         if local is None:
             local = self.pointers[tensor] = f"mf_pointer{len(self.pointers)}"
             self.line(f"    {local} = {tensor}.data_ptr()")
+        return local
+
+    def strided_only(self, group: KernelGroup) -> set:
+        """The tensors `group` reads only through access maps (STRIDED nodes: its strides, per call),
+        never as a plain [M, D] block (codegen's `roots_only`)."""
+        g = self.graph
+        roots = {g[n].inputs[0] for n in group.nodes if g[n].op is Op.STRIDED}
+        plain = {i for n in group.nodes for i in g[n].inputs[g[n].op is Op.STRIDED:]}
+        return roots - plain - set(group.outputs)
+
+    def as_read(self, value: str, strided_only: set) -> str:
+        """The local a kernel reads `value` from: contiguous, or any layout whose last stride is 1
+        when the kernel reads it only through access maps (an aten result in other strides, like
+        attention's gradients [B, H, S, D] laid out as [B, S, H, D], is read where it lies)."""
+        if value not in strided_only or not self.graph[value].value.shape or value in self.contiguous:
+            return self.made_contiguous(value)
+        local = self.unit_stride.get(value)
+        if local is None:
+            local = self.unit_stride[value] = f"mf_{value}_strided"
+            self.line(f"    {local} = {value} if {value}.stride(-1) == 1 else {value}.contiguous()")
         return local
 
     def made_contiguous(self, value: str) -> str:
@@ -642,6 +664,9 @@ def _run_aten_group(graph: Graph, step: AtenGroup, env: dict, symbol_values: tup
             result = torch.empty(rows, d, dtype=compute_dtype(node.value.dtype), device=device)
         elif node.op is Op.VIEW:
             result = read(node.inputs[0])
+        elif node.op is Op.STRIDED and node.inputs[0] in local:   # a padded store: zero columns appended
+            value = torch.broadcast_to(local[node.inputs[0]], (rows, d))
+            result = torch.nn.functional.pad(value, (0, node.value.d - d))
         elif node.op is Op.STRIDED:
             shape = step.view_shapes[name](*symbol_values)
             values, inside = (_canonical(t, node.value.kind, rows, d)
@@ -667,7 +692,8 @@ def _run_aten_group(graph: Graph, step: AtenGroup, env: dict, symbol_values: tup
         value = local[name]
         if not isinstance(value, torch.Tensor):   # a fill with a constant (zeros under a scatter)
             value = torch.tensor(value, dtype=graph[name].value.dtype, device=device)
-        full = torch.broadcast_to(value, _canonical_shape(graph[name].value.kind, rows, d))
+        kind = graph[name].value.kind
+        full = torch.broadcast_to(value, _canonical_shape(kind, rows, graph[name].value.d if kind is Kind.FULL else d))
         results.append(full.to(graph[name].value.dtype).reshape(shape(*symbol_values)).contiguous())
     return results
 

@@ -17,8 +17,10 @@ import sympy
 
 from .config import Config
 from .ops import TRITON_DTYPES
-from .ir import EXTERNAL, FUSIBLE, LEAF, MEMORY_VIEWS, REDUCTION, Graph, Kind, Op, Reduce, Value, verify
+from .ir import (EXTERNAL, FUSIBLE, LEAF, MEMORY_VIEWS, REDUCTION, Graph, Kind, Op, Reduce, Value, column_padding,
+                 verify)
 from .padding import pad_matmuls
+from .reinplace import reinplace_fills
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,7 @@ class Schedule:
     steps: list                                        # KernelGroup | ExternStep, in run order
     not_fused: list = field(default_factory=list)      # (node, input, reason)
     paddings: list = field(default_factory=list)       # padding.MatmulPadding per extern matmul
+    in_place: list = field(default_factory=list)       # reinplace.InPlace: scatters written into their fill
 
     @property
     def kernels(self) -> list:
@@ -84,10 +87,12 @@ class Schedule:
 
 
 def schedule(graph: Graph, config: Config, kind: str) -> Schedule:
-    """`kind` names the graph ("forward", "backward") in kernel names. Matmuls whose operands are
-    better aligned are rewritten first (memfuse.padding, Config.pad_matmuls)."""
+    """`kind` names the graph ("forward", "backward") in kernel names. Two rewrites of its extern
+    calls come first: matmuls whose operands are better aligned (memfuse.padding, Config.pad_matmuls),
+    scatters into a fresh fill made in place (memfuse.reinplace)."""
     graph, paddings = pad_matmuls(graph, config)
-    if config.check and any(p.padded for p in paddings):
+    graph, in_place = reinplace_fills(graph)
+    if config.check and (in_place or any(p.padded for p in paddings)):
         verify(graph)
     stage: dict = {}
     group_of: dict = {}
@@ -104,7 +109,7 @@ def schedule(graph: Graph, config: Config, kind: str) -> Schedule:
             externs.append(ExternStep(name, stage[name]))
             continue
         assert node.op in FUSIBLE, node.op
-        space = _node_space(graph, node)
+        space = _node_space(graph, node, group_of)
         here = 0
         for inp in node.inputs:
             here = max(here, _input_stage(graph, inp, stage, group_of, space, not_fused, name))
@@ -126,16 +131,30 @@ def schedule(graph: Graph, config: Config, kind: str) -> Schedule:
         if isinstance(group, KernelGroup):
             _fill_io(graph, group, group_of)
             group.aten_reason = _codegen_limit(graph, group, config)
-    return Schedule(graph, steps, not_fused, paddings)
+    return Schedule(graph, steps, not_fused, paddings, in_place)
 
 
-def _node_space(graph: Graph, node) -> Space:
+def _node_space(graph: Graph, node, group_of: dict) -> Space:
     """Where a node runs: its value's space, and for a reduction also its source's [M, D] (a
-    column sum alone in its group must still walk the M rows, a row sum the D columns)."""
+    column sum alone in its group must still walk the M rows, a row sum the D columns); a padded
+    store runs where its root does."""
+    if stores_padded(graph, node, group_of):
+        return Space.of(graph[node.inputs[0]].value)
     space = Space.of(node.value)
     if node.op in REDUCTION:
         space = space.join(Space.of(graph[node.inputs[0]].value))
     return space
+
+
+def stores_padded(graph: Graph, node, computed) -> bool:
+    """Whether `node` is a zero padding of the columns of a value a kernel computes (`computed`:
+    the names kernels compute), which that kernel stores padded (memfuse.padding): its tiles span
+    the padded row (BLOCK_D, the next power of two of D, reaches it)."""
+    d = column_padding(graph, node)
+    if d is None or node.inputs[0] not in computed:
+        return False
+    root_d = graph[node.inputs[0]].value.d
+    return d <= 1 << max(0, (root_d - 1).bit_length())
 
 
 def _finishing(graph: Graph, node) -> bool:
@@ -163,6 +182,8 @@ def _input_stage(graph, inp, stage, group_of, space, not_fused, name) -> int:
         not_fused.append((name, inp, barrier))
         return stage[inp] + 1
     node = graph[name]
+    if inp == node.inputs[0] and stores_padded(graph, node, group_of):
+        return stage[inp]      # the kernel that computes inp stores it padded
     if node.op in MEMORY_VIEWS and inp == node.inputs[0] and inp in group_of:
         not_fused.append((name, inp, f"reads {inp} in place ({node.attr.describe}): a kernel writes it "
                                      f"to memory first"))

@@ -267,3 +267,64 @@ def test_tiny_gpt2_with_an_odd_vocabulary_matches_eager(autocast):
     vocab = 1004 if autocast is None else 1008
     assert [padded(p) for p in forward.schedule.paddings if p.padded] == [{"N": vocab}]
     assert sorted(tuple(padded(p)) for p in backward.schedule.paddings if p.padded) == [("K",), ("M",)]
+
+
+# -- the kernel that computes an operand stores it padded --------------------------------------------
+def pad_kernels(program) -> list:
+    """Kernels whose only work is copying a computed value into its padded shape."""
+    graph = program.graph
+    return [k.name for k in program.schedule.kernels
+            if all(graph[n].op is Op.STRIDED and "zero padding" in graph[n].attr.describe for n in k.nodes)
+            and any(graph[graph[n].inputs[0]].op not in (Op.INPUT, Op.EXTERN) for n in k.nodes)]
+
+
+def stored_padded(program) -> list:
+    """(kernel, padded value) pairs where a kernel computes a value and stores it padded."""
+    from memfuse.schedule import stores_padded
+    graph = program.graph
+    return [(k.name, n) for k in program.schedule.kernels for n in k.nodes
+            if stores_padded(graph, graph[n], set(k.nodes))]
+
+
+@pytest.mark.parametrize("max_row_length", [16384, 64])
+def test_the_producing_kernel_writes_the_padded_operand(max_row_length):
+    """The gradient of the logits (backward) and the normalized hidden state (hidden 13: K) are
+    written padded by the kernels that compute them, persistent or looped over chunks of the
+    row; the unpadded values are not written at all."""
+    config = Config(pad_matmuls="force", max_row_length=max_row_length, loop_block_d=32)
+    x = torch.randn(2, 5, 13)
+    got, want, fused = run_both(lambda: Head(13, 101, False), x, config)
+    assert_matches(got, want, rtol=1e-5, atol=1e-5)
+    _, forward, backward = programs(fused)
+    for program in (forward, backward):
+        assert pad_kernels(program) == []
+        fused_pads = stored_padded(program)
+        assert fused_pads
+        for kernel, value in fused_pads:
+            group = next(k for k in program.schedule.kernels if k.name == kernel)
+            root = program.graph[value].inputs[0]
+            assert value in group.outputs and root not in group.outputs
+    assert any(program.graph[v].value.d == 104 for _, v in stored_padded(backward))   # grad_logits, V: 101 -> 104
+
+
+def test_a_tile_narrower_than_the_padded_row_copies_instead():
+    """D = 3 in bf16 pads to 8 columns, past the kernel's 4-column tiles: a second kernel copies."""
+    x = torch.randn(2, 5, 3)
+    got, want, fused = run_both(lambda: Head(3, 16, False), x, FORCE, autocast=torch.bfloat16)
+    assert_matches(got, want, rtol=2e-2, atol=2e-2)
+    _, forward, _ = programs(fused)
+    assert stored_padded(forward) == [] and pad_kernels(forward)
+
+
+def test_a_padded_store_in_a_group_run_through_aten(monkeypatch):
+    """A group the code generator declines runs op by op; its padded store is a torch pad."""
+    import memfuse.schedule as schedule
+    decline = schedule._codegen_limit
+    monkeypatch.setattr(schedule, "_codegen_limit", lambda graph, group, config: "declined by the test"
+                        if any(schedule.stores_padded(graph, graph[n], set(group.nodes)) for n in group.nodes)
+                        else decline(graph, group, config))
+    x = torch.randn(2, 5, 13)
+    got, want, fused = run_both(lambda: Head(13, 101, False), x, FORCE)
+    assert_matches(got, want, rtol=1e-5, atol=1e-5)
+    _, _, backward = programs(fused)
+    assert any(k.aten_reason == "declined by the test" for k in backward.schedule.kernels)

@@ -73,8 +73,9 @@ class LoopedKernelWriter(RowKernelWriter):
             if name in seen or self.kind_of(name) not in CHUNKED:
                 continue
             seen.add(name)
-            if name in self.members:   # (a STRIDED view's root is read in place, not loaded)
-                stack.extend(self.graph[name].inputs[self.graph[name].op is Op.STRIDED:])
+            if name in self.members:   # (a STRIDED view's root is read in place, not loaded; a padded
+                in_place = self.graph[name].op is Op.STRIDED and name not in self.padded   # store's is computed)
+                stack.extend(self.graph[name].inputs[in_place:])
         return seen
 
     def last_pass(self) -> int:

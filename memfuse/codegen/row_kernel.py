@@ -16,10 +16,10 @@ from typing import Optional
 
 import torch
 
-from ..ir import Graph, Kind, Node, Op, ValueRef
+from ..ir import Graph, Kind, Node, Op, ValueRef, column_padding
 from ..ops import (ARG_REDUCE, DIVIDE_BY_RECIPROCAL, HELPERS, OPS, REDUCE, REDUCERS, SCALED_RECIPROCAL, TRITON_DTYPES,
                    accumulate_dtype, compute_dtype, helpers_for)
-from ..schedule import KernelGroup
+from ..schedule import KernelGroup, stores_padded
 
 RESERVED = {"pid", "num_programs", "cols", "col_mask", "rows", "row_mask", "mask", "offsets",
             "tile", "step", "tl", "triton", "M", "D", "BLOCK_M", "BLOCK_D", "seed", "tiles_per_program",
@@ -103,8 +103,12 @@ class RowKernelWriter:
         self.totals = group.totals(graph)   # dtype -> column sums of that dtype: the rows of one [n, D] output
         self.persistent = bool(group.column_sums)
         self.helpers: list = []   # HELPERS entries the kernel calls
+        # zero paddings of values this kernel computes (a matmul operand): value -> its padded row length
+        self.padded = {n: column_padding(graph, graph[n]) for n in group.nodes
+                       if stores_padded(graph, graph[n], self.members)}
         # tensors that STRIDED views read in place -> a read's Strided attr (it says how the root is laid out)
-        self.roots = {graph[n].inputs[0]: graph[n].attr for n in group.nodes if graph[n].op is Op.STRIDED}
+        self.roots = {graph[n].inputs[0]: graph[n].attr for n in group.nodes
+                      if graph[n].op is Op.STRIDED and n not in self.padded}
         plain = {i for n in group.nodes for i in graph[n].inputs[graph[n].op is Op.STRIDED:]}
         self.roots_only = set(self.roots) - plain - set(group.outputs)   # never loaded as [M, D]
         self.divisors = self.scaled_divisors()   # value -> (kind, dtype) it divides: each gets a scaled reciprocal
@@ -272,6 +276,8 @@ class RowKernelWriter:
             shape = {Kind.FULL: "[M, D]", Kind.ROW: "[M]", Kind.COL: "[D]", Kind.SCALAR: "[1]"}.get(
                 v.kind, f"[{len(v.shape)} dims]")
             what = {"read": "input", "write": "output", "in_place": "input, read by its own strides"}[arg.role]
+            if arg.value in self.padded:
+                shape, what = f"[M, {self.padded[arg.value]}]", "output, its columns past D zeros (a matmul operand)"
             if arg.value in self.roots_only and arg.role == "read":
                 what += " read in place (views)"
             return f"  # {shape} {str(v.dtype).replace('torch.', '')} {what}"
@@ -497,6 +503,10 @@ class RowKernelWriter:
         elif node.op is Op.IOTA:
             shape = Kind.COL
             out(f"{target} = cols.to(tl.int64)")
+        elif name in self.padded:   # the columns past D are zeros (whatever masked loads made of them)
+            shape = Kind.FULL
+            out(f"# {name}: {node.inputs[0]} with zero columns up to {self.padded[name]} (a matmul operand)")
+            out(f"{target} = tl.where(col_mask[None, :], {self.operand(node.inputs[0], shape, out_dtype)}, 0)")
         elif node.op is Op.STRIDED:
             shape = node.value.kind
             self.strided(out, node)
@@ -737,7 +747,11 @@ class RowKernelWriter:
             block = {Kind.FULL: "[BLOCK_M, BLOCK_D]", Kind.ROW: "[BLOCK_M]", Kind.COL: "[BLOCK_D]"}[kind]
             value = self.narrow(f"tl.broadcast_to({self.operand(name, kind, None)}, {block})", node.value.dtype)
         ptr = f"{name}_ptr"
-        if kind is Kind.FULL:
+        if name in self.padded:    # rows of the padded length, its columns past D included
+            padded = self.padded[name]
+            out(f"tl.store({ptr} + rows.to(tl.int64)[:, None] * {padded} + cols[None, :], {value}, "
+                f"mask=row_mask[:, None] & (cols < {padded})[None, :])")
+        elif kind is Kind.FULL:
             out(f"tl.store({ptr} + offsets, {value}, mask=mask)")
         elif kind is Kind.ROW:
             out(f"tl.store({ptr} + rows, {value}, mask=row_mask)")

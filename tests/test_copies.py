@@ -1,0 +1,138 @@
+"""Copies nobody asked for: an aten result a kernel reads through its strides is not made
+contiguous first (attention's gradients), and a scatter into a fresh fill writes in place instead
+of into a clone of it (an embedding's backward, the cross-entropy one-hot; memfuse.reinplace).
+Counted with a dispatch mode around the fused calls; results against eager."""
+from collections import Counter
+
+import sympy
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import memfuse
+from memfuse.ir import Constant, Extern, Graph, Kind, Node, Op, Value, ValueRef
+from memfuse.reinplace import reinplace_fills
+
+aten = torch.ops.aten
+
+
+class Dispatched(TorchDispatchMode):
+    """Counts the aten ops called (at the top level: a program's own calls, not their insides)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def attention(x, w):
+    """q, k, v as transposed views: attention's gradients come back in [B, S, H, D] memory."""
+    qkv = (x @ w).view(x.shape[0], x.shape[1], 3, 2, 8)
+    q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return out.transpose(1, 2).reshape(x.shape[0], x.shape[1], 16) * 2
+
+
+def test_attention_gradients_are_read_where_they_lie():
+    torch.manual_seed(0)
+    x, w = torch.randn(2, 5, 16, requires_grad=True), torch.randn(16, 48, requires_grad=True)
+    fused = memfuse.memory_efficient_fusion(attention)
+    out = fused(x, w)
+    grad = torch.randn_like(out)
+    with Dispatched() as seen:
+        out.backward(grad)
+    assert seen.ops[aten.clone.default] == 0     # no .contiguous() copy of the gradients
+    got = [x.grad, w.grad]
+    x.grad = w.grad = None
+    attention(x, w).backward(grad)
+    for a, b in zip(got, [x.grad, w.grad]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    backward = fused.compiled_for(x, w).function.backward
+    assert ".stride(-1) == 1 else" in backward.source
+
+
+class Tagger(nn.Module):
+    """An embedding (its backward: index_put into zeros) and a cross-entropy (its backward: a
+    scatter of the targets into a fill)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(11, 8)
+        self.out = nn.Linear(8, 11)
+
+    def forward(self, ids):
+        logits = self.out(self.embed(ids))
+        return F.cross_entropy(logits.reshape(-1, 11), ids.reshape(-1))
+
+
+def test_scatters_into_fills_run_in_place():
+    """(When the planner makes the one-hot a compare of the targets, no scatter is left for it.)"""
+    torch.manual_seed(0)
+    eager = Tagger()
+    fused = memfuse.memory_efficient_fusion(Tagger())
+    fused.load_state_dict(eager.state_dict())
+    ids = torch.randint(0, 11, (3, 4))
+    with Dispatched() as seen:
+        loss = fused(ids)
+        loss.backward()
+    # the embedding's backward writes into its zeros; the one-hot, where it is still a scatter, too
+    assert seen.ops[aten.index_put_.default] == 1
+    assert seen.ops[aten.index_put.default] == seen.ops[aten.scatter.value] == seen.ops[aten.scatter.src] == 0
+    eager(ids).backward()
+    torch.testing.assert_close(loss, eager(ids))
+    for p, q in zip(fused.original.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+    (call,) = fused._memfuse_calls.values()
+    (entry,) = call.fused.cache.values()
+    records = entry.function.forward.schedule.in_place + entry.function.backward.schedule.in_place
+    assert any(r.target == "aten.index_put.default" and "only" in r.reason for r in records)
+
+
+def test_a_scatter_into_an_input_leaves_the_input_alone():
+    def scatter_into(base, index, values):
+        return base.index_put((index,), values, accumulate=True) * 2
+    base, index, values = torch.randn(6, 4), torch.tensor([0, 2, 2]), torch.randn(3, 4)
+    before = base.clone()
+    out = memfuse.memory_efficient_fusion(scatter_into)(base, index, values)
+    torch.testing.assert_close(out, scatter_into(before, index, values))
+    assert torch.equal(base, before)
+
+
+def _scatter_graph(base_op: str, base_is_output=False, base_read_again=False) -> Graph:
+    """base -> index_put(base, [index], values, True), with the base a fill or an input."""
+    shape, m = (sympy.Integer(6), sympy.Integer(4)), sympy.Integer(6)
+    full = Value(torch.float32, Kind.FULL, shape, m=m, d=4)
+    g = Graph()
+    for name, value in (("index", Value(torch.int64, Kind.ROW, (sympy.Integer(3),), m=sympy.Integer(3))),
+                        ("values", Value(torch.float32, Kind.FULL, (sympy.Integer(3), 4), m=sympy.Integer(3), d=4))):
+        g.add(Node(name, Op.INPUT, (), value))
+        g.inputs.append(name)
+    if base_op == "fill":
+        g.add(Node("zero", Op.CONSTANT, (), Value(torch.float32, Kind.SCALAR), Constant(0.0)))
+        g.add(Node("base", Op.VIEW, ("zero",), full))
+    else:
+        g.add(Node("base", Op.INPUT, (), full))
+        g.inputs.append("base")
+    g.add(Node("put", Op.EXTERN, ("base", "index", "values"), full,
+               Extern(aten.index_put.default, (ValueRef("base"), [ValueRef("index")], ValueRef("values"), True), ())))
+    outputs = ["put"] + (["base"] if base_is_output else [])
+    if base_read_again:
+        g.add(Node("twice", Op.ADD, ("base", "put"), full))
+        outputs.append("twice")
+    g.outputs = outputs
+    return g
+
+
+def test_reinplace_rules():
+    graph, records = reinplace_fills(_scatter_graph("fill"))
+    assert graph["put"].attr.target is aten.index_put_.default
+    assert [r.base for r in records] == ["base"] and "constant written by a kernel" in records[0].reason
+    for unsafe in (_scatter_graph("input"), _scatter_graph("fill", base_is_output=True),
+                   _scatter_graph("fill", base_read_again=True)):
+        graph, records = reinplace_fills(unsafe)
+        assert graph is unsafe and records == []
+        assert graph["put"].attr.target is aten.index_put.default
