@@ -24,7 +24,7 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, Stateles
 
 from . import views
 from .ir import (BINARY, COMPARISON, UNARY, Cast, Constant, Extern, Graph, Index, Kind, Matmul, Node, Op, Reduce,
-                 Seeded, Strided, Symbol, Value, ValueRef, fits, verify)
+                 Seeded, Strided, Symbol, Value, ValueRef, fits, value_refs, verify)
 from .ops import OPS, accumulate_dtype
 
 aten = torch.ops.aten
@@ -1176,7 +1176,7 @@ class _Lowering:
             return arg
         args = tuple(ref(a) for a in node.args)
         kwargs = tuple((k, ref(v)) for k, v in node.kwargs.items())
-        inputs = _refs(args) + _refs(tuple(v for _, v in kwargs))
+        inputs = value_refs(args) + value_refs(tuple(v for _, v in kwargs))
         value = classify(val) if isinstance(val, torch.Tensor) else Value(None, Kind.TENSOR)
         if node.target in MATMUL_ATEN and isinstance(val, torch.Tensor):   # the device decides padding
             return list(dict.fromkeys(inputs)), value, Matmul(node.target, args, kwargs, val.device.type)
@@ -1214,16 +1214,6 @@ class TensorConstant:
 
 def _shape(shape) -> str:
     return f"[{', '.join(str(s) for s in shape)}]"
-
-
-def _refs(args) -> list:
-    out = []
-    for a in args:
-        if isinstance(a, ValueRef):
-            out.append(a.name)
-        elif isinstance(a, (list, tuple)):
-            out.extend(_refs(a))
-    return out
 
 
 # -- index ranges: when a scatter's index is known to lie in [0, D) ------------------------------

@@ -302,3 +302,14 @@ def fits(src: Value, dst: Value, op: Op) -> bool:
     if dst.kind is Kind.COL:
         return src.kind is Kind.COL and src.d == dst.d
     return False
+
+
+def value_refs(args) -> list:
+    """The names of the values an extern call's (nested) arguments refer to, in order."""
+    out = []
+    for a in args:
+        if isinstance(a, ValueRef):
+            out.append(a.name)
+        elif isinstance(a, (list, tuple)):
+            out.extend(value_refs(a))
+    return out

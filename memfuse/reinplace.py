@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .ir import Extern, Graph, Node, Op, ValueRef
+from .ir import Extern, Graph, Node, Op, ValueRef, value_refs
 
 aten = torch.ops.aten
 
@@ -55,7 +55,7 @@ def reinplace_fills(graph: Graph) -> tuple:
         if node.op is not Op.EXTERN or node.attr.target not in IN_PLACE:
             continue
         base = node.attr.args[0]
-        refs = _refs(node.attr.args) + _refs(tuple(v for _, v in node.attr.kwargs))
+        refs = value_refs(node.attr.args) + value_refs(tuple(v for _, v in node.attr.kwargs))
         if not isinstance(base, ValueRef) or base.name in outputs or users[base.name] != [name] \
                 or refs.count(base.name) != 1:
             continue      # the base is read elsewhere too (or returned): its values must stay
@@ -84,11 +84,3 @@ def _fill(graph: Graph, name: str):
     return None
 
 
-def _refs(args) -> list:
-    out = []
-    for a in args:
-        if isinstance(a, ValueRef):
-            out.append(a.name)
-        elif isinstance(a, (list, tuple)):
-            out.extend(_refs(a))
-    return out
