@@ -56,8 +56,8 @@ def test_attention_gradients_are_read_where_they_lie():
 
 
 class Tagger(nn.Module):
-    """An embedding (its backward: index_put into zeros) and a cross-entropy (its backward: a
-    scatter of the targets into a fill)."""
+    """An embedding (its backward: aten's embedding_dense_backward) and a cross-entropy (its
+    backward: the one-hot, a compare of the targets or a scatter of them into a fill)."""
 
     def __init__(self):
         super().__init__()
@@ -69,8 +69,10 @@ class Tagger(nn.Module):
         return F.cross_entropy(logits.reshape(-1, 11), ids.reshape(-1))
 
 
-def test_scatters_into_fills_run_in_place():
-    """(When the planner makes the one-hot a compare of the targets, no scatter is left for it.)"""
+def test_embedding_backward_is_atens_and_no_scatter_copies_a_fill():
+    """The embedding's backward runs as aten's embedding_dense_backward (decomposed, it would be an
+    index_put with accumulate: CUDA's sort-based kernel, slow on repeated indices); where the
+    one-hot is still a scatter, it writes into its fill in place."""
     torch.manual_seed(0)
     eager = Tagger()
     fused = memfuse.memory_efficient_fusion(Tagger())
@@ -79,17 +81,13 @@ def test_scatters_into_fills_run_in_place():
     with Dispatched() as seen:
         loss = fused(ids)
         loss.backward()
-    # the embedding's backward writes into its zeros; the one-hot, where it is still a scatter, too
-    assert seen.ops[aten.index_put_.default] == 1
-    assert seen.ops[aten.index_put.default] == seen.ops[aten.scatter.value] == seen.ops[aten.scatter.src] == 0
+    assert seen.ops[aten.embedding_dense_backward.default] >= 1   # (the CPU kernel dispatches it once more)
+    assert seen.ops[aten.index_put_.default] == seen.ops[aten.index_put.default] == 0
+    assert seen.ops[aten.scatter.value] == seen.ops[aten.scatter.src] == 0
     eager(ids).backward()
     torch.testing.assert_close(loss, eager(ids))
     for p, q in zip(fused.original.parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
-    (call,) = fused._memfuse_calls.values()
-    (entry,) = call.fused.cache.values()
-    records = entry.function.forward.schedule.in_place + entry.function.backward.schedule.in_place
-    assert any(r.target == "aten.index_put.default" and "only" in r.reason for r in records)
 
 
 def test_a_scatter_into_an_input_leaves_the_input_alone():

@@ -1,0 +1,112 @@
+"""Where one training step's GPU time goes: a `make bench-models` model in several modes, one
+step each under torch.profiler, kernels grouped into classes and the largest listed.
+
+    python3 -m benchmarks.profile_step --model gpt2 --modes torch_compile,memfuse_backend [--out DIR]
+
+Each mode trains a fresh copy of the model (bf16 autocast, dropout as in the benchmark); three
+steps warm it up, then one step is profiled. Per mode: the step's GPU time (the sum of its kernel
+times: the GPU is busy back to back in these steps), that time by class (matmul, attention,
+memfuse's Triton kernels, torch.compile's Triton kernels, copies and fills, other aten kernels),
+and the TOP_KERNELS kernels with the most time, with their launch counts. Needs CUDA.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks.models import (FAMILIES, GPU_SETTINGS, MODES, WRAPPERS, Setup, Templates, fresh, make_batch,
+                               train_step)
+
+TOP_KERNELS = 15
+WARM_STEPS = 3
+# Kernel-name fragments, first match wins: what each class of GPU work is called in a trace.
+CLASSES = (
+    ("memfuse kernels", ("memfuse_",)),
+    ("torch.compile kernels", ("triton_",)),
+    ("attention", ("flash", "fmha", "attention", "cudnn", "sdpa")),
+    ("matmul", ("gemm", "cutlass", "sm90_xmma", "sm80_xmma", "cublas", "nvjet", "wgmma")),
+    ("copies and fills", ("copy", "memcpy", "memset", "fill", "elementwise_kernel<128, 2")),
+)
+
+
+def kernel_class(name: str) -> str:
+    lowered = name.lower()
+    for label, fragments in CLASSES:
+        if any(f in lowered for f in fragments):
+            return label
+    return "other aten kernels"
+
+
+def profile_mode(family, templates: Templates, mode: str, setup: Setup) -> dict:
+    model = WRAPPERS[mode](fresh(templates.dropout, setup.device), family)
+    batch = make_batch(family.size, setup.device)
+    for _ in range(WARM_STEPS):
+        train_step(model, batch, setup)
+    setup.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as trace:
+        train_step(model, batch, setup)
+        setup.synchronize()
+    kernels: dict = defaultdict(lambda: [0.0, 0])
+    for event in trace.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[event.name][0] += event.device_time_total / 1e3
+            kernels[event.name][1] += 1
+    by_class: dict = defaultdict(float)
+    for name, (ms, _) in kernels.items():
+        by_class[kernel_class(name)] += ms
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]
+    return {"mode": mode, "gpu_ms": sum(ms for ms, _ in kernels.values()),
+            "by_class": dict(sorted(by_class.items(), key=lambda kv: -kv[1])),
+            "top": [{"kernel": name, "ms": ms, "launches": n, "class": kernel_class(name)} for name, (ms, n) in top]}
+
+
+def report(model: str, results: list) -> str:
+    lines = [f"## {model}: GPU time of one step (ms)"]
+    for r in results:
+        classes = ", ".join(f"{label} {ms:.1f}" for label, ms in r["by_class"].items())
+        lines += ["", f"### {r['mode']}: {r['gpu_ms']:.1f} ms ({classes})", "",
+                  "| ms | launches | class | kernel |", "| --- | --- | --- | --- |"]
+        lines += [f"| {t['ms']:.2f} | {t['launches']} | {t['class']} | `{t['kernel'][:110]}` |" for t in r["top"]]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(FAMILIES), required=True)
+    parser.add_argument("--modes", default="torch_compile,memfuse_backend",
+                        help=f"comma-separated, from {', '.join(MODES)}")
+    parser.add_argument("--out", type=Path, help="directory for profile-MODEL.json and .md")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("needs CUDA: the profile is of GPU kernels")
+    modes = args.modes.split(",")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        parser.error(f"--modes: unknown {unknown}; expected some of {', '.join(MODES)}")
+    family = FAMILIES[args.model]
+    setup = Setup(torch.device("cuda"), tiny=False, settings=GPU_SETTINGS)
+    templates = Templates.build(family, family.size, use_cache=False)
+    results = []
+    for mode in modes:
+        torch._dynamo.reset()
+        results.append(profile_mode(family, templates, mode, setup))
+        torch.cuda.empty_cache()
+    text = report(args.model, results)
+    print(text)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"profile-{args.model}.json").write_text(json.dumps(results, indent=1))
+        (args.out / f"profile-{args.model}.md").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
