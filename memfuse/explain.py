@@ -87,6 +87,9 @@ class KernelRow:
     aten_reason: Optional[str] = None  # why this group runs through aten instead
     tile: Optional[tuple] = None       # (BLOCK_M, BLOCK_D): rows and columns one program holds
     persistent: bool = False           # a fixed grid whose programs loop over tiles
+    passes: Optional[int] = None       # looped kernels: walks over each row (None: the row in registers)
+    online: tuple = ()                 # looped kernels: sums of exp carried with their row max (one pass fewer each)
+    not_online: tuple = ()             # looped kernels: (sum, why) for the sums of exp that keep their own pass
 
     @property
     def is_kernel(self) -> bool:
@@ -236,7 +239,8 @@ def _kernel_row(program_name: str, graph: Graph, group: KernelGroup, kernel, hin
                      kernel.path if kernel is not None else None, group.aten_reason,
                      (config.block_m if config is not None else None, source.constexprs["BLOCK_D"])
                      if source is not None else None,
-                     source.persistent if source is not None else False)
+                     source.persistent if source is not None else False,
+                     *((source.passes, source.online, source.not_online) if source is not None else ()))
 
 
 def _extern_target(graph: Graph, name: str) -> str:
@@ -344,6 +348,12 @@ def _one_kernel(k: KernelRow) -> list:
     if k.is_kernel:
         grid = "a persistent grid looping over tiles" if k.persistent else "one tile per program"
         lines.append(f"      tile:   {k.tile[0]} rows x {k.tile[1]} columns, {grid}")
+        if k.passes is not None:
+            lines.append(f"      looped: {k.passes} pass(es) over each row, in chunks of {k.tile[1]} columns")
+        for online in k.online:
+            lines.append(f"      online: {online}: a running max, the sum rescaled as it grows (no pass of its own)")
+        for name, why in k.not_online:
+            lines.append(f"      not online: {name}: {why}")
         partials = " (+ fp32 column partials per program)" if k.column_sums else ""
         lines.append(f"      moves {k.bytes_per_row} B per row, {human_bytes(k.bytes)} at the example sizes{partials}")
         lines.append(f"      source: {k.path}")

@@ -492,6 +492,12 @@ HELPERS = {
     # keep the earlier chunk's answer unless the later one is strictly better (or the first NaN)
     take = (chunk_best > best) | ((chunk_best != chunk_best) & (best == best))
     return tl.where(take, chunk_best, best), tl.where(take, chunk_index, index)''', ()),
+    "mf_online_rescale": ('''def mf_online_rescale(total, shift_before, shift_after):
+    # a running sum of exp(x - shift_before) restated against shift_after (the row max grew): times
+    # exp(shift_before - shift_after); unchanged where the shift did not move, and a zero stays zero
+    # (no 0 * inf where a shift leaves an infinity for a constant, as logsumexp's does)
+    moved = (shift_before != shift_after) & (total != 0)
+    return tl.where(moved, total * tl.exp(shift_before - shift_after), total)''', ()),
 }
 
 

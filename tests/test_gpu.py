@@ -650,3 +650,31 @@ def test_division_by_a_scaled_reciprocal_on_gpu(divisor_kind):
     got = memfuse.memory_efficient_fusion(lambda a, b: a / b)(x, d)
     assert memfuse.stats()["extern_calls"] == 0
     assert_like_division(got.cpu(), x.cpu(), d.cpu(), f"{divisor_kind} divisor on the GPU")
+
+
+@pytest.mark.parametrize("vocabulary", [32000, 50257])
+def test_online_cross_entropy_at_a_vocabulary_matches_eager(vocabulary):
+    """Rows as long as a vocabulary: looped kernels whose max and sum of exps share a pass (two
+    passes forward, two backward), eager's loss and gradient, masked (-inf) logits included."""
+    import torch.nn.functional as F
+
+    def loss(logits, target):
+        return F.cross_entropy(logits.float(), target, ignore_index=-100)
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = (4 * torch.randn(512, vocabulary, device="cuda", generator=g)).to(torch.bfloat16)
+    logits[::3, : vocabulary // 2] = float("-inf")     # whole leading chunks at -inf
+    logits.requires_grad_()
+    target = torch.randint(vocabulary // 2, vocabulary, (512,), device="cuda", generator=g)
+    target[7] = -100
+    fused = memfuse.memory_efficient_fusion(loss)
+    ours = fused(logits, target)
+    ours_grad, = torch.autograd.grad(ours, logits)
+    eager = loss(logits, target)
+    eager_grad, = torch.autograd.grad(eager, logits)
+    assert abs(ours.item() - eager.item()) <= 1e-5 * abs(eager.item())
+    assert relative_error(ours_grad, eager_grad) < 1e-2
+    entry, = fused.cache.values()
+    for program in (entry.function.forward, entry.function.backward):
+        passes = [s.kernel.source.passes for s in program.steps if getattr(s, "kernel", None) is not None]
+        assert 2 in passes and max(p or 0 for p in passes) == 2, passes

@@ -128,3 +128,113 @@ def test_row_length_limit_boundary():
         x = torch.randn(3, d)
         torch.testing.assert_close(fused(x), torch.softmax(x, -1))
         assert bool(looped_kernels(fused)) == looped
+
+
+# -- online sums: a row max and its sum of exps in one pass -------------------------------------
+def cross_entropy_mean(x, target):
+    return F.cross_entropy(x.float(), target, ignore_index=-100)
+
+
+def cross_entropy_sum(x, target):
+    return F.cross_entropy(x.float(), target, reduction="sum")
+
+
+LOSSES = {
+    "log_softmax": lambda x: torch.log_softmax(x.float(), -1),
+    "softmax": lambda x: torch.softmax(x.float(), -1),
+    "logsumexp": lambda x: torch.logsumexp(x.float(), -1),
+    "cross_entropy_mean": cross_entropy_mean,
+    "cross_entropy_sum": cross_entropy_sum,
+}
+
+
+def loss_args(name: str, x: torch.Tensor) -> list:
+    """x, and for the losses a target per row (one row ignored: index -100 for the mean)."""
+    if not name.startswith("cross_entropy"):
+        return [x]
+    target = torch.randint(0, x.shape[-1], x.shape[:1])
+    if name == "cross_entropy_mean":
+        target[1] = -100
+    return [x, target]
+
+
+def online_kernels(fused) -> list:
+    return [s for s in looped_kernels(fused) if "mf_online_rescale(" in s]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16_upcast"])
+@pytest.mark.parametrize("d", [17, 40], ids=["D17", "D40"])
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_online_loss_matches_eager(name, d, dtype):
+    x = (torch.randn(6, d) * 4).to(dtype)
+    x[2] = torch.arange(d) * 0.7          # a max that grows in every chunk: every chunk rescales the sum
+    args = loss_args(name, x.requires_grad_())
+    assert_matches_eager(LOSSES[name], args, config=LOOPED)
+    fused = memfuse.memory_efficient_fusion(LOSSES[name], config=LOOPED)
+    fused(*args).sum().backward()
+    assert online_kernels(fused), "no online sum was generated"
+
+
+def masked_rows(d: int) -> torch.Tensor:
+    """Rows with -inf: masked columns in the first chunks (whose running max is -inf), a row of
+    -inf only, a row whose only finite value is in its last chunk."""
+    x = torch.randn(5, d)
+    x[0, :9] = float("-inf")
+    x[1, ::3] = float("-inf")
+    x[2] = float("-inf")
+    x[3, :-1] = float("-inf")
+    return x
+
+
+@pytest.mark.parametrize("name", ["log_softmax", "softmax", "logsumexp"])
+def test_online_rows_with_minus_infinity_match_eager(name):
+    """Eager gives NaN (log_softmax, softmax) or -inf (logsumexp) for the row of -inf only."""
+    x = masked_rows(40).requires_grad_()
+    both = run_both(LOSSES[name], [x], config=LOOPED)
+    assert_same(both.fused, both.eager)
+    assert_same(both.fused_grads, both.eager_grads, scale=2.0, what="gradient")
+    assert both.eager[0][2].isnan().all() or both.eager[0][2].item() == float("-inf")
+
+
+def test_online_cross_entropy_with_masked_logits_matches_eager():
+    x = masked_rows(40)
+    x[2] = torch.randn(40)                # (a row of -inf only makes the mean NaN: checked above)
+    x.requires_grad_()
+    target = torch.tensor([20, 1, 5, 39, -100])
+    both = run_both(cross_entropy_mean, [x, target], config=LOOPED)
+    assert_same(both.fused, both.eager)
+    assert_same(both.fused_grads, both.eager_grads, scale=2.0, what="gradient")
+
+
+def test_nan_reaches_the_online_sum():
+    x = torch.randn(3, 40)
+    x[0, 3] = float("nan")
+    x[1, 38] = float("nan")
+    both = run_both(lambda x: (torch.log_softmax(x, -1), torch.logsumexp(x, -1)), [x], config=LOOPED)
+    assert_same(both.fused, both.eager)
+
+
+def test_log_softmax_max_and_sum_share_a_pass():
+    """The max and the sum of exps in pass 0, the store in pass 1: two passes, not three."""
+    fused = memfuse.memory_efficient_fusion(lambda x: torch.log_softmax(x.float(), -1), config=LOOPED)
+    x = torch.randn(4, 40, dtype=torch.bfloat16, requires_grad=True)
+    fused(x).sum().backward()
+    forward, backward = looped_kernels(fused)
+    for source in (forward, backward):
+        assert "2 pass(es)" in source and source.count("for chunk in range(0, D, BLOCK_D)") == 2
+    report = memfuse.explain(fused, x)
+    (kernel,) = report.kernels_of("forward")
+    assert kernel.passes == 2 and kernel.online == ("sum_1 = sum of exp(. - amax) online with amax",)
+    assert "online: sum_1 = sum of exp(. - amax) online with amax" in str(report)
+
+
+def test_a_sum_of_exps_of_another_tensor_keeps_its_pass():
+    """exp(y - max(x)) with y != x: terms of y may exceed the running max of x; no online sum."""
+    fused = memfuse.memory_efficient_fusion(
+        lambda x, y: torch.exp(y - x.amax(-1, keepdim=True)).sum(-1), config=LOOPED)
+    x, y = torch.randn(4, 40), torch.randn(4, 40)
+    torch.testing.assert_close(fused(x, y), torch.exp(y - x.amax(-1, keepdim=True)).sum(-1))
+    (kernel,) = memfuse.explain(fused, x, y).kernels_of("forward")
+    assert kernel.passes == 2 and kernel.online == ()
+    ((name, why),) = kernel.not_online
+    assert name == "sum_1" and why.endswith("is not the tensor amax is the max of")

@@ -10,10 +10,19 @@ from the mean, then normalize and store. Random values are regenerated in every 
 the same offsets (row * D + col), so they match the persistent kernel's bit for bit.
 Column reductions (over M) add into their program's row of the partials buffer chunk by chunk;
 the last program combines the rows into the totals, chunk by chunk (`finish_column_sums`).
+
+Online sums: a row sum of exp(x - max) whose max is a row max of the same x (softmax,
+log-softmax, logsumexp, cross-entropy) is accumulated in the max's own pass against the running
+max, and rescaled by exp(before - after) whenever the max grows (`OnlineSum`): the max and the
+sum of exps finish together, one pass over the row fewer.
 """
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+from typing import Optional, Union
 
+import torch
 
 from ..ir import Graph, Kind, Node, Op
 from ..ops import ARG_REDUCE, REDUCE, TRITON_DTYPES
@@ -27,12 +36,120 @@ def _prev_pow2(n: int) -> int:
     return 1 << max(0, n.bit_length() - 1)
 
 
+@dataclass(frozen=True)
+class OnlineSum:
+    """A row sum of exp(x - shift) carried in the pass of the row max of x that the shift comes
+    from. x <= max, so the terms of a row whose running max is still -inf wait (eager's
+    exp(-inf - max) is 0 once the max is finite), and a row of -inf only gets eager's value at the
+    end. The shift is the max, or the max with its infinities replaced by a finite constant
+    (logsumexp): a zero sum stays zero whichever way the shift moves."""
+    sum: str          # the SUM over D
+    max: str          # the MAX over D it is carried with
+    shift: str        # the row value exp subtracts from x
+    chain: tuple      # the row values from the max to the shift: recomputed as the running max grows
+
+    def describe(self) -> str:
+        return f"{self.sum} = sum of exp(. - {self.shift}) online with {self.max}"
+
+
+def online_sums(graph: Graph, group: KernelGroup, kinds: dict) -> tuple:
+    """(the OnlineSums of a group, [(sum, why not)] for its other row sums of exp(a - b))."""
+    members = set(group.nodes)
+    carried, refused = [], []
+    for name in group.nodes:
+        node = graph[name]
+        if node.op is not Op.SUM or node.attr.axis is not Kind.ROW:
+            continue
+        exp = _skip_views(graph, node.inputs[0])
+        sub = _skip_views(graph, graph[exp].inputs[0]) if graph[exp].op is Op.EXP else exp
+        if graph[sub].op is not Op.SUB or not {exp, sub} <= members:
+            continue
+        found = _online_sum(graph, group, kinds, name, (exp, sub))
+        if isinstance(found, OnlineSum):
+            carried.append(found)
+        else:
+            refused.append((name, found))
+    return carried, refused
+
+
+def _online_sum(graph: Graph, group: KernelGroup, kinds: dict, name: str, terms: tuple) -> Union[OnlineSum, str]:
+    """The OnlineSum of the row sum `name` of exp(sub) (`terms`: the exp and sub nodes), or why not."""
+    if any(graph[n].value.dtype != torch.float32 for n in (name, *terms)):
+        return "not float32 (eager rounds each exp against the final max)"
+    x, shift = graph[terms[1]].inputs
+    if kinds.get(shift, graph[shift].value.kind) is not Kind.ROW:
+        return f"{shift} is not a row value"
+    row_max = _shifted_max(graph, group, shift)
+    if row_max is None:
+        return f"{shift} is neither a row max over D nor one with its infinities replaced by a finite constant"
+    if _skip_views(graph, x) != _skip_views(graph, graph[row_max].inputs[0]):
+        return f"{x} is not the tensor {row_max} is the max of"
+    chain = _row_chain(graph, group, kinds, shift, row_max)
+    if chain is None:
+        return f"{shift} depends on row values other than {row_max}"
+    return OnlineSum(name, row_max, shift, chain)
+
+
+def _skip_views(graph: Graph, name: str) -> str:
+    while graph[name].op is Op.VIEW:
+        name = graph[name].inputs[0]
+    return name
+
+
+def _shifted_max(graph: Graph, group: KernelGroup, shift: str) -> Optional[str]:
+    """The row max (a MAX over D of this group) that `shift` is, or replaces with a finite
+    constant where it is infinite (logsumexp's where(|max| == inf, 0, max)); None otherwise."""
+    root = _skip_views(graph, shift)
+    if graph[root].op is Op.WHERE:
+        condition, constant, root = (_skip_views(graph, v) for v in graph[root].inputs)
+        finite = graph[constant].op is Op.CONSTANT and math.isfinite(graph[constant].attr.value)
+        if not (finite and _tests_infinity(graph, condition, root)):
+            return None
+    node = graph[root]
+    if root in group.nodes and node.op is Op.MAX and node.attr.axis is Kind.ROW:
+        return root
+    return None
+
+
+def _tests_infinity(graph: Graph, condition: str, value: str) -> bool:
+    """Whether `condition` is isinf(value) or |value| == inf."""
+    node = graph[condition]
+    if node.op is Op.ISINF:
+        return _skip_views(graph, node.inputs[0]) == value
+    if node.op is not Op.EQ:
+        return False
+    left, right = (graph[_skip_views(graph, v)] for v in node.inputs)
+    return left.op is Op.ABS and _skip_views(graph, left.inputs[0]) == value \
+        and right.op is Op.CONSTANT and right.attr.value == float("inf")
+
+
+def _row_chain(graph: Graph, group: KernelGroup, kinds: dict, shift: str, row_max: str) -> Optional[tuple]:
+    """The row values computed here between `row_max` and `shift`, in order; None if one of them
+    reads a tile or another row reduction (then the shift is no function of the max alone)."""
+    members, chain, stack = set(group.nodes), set(), [shift]
+    while stack:
+        name = stack.pop()
+        if name == row_max or name in chain or name not in members:
+            continue          # (values from memory are ready before any pass)
+        node = graph[name]
+        kind = kinds.get(name, node.value.kind)
+        if kind is Kind.SCALAR:
+            continue
+        if kind is not Kind.ROW or node.op in REDUCE or node.op in ARG_REDUCE:
+            return None
+        chain.add(name)
+        stack.extend(node.inputs)
+    return tuple(n for n in group.nodes if n in chain)
+
+
 class LoopedKernelWriter(RowKernelWriter):
     def __init__(self, graph: Graph, group: KernelGroup, block_d: int, seed_from_memory: bool = False):
         super().__init__(graph, group, seed_from_memory)
         self.block_d = block_d
         self.column_origin = "chunk"
         self.reg_kind = self.register_kinds()
+        self.online, self.not_online = online_sums(graph, group, self.reg_kind)
+        self.online_of = {o.sum: o for o in self.online}
         self.phase = self.phases()
 
     # -- static analysis: where each value lives, and in which pass it is ready ----------
@@ -50,10 +167,14 @@ class LoopedKernelWriter(RowKernelWriter):
         return not self.is_row_reduction(name)
 
     def phases(self) -> dict:
+        """A row reduction is ready one pass after its inputs; an online sum with its max."""
         phase = {}
         for name in self.group.nodes:
             inputs = max((phase.get(i, 0) for i in self.graph[name].inputs), default=0)
-            phase[name] = inputs + 1 if self.is_row_reduction(name) else inputs
+            if name in self.online_of:
+                phase[name] = phase[self.online_of[name].max]
+            else:
+                phase[name] = inputs + 1 if self.is_row_reduction(name) else inputs
         return phase
 
     def chunk_stores(self, p: int) -> list:
@@ -92,7 +213,16 @@ class LoopedKernelWriter(RowKernelWriter):
             f"in chunks of {self.block_d} columns, BLOCK_M rows a tile"
             f"{', persistent grid' if self.persistent else ''}")
         out(f"# moves at least {self.bytes_per_row()} bytes per row (every pass re-reads the inputs it needs)")
+        for online in self.online:
+            out(f"# {online.describe()} (a running max; the sum rescaled by exp(before - after) as it grows)")
         out(f"# ops: {', '.join(self.graph[n].op.value for n in g.nodes)}")
+
+    def write(self) -> KernelSource:
+        source = super().write()
+        source.passes = self.last_pass() + 1
+        source.online = tuple(o.describe() for o in self.online)
+        source.not_online = tuple(self.not_online)
+        return source
 
     def body(self, out: _Lines) -> None:
         g = self.group
@@ -141,9 +271,15 @@ class LoopedKernelWriter(RowKernelWriter):
         needed = self.needed(p)
         reductions = self.accumulated(p)
         stores = self.chunk_stores(p)
+        carried: dict = {}   # row max -> the online sums this pass carries with it
+        for o in self.online:
+            if o.sum in reductions:
+                carried.setdefault(o.max, []).append(o)
         for name in reductions:
             self.start_accumulator(out, self.graph[name])
-        out(f"# pass {p}: {self.describe_pass(needed, reductions, stores)}")
+        for row_max, sums in carried.items():
+            self.running_max(out, row_max, sums)
+        out(f"# pass {p}: {self.describe_pass(reductions, stores)}")
         out("for chunk in range(0, D, BLOCK_D):")
         out.indent()
         self.chunk_indices(out)
@@ -154,15 +290,28 @@ class LoopedKernelWriter(RowKernelWriter):
             if name in needed and name in self.members:
                 self.compute(out, name)
             elif name in reductions:
+                for o in carried.get(name, ()):
+                    out(f"{self.reg(o.sum)}_shift_before = {self.reg(o.shift)}")
                 self.compute(out, name)
+                if name in carried:
+                    self.running_max(out, name, carried[name])
             if name in stores:
                 self.store(out, name)
         out.dedent()
 
-    def describe_pass(self, needed, reductions, stores) -> str:
+    def running_max(self, out: _Lines, row_max: str, sums: list) -> None:
+        """The max so far and the shifts it gives the online sums (before the walk: their first values)."""
+        self.finish(out, self.graph[row_max])
+        for name in self.group.nodes:
+            if any(name in o.chain for o in sums):
+                self.compute(out, name)
+
+    def describe_pass(self, reductions, stores) -> str:
         parts = []
         if reductions:
-            parts.append("accumulate " + ", ".join(reductions))
+            parts.append("accumulate " + ", ".join(
+                f"{n} (online: against the running {self.online_of[n].max})" if n in self.online_of else n
+                for n in reductions))
         if stores:
             parts.append("store " + ", ".join(stores))
         return "; ".join(parts) or "nothing"
@@ -202,6 +351,9 @@ class LoopedKernelWriter(RowKernelWriter):
             out(f"{target}_acc = tl.full([BLOCK_M], {neutral}, {TRITON_DTYPES[acc]})")
 
     def reduce(self, out: _Lines, node: Node) -> None:
+        if node.name in self.online_of:
+            self.accumulate_online(out, self.online_of[node.name])
+            return
         masked, _, neutral = self.reduce_source(node)
         target = self.reg(node.name)
         if node.op in ARG_REDUCE:
@@ -232,10 +384,26 @@ class LoopedKernelWriter(RowKernelWriter):
         out("col_mask = cols < D")
         return True
 
+    def accumulate_online(self, out: _Lines, online: OnlineSum) -> None:
+        """The sum so far, restated against the moved shift, plus this chunk's terms; a row whose
+        max is still -inf holds only -inf so far: its terms wait."""
+        node = self.graph[online.sum]
+        target, shift = self.reg(online.sum), self.reg(online.shift)
+        terms = self.operand(node.inputs[0], Kind.FULL, torch.float32, node.value.dtype)
+        waiting = f"({self.reg(online.max)} != float('-inf'))[:, None]"
+        self.use("mf_online_rescale")
+        out(f"{target}_acc = mf_online_rescale({target}_acc, {target}_shift_before, {shift}) + "
+            f"tl.sum(tl.where(mask & {waiting}, {terms}, 0.0), axis=1)")
+
     def finish(self, out: _Lines, node: Node) -> None:
         target = self.reg(node.name)
         if node.op in ARG_REDUCE:
             out(f"{target} = {target}_index.to(tl.int64)")
+        elif node.name in self.online_of:
+            online = self.online_of[node.name]
+            out(f"# a row of -inf only: eager's sum of exp(-inf - {online.shift}) over D columns")
+            out(f"{target} = tl.where({self.reg(online.max)} == float('-inf'), "
+                f"D * tl.exp(float('-inf') - {self.reg(online.shift)}), {target}_acc)")
         else:
             out(f"{target} = {target}_acc")
         self.kinds[node.name] = Kind.ROW

@@ -48,6 +48,9 @@ class KernelSource:
     partials_dtypes: dict = field(default_factory=dict)   # reducer op -> dtype of its partials buffer
     totals: dict = field(default_factory=dict)    # dtype -> [column-sum names], the rows of one [n, D] tensor
     bytes_per_row: int = 0                        # bytes moved per row (both directions)
+    passes: Optional[int] = None                  # looped kernels: walks over each row (one per phase)
+    online: tuple = ()                            # looped kernels: the sums of exp carried with their max
+    not_online: tuple = ()                        # looped kernels: (sum, why) for the sums of exp that are not
 
 
 class _Lines:
