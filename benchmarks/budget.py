@@ -13,7 +13,8 @@ median step time, the step's peak and the memory kept for the backward (CUDA onl
 memfuse the saved bytes its plans chose against the default plans' (any device).
 budget-<model>.json is written after every point; then every budget-*.json in --out is merged into
 budget.md and one budget-<model>.png per model (peak MB against step ms, a curve per mode, each
-point labelled with its budget).
+point labelled with its budget). Points of an earlier run of the same model that this run does not
+repeat stay in its JSON, so a curve can be measured over several commands.
 
 Without CUDA, or with --tiny, tiny configs run on CPU through the Triton interpreter (memfuse only
 unless --modes names torch_compile): a smoke run, not a measurement. docs/benchmarks.md says how
@@ -119,13 +120,17 @@ def run_point(case: models.Case, mode: str, budget: float) -> Point:
 
 
 def run_model(family: models.Family, modes: tuple, budgets: tuple, setup: models.Setup, out: Path) -> Path:
-    """Every budget in every mode; the model's JSON is rewritten after each point."""
+    """Every budget in every mode; the model's JSON is rewritten after each point. Points of an
+    earlier run in the same JSON that this run does not repeat are kept: a model's curve may be
+    measured in several commands (one mode each, or a few budgets each)."""
     size = family.tiny if setup.tiny else family.size
     templates = models.Templates.build(family, size, setup.use_cache)
     case = models.Case(family, setup, templates, models.make_batch(size, setup.device))
-    result = {"metadata": models.metadata(setup), "model": family.name, "size": dataclasses.asdict(size),
-              "points": []}
     path = json_path(out, family.name, setup.tiny)
+    repeated = {(mode, budget) for mode in modes for budget in budgets}
+    earlier = json.loads(path.read_text())["points"] if path.exists() else []
+    result = {"metadata": models.metadata(setup), "model": family.name, "size": dataclasses.asdict(size),
+              "points": [p for p in earlier if (p["mode"], p["budget"]) not in repeated]}
     for mode in modes:
         for budget in budgets:
             result["points"].append(dataclasses.asdict(run_point(case, mode, budget)))
@@ -187,7 +192,8 @@ def write_chart(result: dict, path: Path) -> str:
     field = "peak_bytes" if measured else "planned_bytes"
     figure, axis = plt.subplots(figsize=(6.5, 4.8), constrained_layout=True)
     for index, mode in enumerate(MODES):
-        points = [p for p in result["points"] if p["mode"] == mode and p["step_s"] and p[field] is not None]
+        points = sorted((p for p in result["points"] if p["mode"] == mode and p["step_s"] and p[field] is not None),
+                        key=lambda p: -p["budget"])
         if not points:
             continue
         xs, ys = [p["step_s"] * 1e3 for p in points], [p[field] / MB for p in points]
