@@ -22,6 +22,10 @@ Three rules for whole models (a language-model head and its cross-entropy):
   wide one back.
 Ties go to values already in memory (an extern's result, a forward output) over values a
 kernel would write only to be saved (WRITE_TIE).
+
+A memory budget below 1 (Config.memory_budget) releases pins one at a time, cheapest first (index
+ops, reductions over M, then matmuls), re-cutting until the cut keeps at most that fraction of the
+default cut's bytes; `Plan.budget` records what it did and every value it moved says so.
 """
 from __future__ import annotations
 
@@ -30,9 +34,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import networkx as nx
-from networkx.algorithms.flow import boykov_kolmogorov
 import sympy
 import torch
+from networkx.algorithms.flow import boykov_kolmogorov
 
 from .capture import Captured
 from .debug import human_bytes
