@@ -367,7 +367,7 @@ def _short_of_target(cut, pins, index_bytes, joint: Graph, hints: dict) -> str:
         if node.op is Op.INPUT:
             continue
         if name in pins and budget_tier(node, index_bytes) is None:
-            kind = "outputs of extern calls memfuse never recomputes (not matmuls: attention, embedding, ...)"
+            kind = "outputs of aten calls the budget never releases (attention, embeddings, seeded random ops, ...)"
         elif node.op is Op.EXTERN and isinstance(node.attr, Matmul):
             kind = "matmul outputs cheaper to keep than their operands"
         else:

@@ -186,7 +186,7 @@ def test_explain_says_why_a_budget_is_not_reached():
 
     the_plan = plan(capture(fn, [torch.randn(6, 10, requires_grad=True)], trace_joint=True), 0.1)
     assert the_plan.saved_bytes == 6 * 10 * 4
-    assert "outputs of extern calls memfuse never recomputes" in the_plan.budget.short_of_target
+    assert "outputs of aten calls the budget never releases" in the_plan.budget.short_of_target
     assert "budget not reached: the rest are" in str(the_plan.budget)
 
 
@@ -207,3 +207,23 @@ def test_budget_from_the_environment(monkeypatch):
     monkeypatch.setenv("MEMFUSE_MEMORY_BUDGET", "2")
     with pytest.raises(ValueError, match="memory_budget must be"):
         memfuse.Config()
+
+
+def randint_mlp(x, w):
+    return (F.gelu((x * torch.randint(0, 2, x.shape, dtype=x.dtype)) @ w),)
+
+
+def test_a_seeded_aten_call_is_never_recomputed():
+    """aten.randint draws from torch's generator: the budget recomputes the matmul after it from
+    the kept draw, never the draw itself."""
+    tensors = [torch.randn(8, 16), torch.randn(16, 32)]
+    the_plan = plan(capture(randint_mlp, leaves(tensors), trace_joint=True), 0.1)
+    assert the_plan.decisions["randint"][0] is Decision.SAVE and the_plan.decisions["mm"][0] is Decision.RECOMPUTE
+    grads = {}
+    for budget in (1.0, 0.1):
+        inputs = leaves(tensors)
+        torch.manual_seed(5)
+        memfuse.memory_efficient_fusion(randint_mlp, memory_budget=budget)(*inputs)[0].sum().backward()
+        grads[budget] = [t.grad for t in inputs]
+    for g, r in zip(grads[0.1], grads[1.0]):
+        torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-6)
