@@ -1,6 +1,7 @@
 # make test: fresh virtualenv, CPU torch, the suite through Triton's interpreter.
 # make bench: side-by-side benchmark of the seed's blocks; make bench-models: of whole HuggingFace
-# models. Without a GPU both are small smoke runs through the interpreter, and say so.
+# models; make bench-budget: memory budgets of those models beside torch.compile's. Without a GPU
+# they are small smoke runs through the interpreter, and say so.
 PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
@@ -17,7 +18,7 @@ endif
 BENCH_PY := $(or $(BENCH_PY),$(VENV)/bin/python)
 BENCH_SETUP = $(if $(filter $(VENV)/bin/python,$(BENCH_PY)),$(VENV)/.installed)
 
-.PHONY: test bench bench-models install clean
+.PHONY: test bench bench-models bench-budget install clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +38,10 @@ bench: $(BENCH_SETUP)
 
 bench-models: $(BENCH_SETUP)
 	$(BENCH_PY) -m benchmarks.models $(ARGS)
+
+# ARGS: e.g. --models gpt2 --budgets 1.0,0.5 --modes memfuse_backend
+bench-budget: $(BENCH_SETUP)
+	$(BENCH_PY) -m benchmarks.budget $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -358,7 +358,7 @@ class FusedFunction:
         if captured.specialized:
             recompile_log.info("memfuse: %s: leading sizes join the compile key: %s", self._name(),
                                captured.specialized)
-        the_plan = plan(captured)
+        the_plan = plan(captured, self.config.memory_budget)
         config = self.config
         if config.check:
             verify(the_plan.forward)

@@ -29,7 +29,7 @@ from torch._guards import CompileContext, detect_fake_mode
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from .capture import Captured, decomposition_table, lower_graph
-from .config import Config
+from .config import Config, config_with_options
 from .debug import STATS, on_compile, topic_log
 from .ir import Graph, Symbol, verify
 from .plan import Plan, plan
@@ -54,10 +54,12 @@ class SizeSource:
         return int(value) if self.dim is None else value.shape[self.dim]
 
 
-def memfuse_backend(gm: torch.fx.GraphModule, example_inputs, *, config: Optional[Config] = None):
+def memfuse_backend(gm: torch.fx.GraphModule, example_inputs, *, config: Optional[Config] = None,
+                    options: Optional[dict] = None):
     """The `torch.compile` backend: AOTAutograd with memfuse's partition and compilers. A graph
     memfuse fails to compile, wherever it fails, runs through torch (`_through_torch`); in strict
-    mode the failure is an error.
+    mode the failure is an error. `options` (torch.compile's `options=`) set Config fields
+    (config.OPTIONS: `{"memory_budget": 0.5}`); an unknown one or a bad value is an error.
 
     Through Dynamo's `aot_autograd` helper, as torch's own AOT backends, not a bare
     `aot_module_simplified`: Dynamo's DDPOptimizer (a graph split at DDP's bucket boundaries)
@@ -71,7 +73,7 @@ def memfuse_backend(gm: torch.fx.GraphModule, example_inputs, *, config: Optiona
     call later (at the first `.backward()`), only hands over the step the partition built."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._dynamo.exc import RestartAnalysis, ShortenTraceback, SkipFrame
-    config = config or Config()
+    config = config_with_options(config or Config(), options)
     record = GraphRecord(_graph_name(gm), _input_names(gm))
     compilers = _Compilers(config, record)
     backend = aot_autograd(fw_compiler=compilers.forward, bw_compiler=compilers.backward,
@@ -229,7 +231,7 @@ class _Compilers:
         if captured.num_fwd_outputs != num_fwd_outputs:
             raise RuntimeError(f"memfuse: lowered {captured.num_fwd_outputs} forward outputs, "
                                f"AOTAutograd expects {num_fwd_outputs}")
-        the_plan = plan(captured)
+        the_plan = plan(captured, self.config.memory_budget)
         self._check_fallbacks(captured)
         device = _device(placeholders)
         fakes = _Fakes(detect_fake_mode([n.meta.get("val") for n in placeholders]), captured, device)
@@ -261,7 +263,7 @@ class _Compilers:
         start = time.perf_counter()
         placeholders = gm.graph.find_nodes(op="placeholder")
         captured = _lower(gm, placeholders, trace_joint=False)
-        the_plan = plan(captured)
+        the_plan = plan(captured, self.config.memory_budget)
         self._check_fallbacks(captured)
         forward = self._program(the_plan.forward, captured, "forward")
         precompile([forward], _device(placeholders), self.config)

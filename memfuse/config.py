@@ -2,12 +2,24 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def _env_budget() -> float:
+    """MEMFUSE_MEMORY_BUDGET, read as Config.memory_budget (1.0 when unset)."""
+    text = os.environ.get("MEMFUSE_MEMORY_BUDGET", "").strip()
+    if not text:
+        return 1.0
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"memfuse: MEMFUSE_MEMORY_BUDGET={text!r} is not a number; expected a fraction in "
+                         f"(0, 1] of the default plan's saved bytes, e.g. 0.5") from None
 
 
 def default_cache_dir() -> Path:
@@ -55,3 +67,28 @@ class Config:
     # taken as large, is at least this. pad_mm's test: above half the machine balance, about 100-150 on
     # an H100/H200 in bf16 (the LM head of GPT-2: 756; a [101 x 64] test matmul: 39).
     pad_matmul_min_intensity: float = 100.0
+    # The bytes the forward may keep for the backward, as a fraction in (0, 1] of what the default
+    # plan keeps: below 1.0 the planner recomputes more in the backward, cheapest first (memfuse.plan's
+    # budget: reductions over M, then matmuls). MEMFUSE_MEMORY_BUDGET sets it; so does
+    # `memory_efficient_fusion(fn, memory_budget=0.5)` and torch.compile's options={"memory_budget": 0.5}.
+    memory_budget: float = field(default_factory=_env_budget)
+
+    def __post_init__(self):
+        budget = self.memory_budget
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget <= 1:
+            raise ValueError(f"memfuse: memory_budget must be a number in (0, 1] (a fraction of the default "
+                             f"plan's saved bytes; 1.0 keeps the default plan), got {budget!r}")
+
+
+# torch.compile(model, backend="memfuse", options={...}): the Config fields an option may set.
+OPTIONS = ("memory_budget",)
+
+
+def config_with_options(config: Config, options: dict | None) -> Config:
+    """`config` with torch.compile's `options` applied; an unknown option is an error naming it."""
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise ValueError(f"memfuse: unknown torch.compile option(s) {unknown} for backend=\"memfuse\"; "
+                         f"known: {list(OPTIONS)}")
+    return replace(config, **options)

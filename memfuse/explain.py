@@ -150,6 +150,7 @@ class Report:
     memfuse_saved: Optional[SavedMemory] = None   # the fused function, measured the same way
     entry: Any = field(default=None, repr=False, compare=False)   # the cache entry read
     paddings: list = field(default_factory=list)   # PaddingRow per extern matmul, forward then backward
+    budget: Any = None                 # plan.Budget: what Config.memory_budget < 1 changed
 
     def kernels_of(self, program: str, generated_only: bool = True) -> list:
         return [k for k in self.kernels if k.program == program and (k.is_kernel or not generated_only)]
@@ -210,7 +211,7 @@ def build_report(entry, name: str) -> Report:
     return Report(name, graph_size(joint), graph_size(the_plan.forward),
                   graph_size(the_plan.backward) if the_plan.backward is not None else None,
                   saved, the_plan.saved_bytes, decisions, kernels, externs, not_fused, fallbacks,
-                  captured.specialized, entry=entry, paddings=paddings)
+                  captured.specialized, entry=entry, paddings=paddings, budget=the_plan.budget)
 
 
 def _read_program(program_name: str, program, hints: dict, kernels: list, externs: list,
@@ -293,6 +294,8 @@ def _saved_lines(r: Report) -> list:
         lines.append(f"  {s.name:<{width}}  {s.kind:<6} {_dtype(s.dtype):<8} {str(list(s.shape)):<14} "
                      f"{human_bytes(s.bytes):>9}  {what}: {s.reason}")
     lines.append(f"  beyond the inputs: {human_bytes(r.saved_bytes)} planned")
+    if r.budget is not None:
+        lines.append(f"  {r.budget}")
     if r.memfuse_saved is not None:
         lines.append("  measured on the example args (saved_tensors_hooks, unique storages not among the inputs):")
         lines.append(f"    memfuse          {human_bytes(r.memfuse_saved.bytes):>9} in {r.memfuse_saved.tensors} tensors")

@@ -22,17 +22,25 @@ Three rules for whole models (a language-model head and its cross-entropy):
   wide one back.
 Ties go to values already in memory (an extern's result, a forward output) over values a
 kernel would write only to be saved (WRITE_TIE).
+
+A memory budget below 1 (Config.memory_budget) releases pins one at a time, cheapest first (index
+ops, reductions over M, then matmuls), re-cutting until the cut keeps at most that fraction of the
+default cut's bytes; `Plan.budget` records what it did and every value it moved says so.
 """
 from __future__ import annotations
 
 import enum
+from collections import Counter
 from dataclasses import dataclass, field
 
 import networkx as nx
+import sympy
 import torch
+from networkx.algorithms.flow import boykov_kolmogorov
 
 from .capture import Captured
-from .ir import REDUCTION, Graph, Kind, Node, Op, Reduce, value_bytes
+from .debug import human_bytes
+from .ir import REDUCTION, Graph, Kind, Matmul, Node, Op, Reduce, value_bytes
 
 INFINITE = float("inf")
 FREE_LEAVES = {Op.SEED, Op.CONSTANT, Op.SYMBOL}   # available to both graphs at no cost
@@ -45,6 +53,9 @@ INDEX_EXPANSION = 2
 # A value a kernel would write only to be saved costs this much more than the same bytes already
 # in memory (an extern's result, a forward output): a tie keeps what nothing has to write.
 WRITE_TIE = 1
+
+
+SOURCE, SINK = "source", "sink"
 
 
 class Side(enum.Enum):
@@ -74,6 +85,7 @@ class Plan:
     num_fwd_outputs: int
     saved: list = field(default_factory=list)        # SavedValue, in forward-output order
     decisions: dict = field(default_factory=dict)    # node name -> (Decision, reason)
+    budget: Budget | None = None   # what Config.memory_budget < 1 changed; None at 1.0
 
     @property
     def saved_bytes(self) -> int:
@@ -135,7 +147,9 @@ def pinned_reason(node: Node, index_bytes: dict, hints: dict) -> str | None:
     return None
 
 
-def plan(captured: Captured) -> Plan:
+def plan(captured: Captured, memory_budget: float = 1.0) -> Plan:
+    """The default plan (the byte-cheapest cut), or under `memory_budget` < 1 one that keeps at most
+    that fraction of its saved bytes where recomputing more can get there (`_within_budget`)."""
     joint = captured.joint
     if captured.num_tangents == 0 and len(joint.outputs) == captured.num_fwd_outputs:
         return plan_inference(captured)
@@ -148,19 +162,30 @@ def plan(captured: Captured) -> Plan:
     backward_needed = _ancestors(joint, [g for g in grads if g is not None])
     index_ops = index_inputs(joint)
     index_bytes = {n: sum(value_bytes(joint[i].value, captured.hints) for i in srcs) for n, srcs in index_ops.items()}
-    cut = _min_cut(captured, backward_only, backward_needed, grads, index_bytes)
+    flow, pins = _flow_graph(captured, backward_only, backward_needed, grads, index_bytes)
+    default_cut = _cut(flow)
+    cut, budget = default_cut, None
+    if memory_budget < 1:
+        cut, budget = _within_budget(flow, pins, default_cut, memory_budget, captured, index_bytes)
 
     saved_names = [n for n in joint.nodes if n in cut]
     forward = _subgraph(joint, inputs=primals + (["seed"] if captured.has_seed else []),
                         outputs=list(fwd_outputs) + saved_names)
-    bw_inputs = saved_names + (["seed"] if captured.has_seed else []) + tangents
-    backward = _subgraph(joint, inputs=bw_inputs, outputs=list(grads))
-    context = _Context(joint, joint.users(), backward, index_bytes, captured.hints)
+    backward = _backward(joint, captured, saved_names, tangents, grads)
+    default_backward = backward if cut == default_cut else \
+        _backward(joint, captured, [n for n in joint.nodes if n in default_cut], tangents, grads)
+    context = _Context(joint, joint.users(), backward, index_bytes, captured.hints, budget,
+                       frozenset(default_backward.nodes) - set(default_backward.inputs))
     saved = [SavedValue(n, value_bytes(joint[n].value, captured.hints), joint[n].op is Op.INPUT,
                         _save_reason(joint[n], context))
              for n in saved_names]
     decisions = _decisions(joint, forward, backward, saved, backward_only, context)
-    return Plan(forward, backward, n_fwd, saved, decisions)
+    return Plan(forward, backward, n_fwd, saved, decisions, budget)
+
+
+def _backward(joint: Graph, captured: Captured, saved_names: list, tangents: list, grads: list) -> Graph:
+    inputs = saved_names + (["seed"] if captured.has_seed else []) + tangents
+    return _subgraph(joint, inputs=inputs, outputs=list(grads))
 
 
 def plan_inference(captured: Captured) -> Plan:
@@ -173,16 +198,16 @@ def plan_inference(captured: Captured) -> Plan:
     return Plan(forward, None, n_fwd, [], decisions)
 
 
-def _min_cut(captured, backward_only, backward_needed, grads, index_bytes) -> set:
-    """The values the backward receives. Forward-needed nodes are not tied to the source:
-    the forward computes them anyway, and the backward may compute them again."""
+def _flow_graph(captured, backward_only, backward_needed, grads, index_bytes) -> tuple:
+    """(flow network, pins): the min-cut network whose cut is the values the backward receives, and
+    the computed nodes tied to the source (name -> why: `pinned_reason`). Forward-needed nodes are
+    not tied to the source: the forward computes them anyway, and the backward may compute them again."""
     joint = captured.joint
     users = joint.users()
     fwd_outputs = set(joint.outputs[:captured.num_fwd_outputs])
-    flow = nx.DiGraph()
-    source, sink = "source", "sink"
-    flow.add_node(source)
-    flow.add_node(sink)
+    flow, pins = nx.DiGraph(), {}
+    flow.add_node(SOURCE)
+    flow.add_node(SINK)
     for name, node in joint.nodes.items():
         if name in backward_only or node.op in FREE_LEAVES:
             continue
@@ -193,18 +218,162 @@ def _min_cut(captured, backward_only, backward_needed, grads, index_bytes) -> se
         if node.op not in (Op.INPUT, Op.EXTERN, Op.GETITEM) and name not in fwd_outputs:
             capacity += WRITE_TIE
         flow.add_edge(inside, outside, capacity=capacity)
-        if node.op is Op.INPUT or pinned_reason(node, index_bytes, captured.hints) is not None:
-            flow.add_edge(source, inside, capacity=INFINITE)
+        pinned = None if node.op is Op.INPUT else pinned_reason(node, index_bytes, captured.hints)
+        if node.op is Op.INPUT or pinned is not None:
+            flow.add_edge(SOURCE, inside, capacity=INFINITE)
+        if pinned is not None:
+            pins[name] = pinned
         for inp in node.inputs:
             if (inp, Side.OUT) in flow:
                 flow.add_edge((inp, Side.OUT), inside, capacity=INFINITE)
         if any(u in backward_only for u in users[name]) or name in grads:
-            flow.add_edge(outside, sink, capacity=INFINITE)
-    if not flow.has_node(sink) or not nx.has_path(flow, source, sink):
-        return set()
-    _, (reachable, _) = nx.minimum_cut(flow, source, sink)
-    return {key[0] for key in reachable if key != source and key[1] is Side.IN
-            and (key[0], Side.OUT) not in reachable}
+            flow.add_edge(outside, SINK, capacity=INFINITE)
+    return flow, pins
+
+
+def _cut(flow: nx.DiGraph, flow_func=None) -> frozenset:
+    """The values the cheapest cut of `flow` keeps for the backward (networkx's default max-flow
+    algorithm unless `flow_func` names another)."""
+    if not nx.has_path(flow, SOURCE, SINK):
+        return frozenset()
+    _, (reachable, _) = nx.minimum_cut(flow, SOURCE, SINK, flow_func=flow_func)
+    return frozenset(key[0] for key in reachable if key != SOURCE and key[1] is Side.IN
+                     and (key[0], Side.OUT) not in reachable)
+
+
+# -- the memory budget -------------------------------------------------------------------------
+# The default cut is already the byte-cheapest one the pins allow: every fused value whose
+# recomputation keeps fewer bytes is recomputed. A budget below 1 releases pins, cheapest tier
+# first: index ops that stay aten calls ("pointwise"), reductions over M and sums over leading dims
+# ("reduction"), then matmuls ("matmul"). Other externs (attention, embedding, a seeded randint)
+# are never released: recomputing a seeded one would draw new random numbers.
+BUDGET_TIERS = ("pointwise", "reduction", "matmul")
+# FLOPs a matmul does in the time it takes to move one byte (machine balance, H100/H200 bf16: about
+# 300): a matmul's recompute cost in bytes-moved equivalents.
+MATMUL_FLOPS_PER_BYTE = 300
+# An extern recomputed in the backward is one more aten launch: about 5 us of host time, the time
+# an H100/H200 moves this many bytes. Between equally cheap matmuls per byte, the larger goes first.
+EXTERN_LAUNCH_BYTES = 16_000_000
+# The max-flow algorithm of the budget's re-cuts: Boykov-Kolmogorov cuts these graphs 2-3x faster
+# than networkx's default (a 4-layer Llama's 28 re-cuts: 1.6 s instead of 4.3 s).
+BUDGET_FLOW = boykov_kolmogorov
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What Config.memory_budget changed: the fraction, the default plan's saved bytes, the target,
+    the bytes the plan reached, the pins it released (name -> tier, in order), and why it stopped
+    short of the target (None when it reached it)."""
+    fraction: float
+    default_bytes: int
+    target_bytes: int
+    reached_bytes: int
+    released: dict
+    short_of_target: str | None = None
+
+    def __str__(self) -> str:
+        head = (f"memory budget {self.fraction:g}: the default plan saves {human_bytes(self.default_bytes)}, "
+                f"target {human_bytes(self.target_bytes)}, reached {human_bytes(self.reached_bytes)}")
+        tiers = Counter(self.released.values())
+        released = ", ".join(f"{tiers[t]} {t}" for t in BUDGET_TIERS if tiers[t])
+        head += f" (released for recomputation: {released})" if released else ""
+        return head + (f"; budget not reached: {self.short_of_target}" if self.short_of_target else "")
+
+
+def budget_tier(node: Node, index_bytes: dict) -> str | None:
+    """Which BUDGET_TIERS tier may release this pinned node for recomputation; None: never."""
+    if node.op is Op.EXTERN and isinstance(node.attr, Matmul):
+        return "matmul"
+    if node.op is Op.EXTERN and node.name in index_bytes:
+        return "pointwise"
+    if node.op in REDUCTION or node.op is Op.STRIDED:
+        return "reduction"
+    return None
+
+
+def recompute_cost(node: Node, joint: Graph, hints: dict) -> float:
+    """What computing `node` once more in the backward costs, in bytes moved: a fused op or an
+    index op reads its inputs and writes its result; a matmul does 2·M·N·K FLOPs
+    (MATMUL_FLOPS_PER_BYTE to the byte). An extern costs a launch more (EXTERN_LAUNCH_BYTES)."""
+    launch = EXTERN_LAUNCH_BYTES if node.op is Op.EXTERN else 0
+    if node.op is Op.EXTERN and isinstance(node.attr, Matmul):
+        operand = node.attr.args[1] if len(node.attr.args) == 3 else node.attr.args[0]   # addmm(bias, a, b)
+        k = sympy.sympify(joint[operand.name].value.shape[-1]).subs(hints)
+        elements = value_bytes(node.value, hints) // max(node.value.dtype.itemsize, 1)
+        return launch + 2 * elements * int(k) / MATMUL_FLOPS_PER_BYTE
+    return launch + value_bytes(node.value, hints) + sum(value_bytes(joint[i].value, hints) for i in node.inputs)
+
+
+def _within_budget(flow, pins, default_cut, fraction, captured, index_bytes) -> tuple:
+    """(cut, Budget): release pins one at a time, re-cutting after each, until the cut keeps at most
+    `fraction` of the default cut's bytes. Each time the pin released is, among those a saved value
+    hangs from (`_held_bytes`), of the cheapest tier, and within it the cheapest to recompute per
+    byte of saved values hanging from it. The sequence of cuts does not depend on `fraction`, only
+    where it stops: a smaller budget never keeps more. Short of the target, the sequence's cheapest cut."""
+    joint, hints = captured.joint, captured.hints
+    default_bytes = _saved_bytes(default_cut, joint, hints)
+    target = int(fraction * default_bytes)
+    position = {name: i for i, name in enumerate(joint.nodes)}
+    cut, released = default_cut, {}
+    best = (default_bytes, cut, dict(released))
+    while best[0] > target:
+        held = {n: b for n, b in _held_bytes(cut, pins, joint, hints).items()
+                if budget_tier(joint[n], index_bytes) is not None}
+        if not held:
+            break
+        name = min(held, key=lambda n: (BUDGET_TIERS.index(budget_tier(joint[n], index_bytes)),
+                                        recompute_cost(joint[n], joint, hints) / max(held[n], 1), position[n]))
+        flow.remove_edge(SOURCE, (name, Side.IN))
+        del pins[name]
+        released[name] = budget_tier(joint[name], index_bytes)
+        cut = _cut(flow, BUDGET_FLOW)
+        if _saved_bytes(cut, joint, hints) < best[0]:
+            best = (_saved_bytes(cut, joint, hints), cut, dict(released))
+    reached, cut, released = best
+    short = None if reached <= target else _short_of_target(cut, pins, index_bytes, joint, hints)
+    return cut, Budget(fraction, default_bytes, target, reached, released, short)
+
+
+def _saved_bytes(cut, joint: Graph, hints: dict) -> int:
+    return sum(value_bytes(joint[n].value, hints) for n in cut if joint[n].op is not Op.INPUT)
+
+
+def _held_bytes(cut, pins: dict, joint: Graph, hints: dict) -> dict:
+    """pin -> bytes of the saved values that hang from it: the value itself, or one whose inputs
+    lead up to the pin through nodes that are not pinned (the backward would recompute down from
+    the pin). Releasing a pin no saved value hangs from changes nothing."""
+    held: dict = {}
+    for saved in cut:
+        if joint[saved].op is Op.INPUT:
+            continue
+        size, seen, stack = value_bytes(joint[saved].value, hints), set(), [saved]
+        while stack:
+            name = stack.pop()
+            if name in seen:
+                continue
+            seen.add(name)
+            if name in pins:
+                held[name] = held.get(name, 0) + size
+            else:
+                stack.extend(joint[name].inputs)
+    return held
+
+
+def _short_of_target(cut, pins, index_bytes, joint: Graph, hints: dict) -> str:
+    """What the rest of the saved bytes are, by kind, largest first."""
+    kinds: Counter = Counter()
+    for name in cut:
+        node = joint[name]
+        if node.op is Op.INPUT:
+            continue
+        if name in pins and budget_tier(node, index_bytes) is None:
+            kind = "outputs of aten calls the budget never releases (attention, embeddings, seeded random ops, ...)"
+        elif node.op is Op.EXTERN and isinstance(node.attr, Matmul):
+            kind = "matmul outputs cheaper to keep than their operands"
+        else:
+            kind = "values cheaper to keep than what they are computed from"
+        kinds[kind] += value_bytes(node.value, hints)
+    return "the rest are " + "; ".join(f"{k} ({human_bytes(b)})" for k, b in kinds.most_common())
 
 
 def _capacity(node: Node, hints: dict) -> float:
@@ -260,12 +429,14 @@ def _descendants(graph: Graph, roots) -> set:
 @dataclass(frozen=True)
 class _Context:
     """What the reasons read: the joint graph and its users, the backward, the index ops' input
-    bytes, the sizes."""
+    bytes, the sizes, the budget's record and the nodes the default plan's backward recomputes."""
     joint: Graph
     users: dict
     backward: Graph
     index_bytes: dict
     hints: dict
+    budget: Budget | None
+    default_recomputed: frozenset
 
 
 def _save_reason(node: Node, context: _Context) -> str:
@@ -286,6 +457,10 @@ def _save_reason(node: Node, context: _Context) -> str:
 
 
 def _recompute_reason(node: Node, context: _Context) -> str:
+    if context.budget is not None and node.name not in context.default_recomputed:
+        kind = context.budget.released.get(node.name) or _budget_kind(node)
+        return (f"recomputed for the memory budget {context.budget.fraction:g}: "
+                f"{human_bytes(value_bytes(node.value, context.hints))}, {kind}")
     if not node.inputs:
         return "a constant (the column index, a fill): rebuilt in the backward for free"
     if is_view(node):
@@ -295,6 +470,15 @@ def _recompute_reason(node: Node, context: _Context) -> str:
     if is_exact_upcast(node, context.joint):
         return "an exact upcast: recomputed from the narrower value"
     return "recomputed in the backward from saved inputs"
+
+
+def _budget_kind(node: Node) -> str:
+    """The BUDGET_TIERS word for a node the budget moved into the backward."""
+    if node.op is Op.EXTERN and isinstance(node.attr, Matmul):
+        return "matmul"
+    if node.op in REDUCTION or node.op is Op.STRIDED and node.attr.summed:
+        return "reduction"
+    return "pointwise"
 
 
 def _dtype(node: Node) -> str:
