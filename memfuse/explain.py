@@ -109,6 +109,14 @@ class NotFusedRow:
 
 
 @dataclass(frozen=True)
+class PlacedRow:
+    """Where the scheduler put a value other than where its inputs are, and why (Schedule.placed)."""
+    program: str
+    node: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class PaddingRow:
     """One extern matmul's padding decision (memfuse.padding.MatmulPadding) in one program."""
     program: str
@@ -147,6 +155,7 @@ class Report:
     memfuse_saved: Optional[SavedMemory] = None   # the fused function, measured the same way
     entry: Any = field(default=None, repr=False, compare=False)   # the cache entry read
     paddings: list = field(default_factory=list)   # PaddingRow per extern matmul, forward then backward
+    placed: list = field(default_factory=list)     # PlacedRow, forward then backward
 
     def kernels_of(self, program: str, generated_only: bool = True) -> list:
         return [k for k in self.kernels if k.program == program and (k.is_kernel or not generated_only)]
@@ -198,16 +207,17 @@ def build_report(entry, name: str) -> Report:
                       joint[s.name].value.dtype, s.bytes, s.is_input, s.reason, arguments.get(s.name))
              for s in the_plan.saved]
     decisions = [DecisionRow(n, joint[n].op.value, d, reason) for n, (d, reason) in the_plan.decisions.items()]
-    kernels, externs, not_fused, paddings = [], [], [], []
+    kernels, externs, not_fused, paddings, placed = [], [], [], [], []
     for program_name, program in (("forward", function.forward), ("backward", function.backward)):
         if program is not None:
             _read_program(program_name, program, hints, kernels, externs, not_fused)
             paddings.extend(PaddingRow(program_name, p) for p in program.schedule.paddings)
+            placed.extend(PlacedRow(program_name, *row) for row in program.schedule.placed)
     fallbacks = [FallbackRow(*f) for f in captured.fallbacks]
     return Report(name, graph_size(joint), graph_size(the_plan.forward),
                   graph_size(the_plan.backward) if the_plan.backward is not None else None,
                   saved, the_plan.saved_bytes, decisions, kernels, externs, not_fused, fallbacks,
-                  captured.specialized, entry=entry, paddings=paddings)
+                  captured.specialized, entry=entry, paddings=paddings, placed=placed)
 
 
 def _read_program(program_name: str, program, hints: dict, kernels: list, externs: list,
@@ -329,6 +339,10 @@ def _kernel_lines(r: Report) -> list:
         lines.append("  not fused (node, input: reason)")
         for n in r.not_fused:
             lines.append(f"    {n.program} {n.node} <- {n.input}: {n.reason}")
+    if r.placed:
+        lines.append("  placed (node: where it runs, and why)")
+        for p in r.placed:
+            lines.append(f"    {p.program} {p.node}: {p.reason}")
     return lines
 
 
@@ -430,6 +444,8 @@ def log_report(r: Report) -> None:
     for n in r.not_fused:
         kernels.debug("memfuse: %s: %s: %s not fused with its input %s: %s", r.name, n.program, n.node,
                       n.input, n.reason)
+    for p in r.placed:
+        kernels.debug("memfuse: %s: %s: %s placed: %s", r.name, p.program, p.node, p.reason)
     for f in r.fallbacks:
         fallbacks.info("memfuse: %s: %s (%s) runs through aten: %s", r.name, f.node, f.target, f.reason)
 

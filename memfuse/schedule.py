@@ -6,7 +6,9 @@ of another space, the root a STRIDED view reads from memory). A node joins the g
 agree (merging them), else any compatible group of its stage (horizontal fusion: the column
 sums of a backward land in its main kernel), else starts a new one. Every edge between groups
 then runs from a lower stage to a higher one, so the steps, ordered by stage, never wait on a
-later step. Why two nodes did not share a kernel is recorded for `explain()`.
+later step. A value computed from constants, sizes and the seed alone (a fill, an iota, a dropout
+draw) is computed inside every kernel that reads it, never written (`input_free`). Why two nodes
+did not share a kernel, and why a value was placed where it is, are recorded for `explain()`.
 """
 from __future__ import annotations
 
@@ -80,6 +82,7 @@ class Schedule:
     not_fused: list = field(default_factory=list)      # (node, input, reason)
     paddings: list = field(default_factory=list)       # padding.MatmulPadding per extern matmul
     in_place: list = field(default_factory=list)       # reinplace.InPlace: scatters written into their fill
+    placed: list = field(default_factory=list)         # (node, reason): moved, duplicated or joined, and why
 
     @property
     def kernels(self) -> list:
@@ -94,13 +97,14 @@ def schedule(graph: Graph, config: Config, kind: str) -> Schedule:
     graph, in_place = reinplace_fills(graph)
     if config.check and (in_place or any(p.padded for p in paddings)):
         verify(graph)
+    free = input_free(graph)
     stage: dict = {}
     group_of: dict = {}
     groups: list = []
     externs: list = []
     not_fused: list = []
     for name, node in graph.nodes.items():
-        if node.op in LEAF:
+        if node.op in LEAF or name in free:
             stage[name] = 0
             continue
         if node.op in EXTERNAL or _finishing(graph, node):
@@ -127,11 +131,60 @@ def schedule(graph: Graph, config: Config, kind: str) -> Schedule:
         group.nodes.append(name)
         group_of[name] = group
     steps = _order(graph, groups, externs, kind)
+    placed: list = []
+    _compute_free_in_readers(graph, groups, free, placed)
     for group in steps:
         if isinstance(group, KernelGroup):
-            _fill_io(graph, group, group_of)
+            _fill_io(graph, group, free)
             group.aten_reason = _codegen_limit(graph, group, config)
-    return Schedule(graph, steps, not_fused, paddings, in_place)
+    return Schedule(graph, steps, not_fused, paddings, in_place, placed)
+
+
+# -- values with no input: computed where they are read ---------------------------------------------
+SOURCES = (Op.CONSTANT, Op.SYMBOL, Op.SEED)
+
+
+def input_free(graph: Graph) -> set:
+    """The fusible values computed from constants, sizes and the seed alone (a fill, an iota, a
+    random draw) that no step needs in memory: every reader is a kernel node reading it in
+    registers, and the program does not return it. Each kernel reading one computes it itself:
+    it costs no load, and no buffer holds it."""
+    users = graph.users()
+    outputs = set(graph.outputs)
+    free: set = set()
+    for name, node in graph.nodes.items():
+        if node.op in FUSIBLE and node.op not in MEMORY_VIEWS and _barrier(graph, name) is None \
+                and all(graph[i].op in SOURCES or i in free for i in node.inputs) \
+                and name not in outputs and users[name] \
+                and all(graph[u].op in FUSIBLE and not _reads_from_memory(graph, u, name) for u in users[name]):
+            free.add(name)
+    return free
+
+
+def _reads_from_memory(graph: Graph, reader: str, name: str) -> bool:
+    """Whether the fusible node `reader` reads `name` from memory (a view's root), not from registers."""
+    node = graph[reader]
+    return node.op in MEMORY_VIEWS and node.inputs[0] == name
+
+
+def _compute_free_in_readers(graph: Graph, groups: list, free: set, placed: list) -> None:
+    """Add to each group the input-free values its nodes read (and theirs), in graph order."""
+    position = {name: i for i, name in enumerate(graph.nodes)}
+    readers: dict = {}
+    for group in groups:
+        members = set(group.nodes)
+        todo = [i for n in group.nodes for i in graph[n].inputs if i in free]
+        while todo:
+            name = todo.pop()
+            if name not in members:
+                members.add(name)
+                group.nodes.append(name)
+                readers.setdefault(name, []).append(group.name)
+                todo.extend(i for i in graph[name].inputs if i in free)
+        group.nodes.sort(key=position.__getitem__)
+    for name in sorted(readers, key=position.__getitem__):
+        placed.append((name, f"no input (constants, sizes, the seed): computed in every kernel that reads it "
+                             f"({', '.join(readers[name])}), never written"))
 
 
 def _node_space(graph: Graph, node, group_of: dict) -> Space:
@@ -220,7 +273,7 @@ def _order(graph: Graph, groups: list, externs: list, kind: str) -> list:
     return steps
 
 
-def _fill_io(graph: Graph, group: KernelGroup, group_of: dict) -> None:
+def _fill_io(graph: Graph, group: KernelGroup, free: set) -> None:
     members = set(group.nodes)
     users = graph.users()
     outputs = set(o for o in graph.outputs if o is not None)
@@ -233,7 +286,7 @@ def _fill_io(graph: Graph, group: KernelGroup, group_of: dict) -> None:
     for name in group.nodes:
         if _barrier(graph, name) is not None:
             group.column_sums.append(name)
-        elif name in outputs or any(u not in members for u in users[name]):
+        elif name not in free and (name in outputs or any(u not in members for u in users[name])):
             group.outputs.append(name)
 
 

@@ -1,8 +1,10 @@
-"""The scheduler: kernel groups over [M, D], stages across barriers, recorded reasons, limits."""
+"""The scheduler: kernel groups over [M, D], stages across barriers, recorded reasons, limits, and
+where values are computed (no-input values in their readers)."""
 import torch
 
 import memfuse
 from helpers import BLOCKS, block_inputs, counters, delta, forward_backward, rel_error
+from memfuse.buffers import plan_buffers
 from memfuse.capture import capture
 from memfuse.config import Config
 from memfuse.ir import Op
@@ -88,3 +90,32 @@ def test_rows_longer_than_the_persistent_limit():
     assert rel_error(out, ref_out) <= 1e-5
     for grad, ref in zip(grads, ref_grads):
         assert rel_error(grad, ref) <= 1e-5
+
+
+# -- where values are computed ------------------------------------------------------------------------
+def test_a_fill_is_computed_in_the_kernel_that_reads_it():
+    """A fill read after an extern matmul (a later stage) is no kernel's output and no buffer."""
+    def fn(x, w):
+        y = x @ w
+        return torch.where(y > 0, y, torch.full_like(y, 0.25))
+
+    x, w = torch.randn(6, 8, requires_grad=True), torch.randn(8, 20, requires_grad=True)
+    the_plan = plan(capture(lambda x, w: (fn(x, w),), [x.detach(), w.detach()], trace_joint=False))
+    fill = next(n for n, node in the_plan.forward.nodes.items()
+                if node.op is Op.VIEW and the_plan.forward[node.inputs[0]].op is Op.CONSTANT and node.value.shape)
+    sched = schedule(the_plan.forward, Config(), "forward")
+    reader, = sched.kernels
+    assert fill in reader.nodes and fill not in reader.outputs and reader.stage > 0
+    assert fill not in plan_buffers(sched).buffers
+    assert any(n == fill and "computed in every kernel that reads it" in why for n, why in sched.placed)
+    report = memfuse.explain(fn, x, w)
+    assert any(p.node == fill and p.program == "forward" for p in report.placed)
+    assert f"forward {fill}: no input" in str(report)
+
+    fused = memfuse.memory_efficient_fusion(fn)
+    out = fused(x, w)
+    grads = torch.autograd.grad(out.sum(), (x, w))
+    ref = fn(x, w)
+    assert rel_error(out, ref) <= 1e-5
+    for grad, expected in zip(grads, torch.autograd.grad(ref.sum(), (x, w))):
+        assert rel_error(grad, expected) <= 1e-5
