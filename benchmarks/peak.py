@@ -1,7 +1,7 @@
 """Where one training step's peak memory goes: a CUDA memory snapshot of a `make bench-models`
 model in one mode, read at its peak.
 
-    python3 -m benchmarks.peak --model llama --mode memfuse_backend [--out DIR]
+    python3 -m benchmarks.peak --model llama --mode memfuse_backend [--out DIR] [--timeline PNG]
 
 The step runs twice first (compiles, warm caches), then once under
 `torch.cuda.memory._record_memory_history`. The snapshot's trace is replayed to the moment the
@@ -10,6 +10,11 @@ innermost frame in memfuse's generated programs, shown with that line's source, 
 transformers or memfuse, else the innermost frame at all) and printed largest first, with the
 step's phase (forward or backward) at the peak. The raw snapshot is written as a pickle for
 https://pytorch.org/memory_viz. Needs CUDA.
+
+`--timeline PNG` (memfuse modes) also draws memfuse's own account of the same step: the bytes its
+programs hold while each kernel or aten call of the forward, then of the backward, runs, saved
+activations as their own band, the peak labelled with what is alive then (`memfuse.draw_memory`,
+from the buffer plans at the batch's sizes, no CUDA measurement).
 """
 from __future__ import annotations
 
@@ -25,12 +30,14 @@ if __package__ in (None, ""):
 
 import torch
 
+import memfuse
 from benchmarks.models import (FAMILIES, GPU_SETTINGS, MODES, WRAPPERS, Setup, Templates, forward_loss, fresh,
                                make_batch)
 from memfuse.runtime import Program
 
 MB = 2 ** 20
 TOP_GROUPS = 15
+TIMELINE_MODES = ("memfuse_whole", "memfuse_backend")   # one memfuse program pair, or one per Dynamo graph
 
 
 def program_sources() -> dict:
@@ -79,7 +86,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", choices=list(FAMILIES), default="llama")
     parser.add_argument("--mode", choices=MODES, default="memfuse_backend")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--timeline", type=Path, metavar="PNG",
+                        help=f"also draw memfuse's memory timeline of the step ({', '.join(TIMELINE_MODES)})")
     args = parser.parse_args(argv)
+    if args.timeline is not None and args.mode not in TIMELINE_MODES:
+        parser.error(f"--timeline draws memfuse's programs: --mode must be one of {', '.join(TIMELINE_MODES)}")
     if not torch.cuda.is_available():
         sys.exit("benchmarks.peak needs CUDA: a memory snapshot reads the CUDA caching allocator")
     family = FAMILIES[args.model]
@@ -121,6 +132,10 @@ def main(argv: list[str] | None = None) -> None:
     for name, (size, count) in sorted(groups.items(), key=lambda item: -item[1][0])[:TOP_GROUPS]:
         print(f"{size / MB:8.0f} {count:6d}  {name}")
     print(f"snapshot: {pickle_path}")
+    if args.timeline is not None:
+        with setup.autocast():
+            drawing = memfuse.draw_memory(wrapped, **batch, path=args.timeline)
+        print(f"timeline: {drawing.path}: {drawing.title}")
 
 
 if __name__ == "__main__":

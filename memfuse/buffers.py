@@ -330,14 +330,29 @@ def _frees(k: int, step: str, dropped: list, buffers: dict, read: set, released:
 def memory_timeline(plan: BufferPlan, sizes: dict) -> list:
     """MemoryPoint per step: bytes of storage the program holds at `sizes` (size symbol -> int),
     inputs included (a caller holding them too keeps them longer). A reused storage counts once."""
-    taken = {s.reuses for step in plan.steps for s in step.allocations if s.reuses is not None}
-    reusing = {s.buffer for step in plan.steps for s in step.allocations if s.reuses is not None}
-    points, alive = [], 0
+    def total(names):
+        return sum(_at(plan.buffers[n].nbytes, sizes) for n in names)
+    return [MemoryPoint(step.name, total(during), total(after))
+            for step, (during, after) in zip(plan.steps, held_storages(plan))]
+
+
+def held_storages(plan: BufferPlan) -> list:
+    """Per step: (the storages the program holds while it runs, those it holds after its frees),
+    each named by the buffer that brought it; a reused storage keeps its first buffer's name."""
+    reuses = {a.buffer: a.reuses for step in plan.steps for a in step.allocations if a.reuses is not None}
+    taken = set(reuses.values())
+    first: dict = {}
+    held: set = set()
+    points = []
     for step in plan.steps:
-        alive += sum(_at(plan.buffers[n].nbytes, sizes) for n in step.made if n not in reusing)
-        during = alive
-        alive -= sum(_at(plan.buffers[r].nbytes, sizes) for f in step.frees for r in f.releases if r not in taken)
-        points.append(MemoryPoint(step.name, during, alive))
+        for name in step.made:
+            if name in reuses:
+                first[name] = first.get(reuses[name], reuses[name])
+            elif plan.buffers[name].nbytes != 0:
+                held.add(name)
+        during = frozenset(held)
+        held -= {first.get(r, r) for f in step.frees for r in f.releases if r not in taken}
+        points.append((during, frozenset(held)))
     return points
 
 

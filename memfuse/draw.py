@@ -1,6 +1,8 @@
-"""draw: the planner's min-cut as a picture (PNG/SVG/PDF through matplotlib) or as DOT text.
+"""draw: the planner's min-cut, and one training step's memory, as pictures (PNG/SVG/PDF through
+matplotlib); the min-cut also as DOT text.
 
     memfuse.draw_plan(fn, *example_args, path="plan.svg")   # explain.draw_plan; or report.draw("plan.png")
+    memfuse.draw_memory(fn, *example_args, path="memory.png")   # explain.draw_memory
 
 Every joint-graph node the forward or backward computes is drawn in one of three bands: the
 forward on top (inputs, forward-only values), the values computed in both programs in the
@@ -9,6 +11,11 @@ Saved values have a thick red ring, and the edges that carry them into the backw
 those edges are the cut. Columns are topological generations (networkx), so data flows left to
 right. The layout is computed here and kept on the returned PlanDrawing, so tests and tools can
 read what was drawn without looking at pixels. No graphviz binary or pydot is needed.
+
+The memory picture is a bar per step of the forward program, then of the backward: the bytes the
+program holds while the step runs (memfuse.buffers: inputs included, a reused storage once), the
+saved tensors as their own band at the bottom, the peak step labelled with the largest buffers
+held then. Its data is the returned MemoryDrawing.
 """
 from __future__ import annotations
 
@@ -17,7 +24,9 @@ from pathlib import Path
 from typing import Optional
 
 import networkx as nx
+import sympy
 
+from .buffers import Origin, held_storages
 from .debug import human_bytes
 from .ir import Op
 from .plan import Decision
@@ -232,3 +241,128 @@ def _bands(ax, nodes: list) -> None:
                 fontsize=8, color="#525252")
     for upper, lower in zip(present, present[1:]):
         ax.axhline((spans[upper][0] + spans[lower][1]) / 2, color="#bdbdbd", linestyle="--", linewidth=0.8)
+
+
+# -- one training step's memory -------------------------------------------------------------------
+BAND_FILLS = {"saved": "#fb6a4a", "inputs": "#bdbdbd", "other": "#6baed6"}
+BAND_LEGEND = {"saved": "saved for backward (activations)", "inputs": "inputs (parameters, batch, tangents)",
+               "other": "made by the step's program"}
+PEAK_BUFFERS = 6         # buffers named at the peak, largest first
+
+
+@dataclass(frozen=True)
+class ProgramMemory:
+    """One program of a step, as drawn: its buffer plan, the activations it keeps for (or receives
+    from) the other program, and the sizes to evaluate its byte counts at."""
+    label: str                     # "forward", "backward", or a graph's name and program
+    plan: object                   # buffers.BufferPlan
+    saved: frozenset               # names of the saved activations (saved values that are not inputs)
+    sizes: dict                    # size symbol -> int
+    saved_elsewhere: int = 0       # bytes other programs' saved activations hold meanwhile (other graphs)
+
+
+@dataclass(frozen=True)
+class MemoryStep:
+    program: str                   # ProgramMemory.label
+    name: str                      # buffers.ENTRY, a kernel's or an extern call's name
+    saved: int                     # bytes of saved activations held while the step runs
+    inputs: int                    # bytes of the program's other inputs held then
+    other: int                     # bytes of everything else held then
+    held: tuple                    # (buffer, bytes) held while it runs, largest first
+
+    @property
+    def total(self) -> int:
+        return self.saved + self.inputs + self.other
+
+
+@dataclass
+class MemoryDrawing:
+    title: str
+    steps: list                    # MemoryStep: the forward program's steps, then the backward's
+    path: Optional[Path] = None    # where `save` last wrote it
+
+    @property
+    def peak(self) -> MemoryStep:
+        return max(self.steps, key=lambda s: s.total)
+
+    def save(self, path) -> Path:
+        path = Path(path)
+        formats = [f for f in FORMATS if f != ".dot"]
+        if path.suffix.lower() not in formats:
+            raise ValueError(f"memfuse.draw_memory: cannot write {path.name}: use one of {', '.join(formats)}")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        render_memory(self, path)
+        self.path = path
+        return path
+
+
+def memory_drawing(programs: list, title: str = "") -> MemoryDrawing:
+    """The bytes each ProgramMemory holds while each of its steps runs (memfuse.buffers), in three
+    bands: saved activations, the other inputs, the rest. The drawing data, no rendering."""
+    steps = [step for program in programs for step in _program_steps(program)]
+    if not steps:
+        raise ValueError(f"memfuse.draw_memory: {title or 'the call'} has no program steps to draw")
+    peak = max(steps, key=lambda s: s.total)
+    heading = f"memfuse memory{': ' + title if title else ''}: peak {human_bytes(peak.total)} " \
+              f"while {peak.program} {peak.name} runs"
+    return MemoryDrawing(heading, steps)
+
+
+def _program_steps(program: ProgramMemory) -> list:
+    buffers = program.plan.buffers
+    saved = set().union(*(buffers[n].storage for n in program.saved if n in buffers))
+    inputs = {n for n, b in buffers.items() if b.origin is Origin.INPUT} - saved
+    steps = []
+    for step, (during, _) in zip(program.plan.steps, held_storages(program.plan)):
+        held = {n: int(sympy.sympify(buffers[n].nbytes).subs(program.sizes)) for n in during}
+        band = {"saved": program.saved_elsewhere, "inputs": 0, "other": 0}
+        for n, b in held.items():
+            band["saved" if n in saved else "inputs" if n in inputs else "other"] += b
+        steps.append(MemoryStep(program.label, step.name, band["saved"], band["inputs"], band["other"],
+                                tuple(sorted(held.items(), key=lambda kv: -kv[1]))))
+    return steps
+
+
+def render_memory(drawing: MemoryDrawing, path: Path) -> None:
+    """Stacked bars, one per step (saved activations at the bottom, then the inputs, then the rest);
+    a dashed line where a program starts; the peak step labelled with the largest buffers held."""
+    try:
+        from matplotlib.figure import Figure
+        from matplotlib.patches import Patch
+    except ImportError as e:
+        raise ImportError("memfuse.draw_memory: pictures need matplotlib (pip install matplotlib)") from e
+    steps, peak = drawing.steps, drawing.peak
+    unit, unit_name = _unit(peak.total)
+    fig = Figure(figsize=(min(7 + 0.06 * len(steps), 40), 5))
+    ax = fig.add_subplot(1, 1, 1)
+    bottom = [0.0] * len(steps)
+    for band in BAND_FILLS:
+        heights = [getattr(s, band) / unit for s in steps]
+        ax.bar(range(len(steps)), heights, width=1.0, bottom=bottom, color=BAND_FILLS[band], linewidth=0)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    top = peak.total / unit
+    ax.set_ylim(0, top * 1.6)
+    for x, step in enumerate(steps):
+        if x == 0 or steps[x - 1].program != step.program:
+            ax.axvline(x - 0.5, color="#525252", linestyle="--", linewidth=0.8)
+            ax.text(x, top * 1.55, f" {step.program}", va="top", rotation=90, fontsize=7, color="#525252")
+    at = steps.index(peak)
+    held = "\n".join(f"{name}: {human_bytes(b)}" for name, b in peak.held[:PEAK_BUFFERS])
+    ax.annotate(f"peak {human_bytes(peak.total)} while {peak.name} runs\n{held}", xy=(at, top),
+                xytext=(at, top * 1.05), ha="left" if at < len(steps) / 2 else "right", fontsize=7,
+                arrowprops={"arrowstyle": "->", "color": "#525252"})
+    ax.legend(handles=[Patch(color=BAND_FILLS[b], label=BAND_LEGEND[b]) for b in BAND_FILLS],
+              loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False)
+    ax.set_xlim(-0.5, len(steps) - 0.5)
+    ax.set_xlabel("step of the program (kernel launches and aten calls)")
+    ax.set_ylabel(f"held while the step runs ({unit_name})")
+    ax.set_title(drawing.title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, format=path.suffix.lower().lstrip("."))
+
+
+def _unit(largest: int) -> tuple:
+    for unit, name in ((2 ** 30, "GiB"), (2 ** 20, "MiB"), (2 ** 10, "KiB")):
+        if largest >= unit:
+            return unit, name
+    return 1, "B"

@@ -27,7 +27,7 @@ from .api import FusedFunction
 from .backend import watch
 from .buffers import format_buffer_plan
 from .debug import STATS, human_bytes, topic_log
-from .draw import PlanDrawing, plan_drawing
+from .draw import MemoryDrawing, PlanDrawing, ProgramMemory, memory_drawing, plan_drawing
 from .eager import EagerCall
 from .ir import EXTERNAL, LEAF, RANDOM, REDUCTION, Graph, Op, format_graph, value_bytes
 from .module import FusedModule
@@ -112,6 +112,14 @@ class NotFusedRow:
 
 
 @dataclass(frozen=True)
+class PlacedRow:
+    """Where the scheduler put a value other than where its inputs are, and why (Schedule.placed)."""
+    program: str
+    node: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class PaddingRow:
     """One extern matmul's padding decision (memfuse.padding.MatmulPadding) in one program."""
     program: str
@@ -151,6 +159,7 @@ class Report:
     entry: Any = field(default=None, repr=False, compare=False)   # the cache entry read
     paddings: list = field(default_factory=list)   # PaddingRow per extern matmul, forward then backward
     budget: Any = None                 # plan.Budget: what Config.memory_budget < 1 changed
+    placed: list = field(default_factory=list)     # PlacedRow, forward then backward
 
     def kernels_of(self, program: str, generated_only: bool = True) -> list:
         return [k for k in self.kernels if k.program == program and (k.is_kernel or not generated_only)]
@@ -202,16 +211,17 @@ def build_report(entry, name: str) -> Report:
                       joint[s.name].value.dtype, s.bytes, s.is_input, s.reason, arguments.get(s.name))
              for s in the_plan.saved]
     decisions = [DecisionRow(n, joint[n].op.value, d, reason) for n, (d, reason) in the_plan.decisions.items()]
-    kernels, externs, not_fused, paddings = [], [], [], []
+    kernels, externs, not_fused, paddings, placed = [], [], [], [], []
     for program_name, program in (("forward", function.forward), ("backward", function.backward)):
         if program is not None:
             _read_program(program_name, program, hints, kernels, externs, not_fused)
             paddings.extend(PaddingRow(program_name, p) for p in program.schedule.paddings)
+            placed.extend(PlacedRow(program_name, *row) for row in program.schedule.placed)
     fallbacks = [FallbackRow(*f) for f in captured.fallbacks]
     return Report(name, graph_size(joint), graph_size(the_plan.forward),
                   graph_size(the_plan.backward) if the_plan.backward is not None else None,
                   saved, the_plan.saved_bytes, decisions, kernels, externs, not_fused, fallbacks,
-                  captured.specialized, entry=entry, paddings=paddings, budget=the_plan.budget)
+                  captured.specialized, entry=entry, paddings=paddings, budget=the_plan.budget, placed=placed)
 
 
 def _read_program(program_name: str, program, hints: dict, kernels: list, externs: list,
@@ -336,6 +346,10 @@ def _kernel_lines(r: Report) -> list:
         lines.append("  not fused (node, input: reason)")
         for n in r.not_fused:
             lines.append(f"    {n.program} {n.node} <- {n.input}: {n.reason}")
+    if r.placed:
+        lines.append("  placed (node: where it runs, and why)")
+        for p in r.placed:
+            lines.append(f"    {p.program} {p.node}: {p.reason}")
     return lines
 
 
@@ -443,6 +457,8 @@ def log_report(r: Report) -> None:
     for n in r.not_fused:
         kernels.debug("memfuse: %s: %s: %s not fused with its input %s: %s", r.name, n.program, n.node,
                       n.input, n.reason)
+    for p in r.placed:
+        kernels.debug("memfuse: %s: %s: %s placed: %s", r.name, p.program, p.node, p.reason)
     for f in r.fallbacks:
         fallbacks.info("memfuse: %s: %s (%s) runs through aten: %s", r.name, f.node, f.target, f.reason)
 
@@ -566,6 +582,51 @@ def draw_plan(fn, *example_args, path=None, **kwargs) -> PlanDrawing:
     return drawing
 
 
+def draw_memory(fn, *example_args, path=None, **kwargs) -> MemoryDrawing:
+    """Compile `fn` for the example arguments and draw the bytes one training step holds while each
+    step of its forward, then of its backward, runs (memfuse.buffers' plan at the example sizes),
+    saved tensors as their own band; written to `path` when given (.png, .svg or .pdf). `fn` may be
+    a function, an nn.Module, a memory_efficient_fusion wrapper or a `torch.compile(...,
+    backend="memfuse")` model (then the call runs once: every graph's forward in the order they ran,
+    their backwards in reverse). `path` is taken by this call, never passed on to `fn`."""
+    if is_torch_compiled(fn):
+        name, programs = _compiled_programs(fn, example_args, kwargs)
+    else:
+        fused, entry = compile_entry(fn, example_args, kwargs)
+        if isinstance(entry, EagerCall):
+            raise ValueError(f"memfuse.draw_memory: no programs to draw: {entry}")
+        name, programs = fused._name(), _programs(entry, "")
+    drawing = memory_drawing(programs, title=name)
+    if path is not None:
+        drawing.save(path)
+    return drawing
+
+
+def _programs(entry, prefix: str, saved_elsewhere: int = 0) -> list:
+    """[forward, backward] ProgramMemory of a compiled entry (api's cache entry, a GraphRecord);
+    `saved_elsewhere`: what the saved activations of other graphs hold meanwhile."""
+    saved = frozenset(s.name for s in entry.plan.saved if not s.is_input)
+    return [ProgramMemory(f"{prefix}{kind}", program.buffers, saved, entry.captured.hints, saved_elsewhere)
+            for kind, program in (("forward", entry.function.forward), ("backward", entry.function.backward))
+            if program is not None]
+
+
+def _compiled_programs(compiled, args: tuple, kwargs: dict) -> tuple:
+    """(name, ProgramMemory list) of a torch.compile'd call, run once to see its graphs."""
+    with _counters_kept(), watch() as records:
+        compiled(*args, **kwargs)
+    records = [r for r in records if r.through_torch is None]
+    if not records:
+        raise ValueError("memfuse.draw_memory: the call ran no graph through memfuse's backend: compile it with "
+                         "torch.compile(..., backend=\"memfuse\")")
+    # the saved activations of graph k are held from its forward until its backward, which runs
+    # after those of the graphs after it: each program counts those of the graphs before it
+    before = [sum(r.plan.saved_bytes for r in records[:k]) for k in range(len(records))]
+    programs = [_programs(r, f"{r.name} ", held) for r, held in zip(records, before)]
+    forwards, backwards = [p[0] for p in programs], [p[1] for p in reversed(programs) if len(p) > 1]
+    return _compiled_name(compiled), forwards + backwards
+
+
 # -- torch.compile(model, backend="memfuse") ---------------------------------------------------
 @dataclass(frozen=True)
 class TorchGraphRow:
@@ -600,8 +661,7 @@ def explain_torch_compiled(compiled, args: tuple, kwargs: dict) -> ModelReport:
     call saves for backward against the original's, run the same way. Counters and torch's random
     state are left as they were."""
     original = compiled._orig_mod if isinstance(compiled, OptimizedModule) else compiled._torchdynamo_orig_callable
-    name = type(original).__name__ if isinstance(original, torch.nn.Module) else \
-        getattr(original, "__qualname__", type(original).__name__)
+    name = _compiled_name(compiled)
     with _counters_kept():
         eager_saved = measure_saved(original, args, kwargs)
         with watch() as records:
@@ -615,6 +675,13 @@ def explain_torch_compiled(compiled, args: tuple, kwargs: dict) -> ModelReport:
                          compiled_saved, eager_saved)
     print(report)
     return report
+
+
+def _compiled_name(compiled) -> str:
+    """The name of what `torch.compile` wrapped: a module's class, a function's qualified name."""
+    original = compiled._orig_mod if isinstance(compiled, OptimizedModule) else compiled._torchdynamo_orig_callable
+    return type(original).__name__ if isinstance(original, torch.nn.Module) else \
+        getattr(original, "__qualname__", type(original).__name__)
 
 
 def format_model_report(r: ModelReport) -> str:

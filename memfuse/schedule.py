@@ -2,11 +2,19 @@
 
 Each fusible node gets a stage: the largest stage of its inputs, plus one across anything a
 kernel cannot read in the same pass (an extern result, a reduction over M, a value from a group
-of another space, the root a STRIDED view reads from memory). A node joins the groups of its inputs at its own stage when their spaces
-agree (merging them), else any compatible group of its stage (horizontal fusion: the column
-sums of a backward land in its main kernel), else starts a new one. Every edge between groups
-then runs from a lower stage to a higher one, so the steps, ordered by stage, never wait on a
-later step. Why two nodes did not share a kernel is recorded for `explain()`.
+of another space, the root a STRIDED view reads from memory). A node joins the groups of its
+inputs at its own stage when their spaces agree (merging them), else starts a new one. Every edge
+between groups then runs from a lower stage to a higher one, so the steps, ordered by stage,
+never wait on a later step. Three rules then place values where they cost least memory:
+- a value computed from constants, sizes and the seed alone (a fill, an iota, a dropout draw) is
+  computed inside every kernel that reads it, never written (`input_free`);
+- a value is computed where it is read: a node whose readers all run at later stages moves to the
+  earliest reader's stage, into that reader's kernel (`_sink`), unless that would write one of
+  its inputs to memory that was not written before;
+- two kernels of one stage join (horizontal fusion) only when they run one after the other and
+  read an input in common: one load, and no buffer allocated earlier than before.
+Why two nodes did not share a kernel, and why a node was placed where it is, are recorded for
+`explain()`.
 """
 from __future__ import annotations
 
@@ -14,11 +22,12 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import sympy
+import torch
 
 from .config import Config
 from .ops import TRITON_DTYPES
-from .ir import (EXTERNAL, FUSIBLE, LEAF, MEMORY_VIEWS, REDUCTION, Graph, Kind, Op, Reduce, Value, column_padding,
-                 verify)
+from .ir import (EXTERNAL, FUSIBLE, LEAF, MEMORY_VIEWS, REDUCTION, Extern, Graph, Kind, Op, Reduce, Value,
+                 column_padding, verify)
 from .padding import pad_matmuls
 from .reinplace import reinplace_fills
 
@@ -80,6 +89,7 @@ class Schedule:
     not_fused: list = field(default_factory=list)      # (node, input, reason)
     paddings: list = field(default_factory=list)       # padding.MatmulPadding per extern matmul
     in_place: list = field(default_factory=list)       # reinplace.InPlace: scatters written into their fill
+    placed: list = field(default_factory=list)         # (node, reason): moved, duplicated or joined, and why
 
     @property
     def kernels(self) -> list:
@@ -94,13 +104,30 @@ def schedule(graph: Graph, config: Config, kind: str) -> Schedule:
     graph, in_place = reinplace_fills(graph)
     if config.check and (in_place or any(p.padded for p in paddings)):
         verify(graph)
+    free = input_free(graph)
+    stage, group_of, groups, externs, not_fused = _group(graph, free)
+    placed: list = []
+    _sink(graph, stage, group_of, groups, externs, placed)
+    _join_sharing(graph, groups, free, placed)
+    steps = _order(graph, groups, externs, kind)
+    _compute_free_in_readers(graph, groups, free, placed)
+    for group in steps:
+        if isinstance(group, KernelGroup):
+            _fill_io(graph, group, free)
+            group.aten_reason = _codegen_limit(graph, group, config)
+    return Schedule(graph, steps, not_fused, paddings, in_place, placed)
+
+
+def _group(graph: Graph, free: set) -> tuple:
+    """(stage, group_of, groups, externs, not_fused): every node as early as its inputs allow, in
+    the groups of its inputs at its stage when their spaces agree."""
     stage: dict = {}
     group_of: dict = {}
     groups: list = []
     externs: list = []
     not_fused: list = []
     for name, node in graph.nodes.items():
-        if node.op in LEAF:
+        if node.op in LEAF or name in free:
             stage[name] = 0
             continue
         if node.op in EXTERNAL or _finishing(graph, node):
@@ -116,8 +143,6 @@ def schedule(graph: Graph, config: Config, kind: str) -> Schedule:
         stage[name] = here
         joinable = [group_of[i] for i in node.inputs if i in group_of and group_of[i].stage == here
                     and group_of[i].space.agrees(space) and _barrier(graph, i) is None]
-        if not joinable:
-            joinable = [g for g in groups if g.stage == here and g.space.agrees(space)][:1]
         if joinable:
             group = _merge(joinable, groups, group_of)
         else:
@@ -126,12 +151,189 @@ def schedule(graph: Graph, config: Config, kind: str) -> Schedule:
         group.space = group.space.join(space)
         group.nodes.append(name)
         group_of[name] = group
-    steps = _order(graph, groups, externs, kind)
-    for group in steps:
-        if isinstance(group, KernelGroup):
-            _fill_io(graph, group, group_of)
-            group.aten_reason = _codegen_limit(graph, group, config)
-    return Schedule(graph, steps, not_fused, paddings, in_place)
+    return stage, group_of, groups, externs, not_fused
+
+
+# -- values with no input: computed where they are read ---------------------------------------------
+SOURCES = (Op.CONSTANT, Op.SYMBOL, Op.SEED)
+
+
+def input_free(graph: Graph) -> set:
+    """The fusible values computed from constants, sizes and the seed alone (a fill, an iota, a
+    random draw) that no step needs in memory: every reader is a kernel node reading it in
+    registers, and the program does not return it. Each kernel reading one computes it itself:
+    it costs no load, and no buffer holds it."""
+    users = graph.users()
+    outputs = set(graph.outputs)
+    free: set = set()
+    for name, node in graph.nodes.items():
+        if node.op in FUSIBLE and node.op not in MEMORY_VIEWS and _barrier(graph, name) is None \
+                and all(graph[i].op in SOURCES or i in free for i in node.inputs) \
+                and name not in outputs and users[name] \
+                and all(graph[u].op in FUSIBLE and not _reads_from_memory(graph, u, name) for u in users[name]):
+            free.add(name)
+    return free
+
+
+def _reads_from_memory(graph: Graph, reader: str, name: str) -> bool:
+    """Whether the fusible node `reader` reads `name` from memory (a view's root), not from registers."""
+    node = graph[reader]
+    return node.op in MEMORY_VIEWS and node.inputs[0] == name
+
+
+def _compute_free_in_readers(graph: Graph, groups: list, free: set, placed: list) -> None:
+    """Add to each group the input-free values its nodes read (and theirs), in graph order."""
+    position = {name: i for i, name in enumerate(graph.nodes)}
+    readers: dict = {}
+    for group in groups:
+        members = set(group.nodes)
+        todo = [i for n in group.nodes for i in graph[n].inputs if i in free]
+        while todo:
+            name = todo.pop()
+            if name not in members:
+                members.add(name)
+                group.nodes.append(name)
+                readers.setdefault(name, []).append(group.name)
+                todo.extend(i for i in graph[name].inputs if i in free)
+        group.nodes.sort(key=position.__getitem__)
+    for name in sorted(readers, key=position.__getitem__):
+        placed.append((name, f"no input (constants, sizes, the seed): computed in every kernel that reads it "
+                             f"({', '.join(readers[name])}), never written"))
+
+
+# -- values computed where they are read ------------------------------------------------------------
+def _sink(graph: Graph, stage: dict, group_of: dict, groups: list, externs: list, placed: list) -> None:
+    """Move every node whose readers all run at later stages to the earliest reader's stage: into
+    that reader's kernel (or a new kernel at that stage when only externs read it there), last node
+    first, so a chain moves whole; an aten view moves to just before its first reader likewise. A
+    move that would have the old kernel write one of the node's inputs that it did not write before
+    is undone (a row statistic moved late must not pull its [M, D] source into memory early), and
+    so is every move that then reads a value too late."""
+    users = graph.users()
+    outputs = set(graph.outputs)
+    home = dict(group_of)
+    written = {n for n, g in group_of.items() if n in outputs or any(group_of.get(u) is not g for u in users[n])}
+    origin = dict(stage)
+    for name in reversed(graph.nodes):
+        if name in outputs or not users[name]:
+            continue
+        if name in group_of:
+            target = _latest_place(graph, name, stage, group_of, users, groups)
+            if target is not None:
+                _move(name, *target, stage, group_of)
+        elif _is_view(graph[name]):
+            stage[name] = max(stage[name], min(stage[r] - (r in group_of) for r in users[name]))
+    while True:
+        undo = {n for n in group_of if stage[n] != origin[n] and _forces_write(graph, n, group_of, home, written)}
+        undo |= {i for n in stage for i in graph[n].inputs if stage[i] != origin[i] and _too_late(i, n, stage, group_of)}
+        if not undo:
+            break
+        for name in undo:
+            _move(name, origin[name], home.get(name), stage, group_of)
+    externs[:] = [ExternStep(e.name, stage[e.name]) for e in externs]
+    for name in graph.nodes:
+        if name in stage and stage[name] != origin[name]:
+            placed.append((name, f"every reader runs at stage {stage[name]} or later: computed there "
+                                 f"(moved from stage {origin[name]}), not written early and held"))
+    _refit(graph, groups, group_of)
+
+
+def _is_view(node) -> bool:
+    """An aten call whose result is a view of its input (permute, view, expand): free to run late."""
+    target = node.attr.target if node.op is Op.EXTERN and isinstance(node.attr, Extern) else None
+    return isinstance(target, torch._ops.OpOverload) and any(
+        r.alias_info is not None and not r.alias_info.is_write for r in target._schema.returns)
+
+
+def _too_late(inp: str, name: str, stage: dict, group_of: dict) -> bool:
+    """Whether `name` would run before its input is ready: a kernel reads what an earlier stage
+    wrote (or its own kernel computes), an extern what its stage or an earlier one did."""
+    if name in group_of and group_of.get(inp) is group_of[name]:
+        return False
+    return stage[inp] > stage[name] - (name in group_of)
+
+
+def _latest_place(graph: Graph, name: str, stage: dict, group_of: dict, users: dict, groups: list):
+    """(stage, group) where `name` can run latest: its earliest reader's stage, in that reader's
+    kernel; None where it runs now."""
+    readers = users[name]
+    node = graph[name]
+    if not readers or _barrier(graph, name) is not None or column_padding(graph, node) is not None \
+            or any(r in group_of and _reads_from_memory(graph, r, name) for r in readers):
+        return None
+    latest = min(stage[r] for r in readers)
+    space = _node_space(graph, node, group_of)
+    there = {id(group_of[r]): group_of[r] for r in readers if r in group_of and stage[r] == latest}
+    if len(there) == 1:
+        group = next(iter(there.values()))
+        if group.space.agrees(space):
+            return (latest, group) if latest > stage[name] else None
+        latest -= 1                        # a kernel of another space reads it at `latest`: written one stage before
+    elif there:
+        latest -= 1                        # two kernels read it at `latest`: written one stage before
+    if latest <= stage[name]:
+        return None
+    group = KernelGroup("", latest, space)
+    groups.append(group)
+    return latest, group
+
+
+def _move(name: str, to_stage: int, group: Optional[KernelGroup], stage: dict, group_of: dict) -> None:
+    """Put a node at a stage: a kernel node into `group`, an extern alone (group None)."""
+    stage[name] = to_stage
+    if group is not None:
+        group_of[name].nodes.remove(name)
+        group.nodes.append(name)
+        group_of[name] = group
+
+
+def _forces_write(graph: Graph, name: str, group_of: dict, home: dict, written: set) -> bool:
+    """Whether a moved node reads an input left in its old kernel, which that kernel did not write
+    before: it would now, early, and the buffer would live until the moved node runs."""
+    return any(home.get(i) is home[name] and group_of[i] is home[name] and i not in written
+               for i in graph[name].inputs)
+
+
+def _refit(graph: Graph, groups: list, group_of: dict) -> None:
+    """Drop the groups left empty; each other's space is its nodes' again."""
+    groups[:] = [g for g in groups if g.nodes]
+    for group in groups:
+        group.space = Space(None, None)
+        for name in group.nodes:
+            group.space = group.space.join(_node_space(graph, graph[name], group_of))
+
+
+# -- horizontal fusion --------------------------------------------------------------------------------
+def _join_sharing(graph: Graph, groups: list, free: set, placed: list) -> None:
+    """Join two kernels of one stage that run one after the other, agree on their space and read an
+    input in common (the column sums of a backward land in its main kernel): the input is loaded
+    once, and no buffer is allocated before another step runs that ran before it."""
+    position = {name: i for i, name in enumerate(graph.nodes)}
+    ordered = sorted(groups, key=lambda g: (g.stage, min(position[n] for n in g.nodes)))
+    kept = []
+    for group in ordered:
+        last = kept[-1] if kept else None
+        shared = _shared_input(graph, last, group, free) if last is not None and last.stage == group.stage \
+            and last.space.agrees(group.space) else None
+        if shared is None:
+            kept.append(group)
+            continue
+        placed.append((min(group.nodes, key=position.__getitem__),
+                       f"its kernel joins the one before it at stage {group.stage}: both read {shared}"))
+        last.nodes.extend(group.nodes)
+        last.space = last.space.join(group.space)
+    groups[:] = kept
+
+
+def _shared_input(graph: Graph, a: KernelGroup, b: KernelGroup, free: set) -> Optional[str]:
+    """An input both groups load from memory (a tensor: not a constant, a size, the seed or a
+    value each computes itself), or None."""
+    def loads(group):
+        members = set(group.nodes)
+        return [i for n in group.nodes for i in graph[n].inputs
+                if i not in members and i not in free and graph[i].op not in SOURCES]
+    theirs = set(loads(b))
+    return next((i for i in loads(a) if i in theirs), None)
 
 
 def _node_space(graph: Graph, node, group_of: dict) -> Space:
@@ -220,7 +422,7 @@ def _order(graph: Graph, groups: list, externs: list, kind: str) -> list:
     return steps
 
 
-def _fill_io(graph: Graph, group: KernelGroup, group_of: dict) -> None:
+def _fill_io(graph: Graph, group: KernelGroup, free: set) -> None:
     members = set(group.nodes)
     users = graph.users()
     outputs = set(o for o in graph.outputs if o is not None)
@@ -233,7 +435,7 @@ def _fill_io(graph: Graph, group: KernelGroup, group_of: dict) -> None:
     for name in group.nodes:
         if _barrier(graph, name) is not None:
             group.column_sums.append(name)
-        elif name in outputs or any(u not in members for u in users[name]):
+        elif name not in free and (name in outputs or any(u not in members for u in users[name])):
             group.outputs.append(name)
 
 

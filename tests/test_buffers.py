@@ -167,9 +167,9 @@ def test_the_verifier_rejects_a_free_before_the_last_reader_and_a_reuse_of_a_liv
     early[k - 1] = replace(early[k - 1], frees=(*early[k - 1].frees, f))
     with pytest.raises(BufferPlanError, match=f"{f.buffer} is dropped after step"):
         verify_buffer_plan(replace(plan, steps=tuple(early)), program.schedule)
-    j, a = next((j, a) for j, step in enumerate(plan.steps) for a in step.allocations if a.reuses is not None)
-    live = next(n for n in plan.steps[j].reads if plan.buffers[n].origin in ALLOCATED
-                and plan.buffers[n].dtype == plan.buffers[a.buffer].dtype)
+    j, a, live = next((j, a, n) for j, step in enumerate(plan.steps) for a in step.allocations if a.reuses is not None
+                      for n in step.reads if plan.buffers[n].origin in ALLOCATED
+                      and plan.buffers[n].dtype == plan.buffers[a.buffer].dtype)
     steps = list(plan.steps)
     steps[j] = replace(steps[j], allocations=tuple(replace(x, reuses=live) if x is a else x
                                                    for x in steps[j].allocations))

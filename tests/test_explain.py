@@ -1,13 +1,17 @@
-"""explain(): the report read from a compiled program's records, and the min-cut pictures."""
+"""explain(): the report read from a compiled program's records, the min-cut pictures, and the
+picture of one training step's memory."""
 import contextlib
 import io
 from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import memfuse
 from benchmarks.workloads import SMOKE_SHAPE, layer_norm_block, smoke_registry
+from memfuse.buffers import memory_timeline
+from memfuse.debug import human_bytes
 from memfuse.draw import ROLES, SAVED_RING
 from memfuse.plan import Decision
 
@@ -213,3 +217,34 @@ def test_explain_a_call_that_runs_through_torch_says_why():
 def test_draw_plan_of_a_call_that_runs_through_torch_says_why():
     with pytest.raises(ValueError, match="no plan to draw: memfuse: NormGate runs through torch"):
         memfuse.draw_plan(NormGate(), torch.randn(4, 16), cache=object())
+
+
+# -- one training step's memory ------------------------------------------------------------------
+def two_layers(x, w1, w2):
+    """Two matmuls with GELU between: the forward saves matmul results, the backward recomputes."""
+    return F.gelu(F.gelu(x @ w1) @ w2)
+
+
+def test_draw_memory_of_one_training_step(tmp_path):
+    x, w1, w2 = (t.requires_grad_() for t in (torch.randn(10, 8), torch.randn(8, 24) / 3, torch.randn(24, 8) / 3))
+    drawing = memfuse.draw_memory(two_layers, x, w1, w2, path=tmp_path / "memory.png")
+    assert (tmp_path / "memory.png").read_bytes()[:8] == PNG_MAGIC and drawing.path == tmp_path / "memory.png"
+    entry = memfuse.memory_efficient_fusion(two_layers).compiled_for(x, w1, w2)
+    programs = (entry.function.forward, entry.function.backward)
+    assert [s.program for s in drawing.steps] == [kind for kind, p in zip(("forward", "backward"), programs)
+                                                  for _ in p.buffers.steps]
+    held = [p.during for program in programs for p in memory_timeline(program.buffers, entry.captured.hints)]
+    assert [s.total for s in drawing.steps] == held
+    # the saved activations: made by the forward, handed to the backward whole, gone at its end
+    forward_end = [s for s in drawing.steps if s.program == "forward"][-1]
+    backward_entry = next(s for s in drawing.steps if s.program == "backward")
+    assert forward_end.saved == backward_entry.saved == entry.plan.saved_bytes > 0
+    assert drawing.steps[0].saved == 0 and drawing.steps[-1].saved < backward_entry.saved
+    assert f"peak {human_bytes(drawing.peak.total)} while {drawing.peak.program} {drawing.peak.name}" in drawing.title
+    with pytest.raises(ValueError, match=r"\.png"):
+        drawing.save(tmp_path / "memory.dot")
+
+
+def test_draw_memory_of_a_call_that_runs_through_torch_says_why():
+    with pytest.raises(ValueError, match="no programs to draw: memfuse: NormGate runs through torch"):
+        memfuse.draw_memory(NormGate(), torch.randn(4, 16), cache=object())

@@ -102,3 +102,12 @@ def test_dump_dir_writes_a_folder_per_backend_graph(tmp_path, monkeypatch):
             "forward.program.py", "backward.program.py"} <= files
     assert any(f.startswith("kernels/memfuse_forward_") for f in files)
     assert "memfuse.explain: dynamo_0/0" in (tmp_path / "dynamo_0_0.0" / "explain.txt").read_text()
+
+
+def test_draw_memory_of_a_compiled_model(tmp_path):
+    """Every graph's forward in the order the call ran them, then their backwards in reverse."""
+    compiled = torch.compile(TwoGraphs(), backend="memfuse")
+    drawing = memfuse.draw_memory(compiled, torch.randn(4, 16, requires_grad=True), path=tmp_path / "memory.svg")
+    programs = list(dict.fromkeys(s.program for s in drawing.steps))
+    assert programs == ["dynamo_0/0 forward", "dynamo_1/0 forward", "dynamo_1/0 backward", "dynamo_0/0 backward"]
+    assert "<svg" in (tmp_path / "memory.svg").read_text() and drawing.title.startswith("memfuse memory: TwoGraphs")

@@ -1,8 +1,12 @@
-"""The scheduler: kernel groups over [M, D], stages across barriers, recorded reasons, limits."""
+"""The scheduler: kernel groups over [M, D], stages across barriers, recorded reasons, limits, and
+where values are computed (in their readers, as late as their readers allow)."""
+import sympy
 import torch
+import torch.nn.functional as F
 
 import memfuse
 from helpers import BLOCKS, block_inputs, counters, delta, forward_backward, rel_error
+from memfuse.buffers import memory_timeline, plan_buffers
 from memfuse.capture import capture
 from memfuse.config import Config
 from memfuse.ir import Op
@@ -88,3 +92,96 @@ def test_rows_longer_than_the_persistent_limit():
     assert rel_error(out, ref_out) <= 1e-5
     for grad, ref in zip(grads, ref_grads):
         assert rel_error(grad, ref) <= 1e-5
+
+
+# -- where values are computed: no-input values in their readers, others where they are read ------
+def _backward_memory(fused, args) -> tuple:
+    """(the backward's BufferPlan, bytes held at entry, the most bytes held while a step runs), at
+    the example sizes."""
+    entry = fused.compiled_for(*args)
+    buffers = entry.function.backward.buffers
+    timeline = memory_timeline(buffers, entry.captured.hints)
+    return buffers, timeline[0].after, max(p.during for p in timeline)
+
+
+def test_a_fill_is_computed_in_the_kernel_that_reads_it():
+    """A fill read after an extern matmul (a later stage) is no kernel's output and no buffer."""
+    def fn(x, w):
+        y = x @ w
+        return torch.where(y > 0, y, torch.full_like(y, 0.25))
+
+    x, w = torch.randn(6, 8, requires_grad=True), torch.randn(8, 20, requires_grad=True)
+    the_plan = plan(capture(lambda x, w: (fn(x, w),), [x.detach(), w.detach()], trace_joint=False))
+    fill = next(n for n, node in the_plan.forward.nodes.items()
+                if node.op is Op.VIEW and the_plan.forward[node.inputs[0]].op is Op.CONSTANT and node.value.shape)
+    sched = schedule(the_plan.forward, Config(), "forward")
+    reader, = sched.kernels
+    assert fill in reader.nodes and fill not in reader.outputs and reader.stage > 0
+    assert fill not in plan_buffers(sched).buffers
+    assert any(n == fill and "computed in every kernel that reads it" in why for n, why in sched.placed)
+    report = memfuse.explain(fn, x, w)
+    assert any(p.node == fill and p.program == "forward" for p in report.placed)
+    assert f"forward {fill}: no input" in str(report)
+
+    fused = memfuse.memory_efficient_fusion(fn)
+    out = fused(x, w)
+    grads = torch.autograd.grad(out.sum(), (x, w))
+    ref = fn(x, w)
+    assert rel_error(out, ref) <= 1e-5
+    for grad, expected in zip(grads, torch.autograd.grad(ref.sum(), (x, w))):
+        assert rel_error(grad, expected) <= 1e-5
+
+
+def _grads_match_eager(fn, fused, args, leaves, tolerance=1e-5):
+    out = fused(*args)
+    grads = torch.autograd.grad(out.sum(), leaves)
+    ref = fn(*args)
+    assert rel_error(out, ref) <= tolerance
+    for grad, expected in zip(grads, torch.autograd.grad(ref.sum(), leaves)):
+        assert rel_error(grad, expected) <= tolerance
+
+
+def test_the_cross_entropy_backward_holds_no_fp32_logits():
+    """A language-model head as HuggingFace writes it (bf16 logits upcast to fp32, a vocabulary
+    longer than a persistent row): the backward recomputes the log-softmax from the saved bf16
+    logits inside the kernel that writes their bf16 gradient. No fp32 [tokens, vocab] buffer (the
+    one-hot's zero fill, exp of the logits) is made; the peak stays below the inputs plus one."""
+    batch, seq, hidden, vocab = 2, 6, 8, 96
+
+    def head(ids, emb, w, labels):
+        logits = (F.embedding(ids, emb).to(torch.bfloat16) @ w.to(torch.bfloat16).t()).float()
+        return F.cross_entropy(logits.view(-1, vocab), labels.view(-1))
+
+    ids, labels = torch.randint(0, 11, (batch, seq)), torch.randint(0, vocab, (batch, seq))
+    emb, w = torch.randn(11, hidden, requires_grad=True), torch.randn(vocab, hidden, requires_grad=True)
+    fused = memfuse.memory_efficient_fusion(head, config=Config(max_row_length=32))
+    _grads_match_eager(head, fused, (ids, emb, w, labels), (emb, w))
+    buffers, held, peak = _backward_memory(fused, (ids, emb, w, labels))
+    tokens_by_vocab = batch * seq * vocab
+    hints = fused.compiled_for(ids, emb, w, labels).captured.hints
+    fp32_logits = [b.name for b in buffers.buffers.values() if b.dtype == torch.float32
+                   and int(sympy.sympify(sympy.Mul(*b.shape)).subs(hints)) == tokens_by_vocab]
+    assert not fp32_logits, fp32_logits
+    assert peak < held + 4 * tokens_by_vocab, (peak, held)
+
+
+def test_recomputed_layers_are_computed_where_the_backward_reads_them():
+    """Four GELU layers: the backward recomputes each layer's activations from its saved matmul
+    result. Computed as soon as possible they would all be alive at the backward's start (one wide
+    kernel writing every layer's); computed where they are read, the peak above what the backward
+    is handed stays below all layers' recomputed activations together."""
+    layers, rows, d, hidden = 4, 12, 8, 32
+
+    def deep(x, *weights):
+        h = x
+        for w_in, w_out in zip(weights[::2], weights[1::2]):
+            h = h + F.gelu(h @ w_in, approximate="tanh") @ w_out
+        return h
+
+    x = torch.randn(rows, d, requires_grad=True)
+    weights = [(torch.randn(*shape) / 3).requires_grad_() for _ in range(layers) for shape in ((d, hidden), (hidden, d))]
+    fused = memfuse.memory_efficient_fusion(deep)
+    _grads_match_eager(deep, fused, (x, *weights), (x, *weights))
+    _, held, peak = _backward_memory(fused, (x, *weights))
+    all_layers_activations = layers * rows * hidden * 4
+    assert peak - held < all_layers_activations, (peak, held, all_layers_activations)
