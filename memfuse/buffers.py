@@ -31,7 +31,7 @@ import torch
 
 from .capture import TensorConstant
 from .ir import Extern, Graph, Op, Value
-from .schedule import ExternStep, KernelGroup, Schedule
+from .schedule import ALIASING_CALLS, ExternStep, KernelGroup, Schedule
 
 ENTRY = "entry"      # the plan's first step: the inputs, unpacked from the caller's list
 
@@ -46,8 +46,6 @@ class Origin(enum.Enum):
 
 ALLOCATED = frozenset({Origin.OUTPUT, Origin.TOTALS})   # contiguous, on the device, nobody else's: reusable
 
-# Aten ops whose result shares its input's storage though their schema does not say so.
-ALIASING_WITHOUT_ANNOTATION = frozenset({torch.ops.aten._unsafe_view.default})
 
 
 @dataclass(frozen=True)
@@ -246,7 +244,7 @@ def _extern_storage(node) -> tuple:
     target = node.attr.target
     if isinstance(target, TensorConstant):     # the traced function's own tensor: nobody frees it
         return False, False
-    if target in ALIASING_WITHOUT_ANNOTATION:
+    if target in ALIASING_CALLS:
         return False, True
     if isinstance(target, torch._ops.OpOverload):
         aliases = any(r.alias_info is not None for r in target._schema.returns)

@@ -26,7 +26,7 @@ import torch
 
 from .config import Config
 from .ops import TRITON_DTYPES
-from .ir import (EXTERNAL, FUSIBLE, LEAF, MEMORY_VIEWS, REDUCTION, Extern, Graph, Kind, Op, Reduce, Value,
+from .ir import (EXTERNAL, FUSIBLE, LEAF, MEMORY_VIEWS, REDUCTION, Extern, Graph, Kind, Node, Op, Reduce, Value,
                  column_padding, verify)
 from .padding import pad_matmuls
 from .reinplace import reinplace_fills
@@ -97,13 +97,16 @@ class Schedule:
 
 
 def schedule(graph: Graph, config: Config, kind: str) -> Schedule:
-    """`kind` names the graph ("forward", "backward") in kernel names. Two rewrites of its extern
-    calls come first: matmuls whose operands are better aligned (memfuse.padding, Config.pad_matmuls),
-    scatters into a fresh fill made in place (memfuse.reinplace)."""
+    """`kind` names the graph ("forward", "backward") in kernel names. Three rewrites come first:
+    matmuls whose operands are better aligned (memfuse.padding, Config.pad_matmuls), scatters into a
+    fresh fill made in place (memfuse.reinplace), returned reshapes of aten results read from the
+    result itself (`returned_reshapes`)."""
     graph, paddings = pad_matmuls(graph, config)
     graph, in_place = reinplace_fills(graph)
-    if config.check and (in_place or any(p.padded for p in paddings)):
-        verify(graph)
+    reshaped = returned_reshapes(graph)
+    if config.check and (in_place or any(p.padded for p in paddings) or reshaped is not graph):
+        verify(reshaped)
+    graph = reshaped
     free = input_free(graph)
     stage, group_of, groups, externs, not_fused = _group(graph, free)
     placed: list = []
@@ -130,9 +133,9 @@ def _group(graph: Graph, free: set) -> tuple:
         if node.op in LEAF or name in free:
             stage[name] = 0
             continue
-        if node.op in EXTERNAL or _finishing(graph, node):
+        if node.op in EXTERNAL or _runtime_reshape(graph, node):
             # a view or cast of a finished reduction over M: a reshape by the runtime, not a kernel
-            stage[name] = max((stage[i] for i in node.inputs), default=0) + _finishing(graph, node)
+            stage[name] = max((stage[i] for i in node.inputs), default=0) + _runtime_reshape(graph, node)
             externs.append(ExternStep(name, stage[name]))
             continue
         assert node.op in FUSIBLE, node.op
@@ -359,19 +362,77 @@ def stores_padded(graph: Graph, node, computed) -> bool:
     return d <= 1 << max(0, (root_d - 1).bit_length())
 
 
-def _finishing(graph: Graph, node) -> bool:
-    """A view or cast of a finished reduction over M (D elements): done by the runtime. Only
-    a reshape: a broadcast (expand) of the value is a kernel's job."""
-    if node.op not in (Op.VIEW, Op.CAST) or node.value.kind not in (Kind.COL, Kind.SCALAR):
+def _runtime_reshape(graph: Graph, node) -> bool:
+    """A step the runtime does with `.reshape` (or `.to`), not a kernel: a view or cast of a
+    finished reduction over M (D elements), or a returned reshape of an aten call's result (the
+    logits a model returns, a view of the LM head's matmul: a kernel would copy [tokens, vocab]
+    only to return it). Only a reshape: a broadcast (expand) of the value is a kernel's job."""
+    if node.op not in (Op.VIEW, Op.CAST):
         return False
+    if not _same_size(graph, node):
+        return False
+    if node.value.kind in (Kind.COL, Kind.SCALAR):
+        return _barrier(graph, node.inputs[0]) is not None
+    return node.op is Op.VIEW and node.name in graph.outputs and _made_by_aten(graph, node.inputs[0])
+
+
+def returned_reshapes(graph: Graph) -> Graph:
+    """The graph with each returned reshape of an aten call's result (through a chain of
+    reshapes: `view`, then the `clone` AOTAutograd puts on an output) reading that result itself,
+    so that the runtime reshapes it (`_runtime_reshape`); the bypassed reshapes nothing else reads
+    are dropped."""
+    rewired = {}
+    for name in set(o for o in graph.outputs if o is not None):
+        node, root = graph[name], graph[name]
+        while root.op is Op.VIEW and _same_size(graph, root):
+            root = graph[root.inputs[0]]
+        if node.op is Op.VIEW and root.name != node.inputs[0] and root.op is Op.EXTERN \
+                and _made_by_aten(graph, root.name):
+            rewired[name] = Node(name, node.op, (root.name,), node.value, node.attr)
+    if not rewired:
+        return graph
+    nodes = {name: rewired.get(name, node) for name, node in graph.nodes.items()}
+    outputs = set(o for o in graph.outputs if o is not None)
+    while True:
+        read = {i for node in nodes.values() for i in node.inputs}
+        dead = [n for n, node in nodes.items() if node.op is Op.VIEW and n not in read and n not in outputs]
+        if not dead:
+            break
+        for n in dead:
+            del nodes[n]
+    rewritten = Graph(inputs=list(graph.inputs), outputs=list(graph.outputs))
+    for node in nodes.values():
+        rewritten.add(node)
+    return rewritten
+
+
+def _same_size(graph: Graph, node) -> bool:
     source = graph[node.inputs[0]].value
-    same_size = sympy.simplify(sympy.Mul(*source.shape) - sympy.Mul(*node.value.shape)) == 0
-    return same_size and _barrier(graph, node.inputs[0]) is not None
+    return sympy.simplify(sympy.Mul(*source.shape) - sympy.Mul(*node.value.shape)) == 0
+
+
+def _made_by_aten(graph: Graph, name: str) -> bool:
+    """Whether `name` is an aten call's result in storage of its own, or an aliasing view of one
+    (never of a program input: a reshape of it returned would alias what the caller passed in)."""
+    node = graph[name]
+    while node.op is Op.EXTERN and isinstance(node.attr.target, torch._ops.OpOverload):
+        aliases = node.attr.target in ALIASING_CALLS or \
+            any(r.alias_info is not None for r in node.attr.target._schema.returns)
+        if not aliases:
+            return True
+        if not node.inputs:
+            return False
+        node = graph[node.inputs[0]]
+    return False
+
+
+# aten calls whose result may alias an input although their schema says nothing
+ALIASING_CALLS = frozenset({torch.ops.aten._unsafe_view.default})
 
 
 def _barrier(graph: Graph, name: str) -> Optional[str]:
     node = graph[name]
-    if node.op in EXTERNAL or _finishing(graph, node):
+    if node.op in EXTERNAL or _runtime_reshape(graph, node):
         return f"{name} is an extern call"
     if node.op in REDUCTION and isinstance(node.attr, Reduce) and node.attr.axis is Kind.COL:
         return f"{name} reduces over every row (M): its result exists only after the whole pass"

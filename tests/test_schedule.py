@@ -132,6 +132,28 @@ def test_a_fill_is_computed_in_the_kernel_that_reads_it():
         assert rel_error(grad, expected) <= 1e-5
 
 
+def test_returned_logits_are_a_reshape_of_the_matmul_not_a_copy():
+    """A model that returns its logits ([batch, seq, vocab], a view of the LM head's matmul) and a
+    loss over them: the runtime reshapes the matmul's result; no kernel writes a copy of it."""
+    def head(h, w, labels):
+        logits = (h @ w.t()).view(2, 6, 20)
+        return logits, F.cross_entropy(logits.view(-1, 20), labels)
+
+    h, w = torch.randn(12, 8, requires_grad=True), torch.randn(20, 8, requires_grad=True)
+    labels = torch.randint(0, 20, (12,))
+    fused = memfuse.memory_efficient_fusion(head)
+    logits, loss = fused(h, w, labels)
+    ref_logits, ref_loss = head(h, w, labels)
+    assert rel_error(logits, ref_logits) <= 1e-5 and rel_error(loss, ref_loss) <= 1e-5
+    grads = torch.autograd.grad(loss + logits.sum(), (h, w))
+    for grad, expected in zip(grads, torch.autograd.grad(ref_loss + ref_logits.sum(), (h, w))):
+        assert rel_error(grad, expected) <= 1e-5
+    forward = fused.compiled_for(h, w, labels).function.forward.schedule
+    returned = forward.graph.outputs[0]
+    assert all(returned not in k.outputs for k in forward.kernels)
+    assert any(isinstance(s, ExternStep) and s.name == returned for s in forward.steps)
+
+
 def _grads_match_eager(fn, fused, args, leaves, tolerance=1e-5):
     out = fused(*args)
     grads = torch.autograd.grad(out.sum(), leaves)
