@@ -217,6 +217,11 @@ class LoopedKernelWriter(RowKernelWriter):
             out(f"# {online.describe()} (a running max; the sum rescaled by exp(before - after) as it grows)")
         out(f"# ops: {', '.join(self.graph[n].op.value for n in g.nodes)}")
 
+    def walk(self) -> str:
+        online = f" ({len(self.online)} sum(s) of exp online)" if self.online else ""
+        return (f"[M, {self.d}] looped: {self.last_pass() + 1} pass(es) over each row in chunks of {self.block_d}"
+                f"{online}" + (", a persistent grid" if self.persistent else ""))
+
     def write(self) -> KernelSource:
         source = super().write()
         source.passes = self.last_pass() + 1
