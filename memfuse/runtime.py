@@ -168,7 +168,7 @@ class KernelLaunch:
         source = self.kernel.source
         return LaunchRecord(source.name, self.kernel.path, source.summary, rows, self.d, programs, config,
                             (rows or 0) * source.bytes_per_row + source.bytes_per_launch,
-                            self.partials_bytes(programs, tiles))
+                            self.partials_bytes(programs, tiles), self)
 
     def partials_bytes(self, programs: int, tiles: int) -> int:
         """Bytes of the column sums' partials a launch writes and reads back (finish_column_sums):
@@ -236,6 +236,7 @@ class LaunchRecord:
     config: LaunchConfig
     must_move: int            # bytes: every [M, D], [M] and [D] value read or written once, the totals
     partials: int             # bytes of fp32 column partials written and read back, on top (0: no column sums)
+    launch: Optional["KernelLaunch"] = dataclasses.field(default=None, repr=False, compare=False)   # to time it again
 
 
 _LAUNCH_LOG: Optional[list] = None   # the list launch_log() is filling, else None
