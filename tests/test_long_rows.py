@@ -238,3 +238,27 @@ def test_a_sum_of_exps_of_another_tensor_keeps_its_pass():
     assert kernel.passes == 2 and kernel.online == ()
     ((name, why),) = kernel.not_online
     assert name == "sum_1" and why.endswith("is not the tensor amax is the max of")
+
+
+def chunk_loops(source: str) -> list:
+    """The bodies of a kernel's chunk loops, as text."""
+    loops = source.split("for chunk in range(0, D, BLOCK_D):")[1:]
+    return [loop.split("\n    # ")[0] for loop in loops]
+
+
+def test_row_sums_accumulate_lane_by_lane():
+    """LayerNorm's mean and variance, a row max: each chunk adds into a [BLOCK_M, BLOCK_D] block,
+    reduced over its lanes once after the pass; no reduction over the block inside a chunk loop.
+    The online sum of log-softmax and its max keep their per-chunk reductions (running values)."""
+    fused = memfuse.memory_efficient_fusion(lambda x, w, b: (layer_norm(x, w, b), x.amax(-1)), config=LOOPED)
+    x = torch.randn(4, 40)
+    fused(x, torch.randn(40), torch.randn(40))
+    (source,) = looped_kernels(fused)
+    assert source.count("tl.full([BLOCK_M, BLOCK_D]") == 3, source
+    for loop in chunk_loops(source):
+        assert "tl.sum(" not in loop and "mf_max(" not in loop, loop
+    assert source.count("axis=1)   # over the lanes") == 2 and source.count(", 1)   # over the lanes") == 1
+    online = memfuse.memory_efficient_fusion(lambda x: torch.log_softmax(x, -1), config=LOOPED)
+    online(x)
+    (source,) = looped_kernels(online)
+    assert "tl.full([BLOCK_M, BLOCK_D]" not in source and "mf_max(" in chunk_loops(source)[0]

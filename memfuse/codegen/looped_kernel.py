@@ -7,7 +7,9 @@ the outputs is ever written), accumulates the reductions that finish in this pas
 the [M, D] outputs of phase p. Between passes the finished row values are combined in
 registers (mean, rstd). LayerNorm's forward is three passes: the sum, the squared deviations
 from the mean, then normalize and store. Random values are regenerated in every pass from
-the same offsets (row * D + col), so they match the persistent kernel's bit for bit.
+the same offsets (row * D + col), so they match the persistent kernel's bit for bit. A row sum
+(max, min, product) is accumulated lane by lane in a [BLOCK_M, BLOCK_D] register block and reduced
+over its lanes once, after its pass: no cross-warp reduction inside the chunk loop.
 Column reductions (over M) add into their program's row of the partials buffer chunk by chunk;
 the last program combines the rows into the totals, chunk by chunk (`finish_column_sums`).
 
@@ -150,6 +152,7 @@ class LoopedKernelWriter(RowKernelWriter):
         self.reg_kind = self.register_kinds()
         self.online, self.not_online = online_sums(graph, group, self.reg_kind)
         self.online_of = {o.sum: o for o in self.online}
+        self.carried_maxes = {o.max for o in self.online}
         self.phase = self.phases()
 
     # -- static analysis: where each value lives, and in which pass it is ready ----------
@@ -165,6 +168,16 @@ class LoopedKernelWriter(RowKernelWriter):
 
     def defined_by_compute(self, name: str) -> bool:
         return not self.is_row_reduction(name)
+
+    def lane_wise(self, name: str) -> bool:
+        """A row sum, max, min or product accumulated lane by lane: a [BLOCK_M, BLOCK_D] accumulator
+        combined element by element each chunk and reduced over its lanes once, after the pass. A
+        reduction over the block inside the chunk loop is a cross-warp exchange through shared memory
+        with a barrier per chunk, which holds the next chunk's loads back. Not the online sums and the
+        maxes they are carried with: each chunk needs their running row values."""
+        node = self.graph[name]
+        return node.op in REDUCE and node.attr.axis is Kind.ROW and name not in self.online_of \
+            and name not in self.carried_maxes
 
     def phases(self) -> dict:
         """A row reduction is ready one pass after its inputs; an online sum with its max."""
@@ -352,6 +365,8 @@ class LoopedKernelWriter(RowKernelWriter):
         if node.op in ARG_REDUCE:
             out(f"{target}_best = tl.full([BLOCK_M], float('-inf'), {TRITON_DTYPES[acc]})")
             out(f"{target}_index = tl.zeros([BLOCK_M], tl.int32)")
+        elif self.lane_wise(node.name):
+            out(f"{target}_acc = tl.full([BLOCK_M, BLOCK_D], {neutral}, {TRITON_DTYPES[acc]})   # lane by lane")
         else:
             out(f"{target}_acc = tl.full([BLOCK_M], {neutral}, {TRITON_DTYPES[acc]})")
 
@@ -370,6 +385,9 @@ class LoopedKernelWriter(RowKernelWriter):
             return
         info = REDUCE[node.op]
         self.use(info.helper)
+        if self.lane_wise(node.name):
+            out(f"{target}_acc = {info.combine.format(f'{target}_acc', masked)}")
+            return
         if node.attr.axis is Kind.ROW:
             out(f"{target}_acc = {info.combine.format(f'{target}_acc', info.triton.format(masked, 1))}")
             return
@@ -404,6 +422,8 @@ class LoopedKernelWriter(RowKernelWriter):
         target = self.reg(node.name)
         if node.op in ARG_REDUCE:
             out(f"{target} = {target}_index.to(tl.int64)")
+        elif self.lane_wise(node.name):
+            out(f"{target} = {REDUCE[node.op].triton.format(f'{target}_acc', 1)}   # over the lanes")
         elif node.name in self.online_of:
             online = self.online_of[node.name]
             out(f"# a row of -inf only: eager's sum of exp(-inf - {online.shift}) over D columns")
