@@ -247,18 +247,19 @@ def chunk_loops(source: str) -> list:
 
 
 def test_row_sums_accumulate_lane_by_lane():
-    """LayerNorm's mean and variance, a row max: each chunk adds into a [BLOCK_M, BLOCK_D] block,
-    reduced over its lanes once after the pass; no reduction over the block inside a chunk loop.
-    The online sum of log-softmax and its max keep their per-chunk reductions (running values)."""
+    """LayerNorm's mean and variance, a row max, log-softmax's online max and sum of exps: each
+    chunk combines into [BLOCK_M, BLOCK_D] blocks, reduced over their lanes once after the pass; no
+    reduction over the block inside a chunk loop."""
     fused = memfuse.memory_efficient_fusion(lambda x, w, b: (layer_norm(x, w, b), x.amax(-1)), config=LOOPED)
     x = torch.randn(4, 40)
     fused(x, torch.randn(40), torch.randn(40))
-    (source,) = looped_kernels(fused)
-    assert source.count("tl.full([BLOCK_M, BLOCK_D]") == 3, source
-    for loop in chunk_loops(source):
-        assert "tl.sum(" not in loop and "mf_max(" not in loop, loop
-    assert source.count("axis=1)   # over the lanes") == 2 and source.count(", 1)   # over the lanes") == 1
     online = memfuse.memory_efficient_fusion(lambda x: torch.log_softmax(x, -1), config=LOOPED)
     online(x)
-    (source,) = looped_kernels(online)
-    assert "tl.full([BLOCK_M, BLOCK_D]" not in source and "mf_max(" in chunk_loops(source)[0]
+    (layer_norm_source,), (online_source,) = looped_kernels(fused), looped_kernels(online)
+    for source in (layer_norm_source, online_source):
+        for loop in chunk_loops(source):
+            assert "tl.sum(" not in loop and "mf_max(" not in loop, loop
+    assert layer_norm_source.count("tl.full([BLOCK_M, BLOCK_D]") == 3
+    assert layer_norm_source.count("axis=1)   # over the lanes") == 2
+    assert layer_norm_source.count(", 1)   # over the lanes") == 1
+    assert online_source.count("tl.full([BLOCK_M, BLOCK_D]") == 2 and "sum_1_lane_shift" in online_source

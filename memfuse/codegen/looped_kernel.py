@@ -152,7 +152,6 @@ class LoopedKernelWriter(RowKernelWriter):
         self.reg_kind = self.register_kinds()
         self.online, self.not_online = online_sums(graph, group, self.reg_kind)
         self.online_of = {o.sum: o for o in self.online}
-        self.carried_maxes = {o.max for o in self.online}
         self.phase = self.phases()
 
     # -- static analysis: where each value lives, and in which pass it is ready ----------
@@ -173,11 +172,10 @@ class LoopedKernelWriter(RowKernelWriter):
         """A row sum, max, min or product accumulated lane by lane: a [BLOCK_M, BLOCK_D] accumulator
         combined element by element each chunk and reduced over its lanes once, after the pass. A
         reduction over the block inside the chunk loop is a cross-warp exchange through shared memory
-        with a barrier per chunk, which holds the next chunk's loads back. Not the online sums and the
-        maxes they are carried with: each chunk needs their running row values."""
+        with a barrier per chunk, which holds the next chunk's loads back. An online sum runs lane by
+        lane too, against each lane's running max (`accumulate_online`)."""
         node = self.graph[name]
-        return node.op in REDUCE and node.attr.axis is Kind.ROW and name not in self.online_of \
-            and name not in self.carried_maxes
+        return node.op in REDUCE and node.attr.axis is Kind.ROW
 
     def phases(self) -> dict:
         """A row reduction is ready one pass after its inputs; an online sum with its max."""
@@ -318,11 +316,15 @@ class LoopedKernelWriter(RowKernelWriter):
         out.dedent()
 
     def running_max(self, out: _Lines, row_max: str, sums: list) -> None:
-        """The max so far and the shifts it gives the online sums (before the walk: their first values)."""
-        self.finish(out, self.graph[row_max])
+        """Each lane's max so far and the shifts it gives the online sums, as [BLOCK_M, BLOCK_D] tiles
+        (before the walk: their first values); each sum keeps its lanes' shift for the finish."""
+        out(f"{self.reg(row_max)} = {self.reg(row_max)}_acc")
+        self.kinds[row_max] = Kind.FULL
         for name in self.group.nodes:
             if any(name in o.chain for o in sums):
                 self.compute(out, name)
+        for o in sums:
+            out(f"{self.reg(o.sum)}_lane_shift = {self.reg(o.shift)}")
 
     def describe_pass(self, reductions, stores) -> str:
         parts = []
@@ -408,27 +410,31 @@ class LoopedKernelWriter(RowKernelWriter):
         return True
 
     def accumulate_online(self, out: _Lines, online: OnlineSum) -> None:
-        """The sum so far, restated against the moved shift, plus this chunk's terms; a row whose
-        max is still -inf holds only -inf so far: its terms wait."""
+        """Each lane's sum so far, restated against its moved shift, plus its term of this chunk; a
+        lane whose max is still -inf holds only -inf so far: its terms wait."""
         node = self.graph[online.sum]
         target, shift = self.reg(online.sum), self.reg(online.shift)
         terms = self.operand(node.inputs[0], Kind.FULL, torch.float32, node.value.dtype)
-        waiting = f"({self.reg(online.max)} != float('-inf'))[:, None]"
+        waiting = f"({self.reg(online.max)} != float('-inf'))"
         self.use("mf_online_rescale")
         out(f"{target}_acc = mf_online_rescale({target}_acc, {target}_shift_before, {shift}) + "
-            f"tl.sum(tl.where(mask & {waiting}, {terms}, 0.0), axis=1)")
+            f"tl.where(mask & {waiting}, {terms}, 0.0)")
 
     def finish(self, out: _Lines, node: Node) -> None:
         target = self.reg(node.name)
         if node.op in ARG_REDUCE:
             out(f"{target} = {target}_index.to(tl.int64)")
-        elif self.lane_wise(node.name):
-            out(f"{target} = {REDUCE[node.op].triton.format(f'{target}_acc', 1)}   # over the lanes")
         elif node.name in self.online_of:
             online = self.online_of[node.name]
+            self.use("mf_online_rescale")
+            out(f"# the lanes' sums restated against the row's shift, added up")
+            out(f"{target}_acc = tl.sum(mf_online_rescale({target}_acc, {target}_lane_shift, "
+                f"{self.reg(online.shift)}[:, None]), axis=1)")
             out(f"# a row of -inf only: eager's sum of exp(-inf - {online.shift}) over D columns")
             out(f"{target} = tl.where({self.reg(online.max)} == float('-inf'), "
                 f"D * tl.exp(float('-inf') - {self.reg(online.shift)}), {target}_acc)")
+        elif self.lane_wise(node.name):
+            out(f"{target} = {REDUCE[node.op].triton.format(f'{target}_acc', 1)}   # over the lanes")
         else:
             out(f"{target} = {target}_acc")
         self.kinds[node.name] = Kind.ROW
