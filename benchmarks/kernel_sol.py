@@ -32,6 +32,7 @@ import torch
 
 from benchmarks.models import FAMILIES, GPU_SETTINGS, TINY_SETTINGS, WRAPPERS, Setup, Templates, fresh, make_batch, \
     train_step
+from benchmarks.long_rows import copy_bandwidth
 from benchmarks.profile_step import profiled_step
 from memfuse.runtime import launch_log
 

@@ -91,3 +91,26 @@ def test_tiny_table(tmp_path, capsys):
     table = (tmp_path / "kernel-sol-tiny-gpt2.md").read_text()
     assert table.count("| `memfuse_") == len(launches) and "TINY RUN" in table
     assert table.strip() in capsys.readouterr().out
+
+
+def test_timed_table_rates_and_tuning():
+    """The GPU table's arithmetic on a recorded launch given a time: GB/s, the fraction of the copy
+    bandwidth, the target count and what --tune found."""
+    from benchmarks import kernel_sol
+    x, w = torch.randn(64, 32), torch.randn(32)
+    fused = memfuse.memory_efficient_fusion(scale_rows)
+    with launch_log() as records:
+        fused(x, w)
+    (record,) = records
+    bandwidth, ms = 1e12, 1.0
+    tuned = {record.launch: {"alone_ms": 0.9, "best_ms": 0.5, "best_config": {"block_m": 2, "num_warps": 8,
+                                                                                "programs_per_sm": 0, "num_stages": 1}}}
+    row = kernel_sol.as_row(record, ms, bandwidth, tuned)
+    assert row["gb_s"] == pytest.approx(record.must_move / 1e-3 / 1e9) and "launch" not in row
+    assert row["sol"] == pytest.approx(record.must_move / 1e-3 / bandwidth)
+    assert row["best_sol"] == pytest.approx(2 * row["sol"])
+    table = kernel_sol.report({"model": "m", "mode": "memfuse_backend", "copy_gb_s": bandwidth / 1e9, "device": "GPU",
+                               "launches": [row]})
+    assert f"{row['sol']:.0%} | 0.900, 0.500 ({row['best_sol']:.0%}): 2x, 8w |" in table
+    assert "1 of 0.5 ms or more below 80%" in table
+    json.dumps(row)

@@ -427,7 +427,7 @@ class LoopedKernelWriter(RowKernelWriter):
         elif node.name in self.online_of:
             online = self.online_of[node.name]
             self.use("mf_online_rescale")
-            out(f"# the lanes' sums restated against the row's shift, added up")
+            out("# the lanes' sums restated against the row's shift, added up")
             out(f"{target}_acc = tl.sum(mf_online_rescale({target}_acc, {target}_lane_shift, "
                 f"{self.reg(online.shift)}[:, None]), axis=1)")
             out(f"# a row of -inf only: eager's sum of exp(-inf - {online.shift}) over D columns")
