@@ -12,6 +12,7 @@ and the TOP_KERNELS kernels with the most time, with their launch counts. Needs 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from collections import defaultdict
@@ -46,20 +47,26 @@ def kernel_class(name: str) -> str:
     return "other aten kernels"
 
 
-def profile_mode(family, templates: Templates, mode: str, setup: Setup) -> dict:
-    model = WRAPPERS[mode](fresh(templates.dropout, setup.device), family)
-    batch = make_batch(family.size, setup.device)
+def profiled_step(model, batch: dict, setup: Setup, around=contextlib.nullcontext) -> list:
+    """After WARM_STEPS, one training step under torch.profiler, inside `around()`: its GPU kernels
+    as (name, ms), in the order they started."""
     for _ in range(WARM_STEPS):
         train_step(model, batch, setup)
     setup.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as trace:
+    with around(), profile(activities=[ProfilerActivity.CUDA]) as trace:
         train_step(model, batch, setup)
         setup.synchronize()
+    events = sorted((e for e in trace.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda e: e.time_range.start)
+    return [(e.name, e.device_time_total / 1e3) for e in events]
+
+
+def profile_mode(family, templates: Templates, mode: str, setup: Setup) -> dict:
+    model = WRAPPERS[mode](fresh(templates.dropout, setup.device), family)
     kernels: dict = defaultdict(lambda: [0.0, 0])
-    for event in trace.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            kernels[event.name][0] += event.device_time_total / 1e3
-            kernels[event.name][1] += 1
+    for name, ms in profiled_step(model, make_batch(family.size, setup.device), setup):
+        kernels[name][0] += ms
+        kernels[name][1] += 1
     by_class: dict = defaultdict(float)
     for name, (ms, _) in kernels.items():
         by_class[kernel_class(name)] += ms

@@ -44,6 +44,28 @@ def best_of(launch: KernelLaunch, configs: list, device) -> list:
     return sorted(timed, key=lambda tc: tc[0])
 
 
+def sweep(launch: KernelLaunch, device, exhaustive: bool = False) -> tuple:
+    """(microseconds, LaunchConfig) of the fastest configuration found for `launch` on its recorded
+    call: rows x warps (at 2 programs per SM if persistent), then programs per SM and pipeline stages
+    at the best of those; `exhaustive`: rows x warps x programs per SM jointly. Leaves the launch's
+    configuration at the last one timed."""
+    source = launch.kernel.source
+    block_d = source.constexprs["BLOCK_D"]
+    if source.persistent and exhaustive:
+        ranked = best_of(launch, [LaunchConfig(c.block_m, c.num_warps, per_sm)
+                                  for c in tile_candidates(block_d, 0) for per_sm in (1, 2, 4, 8)], device)
+    else:
+        ranked = best_of(launch, tile_candidates(block_d, 2 if source.persistent else 0), device)
+    if source.persistent and not exhaustive:
+        tile = ranked[0][1]
+        ranked = best_of(launch, [LaunchConfig(tile.block_m, tile.num_warps, per_sm) for per_sm in (1, 2, 4, 8)],
+                         device)
+    if source.persistent:
+        tile = ranked[0][1]
+        ranked = best_of(launch, [dataclasses.replace(tile, num_stages=stages) for stages in (1, 2, 3, 4)], device)
+    return ranked[0]
+
+
 def tune_workload(workload, results: list, cache: TuningCache, device_name: str, exhaustive: bool) -> None:
     """`exhaustive`: every rows x warps x programs-per-SM combination for persistent kernels
     (else rows x warps at 2 per SM, then programs per SM at the best of those)."""
@@ -70,20 +92,7 @@ def tune_workload(workload, results: list, cache: TuningCache, device_name: str,
         block_d = source.constexprs["BLOCK_D"]
         default = default_config(block_d, source.persistent)
         default_us = best_of(launch, [default], device)[0][0]
-        if source.persistent and exhaustive:
-            ranked = best_of(launch, [LaunchConfig(c.block_m, c.num_warps, per_sm)
-                                      for c in tile_candidates(block_d, 0) for per_sm in (1, 2, 4, 8)], device)
-        else:
-            ranked = best_of(launch, tile_candidates(block_d, 2 if source.persistent else 0), device)
-        if source.persistent and not exhaustive:
-            tile = ranked[0][1]
-            ranked = best_of(launch, [LaunchConfig(tile.block_m, tile.num_warps, per_sm)
-                                      for per_sm in (1, 2, 4, 8)], device)
-        if source.persistent:
-            tile = ranked[0][1]
-            ranked = best_of(launch, [dataclasses.replace(tile, num_stages=stages) for stages in (1, 2, 3, 4)],
-                             device)
-        best_us, best = ranked[0]
+        best_us, best = sweep(launch, device, exhaustive)
         if default_us <= best_us:
             best_us, best = default_us, default
         launch.configs[device] = best

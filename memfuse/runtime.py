@@ -7,6 +7,7 @@ that function.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -92,9 +93,10 @@ class KernelLaunch:
         The hot path, every call after a kernel's first on a GPU: an aligned call on a device where
         the kernel is compiled (`direct`) does the grid arithmetic and calls Triton's launcher. On
         a host-bound step every Python call between the program and the driver shows (DESIGN.md,
-        host floor)."""
+        host floor). Inside `launch_log()` every call takes the general path, which records it."""
         direct = self.direct.get(device) if pointers is not None else None
-        if direct is None or direct.config is not self.configs.get(device) or self.record or _launch_hooks_installed():
+        if direct is None or direct.config is not self.configs.get(device) or self.record or _LAUNCH_LOG is not None \
+                or _launch_hooks_installed():
             if self.record:
                 self.recorded = (device, rows, pointers, values)
             return self._launch(device, rows, pointers is not None, values)
@@ -154,11 +156,31 @@ class KernelLaunch:
             self.grids.pop(device)
             return self._launch(device, rows, aligned, values)
         STATS["kernels_launched"] += 1
+        if _LAUNCH_LOG is not None:
+            _LAUNCH_LOG.append(self.launch_record(rows, programs, tiles, config))
         direct_launch = self.direct.get(device)
         if direct and device.type == "cuda" and (direct_launch is None or direct_launch.config is not config):
             compiled = self.launcher.compiled.get((device.index, config))
             if compiled is not None:
                 self.direct[device] = DirectLaunch(self, device, config, most, compiled)
+
+    def launch_record(self, rows: Optional[int], programs: int, tiles: int, config: LaunchConfig) -> "LaunchRecord":
+        source = self.kernel.source
+        return LaunchRecord(source.name, self.kernel.path, source.summary, rows, self.d, programs, config,
+                            (rows or 0) * source.bytes_per_row + source.bytes_per_launch,
+                            self.partials_bytes(programs, tiles), self)
+
+    def partials_bytes(self, programs: int, tiles: int) -> int:
+        """Bytes of the column sums' partials a launch writes and reads back (finish_column_sums):
+        each program writes its row (a looped kernel: each tile adds into it, read and written), the
+        groups' last programs read them and write one row per group, the last group reads those."""
+        if not self.reductions:
+            return 0
+        group_size = math.ceil(math.sqrt(programs))
+        groups = -(-programs // group_size)
+        rows = 2 * (tiles if self.kernel.source.passes is not None else programs) + 2 * groups
+        row_bytes = sum(len(names) * self.d * self.partials_dtypes[op].itemsize for op, names in self.reductions)
+        return rows * row_bytes
 
     def _grid(self, device: torch.device) -> tuple:
         config = self.launch_config(device, self.config)
@@ -199,6 +221,40 @@ class KernelLaunch:
         if counter is None:
             counter = self._counters[device] = torch.zeros(1 + FINISH_GROUPS_MAX, dtype=torch.int32, device=device)
         return counter
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchRecord:
+    """One kernel launch as `launch_log` records it: what the kernel is and what it must move at
+    the launch's sizes (benchmarks/kernel_sol.py sets it against the launch's GPU time)."""
+    kernel: str               # the Triton function's name: what a profiler calls the kernel
+    path: str                 # its generated source (content-addressed: same-named kernels of two graphs differ)
+    summary: str              # KernelSource.summary: its walk, reductions, reads, writes, ops
+    rows: Optional[int]       # M of this launch (None: a kernel over [D] alone)
+    d: int
+    programs: int
+    config: LaunchConfig
+    must_move: int            # bytes: every [M, D], [M] and [D] value read or written once, the totals
+    partials: int             # bytes of fp32 column partials written and read back, on top (0: no column sums)
+    launch: Optional["KernelLaunch"] = dataclasses.field(default=None, repr=False, compare=False)   # to time it again
+
+
+_LAUNCH_LOG: Optional[list] = None   # the list launch_log() is filling, else None
+
+
+@contextlib.contextmanager
+def launch_log():
+    """Record every memfuse kernel launch in the block, in launch order: `with launch_log() as
+    records:` gives a list of LaunchRecord. Launches take the general path meanwhile (more host
+    time per launch; the same kernels, configurations and grids on the GPU). Not nestable."""
+    global _LAUNCH_LOG
+    if _LAUNCH_LOG is not None:
+        raise RuntimeError("memfuse: launch_log() is already recording: one log at a time")
+    _LAUNCH_LOG = records = []
+    try:
+        yield records
+    finally:
+        _LAUNCH_LOG = None
 
 
 class Launcher:

@@ -48,6 +48,8 @@ class KernelSource:
     partials_dtypes: dict = field(default_factory=dict)   # reducer op -> dtype of its partials buffer
     totals: dict = field(default_factory=dict)    # dtype -> [column-sum names], the rows of one [n, D] tensor
     bytes_per_row: int = 0                        # bytes moved per row (both directions)
+    bytes_per_launch: int = 0                     # bytes moved once a launch: column vectors, scalars, totals
+    summary: str = ""                             # what the kernel is, in one line (benchmarks/kernel_sol.py)
     passes: Optional[int] = None                  # looped kernels: walks over each row (one per phase)
     online: tuple = ()                            # looped kernels: the sums of exp carried with their max
     not_online: tuple = ()                        # looped kernels: (sum, why) for the sums of exp that are not
@@ -230,7 +232,7 @@ class RowKernelWriter:
         constexprs = {"D": self.d or 1, "BLOCK_D": self.block_d}   # BLOCK_M: the launch config's
         return KernelSource(g.name, "\n".join(out.lines) + "\n", args, constexprs, self.persistent,
                             {op: names for op, names in self.sums.items() if names}, self.partials_dtypes,
-                            self.totals, self.bytes_per_row())
+                            self.totals, self.bytes_per_row(), self.bytes_per_launch(), self.summary())
 
     def write_helpers(self, out: _Lines) -> None:
         for name in helpers_for(self.helpers):
@@ -311,6 +313,43 @@ class RowKernelWriter:
             per_row = {Kind.FULL: self.d or 1, Kind.ROW: 1}.get(v.kind, 0)
             total += per_row * v.dtype.itemsize
         return total
+
+    def bytes_per_launch(self) -> int:
+        """Bytes a launch moves whatever M is: column vectors and scalars read or written once, and
+        the column sums' totals (their fp32 partials are traffic on top: runtime.LaunchRecord)."""
+        total = 0
+        for name in self.group.inputs + self.group.outputs + self.group.column_sums:
+            v = self.graph[name].value
+            if v.dtype is None or self.graph[name].op in (Op.CONSTANT, Op.SYMBOL, Op.SEED) \
+                    or v.kind not in (Kind.COL, Kind.SCALAR):
+                continue
+            total += ((self.d or 1) if v.kind is Kind.COL else 1) * v.dtype.itemsize
+        return total
+
+    def summary(self) -> str:
+        """One line on what the kernel is: its walk over rows, its reductions, what it reads and writes
+        (by kind and dtype), its ops by count."""
+        g, graph = self.group, self.graph
+        parts = [self.walk()]
+        reductions = [f"{graph[n].op.value} over {'D' if graph[n].attr.axis is Kind.ROW else 'M'}"
+                      for n in g.nodes if graph[n].op in REDUCE or graph[n].op in ARG_REDUCE]
+        if reductions:
+            parts.append("reduces " + ", ".join(_counted(reductions)))
+        strided = [n for n in g.nodes if graph[n].op is Op.STRIDED and n not in self.padded]
+        if strided:
+            parts.append(f"{len(strided)} read(s) through access maps")
+        for verb, names in (("reads", g.inputs), ("writes", g.outputs)):
+            shapes = [f"{_SHAPES[graph[n].value.kind]} {dtype_name(graph[n].value.dtype)}" for n in names
+                      if graph[n].op not in (Op.CONSTANT, Op.SYMBOL, Op.SEED) and graph[n].value.dtype is not None]
+            if shapes:
+                parts.append(f"{verb} " + ", ".join(_counted(shapes)))
+        parts.append(f"{len(g.nodes)} ops: " + ", ".join(_counted([graph[n].op.value for n in g.nodes])))
+        return "; ".join(parts)
+
+    def walk(self) -> str:
+        """How the kernel walks its rows (looped kernels say their passes)."""
+        space = f"[M, {self.d}] rows whole" if self.d else "[M] elements"
+        return f"{space}, " + ("a persistent grid" if self.persistent else "one tile per program")
 
     def header(self, out: _Lines) -> None:
         g = self.group
@@ -762,6 +801,17 @@ class RowKernelWriter:
             out(f"tl.store({ptr} + cols, {value}, mask=col_mask)")
         else:
             out(f"tl.store({ptr}, {value})")
+
+
+_SHAPES = {Kind.FULL: "[M, D]", Kind.ROW: "[M]", Kind.COL: "[D]", Kind.SCALAR: "[1]"}
+
+
+def _counted(items: list) -> list:
+    """["a", "b", "a"] -> ["2x a", "b"], in first-seen order."""
+    counts: dict = {}
+    for item in items:
+        counts[item] = counts.get(item, 0) + 1
+    return [f"{n}x {item}" if n > 1 else item for item, n in counts.items()]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
