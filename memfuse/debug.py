@@ -23,6 +23,9 @@ COUNTERS = {
     "compiles": "programs compiled (api.FusedFunction._compile), recompiles included",
     "recompiles": "compiles of a function that already had a compiled program (a cache miss on a new key)",
     "cache_hits": "calls that found their compiled program in the cache",
+    "front_misses": "calls the front cache (api._Front: generated code binding the arguments, unpacking tuple, "
+                    "list and dict arguments, checking the tensors in one C++ call) did not serve: bound, "
+                    "flattened and keyed on the slower Python path (first calls, autocast on, deeper pytrees)",
     "kernels_generated": "Triton kernels generated and loaded (runtime.Program, once per compile)",
     "kernels_loaded": "kernels whose binary precompile loaded from Triton's cache through memfuse's index, "
                       "without Triton's compile (precompile.BinaryIndex)",
