@@ -34,7 +34,7 @@ from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_wit
 
 from .capture import capture
 from .config import Config
-from .debug import STATS, describe_key_change, on_compile, topic_log
+from .debug import STATS, describe_key_change, on_compile, timed, topic_log
 from .eager import (STRICT, EagerCall, StrictModeError, UntraceableOutputError, compile_failed, say_once,
                     under_transform, untraceable_argument)
 from .graphs import GraphedFunction
@@ -338,6 +338,7 @@ class FusedFunction:
             fallback_log.debug("memfuse: %s: compiling failed", self._name(), exc_info=e)
             return decision
 
+    @timed("compile")
     def _compile(self, flat: "_Flat", key: tuple) -> "_CacheEntry":
         start = time.perf_counter()
         positions = [i for i, v in enumerate(flat.leaves) if isinstance(v, torch.Tensor)]

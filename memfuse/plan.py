@@ -32,6 +32,7 @@ import networkx as nx
 import torch
 
 from .capture import Captured
+from .debug import timed
 from .ir import REDUCTION, Graph, Kind, Node, Op, Reduce, value_bytes
 
 INFINITE = float("inf")
@@ -135,6 +136,7 @@ def pinned_reason(node: Node, index_bytes: dict, hints: dict) -> str | None:
     return None
 
 
+@timed("plan")
 def plan(captured: Captured) -> Plan:
     joint = captured.joint
     if captured.num_tangents == 0 and len(joint.outputs) == captured.num_fwd_outputs:

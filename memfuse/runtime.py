@@ -24,7 +24,7 @@ from triton.runtime.errors import OutOfResources
 from .buffers import Origin, plan_buffers, verify_buffer_plan
 from .codegen import CompiledKernel, dtype_name, generate
 from .config import Config
-from .debug import STATS
+from .debug import STATS, timed
 from .ir import Graph, Kind, Op, ValueRef
 from .ops import OPS, REDUCERS, accumulate_dtype, compute_dtype
 from .schedule import ExternStep, KernelGroup, Schedule
@@ -373,6 +373,7 @@ class _ProgramWriter:
         self.unit_stride: dict = {}      # value -> its local for kernels reading it through access maps only
         self.pointers: dict = {}         # local -> the local holding its data pointer
 
+    @timed("program")
     def write(self) -> tuple:
         g = self.graph
         self.line("def run(mf_inputs, mf_sizes, device):")

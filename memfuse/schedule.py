@@ -16,6 +16,7 @@ from typing import Optional
 import sympy
 
 from .config import Config
+from .debug import timed
 from .ops import TRITON_DTYPES
 from .ir import (EXTERNAL, FUSIBLE, LEAF, MEMORY_VIEWS, REDUCTION, Graph, Kind, Op, Reduce, Value, column_padding,
                  verify)
@@ -86,6 +87,7 @@ class Schedule:
         return [s for s in self.steps if isinstance(s, KernelGroup)]
 
 
+@timed("schedule")
 def schedule(graph: Graph, config: Config, kind: str) -> Schedule:
     """`kind` names the graph ("forward", "backward") in kernel names. Two rewrites of its extern
     calls come first: matmuls whose operands are better aligned (memfuse.padding, Config.pad_matmuls),
