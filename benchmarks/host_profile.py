@@ -17,7 +17,8 @@ mode wraps it and called with the arguments its model passes it (recorded from a
 Llama's (cos, sin) tuple, masks, keyword constants), against the floor: an autograd.Function over
 the same tensors (the layer's parameters and tensor arguments) that launches nothing. On a GPU the
 family's benchmark size at leading dims [2, 4] under bf16 autocast; with --stub-launches its tiny
-size in fp32. The layer's matmuls and attention run for real (aten) in the memfuse mode only.
+size in fp32. The eager layer is timed beside them; its matmuls and attention, like memfuse's
+externs, run for real (the floor runs none).
 
     python -m benchmarks.host_profile [--workload layer_norm_block] [--steps 2000] [--tiny] [--stub-launches]
     python -m benchmarks.host_profile --layer llama [--steps 2000] [--stub-launches]
@@ -25,6 +26,7 @@ size in fp32. The layer's matmuls and attention run for real (aten) in the memfu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import dataclasses
 import functools
@@ -71,18 +73,10 @@ def _stub_launches(entry) -> None:
 
 
 def _interleaved(steps: dict, inputs, count: int, repeats: int, device: torch.device) -> dict:
-    """Mode name -> its fastest repeat of `count` steps, in us per step; repeats alternate modes."""
-    from benchmarks.measure import run_step, synchronize
-    best = {name: float("inf") for name in steps}
-    for _ in range(repeats):
-        for name, step in steps.items():
-            synchronize(device)
-            start = time.perf_counter()
-            for _ in range(count):
-                run_step(step, inputs)
-            synchronize(device)
-            best[name] = min(best[name], (time.perf_counter() - start) / count * 1e6)
-    return best
+    """Mode name -> its fastest repeat of `count` steps (run_step on `inputs`), in us per step."""
+    from benchmarks.measure import run_step
+    return _interleaved_calls({name: functools.partial(run_step, step, inputs) for name, step in steps.items()},
+                              count, repeats, device)
 
 
 def _report(name: str, best: dict, stubbed: bool) -> None:
@@ -139,7 +133,6 @@ def record_layer_call(family_name: str, device: torch.device, stubbed: bool) -> 
 
 
 def _autocast(device: torch.device):
-    import contextlib
     return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
 
 
@@ -149,35 +142,23 @@ def _first_tensor(output) -> torch.Tensor:
 
 def _layer_steps(call: LayerCall, fused, device: torch.device) -> dict:
     """Mode -> a fwd+bwd step of the layer: the floor over the same tensors, the layer in eager,
-memfuse's wrapper.
-    Each step sets the gradients it made back to None, as run_step does."""
+    memfuse's wrapper. Each step sets the gradients it made back to None, as run_step does."""
     from benchmarks.modes import FACTORIES
     tensors = call.tensors()
-    hidden = call.args[0]
     floor = FACTORIES["floor"](None, {})
-    grad = torch.ones_like(hidden)
+    grad = torch.ones_like(call.args[0])
 
-    def memfuse_step():
-        with _autocast(device):
-            out = _first_tensor(fused(*call.args, **call.kwargs))
-        out.backward(grad)
-        for t in tensors:
-            t.grad = None
-
-    def eager_step():
-        with _autocast(device):
-            out = _first_tensor(call.layer(*call.args, **call.kwargs))
-        out.backward(grad)
-        for t in tensors:
-            t.grad = None
-
-    def floor_step():
-        with _autocast(device):
-            out = floor(*tensors)
-        out.backward(grad)
-        for t in tensors:
-            t.grad = None
-    return {"floor": floor_step, "eager": eager_step, "memfuse": memfuse_step}
+    def step_of(forward):
+        def step():
+            with _autocast(device):
+                out = _first_tensor(forward())
+            out.backward(grad)
+            for t in tensors:
+                t.grad = None
+        return step
+    return {"floor": step_of(lambda: floor(*tensors)),
+            "eager": step_of(lambda: call.layer(*call.args, **call.kwargs)),
+            "memfuse": step_of(lambda: fused(*call.args, **call.kwargs))}
 
 
 def _interleaved_calls(steps: dict, count: int, repeats: int, device: torch.device) -> dict:
