@@ -18,7 +18,6 @@ value the walk read is still there (C loops over the submodules' dicts, ~10x che
 """
 from __future__ import annotations
 
-import functools
 import inspect
 import itertools
 import operator
@@ -240,11 +239,13 @@ class TreeWatch:
         self.attributes = _attributes(module)
         self.calls: dict = {}
         modules = list(module.modules())
-        holders = [d for m in modules for d in (m._parameters, m._buffers, m._modules)]
         self._dicts = [d for m in modules for d in (m.__dict__, m._parameters, m._buffers, m._modules)]
-        self._holders = holders
-        self._readers = [functools.partial(map, m.__dict__.__getitem__, names) for m in modules
-                         if (names := [k for k, v in m.__dict__.items() if type(v) in PLAIN_ATTRIBUTE_TYPES])]
+        # an empty one stays empty while its size does: only the others' values are compared
+        self._holders = [d for m in modules for d in (m._parameters, m._buffers, m._modules) if d]
+        attributes = [(m.__dict__, k) for m in modules for k, v in m.__dict__.items()
+                      if type(v) in PLAIN_ATTRIBUTE_TYPES]
+        self._attribute_dicts = [d for d, _ in attributes]
+        self._attribute_names = [k for _, k in attributes]
         self._sizes = self._sizes_now()
         self._objects = self._objects_now()
 
@@ -252,8 +253,8 @@ class TreeWatch:
         return tuple(map(len, self._dicts))
 
     def _objects_now(self) -> tuple:
-        values = itertools.chain.from_iterable(map(dict.values, self._holders))
-        return tuple(itertools.chain(values, itertools.chain.from_iterable(map(operator.call, self._readers))))
+        return (*itertools.chain.from_iterable(map(dict.values, self._holders)),
+                *map(operator.getitem, self._attribute_dicts, self._attribute_names))
 
     def holds(self) -> bool:
         """Whether the tree still has what the walk read (C loops: no Python code per submodule)."""
