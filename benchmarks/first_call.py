@@ -2,7 +2,15 @@
 
 The parent runs `python -m benchmarks.first_call WORKLOAD MODE` twice per (workload, mode)
 with every compile cache pointed into one new temporary directory: the first run finds
-them empty ("cold"), the second finds what the first wrote ("warm disk cache").
+them empty ("cold"), the second finds what the first wrote ("warm disk cache"). Each child
+reports memfuse's counters and `memfuse.compile_times()`: where a memfuse compile's seconds went,
+stage by stage (trace, plan, schedule, codegen, precompile: Triton's compile on a GPU), and
+whether the warm run loaded its kernels (`kernels_loaded`) instead of compiling them.
+
+A workload `model:NAME` (bert, gpt2, llama) is a whole HuggingFace model's first training step
+(benchmarks/models.py: its benchmark size on a GPU, tiny with --smoke) in one of models.py's modes:
+
+    python -m benchmarks.first_call --models bert,gpt2,llama --modes torch_compile,memfuse_whole [--smoke]
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ CHILD_TIMEOUT_S = 600
 RESULT_PREFIX = "FIRST_CALL_RESULT "
 STDERR_TAIL_CHARS = 2000
 REPO_ROOT = Path(__file__).resolve().parent.parent
+MODEL_PREFIX = "model:"  # a workload naming a whole HuggingFace model (benchmarks/models.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +44,7 @@ class ChildRun:
     import_s: float | None = None  # resolving the mode (imports memfuse, functorch, ...)
     first_call_s: float | None = None  # wrap + first forward+backward, synchronized
     stats: object | None = None  # memfuse.stats() after the step, when offered
+    compile_times: dict | None = None  # memfuse.compile_times() after the step: seconds per stage
     error: str | None = None
 
 
@@ -74,6 +84,16 @@ def _seconds(run: ChildRun) -> str:
     return "error" if run.first_call_s is None else f"{run.first_call_s:.2f} s"
 
 
+def stage_line(run: ChildRun) -> str:
+    """Where the child's memfuse compile time went, and its kernels generated and loaded."""
+    if not run.compile_times or not run.compile_times.get("compile"):
+        return run.error or "no memfuse compile"
+    stages = ", ".join(f"{stage} {seconds:.2f}" for stage, seconds in run.compile_times.items() if stage != "compile")
+    counts = run.stats or {}
+    return (f"memfuse compile {run.compile_times['compile']:.2f} s ({stages}); kernels generated "
+            f"{counts.get('kernels_generated', '?')}, loaded from the index {counts.get('kernels_loaded', '?')}")
+
+
 def measure_first_calls(workloads: list[str], modes: list[str], smoke: bool) -> list[FirstCallResult]:
     """Cold then warm first call of every (workload, mode), each in a fresh process."""
     results = []
@@ -84,6 +104,8 @@ def measure_first_calls(workloads: list[str], modes: list[str], smoke: bool) -> 
                 warm = _run_child(workload, mode, cache_dir, smoke)
             results.append(FirstCallResult(workload, mode, cold, warm))
             print(f"first call {workload} {mode}: cold {_seconds(cold)}, warm {_seconds(warm)}", flush=True)
+            if mode.startswith("memfuse"):
+                print(f"  cold: {stage_line(cold)}\n  warm: {stage_line(warm)}", flush=True)
     return results
 
 
@@ -98,6 +120,8 @@ def _child(workload_name: str, mode: str, smoke: bool) -> dict:
     from benchmarks.workloads import workloads_for
 
     device = torch.device("cpu" if smoke else "cuda")
+    if workload_name.startswith(MODEL_PREFIX):
+        return _model_child(workload_name[len(MODEL_PREFIX):], mode, device)
     workload = {w.name: w for w in workloads_for(smoke)}[workload_name]
     torch.manual_seed(0)
     inputs = workload.make_inputs(device)
@@ -107,15 +131,53 @@ def _child(workload_name: str, mode: str, smoke: bool) -> dict:
     if mode not in mode_set.factories:
         return {"import_s": import_s, "error": mode_set.unavailable.get(mode, f"{mode} not offered here")}
     _, seconds = first_call(mode_set.factories[mode], workload.fn, inputs, device)
-    return {"import_s": import_s, "first_call_s": seconds, "stats": memfuse_stats()}
+    return {"import_s": import_s, "first_call_s": seconds, "stats": memfuse_stats(), "compile_times": _compile_times()}
+
+
+def _model_child(name: str, mode: str, device) -> dict:
+    """A whole model's first training step (models.py: wrap, forward, loss, backward)."""
+    import torch
+
+    start = time.perf_counter()
+    from benchmarks import models
+    from benchmarks.modes import memfuse_stats
+    import_s = time.perf_counter() - start
+    family = models.FAMILIES[name]
+    tiny = device.type == "cpu"
+    size = family.tiny if tiny else family.size
+    setup = models.Setup(device, tiny, models.TINY_SETTINGS if tiny else models.GPU_SETTINGS)
+    model = models.build(family, size, models.DROPOUT).to(device)
+    batch = models.make_batch(size, device)
+    if not tiny:
+        torch.ones(8, 8, device=device) @ torch.ones(8, 8, device=device)  # CUDA and cuBLAS up, as models.py
+    setup.synchronize()
+    start = time.perf_counter()
+    models.train_step(models.WRAPPERS[mode](model, family), batch, setup)
+    setup.synchronize()
+    return {"import_s": import_s, "first_call_s": time.perf_counter() - start, "stats": memfuse_stats(),
+            "compile_times": _compile_times()}
+
+
+def _compile_times() -> dict | None:
+    memfuse = sys.modules.get("memfuse")
+    return memfuse.compile_times() if memfuse is not None and hasattr(memfuse, "compile_times") else None
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("workload")
-    parser.add_argument("mode")
+    parser.add_argument("workload", nargs="?", help=f"one child: a workload name or {MODEL_PREFIX}NAME")
+    parser.add_argument("mode", nargs="?")
+    parser.add_argument("--models", help="the parent: cold and warm first steps of these models (bert,gpt2,llama)")
+    parser.add_argument("--modes", default="torch_compile,memfuse_whole,memfuse_per_layer",
+                        help="with --models: models.py's modes")
     parser.add_argument("--smoke", action="store_true", help="tiny CPU workloads, Triton interpreter")
     args = parser.parse_args(argv)
+    if args.models:
+        workloads = [MODEL_PREFIX + name for name in args.models.split(",")]
+        measure_first_calls(workloads, args.modes.split(","), args.smoke)
+        return
+    if not (args.workload and args.mode):
+        parser.error("a child needs WORKLOAD and MODE (or use --models)")
     result = _child(args.workload, args.mode, args.smoke)
     print(RESULT_PREFIX + json.dumps(result, default=str), flush=True)
 

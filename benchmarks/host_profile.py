@@ -12,11 +12,21 @@ through Triton's interpreter; then every launch goes through memfuse's direct la
 CPU allocator and no driver is called: compare the two modes, or two versions of memfuse, not
 these numbers with a GPU host's.
 
+--layer bert|gpt2|llama: one HuggingFace decoder layer, wrapped as benchmarks/models.py's per-layer
+mode wraps it and called with the arguments its model passes it (recorded from an eager forward:
+Llama's (cos, sin) tuple, masks, keyword constants), against the floor: an autograd.Function over
+the same tensors (the layer's parameters and tensor arguments) that launches nothing. On a GPU the
+family's benchmark size at leading dims [2, 4] under bf16 autocast; with --stub-launches its tiny
+size in fp32. The eager layer is timed beside them; its matmuls and attention, like memfuse's
+externs, run for real (the floor runs none).
+
     python -m benchmarks.host_profile [--workload layer_norm_block] [--steps 2000] [--tiny] [--stub-launches]
+    python -m benchmarks.host_profile --layer llama [--steps 2000] [--stub-launches]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import dataclasses
 import functools
@@ -63,23 +73,134 @@ def _stub_launches(entry) -> None:
 
 
 def _interleaved(steps: dict, inputs, count: int, repeats: int, device: torch.device) -> dict:
-    """Mode name -> its fastest repeat of `count` steps, in us per step; repeats alternate modes."""
-    from benchmarks.measure import run_step, synchronize
+    """Mode name -> its fastest repeat of `count` steps (run_step on `inputs`), in us per step."""
+    from benchmarks.measure import run_step
+    return _interleaved_calls({name: functools.partial(run_step, step, inputs) for name, step in steps.items()},
+                              count, repeats, device)
+
+
+def _report(name: str, best: dict, stubbed: bool) -> None:
+    for mode, us in best.items():
+        print(f"{name} {mode}: {us:.1f} us per step ({1e6 / us:.0f} it/s)")
+    print(f"{name}: memfuse - floor = {best['memfuse'] - best['floor']:.1f} us"
+          + (" (CPU proxy: launches stubbed)" if stubbed else ""))
+
+
+def _profile(step, steps: int) -> None:
+    """cProfile over `steps` steps; first the Python function calls per step, a measure of host
+    work that other load on the machine does not change."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    profiler.disable()
+    stats = pstats.Stats(profiler)
+    print(f"Python function calls per step: {stats.total_calls / steps:.0f}")
+    stats.sort_stats("tottime").print_stats(25)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCall:
+    """One decoder layer and the arguments its model called it with."""
+    layer: torch.nn.Module
+    args: tuple
+    kwargs: dict
+
+    def tensors(self) -> list:
+        """The tensors the compiled program takes: the hidden states (first: the floor returns an
+        alias of it), the parameters, the other tensor arguments (pytree leaves)."""
+        from torch.utils._pytree import tree_leaves
+        others = [v for v in tree_leaves((self.args[1:], self.kwargs)) if isinstance(v, torch.Tensor)]
+        return [self.args[0], *self.layer.parameters(), *others]
+
+
+def record_layer_call(family_name: str, device: torch.device, stubbed: bool) -> LayerCall:
+    """The first layer of `family_name`'s model (models.py's size, tiny when stubbed) and the
+    arguments of its call in one eager forward over [2, 4] token ids (bf16 autocast on a GPU)."""
+    from benchmarks import models
+    family = models.FAMILIES[family_name]
+    size = dataclasses.replace(family.tiny if stubbed else family.size, batch=2, seq=4)
+    model = models.build(family, size, models.DROPOUT).to(device)
+    layer = models.layer_list(model, family)[0]
+    calls = []
+    hook = layer.register_forward_pre_hook(lambda module, args, kwargs: calls.append((args, kwargs)), with_kwargs=True)
+    with _autocast(device), torch.no_grad():
+        model(**models.make_batch(size, device))
+    hook.remove()
+    args, kwargs = calls[0]
+    hidden = args[0].detach().requires_grad_()     # the layer's input, as a training step sees it
+    return LayerCall(layer, (hidden, *args[1:]), kwargs)
+
+
+def _autocast(device: torch.device):
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _first_tensor(output) -> torch.Tensor:
+    return output if isinstance(output, torch.Tensor) else output[0]
+
+
+def _layer_steps(call: LayerCall, fused, device: torch.device) -> dict:
+    """Mode -> a fwd+bwd step of the layer: the floor over the same tensors, the layer in eager,
+    memfuse's wrapper. Each step sets the gradients it made back to None, as run_step does."""
+    from benchmarks.modes import FACTORIES
+    tensors = call.tensors()
+    floor = FACTORIES["floor"](None, {})
+    grad = torch.ones_like(call.args[0])
+
+    def step_of(forward):
+        def step():
+            with _autocast(device):
+                out = _first_tensor(forward())
+            out.backward(grad)
+            for t in tensors:
+                t.grad = None
+        return step
+    return {"floor": step_of(lambda: floor(*tensors)),
+            "eager": step_of(lambda: call.layer(*call.args, **call.kwargs)),
+            "memfuse": step_of(lambda: fused(*call.args, **call.kwargs))}
+
+
+def _interleaved_calls(steps: dict, count: int, repeats: int, device: torch.device) -> dict:
+    """Mode name -> its fastest repeat of `count` calls of its step, in us per step. On the CPU
+    proxy the clock is the process's CPU time (one torch thread): other work on a shared host
+    then stretches the wall clock, not the measure."""
+    from benchmarks.measure import synchronize
+    clock = time.process_time if device.type == "cpu" else time.perf_counter
     best = {name: float("inf") for name in steps}
     for _ in range(repeats):
         for name, step in steps.items():
             synchronize(device)
-            start = time.perf_counter()
+            start = clock()
             for _ in range(count):
-                run_step(step, inputs)
+                step()
             synchronize(device)
-            best[name] = min(best[name], (time.perf_counter() - start) / count * 1e6)
+            best[name] = min(best[name], (clock() - start) / count * 1e6)
     return best
+
+
+def profile_layer(family_name: str, steps: int, stubbed: bool) -> None:
+    import memfuse
+    device = torch.device("cpu" if stubbed else "cuda")
+    if stubbed:
+        torch.set_num_threads(1)
+    call = record_layer_call(family_name, device, stubbed)
+    fused = memfuse.memory_efficient_fusion(call.layer)
+    modes = _layer_steps(call, fused, device)
+    modes["memfuse"]()                                   # compiles (and, stubbed, runs the kernels once)
+    if stubbed:
+        _stub_launches(fused.compiled_for(*call.args, **call.kwargs))
+    _interleaved_calls(modes, 20, 1, device)             # warm-up
+    best = _interleaved_calls(modes, max(1, steps // 10), 10, device)
+    _report(f"{family_name} layer", best, stubbed)
+    _profile(modes["memfuse"], steps // 4)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", default="layer_norm_block[64x128x1024]")
+    parser.add_argument("--layer", choices=("bert", "gpt2", "llama"),
+                        help="one wrapped HuggingFace layer, called as its model calls it (instead of a workload)")
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--tiny", action="store_true", help="leading dims [2, 4]: host time only")
     parser.add_argument("--stub-launches", action="store_true",
@@ -87,6 +208,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.stub_launches:
         os.environ.setdefault("TRITON_INTERPRET", "1")    # read when triton is imported (by memfuse)
+    if args.layer:
+        return profile_layer(args.layer, args.steps, args.stub_launches)
     import memfuse
     from benchmarks.measure import run_step
     from benchmarks.modes import FACTORIES
@@ -105,16 +228,8 @@ def main() -> None:
     steps = {"floor": FACTORIES["floor"](workload.fn, inputs.consts), "memfuse": memfuse_step}
     _interleaved(steps, inputs, 20, 1, device)           # warm-up
     best = _interleaved(steps, inputs, max(1, args.steps // 10), 10, device)
-    for name, us in best.items():
-        print(f"{workload.name} {name}: {us:.1f} us per step ({1e6 / us:.0f} it/s)")
-    print(f"{workload.name}: memfuse - floor = {best['memfuse'] - best['floor']:.1f} us"
-          + (" (CPU proxy: launches stubbed)" if args.stub_launches else ""))
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(args.steps // 4):
-        run_step(memfuse_step, inputs)
-    profiler.disable()
-    pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+    _report(workload.name, best, args.stub_launches)
+    _profile(lambda: run_step(memfuse_step, inputs), args.steps // 4)
 
 
 if __name__ == "__main__":

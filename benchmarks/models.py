@@ -246,6 +246,7 @@ class Row:
     peak_bytes: int | None = None  # a step's peak above the memory allocated at its start
     kept_bytes: int | None = None  # allocated after forward+loss minus before: kept for the backward
     memfuse_compile: dict | None = None  # memfuse.stats() after the first step (a mode that compiles)
+    memfuse_compile_s: dict | None = None  # memfuse.compile_times() after the first step: seconds per stage
     memfuse_per_step: dict | None = None  # the counters' growth over the later steps, per step
     dynamo: dict | None = None  # Dynamo's graph and graph-break counts (torch.compile modes)
     error: str | None = None  # the speed/memory part raised: type and message
@@ -334,7 +335,7 @@ def measure_speed(case: Case, mode: str) -> Row:
     train_step(wrapped, batch, setup)
     setup.synchronize()
     first_step_s = time.perf_counter() - start
-    compiled = memfuse.stats()
+    compiled, compile_s = memfuse.stats(), memfuse.compile_times()
     model.zero_grad(set_to_none=False)  # the gradients stay allocated: part of the model's own memory
     for _ in range(setup.settings.warmup_steps):
         train_step(wrapped, batch, setup)
@@ -346,6 +347,7 @@ def measure_speed(case: Case, mode: str) -> Row:
         steps += 1
     return Row(case.family.name, mode, first_step_s=first_step_s, step_s=statistics.median(samples),
                step_samples_s=tuple(samples), peak_bytes=peak, kept_bytes=kept, memfuse_compile=compiled,
+               memfuse_compile_s=compile_s,
                memfuse_per_step=_counter_growth(memfuse.stats(), compiled, steps),
                dynamo=_dynamo_counts() if mode in DYNAMO_MODES else None)
 
@@ -473,6 +475,8 @@ def metadata(setup: Setup) -> dict:
             "first_step_s": "wrap + first step, compile included, in this process (earlier modes "
                             "may have left kernels in the compile caches)",
             "memfuse_compile": "memfuse.stats() after the first step",
+            "memfuse_compile_s": "memfuse.compile_times() after the first step: seconds per compile stage "
+                                 "(docs/debugging.md)",
             "memfuse_per_step": "growth of memfuse.stats() over the later steps, per step",
             "loss_error": "dropout-free copy: |loss - eager's| / |eager's| on the same weights and tokens",
             "grad_error": "dropout-free copy: max over parameters of ||g - eager's g|| / "

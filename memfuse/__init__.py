@@ -10,12 +10,12 @@ from . import explain as _explain
 from .wrap import memory_efficient_fusion
 from .module import FusedModule
 from .config import Config
-from .debug import configure_logging, reset_stats, stats
+from .debug import compile_times, configure_logging, reset_stats, stats
 from .explain import draw_memory, draw_plan, explain
 
 configure_logging()
 _debug.add_compile_hook(_explain.report_compile)   # reports sit above the pipeline: debug calls them back
 _backend.register()
 
-__all__ = ["memory_efficient_fusion", "FusedModule", "Config", "explain", "draw_plan", "draw_memory", "stats",
+__all__ = ["memory_efficient_fusion", "FusedModule", "Config", "explain", "draw_plan", "draw_memory", "stats", "compile_times",
            "reset_stats", "configure_logging"]

@@ -34,7 +34,7 @@ from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_wit
 
 from .capture import capture
 from .config import Config
-from .debug import STATS, describe_key_change, on_compile, topic_log
+from .debug import STATS, describe_key_change, on_compile, timed, topic_log
 from .eager import (STRICT, EagerCall, StrictModeError, UntraceableOutputError, compile_failed, say_once,
                     under_transform, untraceable_argument)
 from .graphs import GraphedFunction
@@ -92,6 +92,7 @@ class FusedFunction:
             outputs = front.call(args, kwargs)
             if outputs is not MISS:
                 return outputs
+        STATS["front_misses"] += 1
         values = self._bind(args, kwargs)
         if torch._C._are_functorch_transforms_active():
             return self.run_eager(under_transform(self._name()), values)
@@ -120,15 +121,17 @@ class FusedFunction:
 
     def _remember(self, args: tuple, kwargs: dict, values: list, entry: "_CacheEntry") -> None:
         """Enter a call that went through `_lookup` in the front of its call shape, made for the
-        argument pattern (which values are tensors) of the shape's first call. Calls with pytree
-        arguments stay on the slower path: the front reads tensors and constants only."""
-        if _any_autocast() or entry.tree is not None:   # the front serves flat calls with autocast off
+        argument pattern (`_pattern`: which values are tensors, constants, or tuples, lists and
+        dicts of them) of the shape's first call. Calls with deeper pytree arguments stay on the
+        slower path."""
+        pattern = _pattern(values)
+        if _any_autocast() or pattern is None:   # the front serves calls with autocast off
             return
         shape = (len(args), *kwargs) if kwargs else len(args)
         front = self.fronts.get(shape)
         if front is None:
-            front = self.fronts[shape] = _Front(self._binding(len(args), tuple(kwargs)), values)
-        if front.pattern == [isinstance(v, torch.Tensor) for v in values] and len(front.entries) < EXACT_CACHE_SIZE:
+            front = self.fronts[shape] = _Front(self._binding(len(args), tuple(kwargs)), pattern)
+        if front.pattern == pattern and len(front.entries) < EXACT_CACHE_SIZE:
             key, tensors = front.read(args, kwargs)
             front.entries[key] = (entry.function.apply, entry.rebuild, _tensor_guards(tensors))
 
@@ -335,6 +338,7 @@ class FusedFunction:
             fallback_log.debug("memfuse: %s: compiling failed", self._name(), exc_info=e)
             return decision
 
+    @timed("compile")
     def _compile(self, flat: "_Flat", key: tuple) -> "_CacheEntry":
         start = time.perf_counter()
         positions = [i for i, v in enumerate(flat.leaves) if isinstance(v, torch.Tensor)]
@@ -401,7 +405,10 @@ def _scheduled(graph, config: Config, kind: str):
 
 class _Front:
     """The front cache of one call shape (number of positional arguments, keyword names), written
-    for the argument pattern (which bound values are tensors) of the shape's first call.
+    for the argument pattern (`_pattern`: which bound values are tensors, constants, or tuples,
+    lists and dicts of them) of the shape's first call. A container argument is unpacked by the
+    generated code into its leaves, its type and length (a dict's keys) checked on the way: no
+    pytree flatten on the hot path.
 
     `call(args, kwargs)`, the hot path of a repeated call, binds the arguments, finds their
     compiled function and runs it through the C half of autograd's apply
@@ -417,8 +424,8 @@ class _Front:
     keys its state and runs the program with autocast off). `read(args, kwargs)` is the key and
     the tensor arguments alone, for `FusedFunction._remember`."""
 
-    def __init__(self, binding: list, values: list):
-        self.pattern = [isinstance(v, torch.Tensor) for v in values]
+    def __init__(self, binding: list, pattern: list):
+        self.pattern = pattern
         self.entries: dict = {}          # exact key -> (compiled apply, output rebuild, tensor guards or None)
         self.last = [(None, None, None, None, None)]   # (guards, grad mode, constants, apply, output rebuild)
         namespace: dict = {"grad_enabled": torch.is_grad_enabled, "entries": self.entries, "last": self.last,
@@ -430,21 +437,15 @@ class _Front:
         if positional:
             binds.append(f"    {''.join(f'a{i}, ' for i in range(positional))}= args")
         key, tensors, constants = ["grad_enabled(), any_autocast()"], [], []
-        for i, ((source, where), is_tensor) in enumerate(zip(binding, self.pattern)):
+        for i, ((source, where), part) in enumerate(zip(binding, self.pattern)):
             v = f"a{where}" if source == "arg" else f"v{i}"
             if source == "kw":
                 binds.append(f"    {v} = kwargs[{where!r}]")
             elif source == "default":
                 namespace[f"default_{i}"] = where
                 binds.append(f"    {v} = default_{i}")
-            if is_tensor:
-                key.append(f"type({v}), {v}.shape, {v}.dtype, {v}.device, {v}.requires_grad, "
-                           f"{v}.is_contiguous() or {v}.stride()")
-                tensors.append(v)
-            else:
-                key.append(f"type({v}), {v}")
-                if source != "default":      # a default is the same in every call
-                    constants.append(f"type({v}), {v}")
+            for v, is_tensor in _unpacked(v, part, binds, namespace):
+                self._read_leaf(v, is_tensor, source, key, tensors, constants)
         key = f"({', '.join(key)})"
         constants = f"({', '.join(constants)})"
         tensors, unwrapped = ", ".join(tensors), ", ".join(f"unwrap({t})" for t in tensors)
@@ -464,6 +465,67 @@ class _Front:
             *(line.format(unwrapped) for line in run)]) + "\n"
         exec(compile(self.source, "<memfuse front>", "exec"), namespace)
         self.read, self.call = namespace["read"], namespace["call"]
+
+    @staticmethod
+    def _read_leaf(v: str, is_tensor: bool, source: str, key: list, tensors: list, constants: list) -> None:
+        """Add the leaf `v` (a local of the generated code) to the key, and to the tensors or the
+        constants compared on the last-entry path."""
+        if is_tensor:
+            key.append(f"type({v}), {v}.shape, {v}.dtype, {v}.device, {v}.requires_grad, "
+                       f"{v}.is_contiguous() or {v}.stride()")
+            tensors.append(v)
+        else:
+            key.append(f"type({v}), {v}")
+            if source != "default":      # a default is the same in every call
+                constants.append(f"type({v}), {v}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Container:
+    """A tuple, list or dict argument in a front's pattern: its type, its dict keys (in order;
+    () for a sequence) and which of its items are tensors."""
+    kind: type
+    keys: tuple
+    tensors: tuple
+
+
+def _pattern(values: list) -> Optional[list]:
+    """Per bound value: True for a tensor, False for a constant, a _Container for a tuple, list or
+    dict (str keys) of tensors and constants (one level of pytree); None when a
+    value is anything else (a deeper pytree, a registered node): the front does not serve it."""
+    pattern = []
+    for v in values:
+        kind = type(v)
+        if isinstance(v, LEAF_TYPES):
+            pattern.append(isinstance(v, torch.Tensor))
+        elif kind in (tuple, list, dict):
+            items = list(v.values()) if kind is dict else v
+            if not all(isinstance(item, LEAF_TYPES) for item in items) or \
+                    (kind is dict and not all(type(k) is str for k in v)):
+                return None
+            pattern.append(_Container(kind, tuple(v) if kind is dict else (),
+                                      tuple(isinstance(item, torch.Tensor) for item in items)))
+        else:
+            return None
+    return pattern
+
+
+def _unpacked(v: str, part, binds: list, namespace: dict) -> list:
+    """[(leaf variable, is tensor)] of the bound value `v`: itself for a leaf; for a container the
+    locals the lines added to `binds` unpack it into, after checking its type and length (keys),
+    returning MISS where they differ from the pattern's."""
+    if not isinstance(part, _Container):
+        return [(v, part)]
+    leaves = [f"{v}_{j}" for j in range(len(part.tensors))]
+    if part.kind is dict:
+        namespace[f"keys_{v}"] = part.keys
+        binds.append(f"    if type({v}) is not dict or tuple({v}) != keys_{v}:\n        return MISS")
+        binds.extend(f"    {leaf} = {v}[{k!r}]" for leaf, k in zip(leaves, part.keys))
+    else:
+        binds.append(f"    if type({v}) is not {part.kind.__name__} or len({v}) != {len(leaves)}:\n        return MISS")
+        if leaves:
+            binds.append(f"    {', '.join(leaves)}, = {v}")
+    return list(zip(leaves, part.tensors))
 
 
 def autocast_state(device_type: str) -> tuple:

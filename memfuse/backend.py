@@ -30,7 +30,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from .capture import Captured, decomposition_table, lower_graph
 from .config import Config, config_with_options
-from .debug import STATS, on_compile, topic_log
+from .debug import STATS, on_compile, timed, topic_log
 from .ir import Graph, Symbol, verify
 from .plan import Plan, plan
 from .precompile import precompile
@@ -224,6 +224,7 @@ class _Compilers:
         with unset_fake_temporarily():   # see _Compilers: memfuse computes on real values
             return self._partition(joint, len(joint_inputs[0]), num_fwd_outputs)
 
+    @timed("compile")
     def _partition(self, joint: torch.fx.GraphModule, num_primals: int, num_fwd_outputs: int):
         start = time.perf_counter()
         placeholders = joint.graph.find_nodes(op="placeholder")
@@ -259,6 +260,7 @@ class _Compilers:
         with unset_fake_temporarily():
             return self._inference(gm)
 
+    @timed("compile")
     def _inference(self, gm: torch.fx.GraphModule):
         start = time.perf_counter()
         placeholders = gm.graph.find_nodes(op="placeholder")
@@ -292,6 +294,7 @@ class _Compilers:
 
 
 # -- lowering with Dynamo's size symbols ---------------------------------------------------------
+@timed("capture")
 def _lower(gm: torch.fx.GraphModule, primals: list, trace_joint: bool) -> Captured:
     sources, hints = _size_sources(primals)
     captured = lower_graph(gm, sources, hints, num_primals=len(primals), trace_joint=trace_joint)

@@ -30,6 +30,7 @@ import sympy
 import torch
 
 from .capture import TensorConstant
+from .debug import timed
 from .ir import Extern, Graph, Op, Value
 from .schedule import ALIASING_CALLS, ExternStep, KernelGroup, Schedule
 
@@ -113,6 +114,7 @@ class MemoryPoint:
     after: int               # after the step's frees
 
 
+@timed("buffers")
 def plan_buffers(schedule: Schedule) -> BufferPlan:
     """Every buffer's lifetime: the step that makes it, the last that reads it, the storage it reuses."""
     graph = schedule.graph
@@ -407,6 +409,7 @@ class BufferPlanError(AssertionError):
     pass
 
 
+@timed("verify")
 def verify_buffer_plan(plan: BufferPlan, schedule: Schedule) -> None:
     """Every buffer is made once; every one not returned is dropped exactly once, never before a
     step that reads it (as the schedule says: a group's inputs, an extern's); a returned one never;

@@ -23,6 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
 from . import views
+from .debug import timed
 from .ir import (BINARY, COMPARISON, UNARY, Cast, Constant, Extern, Graph, Index, Kind, Matmul, Node, Op, Reduce,
                  Seeded, Strided, Symbol, Value, ValueRef, fits, value_refs, verify)
 from .ops import OPS, accumulate_dtype
@@ -84,6 +85,7 @@ class MutatedInputError(RuntimeError):
     """The traced function writes into one of its inputs (an argument, a module's buffer) in place."""
 
 
+@timed("capture")
 def capture(fn: Callable, args: Sequence[torch.Tensor], *, trace_joint: bool,
             static_inputs: Sequence[bool] = ()) -> Captured:
     """Trace `fn(*args)` (tensor args only) and lower it. `static_inputs[i]`: keep all dims of
@@ -128,6 +130,7 @@ def compiling():
         torch.compiler._is_compiling_flag = before
 
 
+@timed("trace")
 def _export(fn: Callable, fakes: tuple, trace_joint: bool) -> torch.fx.GraphModule:
     """The decomposed aten graph of `fn`. Outputs that alias an input (`return x`, a view of
     x) are returned as copies; a function that mutates an input is refused with the reason."""

@@ -8,9 +8,11 @@ MEMFUSE_LOG picks what memfuse tells you on stderr, one logger per topic ("memfu
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Callable, Optional
@@ -23,6 +25,9 @@ COUNTERS = {
     "compiles": "programs compiled (api.FusedFunction._compile), recompiles included",
     "recompiles": "compiles of a function that already had a compiled program (a cache miss on a new key)",
     "cache_hits": "calls that found their compiled program in the cache",
+    "front_misses": "calls the front cache (api._Front: generated code binding the arguments, unpacking tuple, "
+                    "list and dict arguments, checking the tensors in one C++ call) did not serve: bound, "
+                    "flattened and keyed on the slower Python path (first calls, autocast on, deeper pytrees)",
     "kernels_generated": "Triton kernels generated and loaded (runtime.Program, once per compile)",
     "kernels_loaded": "kernels whose binary precompile loaded from Triton's cache through memfuse's index, "
                       "without Triton's compile (precompile.BinaryIndex)",
@@ -35,6 +40,26 @@ COUNTERS = {
     "graph_captures": "CUDA-graph instances captured (graphs.GraphedFunction, cuda_graphs=True)",
     "graph_replays": "calls served by replaying captured CUDA graphs (cuda_graphs=True)",
 }
+
+# Where compile time goes, in seconds per stage (docs/debugging.md repeats this table). The stages
+# but "trace" (a part of "capture") run one after another inside "compile"; under torch.compile,
+# Dynamo's and AOTAutograd's own tracing happen before memfuse is called and are not counted.
+STAGES = {
+    "capture": "AOTAutograd's joint trace, decompositions and the lowering to memfuse's IR (capture.capture; "
+               "backend._lower: the lowering only)",
+    "trace": "of capture: AOTAutograd's functionalized trace of the function, twice (metadata, then the "
+             "joint graph), with symbolic sizes (capture._export)",
+    "plan": "the min-cut: what the forward saves, what the backward recomputes (plan.plan)",
+    "schedule": "kernel groups, externs, padding, in-place fills (schedule.schedule)",
+    "codegen": "Triton source written and its file imported, per kernel (codegen.generate)",
+    "buffers": "liveness and storage reuse (buffers.plan_buffers)",
+    "program": "each program's Python run function written and compiled (runtime._ProgramWriter.write)",
+    "verify": "the IR and buffer-plan verifiers (Config.check only)",
+    "precompile": "Triton's compile (or load, warm cache) of every kernel, in parallel threads, on a GPU "
+                  "(precompile.precompile)",
+    "compile": "whole compiles: every stage above and the bookkeeping between them",
+}
+SECONDS: Counter = Counter()
 
 TOPICS = ("graphs", "plan", "kernels", "cache", "recompiles", "fallbacks")
 _HANDLER_MARK = "_memfuse_handler"
@@ -52,6 +77,29 @@ def stats() -> dict:
 
 def reset_stats() -> None:
     STATS.clear()
+    SECONDS.clear()
+
+
+def compile_times() -> dict:
+    """Seconds spent in each compile stage since the process started (or the last
+    `reset_stats()`); see STAGES. The stages but "trace" sum to about "compile"."""
+    return {stage: SECONDS[stage] for stage in STAGES}
+
+
+def timed(stage: str) -> Callable:
+    """Decorator: add the wall time of every call of the function to SECONDS[stage]."""
+    assert stage in STAGES, stage
+
+    def decorate(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                SECONDS[stage] += time.perf_counter() - start
+        return run
+    return decorate
 
 
 def topic_log(topic: str) -> logging.Logger:

@@ -16,6 +16,8 @@ from typing import Any, Optional, Union
 import sympy
 import torch
 
+from .debug import timed
+
 
 class Kind(enum.Enum):
     FULL = "full"
@@ -263,6 +265,7 @@ class GraphError(AssertionError):
     pass
 
 
+@timed("verify")
 def verify(graph: Graph) -> None:
     """Check topological order and the [M, D] rules every fusible node obeys."""
     seen = set()

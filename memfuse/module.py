@@ -9,12 +9,18 @@ inside a function whose tensor inputs are the parameters and buffers (kept stati
 the user's arguments. That function goes through `FusedFunction` (api.py), which keys on the
 tensors (and pytrees of them, and rebuilds the output's structure); this module adds what the
 tensors do not say: every submodule's plain attributes (training mode, dropout's p, a norm's
-eps: a forward reads them as constants of its trace), the autocast state, and the call's argument layout. A call FusedFunction cannot compile
-runs the same function on the module's own tensors: the original's forward, through torch.
+eps: a forward reads them as constants of its trace), the autocast state, and the call's argument
+layout. A call FusedFunction cannot compile runs the same function on the module's own tensors:
+the original's forward, through torch.
+
+The module tree is walked once (`TreeWatch`), not per call: a call checks by identity that every
+value the walk read is still there (C loops over the submodules' dicts, ~10x cheaper than a walk).
 """
 from __future__ import annotations
 
 import inspect
+import itertools
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +70,7 @@ class FusedModule(nn.Module):
         state["_memfuse_config"] = config
         state["_memfuse_cuda_graphs"] = cuda_graphs
         state["_memfuse_calls"] = {}                           # CallKey -> _ModuleCall
+        state["_memfuse_watch"] = None                         # TreeWatch of the last call
         self.training = module.training
 
     @property
@@ -87,18 +94,29 @@ class FusedModule(nn.Module):
         return call.fused.compiled_for(*values)
 
     def _call_for(self, args: tuple, kwargs: dict) -> tuple:
-        """(the _ModuleCall of this call's CallKey, the values it takes, the device)."""
-        module = self.original
-        names, tensors = _state(module)
-        device = _device(tensors, args, kwargs)
-        key = CallKey(_attributes(module), autocast_state(device.type),
-                      tuple(names), len(args), tuple(kwargs))
+        """(the _ModuleCall of this call's CallKey, the values it takes, the device). The tree's
+        parameters, buffers and attributes come from the last call's TreeWatch while it holds."""
+        watch = self._memfuse_watch
+        if watch is None or not watch.holds():
+            watch = self.__dict__["_memfuse_watch"] = TreeWatch(self.original)
+        tensors = watch.tensors
+        device = tensors[0].device if tensors else _device(tensors, args, kwargs)
+        autocast = autocast_state(device.type)
+        shape = (autocast, len(args), *kwargs)
+        call = watch.calls.get(shape)
+        if call is None:
+            call = watch.calls[shape] = self._call_of(CallKey(watch.attributes, autocast, watch.names, len(args),
+                                                              tuple(kwargs)), watch)
+        return call, (*tensors, *args, *kwargs.values()), device
+
+    def _call_of(self, key: CallKey, watch: "TreeWatch") -> "_ModuleCall":
         call = self._memfuse_calls.get(key)
         if call is None:
-            _check_not_sharded(module, names, tensors)
+            module = self.original
+            _check_not_sharded(module, watch.names, watch.tensors)
             call = self._memfuse_calls[key] = _ModuleCall(module, key, self._memfuse_config,
                                                           self._memfuse_cuda_graphs)
-        return call, (*tensors, *args, *kwargs.values()), device
+        return call
 
     def _name(self) -> str:
         return type(self.original).__qualname__
@@ -127,6 +145,7 @@ class FusedModule(nn.Module):
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state["_memfuse_calls"] = {}     # compiled programs are rebuilt on first use, never copied
+        state["_memfuse_watch"] = None
         return state
 
     def _get_name(self) -> str:
@@ -203,6 +222,48 @@ def _attributes(module: nn.Module) -> tuple:
     would. Attributes of other objects a forward reads (a HuggingFace config) are not watched."""
     return tuple(tuple(v for v in m.__dict__.values() if type(v) in PLAIN_ATTRIBUTE_TYPES)
                  for m in module.modules())
+
+
+class TreeWatch:
+    """One walk of a module tree: its parameter and buffer names and tensors (`_state`), its plain
+    attributes (`_attributes`), and what `holds()` checks on every call to know the walk still
+    describes the tree: the size of each submodule's `__dict__`, `_parameters`, `_buffers` and
+    `_modules`, and, by identity, every tensor and submodule in them and every plain attribute's
+    value. An assignment (`layer.drop.p = 0.0`, a new Parameter, a replaced submodule) puts a new
+    object there: the next call walks again. The watch holds what it compares, so an id is never
+    reused while it looks. `calls`: (autocast state, number of positional arguments, keyword
+    names) -> the _ModuleCall, for this walk."""
+
+    def __init__(self, module: nn.Module):
+        self.names, self.tensors = (tuple(part) for part in _state(module))
+        self.attributes = _attributes(module)
+        self.calls: dict = {}
+        modules = list(module.modules())
+        self._dicts = [d for m in modules for d in (m.__dict__, m._parameters, m._buffers, m._modules)]
+        # an empty one stays empty while its size does: only the others' values are compared
+        self._holders = [d for m in modules for d in (m._parameters, m._buffers, m._modules) if d]
+        attributes = [(m.__dict__, k) for m in modules for k, v in m.__dict__.items()
+                      if type(v) in PLAIN_ATTRIBUTE_TYPES]
+        self._attribute_dicts = [d for d, _ in attributes]
+        self._attribute_names = [k for _, k in attributes]
+        self._sizes = self._sizes_now()
+        self._objects = self._objects_now()
+
+    def _sizes_now(self) -> tuple:
+        return tuple(map(len, self._dicts))
+
+    def _objects_now(self) -> tuple:
+        return (*itertools.chain.from_iterable(map(dict.values, self._holders)),
+                *map(operator.getitem, self._attribute_dicts, self._attribute_names))
+
+    def holds(self) -> bool:
+        """Whether the tree still has what the walk read (C loops: no Python code per submodule)."""
+        if self._sizes_now() != self._sizes:
+            return False
+        try:
+            return all(map(operator.is_, self._objects_now(), self._objects))
+        except KeyError:     # an attribute deleted and another added: the sizes agree, the names do not
+            return False
 
 
 def _state(module: nn.Module) -> tuple[list, list]:

@@ -39,7 +39,7 @@ import torch
 from networkx.algorithms.flow import boykov_kolmogorov
 
 from .capture import Captured
-from .debug import human_bytes
+from .debug import human_bytes, timed
 from .ir import REDUCTION, Graph, Kind, Matmul, Node, Op, Reduce, value_bytes
 
 INFINITE = float("inf")
@@ -147,6 +147,7 @@ def pinned_reason(node: Node, index_bytes: dict, hints: dict) -> str | None:
     return None
 
 
+@timed("plan")
 def plan(captured: Captured, memory_budget: float = 1.0) -> Plan:
     """The default plan (the byte-cheapest cut), or under `memory_budget` < 1 one that keeps at most
     that fraction of its saved bytes where recomputing more can get there (`_within_budget`)."""

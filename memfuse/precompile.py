@@ -42,7 +42,7 @@ from typing import Optional
 import torch
 
 from .config import Config
-from .debug import STATS
+from .debug import STATS, timed
 from .ir import Op
 from .runtime import TRITON_VERSION, KernelLaunch
 from .tuning import LaunchConfig
@@ -75,6 +75,7 @@ def start_driver(device: torch.device) -> Future:
     return future
 
 
+@timed("precompile")
 def precompile(programs: list, device: torch.device, config: Config, *, force: bool = False) -> int:
     """Compile every generated kernel of `programs` (runtime.Program, None skipped) for `device`
     in parallel threads and wait for them; returns how many kernels were handed to Triton."""

@@ -25,7 +25,7 @@ from triton.runtime.errors import OutOfResources
 from .buffers import Origin, plan_buffers, verify_buffer_plan
 from .codegen import CompiledKernel, dtype_name, generate
 from .config import Config
-from .debug import STATS
+from .debug import STATS, timed
 from .ir import Graph, Kind, Op, ValueRef
 from .ops import OPS, REDUCERS, accumulate_dtype, compute_dtype
 from .schedule import ExternStep, KernelGroup, Schedule
@@ -416,6 +416,7 @@ class _ProgramWriter:
         self.device_inputs = device_inputs   # inputs taken as raw pointers (Program)
         self.graph = program.graph
         self.sizes = {s: sympy.Symbol(f"mf_s{i}") for i, s in enumerate(program.symbols)}
+        self.printed: dict = {}      # size expression -> its Python text (`expr`)
         # (the math that _SIZE_PRINTER writes: floor(s0/2) for a view(2, -1, D))
         self.namespace: dict = {"mf_allocators": _ALLOCATORS, "mf_allocator": _allocator, "mf_STATS": STATS,
                                 "mf_reinterpret": _reinterpret, "torch": torch,
@@ -429,6 +430,7 @@ class _ProgramWriter:
         self.unit_stride: dict = {}      # value -> its local for kernels reading it through access maps only
         self.pointers: dict = {}         # local -> the local holding its data pointer
 
+    @timed("program")
     def write(self) -> tuple:
         g = self.graph
         self.line("def run(mf_inputs, mf_sizes, device):")
@@ -467,8 +469,12 @@ class _ProgramWriter:
         if isinstance(e, (list, tuple)):
             items = [self.expr(x) for x in e]
             return f"({items[0]},)" if len(items) == 1 else f"({', '.join(items)})"
-        e = sympy.sympify(e).xreplace(self.sizes)
-        return _SIZE_PRINTER.doprint(e)
+        if type(e) is int:
+            return str(e)
+        text = self.printed.get(e)
+        if text is None:     # sympy's printer costs ~0.3 ms; a program prints the same sizes many times
+            text = self.printed[e] = _SIZE_PRINTER.doprint(sympy.sympify(e).xreplace(self.sizes))
+        return text
 
     def allocate(self, allocation) -> None:
         """A buffer the plan allocates: a new contiguous tensor through the device's allocator

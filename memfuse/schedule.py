@@ -25,6 +25,7 @@ import sympy
 import torch
 
 from .config import Config
+from .debug import timed
 from .ops import TRITON_DTYPES
 from .ir import (EXTERNAL, FUSIBLE, LEAF, MEMORY_VIEWS, REDUCTION, Extern, Graph, Kind, Node, Op, Reduce, Value,
                  column_padding, verify)
@@ -108,6 +109,7 @@ class Schedule:
         return [s for s in self.steps if isinstance(s, KernelGroup)]
 
 
+@timed("schedule")
 def schedule(graph: Graph, config: Config, kind: str) -> Schedule:
     """`kind` names the graph ("forward", "backward") in kernel names. Three rewrites come first:
     matmuls whose operands are better aligned (memfuse.padding, Config.pad_matmuls), scatters into a

@@ -11,7 +11,7 @@ import torch
 
 import memfuse
 from benchmarks.workloads import layer_norm_block, smoke_registry
-from memfuse.debug import COUNTERS, configure_logging, describe_key_change, topic_log
+from memfuse.debug import COUNTERS, STAGES, configure_logging, describe_key_change, topic_log
 from memfuse.ir import Op
 from memfuse.runtime import KernelLaunch
 from memfuse.schedule import ExternStep
@@ -46,13 +46,33 @@ def test_compiles_hits_and_kernel_counters():
     fused = memfuse.memory_efficient_fusion(layer_norm_block)
     fused(*inputs.tensors, **inputs.consts).backward(inputs.grad_output)
     assert memfuse.stats() == {**dict.fromkeys(COUNTERS, 0), "compiles": 1, "kernels_generated": 2,
-                               "kernels_launched": 2}
+                               "kernels_launched": 2, "front_misses": 1}
     fused(*inputs.tensors, **inputs.consts).backward(inputs.grad_output)
     after = memfuse.stats()
     assert (after["compiles"], after["cache_hits"], after["kernels_launched"]) == (1, 1, 4)
+    assert after["front_misses"] == 1, "the repeated call is served by the front"
     assert after["kernels_generated"] == 2           # generated once per compile, not per call
     memfuse.reset_stats()
     assert all(v == 0 for v in memfuse.stats().values())
+
+
+def test_compile_times_name_every_stage_and_add_up_to_the_compile():
+    """compile_times(): seconds per stage; the stages (but trace, a part of capture) run one after
+    another inside the compile, so they sum to its time less the bookkeeping between them."""
+    assert memfuse.compile_times() == dict.fromkeys(STAGES, 0)
+    inputs = layer_norm_inputs()
+    fused = memfuse.memory_efficient_fusion(layer_norm_block, config=memfuse.Config(check=True))
+    fused(*inputs.tensors, **inputs.consts).backward(inputs.grad_output)
+    times = memfuse.compile_times()
+    ran = {"capture", "trace", "plan", "schedule", "codegen", "buffers", "program", "verify", "compile"}
+    assert all(times[stage] > 0 for stage in ran), times
+    assert times["trace"] < times["capture"]
+    stages = sum(seconds for stage, seconds in times.items() if stage not in ("trace", "compile"))
+    assert 0.9 * times["compile"] <= stages <= times["compile"], times
+    fused(*inputs.tensors, **inputs.consts).backward(inputs.grad_output)
+    assert memfuse.compile_times() == times, "a cached call compiles nothing"
+    memfuse.reset_stats()
+    assert memfuse.compile_times() == dict.fromkeys(STAGES, 0)
 
 
 def test_extern_calls_and_fallbacks_counters():

@@ -205,6 +205,19 @@ def test_host_profile_cpu_proxy_runs():
     assert "memfuse - floor = " in result.stdout and "philox_draw" in result.stdout, result.stdout[-3000:]
 
 
+def test_host_profile_times_a_huggingface_layer_on_the_cpu_proxy():
+    """host_profile --layer: a wrapped Llama layer called with its model's arguments (the rotary
+    tuple included), the floor and eager beside it. In its own process."""
+    pytest.importorskip("transformers")
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=str(root), TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, "-m", "benchmarks.host_profile", "--layer", "llama", "--stub-launches",
+                             "--steps", "40"], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for line in ("llama layer floor: ", "llama layer eager: ", "memfuse - floor = ", "Python function calls per step"):
+        assert line in result.stdout, result.stdout[-3000:]
+
+
 def test_an_extern_result_goes_to_the_launcher_as_a_tensor(monkeypatch):
     """A value an aten step made inside the program (here a matmul) may view what a saved-tensors
     hook unpacked: the direct launch passes it as a tensor, for Triton's launcher to check."""

@@ -145,6 +145,57 @@ def test_changing_a_submodules_plain_attribute_compiles_anew():
     assert memfuse.stats()["compiles"] == 1
 
 
+def test_the_module_tree_is_walked_again_only_when_it_changed():
+    """A call reuses the last walk of the tree (TreeWatch) while every tensor, submodule and plain
+    attribute it read is the same object; an assignment anywhere in the tree makes a new walk, and a
+    replaced parameter is the one the next call reads."""
+    torch.manual_seed(0)
+    block = Block()
+    fused = memfuse.memory_efficient_fusion(block)
+    x = torch.randn(8, 32)
+    fused(x)
+    watch = fused._memfuse_watch
+    fused(x)
+    assert fused._memfuse_watch is watch
+    block.fc.weight = nn.Parameter(torch.randn_like(block.fc.weight))   # same key: the same program
+    torch.testing.assert_close(fused(x), block(x), rtol=1e-5, atol=1e-5)
+    assert fused._memfuse_watch is not watch and memfuse.stats()["compiles"] == 1
+    block.drop = nn.Dropout(0.0)                                          # a new submodule, same attributes
+    watch = fused._memfuse_watch
+    torch.testing.assert_close(fused(x), block(x), rtol=1e-5, atol=1e-5)
+    assert fused._memfuse_watch is not watch and memfuse.stats()["compiles"] == 1
+    block.norm.eps = 1e-5                                                 # equal value, another object
+    torch.testing.assert_close(fused(x), block(x), rtol=1e-5, atol=1e-5)
+    assert memfuse.stats()["compiles"] == 1
+
+
+class Rotary(nn.Module):
+    """A layer called as HuggingFace's Llama calls its decoder layers: a (cos, sin) tuple and
+    constants by keyword."""
+
+    def __init__(self, width=32):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, x, attention_mask=None, position_embeddings=None, use_cache=False):
+        cos, sin = position_embeddings
+        return self.norm(x * cos + x.flip(-1) * sin)
+
+
+def test_a_module_called_with_a_tuple_keyword_takes_the_front():
+    torch.manual_seed(0)
+    layer = Rotary()
+    fused = memfuse.memory_efficient_fusion(layer)
+    x, cos, sin = (torch.randn(8, 32, requires_grad=True) for _ in range(3))
+    call = dict(attention_mask=None, position_embeddings=(cos, sin), use_cache=False)
+    for _ in range(3):
+        torch.testing.assert_close(fused(x, **call), layer(x, **call), rtol=1e-5, atol=1e-5)
+    assert memfuse.stats()["front_misses"] == 1 and memfuse.stats()["cache_hits"] == 2
+    layer.norm.eps = 0.5                                   # an attribute: a new key, a new program
+    torch.testing.assert_close(fused(x, **call), layer(x, **call), rtol=1e-5, atol=1e-5)
+    assert memfuse.stats()["compiles"] == 2
+
+
 def test_dropout_backward_reuses_the_forward_mask():
     class Drop(nn.Module):
         def __init__(self):

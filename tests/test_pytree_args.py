@@ -62,7 +62,7 @@ def test_pytree_arguments_match_eager_and_are_cached():
     x7, cos7, sin7 = leaves((7, 8), (7, 8), (7, 8))     # another leading size: the same program
     grads_match(fused, rotate, with_dict, [x7, cos7, sin7, w, bias])
     assert memfuse.stats()["compiles"] == 2 and memfuse.stats()["cache_hits"] == 2
-    assert fused.fronts == {}, "pytree calls stay off the flat calls' front"
+    assert fused.fronts == {}, "calls with a registered dataclass stay off the front"
     entry = fused.compiled_for(*with_dict([x, cos, sin, w, bias]))
     assert entry.input_names == ["x", "cos_sin[0]", "cos_sin[1]", "norm.weight", "extra['bias']"]
 
@@ -78,6 +78,46 @@ def test_a_new_structure_or_constant_leaf_recompiles_and_says_which(caplog):
     said = [r.getMessage() for r in caplog.records if "recompile #" in r.getMessage()]
     assert "argument structure" in said[0] and "TreeSpec(tuple" in said[0] and "TreeSpec(list" in said[0]
     assert "argument 'norm.eps' (position 2): constant value 1e-05 -> 0.001" in said[1]
+
+
+def rotate_flat(x, cos_sin, extra):
+    """One level of containers: a (cos, sin) pair and a dict of a tensor and a constant."""
+    cos, sin = cos_sin
+    return (x * cos + x.flip(-1) * sin) * extra["scale"] + extra["bias"]
+
+
+def test_tuple_and_dict_arguments_take_the_front_after_the_first_call():
+    """A repeated call with a tuple and a dict argument is served by the front (generated code
+    unpacks the containers): no pytree flatten, no slow-path lookup."""
+    x, cos, sin, bias = leaves((4, 8), (4, 8), (4, 8), (8,))
+    fused = memfuse.memory_efficient_fusion(rotate_flat)
+    args_of = lambda ts: (ts[0], (ts[1], ts[2]), {"bias": ts[3], "scale": 2.0})   # noqa: E731
+    grads_match(fused, rotate_flat, args_of, [x, cos, sin, bias])
+    assert memfuse.stats()["front_misses"] == 1, "the first call takes the slow path"
+    for _ in range(3):
+        grads_match(fused, rotate_flat, args_of, [x, cos, sin, bias])
+    x7, cos7, sin7 = leaves((7, 8), (7, 8), (7, 8))
+    grads_match(fused, rotate_flat, args_of, [x7, cos7, sin7, bias])   # a new exact key: slow path, same program
+    assert (memfuse.stats()["front_misses"], memfuse.stats()["compiles"]) == (2, 1)
+    grads_match(fused, rotate_flat, args_of, [x7, cos7, sin7, bias])
+    assert memfuse.stats()["front_misses"] == 2
+
+
+@pytest.mark.parametrize("changed", [
+    lambda ts: (ts[0], [ts[1], ts[2]], {"bias": ts[3], "scale": 2.0}),              # a list where a tuple was
+    lambda ts: (ts[0], (ts[1], ts[2]), {"scale": 2.0, "bias": ts[3]}),              # the dict's keys reordered
+    lambda ts: (ts[0], (ts[1], ts[2]), {"bias": ts[3], "scale": 3.0}),              # a constant inside the dict
+    lambda ts: (ts[0], (ts[1], ts[2].double()), {"bias": ts[3], "scale": 2.0}),     # a dtype inside the tuple
+], ids=["list", "keys", "constant", "dtype"])
+def test_a_changed_container_leaves_the_front_and_compiles_its_own_program(changed):
+    x, cos, sin, bias = leaves((4, 8), (4, 8), (4, 8), (8,))
+    fused = memfuse.memory_efficient_fusion(rotate_flat)
+    args_of = lambda ts: (ts[0], (ts[1], ts[2]), {"bias": ts[3], "scale": 2.0})   # noqa: E731
+    grads_match(fused, rotate_flat, args_of, [x, cos, sin, bias])
+    grads_match(fused, rotate_flat, args_of, [x, cos, sin, bias])
+    out = fused(*changed([x, cos, sin, bias]))
+    torch.testing.assert_close(out, rotate_flat(*changed([x, cos, sin, bias])), rtol=1e-5, atol=1e-5)
+    assert (memfuse.stats()["front_misses"], memfuse.stats()["compiles"]) == (2, 2)
 
 
 def test_a_tensor_argument_inside_a_pytree_names_its_path():

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import Config
+from ..debug import timed
 from ..ir import Graph
 from ..schedule import KernelGroup
 from .cache import kernel_path, load_kernel
@@ -19,6 +20,7 @@ class CompiledKernel:
     path: str
 
 
+@timed("codegen")
 def generate(graph: Graph, group: KernelGroup, config: Config) -> CompiledKernel:
     if group.space.d is not None and group.space.d > config.max_row_length:
         block_d = loop_block_d(config.max_row_length, config.loop_block_d)
