@@ -239,27 +239,3 @@ def test_a_sum_of_exps_of_another_tensor_keeps_its_pass():
     ((name, why),) = kernel.not_online
     assert name == "sum_1" and why.endswith("is not the tensor amax is the max of")
 
-
-def chunk_loops(source: str) -> list:
-    """The bodies of a kernel's chunk loops, as text."""
-    loops = source.split("for chunk in range(0, D, BLOCK_D):")[1:]
-    return [loop.split("\n    # ")[0] for loop in loops]
-
-
-def test_row_sums_accumulate_lane_by_lane():
-    """LayerNorm's mean and variance, a row max, log-softmax's online max and sum of exps: each
-    chunk combines into [BLOCK_M, BLOCK_D] blocks, reduced over their lanes once after the pass; no
-    reduction over the block inside a chunk loop."""
-    fused = memfuse.memory_efficient_fusion(lambda x, w, b: (layer_norm(x, w, b), x.amax(-1)), config=LOOPED)
-    x = torch.randn(4, 40)
-    fused(x, torch.randn(40), torch.randn(40))
-    online = memfuse.memory_efficient_fusion(lambda x: torch.log_softmax(x, -1), config=LOOPED)
-    online(x)
-    (layer_norm_source,), (online_source,) = looped_kernels(fused), looped_kernels(online)
-    for source in (layer_norm_source, online_source):
-        for loop in chunk_loops(source):
-            assert "tl.sum(" not in loop and "mf_max(" not in loop, loop
-    assert layer_norm_source.count("tl.full([BLOCK_M, BLOCK_D]") == 3
-    assert layer_norm_source.count("axis=1)   # over the lanes") == 2
-    assert layer_norm_source.count(", 1)   # over the lanes") == 1
-    assert online_source.count("tl.full([BLOCK_M, BLOCK_D]") == 2 and "sum_1_lane_shift" in online_source

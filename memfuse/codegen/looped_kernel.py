@@ -7,9 +7,7 @@ the outputs is ever written), accumulates the reductions that finish in this pas
 the [M, D] outputs of phase p. Between passes the finished row values are combined in
 registers (mean, rstd). LayerNorm's forward is three passes: the sum, the squared deviations
 from the mean, then normalize and store. Random values are regenerated in every pass from
-the same offsets (row * D + col), so they match the persistent kernel's bit for bit. A row sum
-(max, min, product) is accumulated lane by lane in a [BLOCK_M, BLOCK_D] register block and reduced
-over its lanes once, after its pass: no cross-warp reduction inside the chunk loop.
+the same offsets (row * D + col), so they match the persistent kernel's bit for bit.
 Column reductions (over M) add into their program's row of the partials buffer chunk by chunk;
 the last program combines the rows into the totals, chunk by chunk (`finish_column_sums`).
 
@@ -168,15 +166,6 @@ class LoopedKernelWriter(RowKernelWriter):
     def defined_by_compute(self, name: str) -> bool:
         return not self.is_row_reduction(name)
 
-    def lane_wise(self, name: str) -> bool:
-        """A row sum, max, min or product accumulated lane by lane: a [BLOCK_M, BLOCK_D] accumulator
-        combined element by element each chunk and reduced over its lanes once, after the pass. A
-        reduction over the block inside the chunk loop is a cross-warp exchange through shared memory
-        with a barrier per chunk, which holds the next chunk's loads back. An online sum runs lane by
-        lane too, against each lane's running max (`accumulate_online`)."""
-        node = self.graph[name]
-        return node.op in REDUCE and node.attr.axis is Kind.ROW
-
     def phases(self) -> dict:
         """A row reduction is ready one pass after its inputs; an online sum with its max."""
         phase = {}
@@ -316,15 +305,11 @@ class LoopedKernelWriter(RowKernelWriter):
         out.dedent()
 
     def running_max(self, out: _Lines, row_max: str, sums: list) -> None:
-        """Each lane's max so far and the shifts it gives the online sums, as [BLOCK_M, BLOCK_D] tiles
-        (before the walk: their first values); each sum keeps its lanes' shift for the finish."""
-        out(f"{self.reg(row_max)} = {self.reg(row_max)}_acc")
-        self.kinds[row_max] = Kind.FULL
+        """The max so far and the shifts it gives the online sums (before the walk: their first values)."""
+        self.finish(out, self.graph[row_max])
         for name in self.group.nodes:
             if any(name in o.chain for o in sums):
                 self.compute(out, name)
-        for o in sums:
-            out(f"{self.reg(o.sum)}_lane_shift = {self.reg(o.shift)}")
 
     def describe_pass(self, reductions, stores) -> str:
         parts = []
@@ -367,8 +352,6 @@ class LoopedKernelWriter(RowKernelWriter):
         if node.op in ARG_REDUCE:
             out(f"{target}_best = tl.full([BLOCK_M], float('-inf'), {TRITON_DTYPES[acc]})")
             out(f"{target}_index = tl.zeros([BLOCK_M], tl.int32)")
-        elif self.lane_wise(node.name):
-            out(f"{target}_acc = tl.full([BLOCK_M, BLOCK_D], {neutral}, {TRITON_DTYPES[acc]})   # lane by lane")
         else:
             out(f"{target}_acc = tl.full([BLOCK_M], {neutral}, {TRITON_DTYPES[acc]})")
 
@@ -387,9 +370,6 @@ class LoopedKernelWriter(RowKernelWriter):
             return
         info = REDUCE[node.op]
         self.use(info.helper)
-        if self.lane_wise(node.name):
-            out(f"{target}_acc = {info.combine.format(f'{target}_acc', masked)}")
-            return
         if node.attr.axis is Kind.ROW:
             out(f"{target}_acc = {info.combine.format(f'{target}_acc', info.triton.format(masked, 1))}")
             return
@@ -410,15 +390,15 @@ class LoopedKernelWriter(RowKernelWriter):
         return True
 
     def accumulate_online(self, out: _Lines, online: OnlineSum) -> None:
-        """Each lane's sum so far, restated against its moved shift, plus its term of this chunk; a
-        lane whose max is still -inf holds only -inf so far: its terms wait."""
+        """The sum so far, restated against the moved shift, plus this chunk's terms; a row whose
+        max is still -inf holds only -inf so far: its terms wait."""
         node = self.graph[online.sum]
         target, shift = self.reg(online.sum), self.reg(online.shift)
         terms = self.operand(node.inputs[0], Kind.FULL, torch.float32, node.value.dtype)
-        waiting = f"({self.reg(online.max)} != float('-inf'))"
+        waiting = f"({self.reg(online.max)} != float('-inf'))[:, None]"
         self.use("mf_online_rescale")
         out(f"{target}_acc = mf_online_rescale({target}_acc, {target}_shift_before, {shift}) + "
-            f"tl.where(mask & {waiting}, {terms}, 0.0)")
+            f"tl.sum(tl.where(mask & {waiting}, {terms}, 0.0), axis=1)")
 
     def finish(self, out: _Lines, node: Node) -> None:
         target = self.reg(node.name)
@@ -426,15 +406,9 @@ class LoopedKernelWriter(RowKernelWriter):
             out(f"{target} = {target}_index.to(tl.int64)")
         elif node.name in self.online_of:
             online = self.online_of[node.name]
-            self.use("mf_online_rescale")
-            out("# the lanes' sums restated against the row's shift, added up")
-            out(f"{target}_acc = tl.sum(mf_online_rescale({target}_acc, {target}_lane_shift, "
-                f"{self.reg(online.shift)}[:, None]), axis=1)")
             out(f"# a row of -inf only: eager's sum of exp(-inf - {online.shift}) over D columns")
             out(f"{target} = tl.where({self.reg(online.max)} == float('-inf'), "
                 f"D * tl.exp(float('-inf') - {self.reg(online.shift)}), {target}_acc)")
-        elif self.lane_wise(node.name):
-            out(f"{target} = {REDUCE[node.op].triton.format(f'{target}_acc', 1)}   # over the lanes")
         else:
             out(f"{target} = {target}_acc")
         self.kinds[node.name] = Kind.ROW
