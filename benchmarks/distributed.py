@@ -31,7 +31,8 @@ single-process eager on the whole global batch; the bytes autograd keeps from fo
 backward (saved-tensor hooks, any device); then it/s and peak memory per rank. Then dropout
 across ranks (GPT only): with the same seed every rank draws the same masks, with per-rank seeds
 they differ, as in eager. memfuse's calls that ran through torch instead (eager_calls,
-graph_fallbacks, their logged reasons) are recorded per case. Rank 0 prints a table and rewrites the JSON at --out after every case.
+graph_fallbacks, their logged reasons) are recorded per case. Rank 0 prints a table and rewrites
+the JSON at --out after every case.
 
 A CPU run (gloo, kernels through the Triton interpreter) is the CI test's smoke run:
     torchrun --nproc_per_node=2 -m benchmarks.distributed --device cpu --size tiny --batch 8 \
@@ -146,7 +147,7 @@ class CaseResult:
     correctness_s: Optional[float] = None          # the --steps steps, compiles included
     it_s: Optional[float] = None                   # timed steps / the slowest rank's time
     peak_bytes: Optional[list] = None              # per rank, CUDA: max allocated over the timed steps
-    forward_bytes: Optional[list] = None           # per rank, CUDA: allocated after forward and loss - before (kept for backward)
+    forward_bytes: Optional[list] = None           # per rank, CUDA: allocated after forward and loss - before
     error: Optional[str] = None
 
 
@@ -177,7 +178,7 @@ class GptWorkload:
 
     name = "gpt"
 
-    def __init__(self, args: argparse.Namespace, world: int, device: torch.device, steps: int):
+    def __init__(self, args: argparse.Namespace, world: int, device: torch.device, count: int):
         self.gpt = load_gpt()
         size = self.gpt.SIZES[args.size]
         self.modes = _choose(args.modes or ",".join(MODES), MODES, "--modes")
@@ -185,7 +186,7 @@ class GptWorkload:
         self.cfg = dataclasses.replace(size, batch=args.batch or size.batch * world, dropout=0.0)
         self.batch, self.lr, self.autocast = self.cfg.batch, self.cfg.lr, False
         generator = torch.Generator().manual_seed(1)       # as examples/gpt.py: seed + 1
-        self.batches = [self.gpt.make_batch(self.cfg, generator, device) for _ in range(steps)]
+        self.batches = [self.gpt.make_batch(self.cfg, generator, device) for _ in range(count)]
 
     def build(self, device: torch.device, dropout: float = 0.0):
         model, _ = self.gpt.build(dataclasses.replace(self.cfg, dropout=dropout), "eager", device, seed=0)
@@ -213,7 +214,7 @@ class HfWorkload:
     """A benchmarks/models.py family, dropout off: models.WRAPPERS[mode] wraps the model (per layer or
     whole), then the data-parallel wrapper takes it."""
 
-    def __init__(self, args: argparse.Namespace, world: int, device: torch.device, steps: int):
+    def __init__(self, args: argparse.Namespace, world: int, device: torch.device, count: int):
         import transformers
 
         from benchmarks import models
@@ -229,7 +230,7 @@ class HfWorkload:
                                   settings=models.TINY_SETTINGS)  # only its autocast is used
         self.autocast = not self.setup.tiny
         self.template = models.build(self.family, self.size, 0.0)
-        self.batches = [models.make_batch(self.size, device)] * steps     # the same tokens every step
+        self.batches = [models.make_batch(self.size, device)] * count     # the same tokens every step
 
     def build(self, device: torch.device, dropout: float = 0.0):
         assert dropout == 0.0, "the dropout check runs on the GPT only"
@@ -264,9 +265,9 @@ class Rank:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}") \
             if args.device == "cuda" else torch.device("cpu")
-        steps = max(args.steps, 1) + max(args.warmup + args.timed, 1)
+        count = max(args.steps, 1) + max(args.warmup + args.timed, 1)      # global batches
         workload = GptWorkload if args.model == "gpt" else HfWorkload
-        self.work = workload(args, self.world, self.device, steps)
+        self.work = workload(args, self.world, self.device, count)
         if self.work.batch % self.world:
             sys.exit(f"--batch {self.work.batch} does not split evenly over {self.world} ranks")
         self.local = self.work.batch // self.world
@@ -644,7 +645,8 @@ def table(results: dict) -> str:
              f"{m['batch_per_rank']}, {m['device']} ({m['backend']}), torch {m['torch']}, triton {m['triton']}",
              "loss err: max over steps vs single-process eager; update err: max ||p - p_eager|| / ||p_eager - p0|| "
              f"(floor: {UPDATE_SCALE_FLOOR:g} x the largest ||p_eager - p0||);",
-             "peak/fwd MB: the largest rank; saved MB: kept for backward after forward (activations | block params)",
+             "peak/fwd MB: the largest rank; saved MB: kept for backward after forward and loss "
+             "(activations | layer params)",
              "",
              f"{'wrapper':<16}{'mode':<17}{'loss err':>9}{'upd err':>9}{'':>4}{'it/s':>8}{'vs eager':>9}"
              f"{'peak MB':>9}{'fwd MB':>8}{'saved act':>10}{'params':>8}{'compiles':>9}"]

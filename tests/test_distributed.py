@@ -293,7 +293,7 @@ HF_WRAPPERS = ("ddp", "fsdp2")
 HF_STEPS = 2
 HF_BATCH = 2             # global: one row per rank (the interpreter's time grows with the rows)
 HF_LOSS_TOL = 1e-5       # relative, per step (seen: <= 1e-7)
-HF_UPDATE_TOL = 2e-3     # benchmarks.distributed.update_error (seen: <= 1e-4)
+HF_UPDATE_TOL = 2e-3     # benchmarks.distributed.update_error (seen: <= 7e-4, BERT)
 
 
 @pytest.fixture(scope="module", params=HF_MODELS)
