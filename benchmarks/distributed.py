@@ -1,10 +1,11 @@
 """memfuse under torch.distributed: DDP and FSDP2, next to eager and torch.compile, in one run.
 
-    torchrun --nproc_per_node=2 -m benchmarks.distributed --out benchmarks/results/distributed.json
+    torchrun --nproc_per_node=2 -m benchmarks.distributed [--model gpt|bert|gpt2|llama] --out FILE.json
 
-Every rank trains the GPT of examples/gpt.py (`--size real`: 6 pre-norm blocks of width 512,
-sequences of 128 tokens, AdamW) on its share of one global batch. Blocks are wrapped first,
-then the model is wrapped for data parallelism, in the order torchtitan uses:
+Every rank trains a model (AdamW) on its share of one global batch. `--model gpt` (the default) is
+the GPT of examples/gpt.py (`--size real`: 6 pre-norm blocks of width 512, sequences of 128
+tokens). Its blocks are wrapped first, then the model is wrapped for data parallelism, in the
+order torchtitan uses:
 
   mode               each block becomes
   eager              the block
@@ -17,15 +18,27 @@ then the model is wrapped for data parallelism, in the order torchtitan uses:
   ddp_bucket_view    DistributedDataParallel(model, gradient_as_bucket_view=True)
   fsdp2              fully_shard(block) for every block, then fully_shard(model)
 
+`--model bert|gpt2|llama` is a family of benchmarks/models.py (built from its config with random
+weights, use_cache=False, bf16 autocast on a GPU, fp32 at `--size tiny`), in that script's modes:
+models.WRAPPERS[mode] wraps the model (memfuse_per_layer: each transformer layer; torch_compile,
+memfuse_backend, memfuse_whole: the whole model), then DDP wraps the result, or FSDP2 shards every
+transformer layer and then the root. memfuse_whole traces the layers' forward inside one
+program, where FSDP2's per-layer hooks would never run: FSDP2 then shards the whole model as one
+group (the case's note says so). Every step trains on the same tokens (models.make_batch).
+
 Per case (dropout off): the loss of every step and the parameters after --steps steps against
 single-process eager on the whole global batch; the bytes autograd keeps from forward to
 backward (saved-tensor hooks, any device); then it/s and peak memory per rank. Then dropout
-across ranks: with the same seed every rank draws the same masks, with per-rank seeds they
-differ, as in eager. Rank 0 prints a table and rewrites the JSON at --out after every case.
+across ranks (GPT only): with the same seed every rank draws the same masks, with per-rank seeds
+they differ, as in eager. memfuse's calls that ran through torch instead (eager_calls,
+graph_fallbacks, their logged reasons) are recorded per case. Rank 0 prints a table and rewrites
+the JSON at --out after every case.
 
 A CPU run (gloo, kernels through the Triton interpreter) is the CI test's smoke run:
     torchrun --nproc_per_node=2 -m benchmarks.distributed --device cpu --size tiny --batch 8 \
         --modes eager,memfuse,memfuse_compile
+    torchrun --nproc_per_node=2 -m benchmarks.distributed --device cpu --size tiny --model llama \
+        --modes eager,memfuse_per_layer,memfuse_backend,memfuse_whole --steps 2
 """
 from __future__ import annotations
 
@@ -51,34 +64,56 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-MODES = ("eager", "memfuse", "memfuse_compile", "torch_compile")
+MODES = ("eager", "memfuse", "memfuse_compile", "torch_compile")       # the GPT's
+HF_MODELS = ("bert", "gpt2", "llama")        # benchmarks/models.py's FAMILIES (imported late: it loads triton)
 WRAPPERS = ("ddp", "ddp_bucket_view", "fsdp2")
 DROPOUT_MODES = ("eager", "memfuse", "memfuse_compile")
 DROPOUT_SEED = 1234
+# A parameter's update error is measured against max(its own update, this share of the largest
+# parameter update): BERT's attention key bias has a gradient of ~0 (softmax ignores a shift shared
+# by every key), so AdamW barely moves it and its error relative to its own move is noise.
+UPDATE_SCALE_FLOOR = 1e-2
+HF_LR = 1e-3                 # AdamW's learning rate for the HuggingFace models (weight decay 0.01, as the GPT's)
+# What passes, as (largest relative loss error, largest update error): fp32 with TF32 off, and
+# under bf16 autocast, where the split batch and every mode round differently (loose; the table
+# prints the values).
+FP32_TOLERANCES = (1e-4, 1e-2)
+BF16_TOLERANCES = (1e-2, 1e-1)
 
 
 def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available")
-    parser.add_argument("--size", choices=("tiny", "real"), default="real", help="examples/gpt.py SIZES")
+    parser.add_argument("--model", choices=("gpt", *HF_MODELS), default="gpt",
+                        help="gpt: examples/gpt.py; the others: benchmarks/models.py FAMILIES")
+    parser.add_argument("--size", choices=("tiny", "real"), default="real",
+                        help="examples/gpt.py SIZES; for a models.py family, its tiny or full size")
     parser.add_argument("--batch", type=int, default=0, help="global batch (default: the size's batch per rank)")
-    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--modes", default="", help=f"comma-separated (default: all): gpt from {', '.join(MODES)}; "
+                                                    "the others from benchmarks/models.py MODES")
     parser.add_argument("--wrappers", default="ddp,fsdp2", help=f"comma-separated, from {', '.join(WRAPPERS)}")
     parser.add_argument("--steps", type=int, default=5, help="training steps compared against eager")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps before timing")
-    parser.add_argument("--timed", type=int, default=20, help="timed steps")
+    parser.add_argument("--timed", type=int, default=20,
+                        help="timed steps (0: correctness only, without the saved-bytes step and the timing)")
     parser.add_argument("--dropout", type=float, default=0.1, help="p of the dropout-across-ranks check (0: skip)")
     parser.add_argument("--bucket-cap-mb", type=float, default=None,
                         help="DDP bucket size; below 1 MiB DDP's first bucket shrinks with it (split graphs at a tiny size)")
-    parser.add_argument("--loss-tol", type=float, default=1e-4, help="largest relative loss error that passes")
-    parser.add_argument("--update-tol", type=float, default=1e-2,
-                        help="largest ||p - p_eager|| / ||p_eager - p_init|| over parameters that passes")
+    parser.add_argument("--loss-tol", type=float, default=None,
+                        help=f"largest relative loss error that passes (default: {FP32_TOLERANCES[0]:g} in fp32, "
+                             f"{BF16_TOLERANCES[0]:g} under bf16 autocast)")
+    parser.add_argument("--update-tol", type=float, default=None,
+                        help="largest update error (update_error()) over parameters that passes "
+                             f"(default: {FP32_TOLERANCES[1]:g} in fp32, {BF16_TOLERANCES[1]:g} under bf16 autocast)")
     parser.add_argument("--budget-s", type=float, default=360.0, help="skip the cases left once this much time is spent")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "distributed.json")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="default: benchmarks/results/distributed.json (gpt), distributed-MODEL.json (the others)")
     parser.add_argument("--dump-params", type=Path, default=None, help="rank 0 saves every case's final parameters here")
     args = parser.parse_args(argv)
-    args.modes = _choose(args.modes, MODES, "--modes")
     args.wrappers = _choose(args.wrappers, WRAPPERS, "--wrappers")
+    if args.out is None:
+        suffix = "" if args.model == "gpt" else f"-{args.model}"
+        args.out = ROOT / "benchmarks" / "results" / f"distributed{suffix}.json"
     return args
 
 
@@ -96,7 +131,7 @@ class CaseResult:
     mode: str
     losses: list = dataclasses.field(default_factory=list)   # mean over ranks, per step
     loss_rel_err: Optional[float] = None           # max over steps of |loss - eager| / |eager|
-    update_rel_err: Optional[float] = None         # max over parameters of ||p - p_eager|| / ||p_eager - p_init||
+    update_rel_err: Optional[float] = None         # see update_error()
     param_max_abs_err: Optional[float] = None
     ok: Optional[bool] = None
     grad_strides_match: Optional[bool] = None      # DDP: every .grad has its parameter's strides (first step)
@@ -105,10 +140,14 @@ class CaseResult:
     saved_activation_bytes: Optional[int] = None   # saved for backward, not a parameter, alive after forward
     saved_block_param_bytes: Optional[int] = None  # block parameters saved for backward: bytes still allocated after forward
     memfuse_compiles: Optional[int] = None
+    eager_calls: Optional[int] = None              # memfuse calls that ran the original through torch instead
+    graph_fallbacks: Optional[int] = None          # Dynamo graphs the memfuse backend left to torch
+    fallback_reasons: list = dataclasses.field(default_factory=list)   # logged, new in this case
+    note: Optional[str] = None                     # how the wrapping departs from the stated order, and why
     correctness_s: Optional[float] = None          # the --steps steps, compiles included
     it_s: Optional[float] = None                   # timed steps / the slowest rank's time
     peak_bytes: Optional[list] = None              # per rank, CUDA: max allocated over the timed steps
-    forward_bytes: Optional[list] = None           # per rank, CUDA: allocated after forward - before
+    forward_bytes: Optional[list] = None           # per rank, CUDA: allocated after forward and loss - before
     error: Optional[str] = None
 
 
@@ -134,37 +173,126 @@ def load_gpt():
     return module
 
 
+class GptWorkload:
+    """examples/gpt.py's GPT: each block wrapped per mode (MODES), then the model."""
+
+    name = "gpt"
+
+    def __init__(self, args: argparse.Namespace, world: int, device: torch.device, count: int):
+        self.gpt = load_gpt()
+        size = self.gpt.SIZES[args.size]
+        self.modes = _choose(args.modes or ",".join(MODES), MODES, "--modes")
+        self.dropout_modes = DROPOUT_MODES
+        self.cfg = dataclasses.replace(size, batch=args.batch or size.batch * world, dropout=0.0)
+        self.batch, self.lr, self.autocast = self.cfg.batch, self.cfg.lr, False
+        generator = torch.Generator().manual_seed(1)       # as examples/gpt.py: seed + 1
+        self.batches = [self.gpt.make_batch(self.cfg, generator, device) for _ in range(count)]
+
+    def build(self, device: torch.device, dropout: float = 0.0):
+        model, _ = self.gpt.build(dataclasses.replace(self.cfg, dropout=dropout), "eager", device, seed=0)
+        return model
+
+    def layers(self, model) -> list:
+        return list(model.blocks)
+
+    def wrap(self, model, mode: str):
+        wrap_blocks(model, mode)
+        return model
+
+    def fsdp_groups(self, model, wrapped, mode: str) -> tuple:
+        return self.layers(model), model, None
+
+    def loss(self, module, batch: tuple) -> torch.Tensor:
+        inputs, targets = batch
+        return loss_of(module(inputs), targets)
+
+    def config(self) -> dict:
+        return dataclasses.asdict(self.cfg)
+
+
+class HfWorkload:
+    """A benchmarks/models.py family, dropout off: models.WRAPPERS[mode] wraps the model (per layer or
+    whole), then the data-parallel wrapper takes it."""
+
+    def __init__(self, args: argparse.Namespace, world: int, device: torch.device, count: int):
+        import transformers
+
+        from benchmarks import models
+        transformers.logging.set_verbosity_error()
+        self.models, self.name = models, args.model
+        self.family = models.FAMILIES[args.model]
+        size = self.family.tiny if args.size == "tiny" else self.family.size
+        self.modes = _choose(args.modes or ",".join(models.MODES), models.MODES, "--modes")
+        self.dropout_modes = ()                                   # the dropout check is the GPT's
+        self.size = dataclasses.replace(size, batch=args.batch or size.batch * world)
+        self.batch, self.lr = self.size.batch, HF_LR
+        self.setup = models.Setup(device, tiny=args.size == "tiny" or device.type != "cuda",
+                                  settings=models.TINY_SETTINGS)  # only its autocast is used
+        self.autocast = not self.setup.tiny
+        self.template = models.build(self.family, self.size, 0.0)
+        self.batches = [models.make_batch(self.size, device)] * count     # the same tokens every step
+
+    def build(self, device: torch.device, dropout: float = 0.0):
+        assert dropout == 0.0, "the dropout check runs on the GPT only"
+        return self.models.fresh(self.template, device)
+
+    def layers(self, model) -> list:
+        return list(self.models.layer_list(model, self.family))
+
+    def wrap(self, model, mode: str):
+        return self.models.WRAPPERS[mode](model, self.family)
+
+    def fsdp_groups(self, model, wrapped, mode: str) -> tuple:
+        """(modules to fully_shard one by one, the root to fully_shard last, why it departs from
+        "every layer, then the root")."""
+        if mode == "memfuse_whole":
+            return [], wrapped, ("fsdp2 shards the whole model as one group: memfuse_whole traces every "
+                                 "layer's forward into one program, where per-layer FSDP hooks would never run")
+        return self.layers(model), model, None
+
+    def loss(self, module, batch: dict) -> torch.Tensor:
+        return self.models.forward_loss(module, batch, self.setup)
+
+    def config(self) -> dict:
+        return {"family": self.family.model_class, **dataclasses.asdict(self.size), "autocast_bf16": self.autocast}
+
+
 class Rank:
-    """This process's share of the run: device, configuration, the global batches."""
+    """This process's share of the run: device, the model's workload, the global batches."""
 
     def __init__(self, args: argparse.Namespace):
         self.args = args
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}") \
             if args.device == "cuda" else torch.device("cpu")
-        self.gpt = load_gpt()
-        size = self.gpt.SIZES[args.size]
-        batch = args.batch or size.batch * self.world
-        if batch % self.world:
-            sys.exit(f"--batch {batch} does not split evenly over {self.world} ranks")
-        self.cfg = dataclasses.replace(size, batch=batch, dropout=0.0)
-        self.local = batch // self.world
-        generator = torch.Generator().manual_seed(1)       # as examples/gpt.py: seed + 1
-        count = max(args.steps, 1) + max(args.warmup + args.timed, 1)
-        self.batches = [self.gpt.make_batch(self.cfg, generator, self.device) for _ in range(count)]
+        count = max(args.steps, 1) + max(args.warmup + args.timed, 1)      # global batches
+        workload = GptWorkload if args.model == "gpt" else HfWorkload
+        self.work = workload(args, self.world, self.device, count)
+        if self.work.batch % self.world:
+            sys.exit(f"--batch {self.work.batch} does not split evenly over {self.world} ranks")
+        self.local = self.work.batch // self.world
+        self.loss_tol, self.update_tol = (
+            given if given is not None else default for given, default in
+            zip((args.loss_tol, args.update_tol), BF16_TOLERANCES if self.work.autocast else FP32_TOLERANCES))
         self.mesh = None
         self.dumped: dict = {}                                  # case -> final parameters (--dump-params)
 
-    def shard(self, batch: tuple) -> tuple:
+    @property
+    def batches(self) -> list:
+        return self.work.batches
+
+    def shard(self, batch):
+        """This rank's rows of every tensor in the batch (a tuple or a dict)."""
         rows = slice(self.rank * self.local, (self.rank + 1) * self.local)
+        if isinstance(batch, dict):
+            return {name: t[rows] for name, t in batch.items()}
         return tuple(t[rows] for t in batch)
 
     def build(self, dropout: float = 0.0):
-        model, _ = self.gpt.build(dataclasses.replace(self.cfg, dropout=dropout), "eager", self.device, seed=0)
-        return model
+        return self.work.build(self.device, dropout)
 
     def optimizer(self, params):
-        return torch.optim.AdamW(params, lr=self.cfg.lr, weight_decay=0.01)   # as examples/gpt.py
+        return torch.optim.AdamW(params, lr=self.work.lr, weight_decay=0.01)   # weight decay as examples/gpt.py
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":
@@ -177,9 +305,8 @@ def loss_of(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
-def train_step(model, optimizer, batch: tuple, inspect=None) -> torch.Tensor:
-    inputs, targets = batch
-    loss = loss_of(model(inputs), targets)
+def train_step(r: "Rank", model, optimizer, batch, inspect=None) -> torch.Tensor:
+    loss = r.work.loss(model, batch)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     if inspect is not None:
@@ -201,23 +328,28 @@ def wrap_blocks(model, mode: str) -> None:
             model.blocks[i] = torch.compile(block, fullgraph=True)
 
 
-def parallelize(r: Rank, model, wrapper: str):
-    """DDP around the model, or FSDP2 per block then at the root; returns the module to call."""
+def parallelize(r: Rank, model, wrapped, wrapper: str, mode: str) -> tuple:
+    """DDP around the wrapped model, or FSDP2 per layer then at the root: (the module to call, a note
+    where the sharding departs from that order). `model` is the plain model (its layers possibly
+    wrapped), `wrapped` what the mode made of it."""
     if wrapper.startswith("ddp"):
         from torch.nn.parallel import DistributedDataParallel
         options = {"gradient_as_bucket_view": wrapper == "ddp_bucket_view"}
         if r.args.bucket_cap_mb is not None:
             options["bucket_cap_mb"] = r.args.bucket_cap_mb
-        return DistributedDataParallel(model, device_ids=[r.device.index] if r.device.type == "cuda" else None,
-                                       **options)
+        return DistributedDataParallel(wrapped, device_ids=[r.device.index] if r.device.type == "cuda" else None,
+                                       **options), None
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     if r.mesh is None:
         r.mesh = init_device_mesh(r.device.type, (r.world,))
-    for block in model.blocks:
-        fully_shard(block, mesh=r.mesh)
-    fully_shard(model, mesh=r.mesh)
-    return model
+    layers, root, note = r.work.fsdp_groups(model, wrapped, mode)
+    if note:
+        say(r, f"{'':>15} {'':<16} note: {note}")
+    for layer in layers:
+        fully_shard(layer, mesh=r.mesh)
+    fully_shard(root, mesh=r.mesh)
+    return wrapped, note
 
 
 def full_parameters(model) -> list:
@@ -245,25 +377,29 @@ def reference(r: Rank) -> Reference:
     model = r.build()
     initial = [p.detach().cpu().clone() for p in model.parameters()]
     optimizer = r.optimizer(model.parameters())
-    losses = [train_step(model, optimizer, batch).item() for batch in r.batches[:r.args.steps]]
+    losses = [train_step(r, model, optimizer, batch).item() for batch in r.batches[:r.args.steps]]
     return Reference(losses, initial, [p.detach().cpu().clone() for p in model.parameters()])
 
 
 def run_case(r: Rank, ref: Reference, wrapper: str, mode: str, result: CaseResult) -> None:
     import memfuse
     model = r.build()
-    wrap_blocks(model, mode)
-    parallel = parallelize(r, model, wrapper)
+    parallel, result.note = parallelize(r, model, r.work.wrap(model, mode), wrapper, mode)
     optimizer = r.optimizer(parallel.parameters())
-    compiles = memfuse.stats()["compiles"]
+    before, told = memfuse.stats(), set(memfuse.eager.TOLD)
     start = time.perf_counter()
     for step, batch in enumerate(r.batches[:r.args.steps]):
         inspect = (lambda: _inspect_grads(model, result)) if step == 0 and wrapper.startswith("ddp") else None
-        result.losses.append(mean_over_ranks(train_step(parallel, optimizer, r.shard(batch), inspect)))
+        result.losses.append(mean_over_ranks(train_step(r, parallel, optimizer, r.shard(batch), inspect)))
     r.synchronize()
     result.correctness_s = time.perf_counter() - start
-    result.memfuse_compiles = memfuse.stats()["compiles"] - compiles
+    after = memfuse.stats()
+    result.memfuse_compiles, result.eager_calls, result.graph_fallbacks = (
+        after[name] - before[name] for name in ("compiles", "eager_calls", "graph_fallbacks"))
+    result.fallback_reasons = sorted(f"{name}: {reason}" for name, reason in memfuse.eager.TOLD - told)
     _compare(r, ref, model, result)
+    if r.args.timed == 0:
+        return
     _measure_saved(r, parallel, model, optimizer, result)
     if over_budget(r):
         result.error = "timing skipped: --budget-s spent"
@@ -279,29 +415,33 @@ def _inspect_grads(model, result: CaseResult) -> None:
     result.grad_storages = len({g.untyped_storage().data_ptr() for _, g in grads if g is not None})
 
 
+def update_error(final: list, ref: Reference) -> float:
+    """Max over parameters of ||p - p_eager|| / max(||p_eager - p_init||, UPDATE_SCALE_FLOOR x the
+    largest such norm)."""
+    moved = [(want.double() - init.double()).norm().item() for want, init in zip(ref.final, ref.initial)]
+    floor = UPDATE_SCALE_FLOOR * max(moved)
+    return max((p.double() - want.double()).norm().item() / max(m, floor, 1e-30)
+               for p, want, m in zip(final, ref.final, moved))
+
+
 def _compare(r: Rank, ref: Reference, model, result: CaseResult) -> None:
     result.loss_rel_err = max(abs(a - b) / abs(b) for a, b in zip(result.losses, ref.losses))
     final = full_parameters(model)
     if [p.shape for p in final] != [p.shape for p in ref.final]:
         raise RuntimeError(f"{result.wrapper}/{result.mode}: parameter shapes differ from the plain model's")
-    update, worst = 0.0, 0.0
-    for p, want, init in zip(final, ref.final, ref.initial):
-        diff = (p.double() - want.double()).norm().item()
-        moved = (want.double() - init.double()).norm().item()
-        update = max(update, diff / moved if moved > 0 else diff)
-        worst = max(worst, (p - want).abs().max().item())
-    result.update_rel_err, result.param_max_abs_err = update, worst
-    result.ok = result.loss_rel_err <= r.args.loss_tol and update <= r.args.update_tol
+    result.update_rel_err = update_error(final, ref)
+    result.param_max_abs_err = max((p - want).abs().max().item() for p, want in zip(final, ref.final))
+    result.ok = result.loss_rel_err <= r.loss_tol and result.update_rel_err <= r.update_tol
     if r.args.dump_params is not None and r.rank == 0:
         r.dumped[f"{result.wrapper}/{result.mode}"] = final
 
 
 def _measure_saved(r: Rank, parallel, model, optimizer, result: CaseResult) -> None:
-    """One step under saved-tensor hooks: what autograd keeps from forward to backward, split into
-    parameters of the blocks (under FSDP2 the gathered ones, freed after forward by FSDP itself)
-    and everything else. Measured after forward returns, when FSDP has resharded."""
+    """One step under saved-tensor hooks: what autograd keeps from forward and loss to backward, split
+    into parameters of the blocks (under FSDP2 the gathered ones, freed after forward by FSDP itself)
+    and everything else. Measured after the loss, when FSDP has resharded."""
     from torch.distributed.tensor import DTensor
-    blocks = list(model.blocks)
+    blocks = r.work.layers(model)
     packed = []
 
     def pack(t):
@@ -310,11 +450,11 @@ def _measure_saved(r: Rank, parallel, model, optimizer, result: CaseResult) -> N
         packed.append((t.untyped_storage(), t.untyped_storage().data_ptr() in params))
         return t
 
-    inputs, targets = r.shard(r.batches[0])
+    batch = r.shard(r.batches[0])
     r.synchronize()
     before = torch.cuda.memory_allocated(r.device) if r.device.type == "cuda" else 0
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        logits = parallel(inputs)
+        loss = r.work.loss(parallel, batch)
     r.synchronize()
     after = torch.cuda.memory_allocated(r.device) if r.device.type == "cuda" else 0
     storages = {s._cdata: (s.nbytes(), is_param) for s, is_param in packed}
@@ -324,7 +464,6 @@ def _measure_saved(r: Rank, parallel, model, optimizer, result: CaseResult) -> N
         result.forward_bytes = gather(after - before)
     packed.clear()              # the saved storages: freed before the backward
     del storages
-    loss = loss_of(logits, targets)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     optimizer.step()
@@ -333,14 +472,14 @@ def _measure_saved(r: Rank, parallel, model, optimizer, result: CaseResult) -> N
 def _time_steps(r: Rank, parallel, optimizer, result: CaseResult) -> None:
     batches = [r.shard(b) for b in r.batches[r.args.steps:]] or [r.shard(r.batches[0])]
     for i in range(r.args.warmup):
-        train_step(parallel, optimizer, batches[i % len(batches)])
+        train_step(r, parallel, optimizer, batches[i % len(batches)])
     r.synchronize()
     if r.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(r.device)
     dist.barrier()
     start = time.perf_counter()
     for i in range(r.args.timed):
-        train_step(parallel, optimizer, batches[(r.args.warmup + i) % len(batches)])
+        train_step(r, parallel, optimizer, batches[(r.args.warmup + i) % len(batches)])
     r.synchronize()
     slowest = _max_over_ranks(time.perf_counter() - start, r)
     result.it_s = r.args.timed / slowest if slowest > 0 else None
@@ -363,8 +502,7 @@ def gather(value) -> list:
 def dropout_case(r: Rank, wrapper: str, mode: str, result: DropoutResult) -> None:
     """The same rows on every rank, dropout p = --dropout in and around the blocks."""
     model = r.build(dropout=r.args.dropout)
-    wrap_blocks(model, mode)
-    parallel = parallelize(r, model, wrapper)
+    parallel, _ = parallelize(r, model, r.work.wrap(model, mode), wrapper, mode)
     inputs = r.batches[0][0][:r.local]
     ddp = wrapper.startswith("ddp")
 
@@ -429,7 +567,7 @@ def run_all(r: Rank) -> dict:
     results["reference_losses"] = ref.losses
     r.dumped["eager_single_process"] = ref.final
     for wrapper in r.args.wrappers:
-        for mode in r.args.modes:
+        for mode in r.work.modes:
             result = CaseResult(wrapper, mode)
             results["cases"].append(result)
             if over_budget(r):
@@ -445,7 +583,7 @@ def run_all(r: Rank) -> dict:
             write(r, results)
     if r.args.dropout > 0:
         for wrapper in (w for w in r.args.wrappers if w != "ddp_bucket_view"):
-            for mode in (m for m in r.args.modes if m in DROPOUT_MODES):
+            for mode in (m for m in r.work.modes if m in r.work.dropout_modes):
                 result = DropoutResult(wrapper, mode)
                 results["dropout"].append(result)
                 if over_budget(r):
@@ -466,7 +604,7 @@ def metadata(r: Rank) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(r.device) if r.device.type == "cuda" else "cpu",
         "backend": dist.get_backend(), "world_size": r.world, "torch": torch.__version__,
-        "triton": triton.__version__, "size": r.args.size, "config": dataclasses.asdict(r.cfg),
+        "triton": triton.__version__, "model": r.work.name, "size": r.args.size, "config": r.work.config(),
         "batch_per_rank": r.local, "argv": sys.argv[1:],
         "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"),
     }
@@ -503,10 +641,12 @@ def _mb(value) -> str:
 
 def table(results: dict) -> str:
     m = results["metadata"]
-    lines = [f"memfuse under torch.distributed: GPT size={m['size']}, {m['world_size']} ranks x batch "
+    lines = [f"memfuse under torch.distributed: {m['model']} size={m['size']}, {m['world_size']} ranks x batch "
              f"{m['batch_per_rank']}, {m['device']} ({m['backend']}), torch {m['torch']}, triton {m['triton']}",
-             "loss err: max over steps vs single-process eager; update err: max ||p - p_eager|| / ||p_eager - p0||;",
-             "peak/fwd MB: the largest rank; saved MB: kept for backward after forward (activations | block params)",
+             "loss err: max over steps vs single-process eager; update err: max ||p - p_eager|| / ||p_eager - p0|| "
+             f"(floor: {UPDATE_SCALE_FLOOR:g} x the largest ||p_eager - p0||);",
+             "peak/fwd MB: the largest rank; saved MB: kept for backward after forward and loss "
+             "(activations | layer params)",
              "",
              f"{'wrapper':<16}{'mode':<17}{'loss err':>9}{'upd err':>9}{'':>4}{'it/s':>8}{'vs eager':>9}"
              f"{'peak MB':>9}{'fwd MB':>8}{'saved act':>10}{'params':>8}{'compiles':>9}"]
@@ -521,6 +661,10 @@ def table(results: dict) -> str:
             f"{(f'{c.it_s:.1f}' if c.it_s else '-'):>8}{vs:>9}{_mb(c.peak_bytes):>9}{_mb(c.forward_bytes):>8}"
             f"{_mb(c.saved_activation_bytes):>10}{_mb(c.saved_block_param_bytes):>8}"
             f"{(c.memfuse_compiles if c.mode.startswith('memfuse') else '-'):>9}")
+    remarks = [f"  {c.wrapper:<16}{c.mode:<17}{text}" for c in results["cases"]
+               for text in ([c.note] if c.note else []) + [f"ran through torch: {why}" for why in c.fallback_reasons]]
+    if remarks:
+        lines += ["", "notes:", *remarks]
     if results["dropout"]:
         lines += ["", "dropout across ranks (same seed: equal masks on every rank; per-rank seeds: different; "
                       "DDP grads == each rank's own):"]

@@ -8,6 +8,12 @@ single-process eager run made here, in this process. Also: what DDP's reducer re
 split at DDP's bucket boundaries, what FSDP2 leaves allocated after forward, dropout across
 ranks. A one-rank group in this process checks the FSDP2 wiring (fully_shard on the wrapper,
 not on `.original`).
+
+Then the tiny HuggingFace families of benchmarks/models.py (bert, gpt2, llama; one launch each,
+one row per rank, 2 steps, no timing) under DDP and FSDP2 in memfuse_per_layer, memfuse_backend
+and memfuse_whole: losses and parameters match single-process eager made here, and every case ran
+memfuse's programs (no call or graph left to torch). FSDP2 with memfuse_whole shards the whole
+model as one group (memfuse traces the layers' forward, per-layer hooks would never run).
 """
 from __future__ import annotations
 
@@ -26,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import memfuse
-from benchmarks.distributed import load_gpt
+from benchmarks.distributed import Reference, load_gpt, update_error
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = 2
@@ -48,14 +54,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """Launch the two ranks as torchrun would (environment variables), wait, read their output."""
-    out = tmp_path_factory.mktemp("distributed")
-    command = [sys.executable, "-m", "benchmarks.distributed", "--device", "cpu", "--size", "tiny",
-               "--batch", "8", "--modes", ",".join(MODES), "--wrappers", ",".join(WRAPPERS),
-               "--steps", str(STEPS), "--warmup", "0", "--timed", "1", "--bucket-cap-mb", str(BUCKET_CAP_MB),
-               "--loss-tol", str(LOSS_TOL), "--update-tol", str(UPDATE_TOL),
+def launch(out: Path, *args: str) -> dict:
+    """Run benchmarks/distributed.py on two CPU ranks as torchrun would (environment variables), wait,
+    read what rank 0 wrote: the JSON, the parameters of every case (`params`) and its log."""
+    command = [sys.executable, "-m", "benchmarks.distributed", "--device", "cpu", "--size", "tiny", *args,
                "--out", str(out / "results.json"), "--dump-params", str(out / "params.pt")]
     base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
             "WORLD_SIZE": str(WORLD), "LOCAL_WORLD_SIZE": str(WORLD), "TRITON_INTERPRET": "1",
@@ -77,6 +79,13 @@ def run(tmp_path_factory):
     results["params"] = torch.load(out / "params.pt")
     results["log"] = logs[0]
     return results
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    return launch(tmp_path_factory.mktemp("distributed"), "--batch", "8", "--modes", ",".join(MODES),
+                  "--wrappers", ",".join(WRAPPERS), "--steps", str(STEPS), "--warmup", "0", "--timed", "1",
+                  "--bucket-cap-mb", str(BUCKET_CAP_MB), "--loss-tol", str(LOSS_TOL), "--update-tol", str(UPDATE_TOL))
 
 
 @pytest.fixture(scope="module")
@@ -275,3 +284,74 @@ def test_what_memfuse_saves_from_parameters_alone_are_views_of_them():
     assert from_params
     for name in from_params:
         assert is_view_chain(name), (name, joint[name])
+
+
+# -- HuggingFace models (benchmarks/models.py), two ranks --------------------------------------------------
+HF_MODELS = ("bert", "gpt2", "llama")
+HF_MODES = ("memfuse_per_layer", "memfuse_backend", "memfuse_whole")
+HF_WRAPPERS = ("ddp", "fsdp2")
+HF_STEPS = 2
+HF_BATCH = 2             # global: one row per rank (the interpreter's time grows with the rows)
+HF_LOSS_TOL = 1e-5       # relative, per step (seen: <= 1e-7)
+HF_UPDATE_TOL = 2e-3     # benchmarks.distributed.update_error (seen: <= 7e-4, BERT)
+
+
+@pytest.fixture(scope="module", params=HF_MODELS)
+def hf_run(request, tmp_path_factory):
+    """One launch per model: every wrapper x memfuse mode, correctness only (--timed 0)."""
+    pytest.importorskip("transformers")
+    out = tmp_path_factory.mktemp(f"distributed-{request.param}")
+    results = launch(out, "--model", request.param, "--batch", str(HF_BATCH), "--modes", ",".join(HF_MODES),
+                     "--wrappers", ",".join(HF_WRAPPERS), "--steps", str(HF_STEPS), "--timed", "0",
+                     "--loss-tol", str(HF_LOSS_TOL), "--update-tol", str(HF_UPDATE_TOL))
+    return request.param, results
+
+
+def hf_eager(name: str) -> tuple:
+    """Single-process eager on the whole global batch, made here with models.py's own pieces."""
+    from benchmarks import models
+    from benchmarks.distributed import HF_LR
+    family = models.FAMILIES[name]
+    size = dataclasses.replace(family.tiny, batch=HF_BATCH)
+    setup = models.Setup(torch.device("cpu"), tiny=True, settings=models.TINY_SETTINGS)
+    model = models.build(family, size, 0.0)
+    initial = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=HF_LR, weight_decay=0.01)
+    batch, losses = models.make_batch(size, torch.device("cpu")), []
+    for _ in range(HF_STEPS):
+        loss = models.forward_loss(model, batch, setup)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, initial, [p.detach() for p in model.parameters()]
+
+
+def test_hf_models_match_single_process_eager(hf_run):
+    name, run = hf_run
+    losses, initial, final = hf_eager(name)
+    torch.testing.assert_close(run["reference_losses"], losses, rtol=1e-6, atol=0)
+    cases = _cases(run)
+    assert set(cases) == {(w, m) for w in HF_WRAPPERS for m in HF_MODES}
+    for (wrapper, mode), case in cases.items():
+        key = (name, wrapper, mode)
+        assert case["error"] is None, (key, case["error"])
+        # memfuse ran: programs compiled, no call or Dynamo graph sent back to torch
+        assert case["memfuse_compiles"] >= 1 and case["eager_calls"] == 0 and case["graph_fallbacks"] == 0, (key, case)
+        assert case["fallback_reasons"] == [], key
+        assert case["ok"], (key, case)
+        for step, (got, want) in enumerate(zip(case["losses"], losses)):
+            assert abs(got - want) <= HF_LOSS_TOL * abs(want), (key, step, case["losses"], losses)
+        trained = run["params"][f"{wrapper}/{mode}"]
+        assert [p.shape for p in trained] == [p.shape for p in final], key
+        assert update_error(trained, Reference(losses, initial, final)) <= HF_UPDATE_TOL, key
+
+
+def test_hf_fsdp2_whole_model_is_one_group_and_says_so(hf_run):
+    """memfuse_whole runs every layer inside one traced program: FSDP2 shards the whole model as one
+    group instead of layer by layer, and the case's note and the log say why."""
+    _, run = hf_run
+    notes = {key: case["note"] for key, case in _cases(run).items()}
+    assert "one group" in notes.pop(("fsdp2", "memfuse_whole"))
+    assert set(notes.values()) == {None}
+    assert "per-layer FSDP hooks would never run" in run["log"]
