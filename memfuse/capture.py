@@ -385,10 +385,15 @@ SPECIAL_ATEN = {
     aten.slice_scatter.default: "a windowed strided read of the source over the base (step 1; else an extern)",
     aten.select_backward.default: "a windowed strided read of the gradient over zeros",
     aten.scatter.src: "where(column == index, src, self) for an index known to lie in [0, D): from argmax/argmin "
-                      "over D (max.dim's backward) or checked by a gather of the graph; else an extern",
+                      "over D (max.dim's backward) or checked by a gather of the graph (its IndexCheck, or aten's); "
+                      "else an extern",
     aten.scatter.value: "where(column == index, value, self) for an index known to lie in [0, D): from "
-                        "argmax/argmin over D or checked by a gather of the graph (cross-entropy's one-hot); "
-                        "else an extern",
+                        "argmax/argmin over D or checked by a gather of the graph (cross-entropy's one-hot: its "
+                        "forward's IndexCheck); else an extern",
+    aten.gather.default: "one index per row of an [M, D] value: the row's sum of where(column == index, x, 0), "
+                         "fused where x is computed (cross-entropy's pick of the target's log-probability: no "
+                         "[M, D] write); an index not known to lie in [0, D) is checked in the same call "
+                         "(IndexCheck: an error, as aten's); else an extern",
     aten.polygamma.default: "digamma (order 0), trigamma (order 1: digamma's derivative); higher orders: an extern",
 }
 
@@ -400,7 +405,8 @@ EXTERN_REASONS = {
     aten.flip.default: "flip reverses element order",
     aten.scatter.src: "scatter: data-dependent addressing",
     aten.scatter.value: "scatter: data-dependent addressing",
-    aten.gather.default: "gather: data-dependent addressing",
+    aten.gather.default: "gather: data-dependent addressing (fused only along the last dim of an [M, D] value, "
+                         "one index per row)",
     aten.index.Tensor: "indexing: data-dependent addressing",
     aten.cumsum.default: "scan along a dim",
     aten.cumprod.default: "scan along a dim",
@@ -585,6 +591,8 @@ class _Lowering:
             return self.lower_reduction(node, REDUCE_ATEN[target], value)
         if target in (aten.scatter.src, aten.scatter.value):
             return self.lower_scatter(node, value)
+        if target is aten.gather.default:
+            return self.lower_gather(node, value)
         if target in (aten.mean.dim, aten.mean.default):
             return self.lower_mean(node, value)
         if target is aten.polygamma.default:
@@ -1127,7 +1135,7 @@ class _Lowering:
     def lower_scatter(self, node, value: Value) -> str:
         """scatter(self, -1, index, src) and scatter(self, -1, index, value) with one index per
         row: where(column == index, src, self), when every index is known to lie in [0, D)
-        (`index_in_range`: an argmax/argmin over rows of D, or the index a gather over rows of D
+        (`index_in_range`: an argmax/argmin over rows of D, or an index a gather over rows of D
         checked, as nll_loss's backward scatters its one-hot at the targets its forward gathered).
         Any other index could be out of range, which eager reports: that stays an extern."""
         base, dim, index, src = (self.operand(a) if isinstance(a, torch.fx.Node) else a for a in node.args[:4])
@@ -1146,6 +1154,73 @@ class _Lowering:
                           name=f"{node.name}_column")
         hit = self.pointwise(Op.EQ, [column, index], full_bool, f"{node.name}_hit")
         return self.pointwise(Op.WHERE, [hit, src, base], value, node.name)
+
+    def lower_gather(self, node, value: Value) -> str:
+        """gather(x, -1, index) with one index per row of a FULL x: the row's sum of
+        where(column == index, x, 0), a row reduction fused into the kernel that computes x, so
+        x need not be written (cross-entropy picks the target's log-probability this way). The
+        index is computed in that kernel too where it is an elementwise function of one tensor
+        in memory (`index_in_rows`). aten's gather raises on an index outside [0, D): unless
+        `index_in_range` knows it is inside, an IndexCheck of the index runs in the same call
+        and its 0 is added to the picked values (the result waits for the check)."""
+        source, dim, index = (self.operand(a) if isinstance(a, torch.fx.Node) else a for a in node.args[:3])
+        x, picks = self.graph[source].value, self.graph[index].value
+        if node.kwargs.get("sparse_grad", False) or not isinstance(dim, int) or x.kind is not Kind.FULL \
+                or dim % len(x.shape) != len(x.shape) - 1 or picks.kind is not Kind.ROW \
+                or len(picks.shape) != len(x.shape) or not all(views.same(a, b) for a, b in zip(picks.shape, x.shape[:-1])):
+            raise NotFusible(EXTERN_REASONS[node.target])
+        if x.dtype == torch.bool:
+            raise NotFusible("a gather of booleans: the pick is a row sum")
+        checked = index_in_range(self.graph, index, x.d)
+        column = self.add(Op.IOTA, [], Value(torch.int64, Kind.COL, (sympy.Integer(x.d),), d=x.d),
+                          name=f"{node.name}_column")
+        hit = self.pointwise(Op.EQ, [column, self.index_in_rows(index, picks) or index],
+                             Value(torch.bool, Kind.FULL, x.shape, x.m, x.d), f"{node.name}_hit")
+        picked = self.pointwise(Op.WHERE, [hit, source, self.const(0, x.dtype)], Value(x.dtype, Kind.FULL, x.shape, x.m, x.d),
+                                f"{node.name}_picked")
+        if checked:
+            return self.add(Op.SUM, [picked], value, Reduce(Kind.ROW), name=node.name)
+        picks_sum = self.add(Op.SUM, [picked], value, Reduce(Kind.ROW), name=f"{node.name}_sum")
+        return self.pointwise(Op.ADD, [picks_sum, self.index_check(node, index, x.d, value.dtype)], value, node.name)
+
+    def index_check(self, node, index: str, width: int, dtype: torch.dtype) -> str:
+        """An extern IndexCheck of the tensor `index` reads (through reads that keep every
+        element: a check of the same values): a 0 of `dtype`."""
+        checked = _through_reads(self.graph, index, covering=True)
+        return self.add(Op.EXTERN, [checked], Value(dtype, Kind.SCALAR, ()),
+                        Extern(IndexCheck(width, dtype), (ValueRef(checked),), ()), name=f"{node.name}_check")
+
+    def index_in_rows(self, index: str, rows: Value) -> Optional[str]:
+        """`index` rebuilt as ROW values over reads of the tensor in memory it is an elementwise
+        function of (cross-entropy's where(t != ignore, t, 0), unsqueezed), so the kernel of the
+        rows computes it instead of reading it from a kernel of another space; None where it is
+        not such a function. Only order-keeping steps (VIEW nodes, same element count) are looked
+        through, so the rebuilt read visits the tensor's elements in the index's order."""
+        node = self.graph[index]
+        if node.op is Op.STRIDED and node.attr.window is None and not node.attr.summed \
+                and _reads_each_once(self.graph, node) and views.reshape(self.graph[node.inputs[0]].value.shape,
+                                                                     rows.shape) is not None:
+            return self.elementwise_in_rows(node.inputs[0], rows)
+        return None
+
+    def elementwise_in_rows(self, name: str, rows: Value) -> Optional[str]:
+        node = self.graph[name]
+        if node.value.kind is Kind.SCALAR or node.op in (Op.CONSTANT, Op.SYMBOL):
+            return name
+        if not views.same(sympy.Mul(*node.value.shape), sympy.Mul(*rows.shape)):
+            return None
+        if node.op is Op.VIEW:
+            return self.elementwise_in_rows(node.inputs[0], rows)
+        value = Value(node.value.dtype, rows.kind, rows.shape, rows.m, rows.d)
+        if node.op in UNARY | BINARY | {Op.WHERE}:
+            inputs = [self.elementwise_in_rows(i, rows) for i in node.inputs]
+            return None if None in inputs else self.add(node.op, inputs, value, node.attr, name=f"{name}_rows")
+        if node.op in (Op.INPUT, Op.EXTERN, Op.GETITEM):
+            step = views.reshape(node.value.shape, rows.shape)
+            source = self.access(name)
+            return None if step is None else self.strided(f"{name}_rows", source.then(*step, rows.shape), value,
+                                                          f"view{_shape(rows.shape)}")
+        return None
 
     def keep_aten_views(self) -> None:
         """A view that only aten calls read, and read in any strides (a transposed weight for mm),
@@ -1206,6 +1281,24 @@ def strided_attr(m: "views.AccessMap", value: Value, describe: str, size_operand
                    m.last_stride_one)
 
 
+@dataclass(frozen=True)
+class IndexCheck:
+    """An extern target that checks an index tensor lies in [0, width) and returns a 0: a fused
+    gather adds it to the values it picked, so its result waits for the check. An index outside raises as
+    aten's gather does: on the CPU at once, on CUDA as a device assert (`torch._assert_async`)."""
+    width: int
+    dtype: torch.dtype                 # of the 0 it returns: the gathered values'
+
+    def __call__(self, index: torch.Tensor) -> torch.Tensor:
+        inside = ((index >= 0) & (index < self.width)).all()
+        torch._assert_async(inside, f"memfuse: gather index out of bounds: an index lies outside [0, {self.width}) "
+                                    "(eager's gather, or cross_entropy's target check, raises here too)")
+        return torch.zeros((), dtype=self.dtype, device=index.device)
+
+    def __repr__(self) -> str:
+        return f"IndexCheck(0 <= index < {self.width})"
+
+
 class TensorConstant:
     """An extern target that returns a tensor the traced function closed over."""
 
@@ -1226,9 +1319,10 @@ def _shape(shape) -> str:
 # -- index ranges: when a scatter's index is known to lie in [0, D) ------------------------------
 def index_in_range(graph: Graph, index: str, width: int) -> bool:
     """Whether every value of `index` lies in [0, width): it is an argmax/argmin over rows of
-    `width`, or the same elementwise function of the same tensor as the index of a gather over
-    rows of `width` in this graph (aten's gather checks its index; AOTAutograd's graphs hold no
-    dead code, so that gather runs in the same call: cross-entropy's forward gathers the target
+    `width`, or the same elementwise function of the same tensor as an index checked against
+    `width` in this graph: by an IndexCheck (a fused gather's) or by an aten gather over rows of
+    `width` (each raises on an index outside; AOTAutograd's graphs hold no dead code, so the
+    check runs in the same call, in the forward: cross-entropy's forward gathers the target
     logit at where(t != ignore, t, 0), its backward scatters the one-hot at the same values)."""
     origin = index
     while graph[origin].op is Op.VIEW:
@@ -1237,19 +1331,24 @@ def index_in_range(graph: Graph, index: str, width: int) -> bool:
     if producer.op in (Op.ARGMAX, Op.ARGMIN) and graph[producer.inputs[0]].value.d == width:
         return True
     mine = elementwise_of_one(graph, index, covering=False)
-    if mine is None:
-        return False
+    return mine is not None and any(elementwise_of_one(graph, checked, covering=True) == mine
+                                    for checked in _checked_indices(graph, width))
+
+
+def _checked_indices(graph: Graph, width: int):
+    """The index tensors that an IndexCheck or an aten gather over rows of `width` checks."""
     for node in graph.nodes.values():
-        if node.op is not Op.EXTERN or node.attr.target is not aten.gather.default:
+        if node.op is not Op.EXTERN:
             continue
-        source, dim, checked = node.attr.args[:3]
-        if not (isinstance(source, ValueRef) and isinstance(checked, ValueRef) and isinstance(dim, int)):
-            continue
-        shape = graph[source.name].value.shape
-        if shape and dim % len(shape) == len(shape) - 1 and shape[-1] == width \
-                and elementwise_of_one(graph, checked.name, covering=True) == mine:
-            return True
-    return False
+        if isinstance(node.attr.target, IndexCheck) and node.attr.target.width == width:
+            yield node.attr.args[0].name
+        elif node.attr.target is aten.gather.default:
+            source, dim, checked = node.attr.args[:3]
+            if not (isinstance(source, ValueRef) and isinstance(checked, ValueRef) and isinstance(dim, int)):
+                continue
+            shape = graph[source.name].value.shape
+            if shape and dim % len(shape) == len(shape) - 1 and shape[-1] == width:
+                yield checked.name
 
 
 def elementwise_of_one(graph: Graph, name: str, covering: bool) -> Optional[tuple]:

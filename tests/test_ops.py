@@ -249,6 +249,9 @@ SAMPLES = {
     aten.scatter.value: [S(lambda a: F.cross_entropy(a.view(-1, 8), (a.detach()[..., 0].abs() * 3).long().clamp(max=7)
                                                      .view(-1)), "f")],
     aten.min.dim: [S(lambda a: aten.min.dim(a, -1, True), "q")],
+    # one index per row of the last dim: a row sum of where(column == index, x, 0); the index is checked
+    aten.gather.default: [S(lambda a: aten.gather.default(a * 2, -1, (a.detach()[..., :1].abs() * 3).long()
+                                                          .clamp(max=7)), "f")],
     aten.mean.dim: [S(lambda a: aten.mean.dim(a, [-1]), "f"), S(lambda a: aten.mean.dim(a, [0, 1]), "f"),
                     S(lambda a: aten.mean.dim(a, [1], True), "f", name="leading")],
     aten.var.correction: [S(lambda a: aten.var.correction(a, [-1], correction=0), "f")],
@@ -401,6 +404,7 @@ EXTERNS = {
     aten.mm.default: (lambda x, w: (x @ w).relu(), "fs"),
     aten.scatter.src: (lambda x, y: x.scatter(-1, (y.abs() * 3).long().clamp(max=7), y) * 2, "ff"),
     aten.scatter.value: (lambda x, y: x.scatter(-1, (y.abs() * 3).long().clamp(max=7)[..., :1], 1.0) * 2, "ff"),
+    aten.gather.default: (lambda x, y: x.gather(1, (y.abs() * 2).long().clamp(max=4)) * 2, "ff"),   # not over D
 }
 
 
