@@ -99,7 +99,7 @@ def test_a_failure_building_the_backward_program_is_caught_before_the_forward_ru
 
 
 def test_a_failure_in_the_inference_compiler_runs_through_torch(monkeypatch, logs):
-    def failing(captured):
+    def failing(captured, *budget):
         raise ValueError("injected: the plan failed")
     monkeypatch.setattr(memfuse.backend, "plan", failing)
     compiled = torch.compile(block, backend="memfuse")
