@@ -13,6 +13,8 @@ never wait on a later step. Three rules then place values where they cost least 
   its inputs to memory that was not written before;
 - two kernels of one stage join (horizontal fusion) only when they run one after the other and
   read an input in common: one load, and no buffer allocated earlier than before.
+A group of [M] values alone never joins one of [D] values alone (it would walk M x D elements),
+and a returned reshape of an aten result (the logits) is the runtime's `.reshape`, not a copy.
 Why two nodes did not share a kernel, and why a node was placed where it is, are recorded for
 `explain()`.
 """
