@@ -47,7 +47,7 @@ class EagerCall:
 
 
 CACHE_WAY_OUT = ("a KV cache is for generation: for training pass use_cache=False to the model "
-                 "(or set model.config.use_cache = False), so that the layers get past_key_values=None")
+                 "(or set model.config.use_cache = False), so that the layers get no cache")
 UNTRACEABLE_WAY_OUT = ("pass tensors and constants, or tuples, lists, dicts or registered dataclasses of them "
                        "(torch.utils._pytree.register_dataclass); keep objects the call may mutate out of it")
 
