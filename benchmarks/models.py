@@ -138,6 +138,11 @@ def build(family: Family, size: Size, dropout: float, weights: dict | None = Non
     config.use_cache = use_cache
     torch.manual_seed(MODEL_SEED)
     model = getattr(transformers, family.model_class)(config)
+    if getattr(model, "loss_type", "") is None:
+        # GPT2LMHeadModel's name gives transformers no loss type: its `loss_function` then warns once
+        # through an lru_cache'd logger, where Dynamo breaks the graph between the head and the loss
+        # (every compiled mode). The loss it falls back to, named: the same loss, one graph.
+        model.loss_type = "ForCausalLM"
     if weights is not None:
         model.load_state_dict(weights)
     return model.train()

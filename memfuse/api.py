@@ -38,6 +38,7 @@ from .debug import STATS, describe_key_change, on_compile, timed, topic_log
 from .eager import (STRICT, EagerCall, StrictModeError, UntraceableOutputError, compile_failed, say_once,
                     under_transform, untraceable_argument)
 from .graphs import GraphedFunction
+from .head import capture_chunked
 from .ir import GraphError, verify
 from .plan import plan
 from .precompile import enabled as precompile_enabled, precompile, start_driver
@@ -358,7 +359,9 @@ class FusedFunction:
 
         grad = key[0]
         static = [self._is_static(i, t) for i, t in enumerate(tensors)]
-        captured = capture(traced, tensors, trace_joint=grad, static_inputs=static)
+        captured, heads = capture_chunked(
+            lambda fn: capture(fn, tensors, trace_joint=grad, static_inputs=static), traced, self.config)
+        captured.loss_heads = heads
         if captured.specialized:
             recompile_log.info("memfuse: %s: leading sizes join the compile key: %s", self._name(),
                                captured.specialized)

@@ -19,7 +19,7 @@ import logging
 import operator
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple, Optional
 
@@ -31,6 +31,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from .capture import Captured, decomposition_table, lower_graph
 from .config import Config, config_with_options
 from .debug import STATS, on_compile, timed, topic_log
+from .head import with_chunked_loss_heads
 from .ir import Graph, Symbol, verify
 from .plan import Plan, plan
 from .precompile import precompile
@@ -75,6 +76,8 @@ def memfuse_backend(gm: torch.fx.GraphModule, example_inputs, *, config: Optiona
     from torch._dynamo.exc import RestartAnalysis, ShortenTraceback, SkipFrame
     config = config_with_options(config or Config(), options)
     record = GraphRecord(_graph_name(gm), _input_names(gm))
+    original = gm
+    gm, record.loss_heads = with_chunked_loss_heads(gm, config)
     compilers = _Compilers(config, record)
     backend = aot_autograd(fw_compiler=compilers.forward, bw_compiler=compilers.backward,
                            inference_compiler=compilers.inference, partition_fn=compilers.partition,
@@ -84,7 +87,7 @@ def memfuse_backend(gm: torch.fx.GraphModule, example_inputs, *, config: Optiona
     except (RestartAnalysis, SkipFrame, ShortenTraceback):
         raise                  # Dynamo's own signals (restart the trace, skip the frame), not failures
     except Exception as e:
-        return _through_torch(gm, record, e, config)
+        return _through_torch(original, record, e, config)
     STATS["compiles"] += 1
     on_compile(record.name, record)
     return compiled
@@ -171,6 +174,7 @@ class GraphRecord:
     plan: Optional[Plan] = None
     function: Optional[Programs] = None
     through_torch: Optional[str] = None   # the failure, when the graph runs through torch
+    loss_heads: list = field(default_factory=list)   # memfuse.head's HeadDecisions
 
 
 _watching: list = []   # the lists of the open watch() blocks: empty but while explain runs a call
@@ -290,6 +294,7 @@ class _Compilers:
         STATS["fallbacks"] += len(captured.fallbacks)
 
     def _compiled(self, captured: Captured, the_plan: Plan, programs: Programs) -> None:
+        captured.loss_heads = self.record.loss_heads
         self.record.captured, self.record.plan, self.record.function = captured, the_plan, programs
 
 

@@ -24,6 +24,7 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, Stateles
 
 from . import views
 from .debug import timed
+from . import loss_head  # noqa: F401  (registers the chunked loss head's ops, named below)
 from .ir import (BINARY, COMPARISON, UNARY, Cast, Constant, Extern, Graph, Index, Kind, Matmul, Node, Op, Reduce,
                  Seeded, Strided, Symbol, Value, ValueRef, fits, value_refs, verify)
 from .ops import OPS, accumulate_dtype
@@ -79,6 +80,7 @@ class Captured:
     stride_symbols: dict = field(default_factory=dict)  # sympy.Symbol -> (primal index, dim) of a stride
     differentiable_outputs: list = field(default_factory=list)   # forward outputs with a tangent
     aten_graph: Optional[torch.fx.GraphModule] = None
+    loss_heads: list = field(default_factory=list)    # memfuse.head's HeadDecisions
 
 
 class MutatedInputError(RuntimeError):
@@ -135,7 +137,8 @@ def _export(fn: Callable, fakes: tuple, trace_joint: bool) -> torch.fx.GraphModu
     """The decomposed aten graph of `fn`. Outputs that alias an input (`return x`, a view of
     x) are returned as copies; a function that mutates an input is refused with the reason."""
     try:
-        return aot_export_joint_simple(fn, fakes, trace_joint=trace_joint, decompositions=decomposition_table())
+        return _without_unused(aot_export_joint_simple(fn, fakes, trace_joint=trace_joint,
+                                                       decompositions=decomposition_table()))
     except RuntimeError as e:
         if "does not support input mutations" in str(e):
             raise MutatedInputError("memfuse: the function modifies one of its input tensors in place (x.add_(...), "
@@ -145,8 +148,24 @@ def _export(fn: Callable, fakes: tuple, trace_joint: bool) -> torch.fx.GraphModu
 
     def copying_outputs(*args):
         return tuple(o.clone() for o in fn(*args))
-    return aot_export_joint_simple(copying_outputs, fakes, trace_joint=trace_joint,
-                                   decompositions=decomposition_table())
+    return _without_unused(aot_export_joint_simple(copying_outputs, fakes, trace_joint=trace_joint,
+                                                   decompositions=decomposition_table()))
+
+
+def _without_unused(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """`gm` without the values nothing reads, random draws kept (they advance the generator as in
+    eager). The loss head's swap (memfuse.head) leaves the linear it replaced in the trace."""
+    for node in reversed(list(gm.graph.nodes)):
+        if node.op == "call_function" and not node.users and _pure(node.target):
+            gm.graph.erase_node(node)
+    return gm
+
+
+def _pure(target) -> bool:
+    if target is operator.getitem:
+        return True
+    return (isinstance(target, torch._ops.OpOverload) and not target._schema.is_mutable
+            and torch.Tag.nondeterministic_seeded not in target.tags)
 
 
 def _differentiable_outputs(captured: "Captured", fn: Callable, fakes: list) -> list:
@@ -410,6 +429,9 @@ EXTERN_REASONS = {
     aten.index.Tensor: "indexing: data-dependent addressing",
     aten.cumsum.default: "scan along a dim",
     aten.cumprod.default: "scan along a dim",
+    torch.ops.memfuse.linear_cross_entropy.default: "the chunked loss head (memfuse.loss_head): its matmuls and "
+                                                    "kernels, a chunk of tokens at a time",
+    torch.ops.memfuse.linear_cross_entropy_backward.default: "the chunked loss head's backward (memfuse.loss_head)",
 }
 
 
@@ -563,7 +585,7 @@ class _Lowering:
         if target is aten.split_with_sizes.default:
             return self.lower_split(node, val)
         if not isinstance(val, torch.Tensor):
-            raise NotFusible("produces a tuple")
+            raise NotFusible(EXTERN_REASONS.get(target, "produces a tuple"))
         value = classify(val)
         if value.kind is Kind.TENSOR:
             raise NotFusible(f"shape {tuple(val.shape)} is outside the [M, D] space")

@@ -72,6 +72,13 @@ class Config:
     # budget: reductions over M, then matmuls). MEMFUSE_MEMORY_BUDGET sets it; so does
     # `memory_efficient_fusion(fn, memory_budget=0.5)` and torch.compile's options={"memory_budget": 0.5}.
     memory_budget: float = field(default_factory=_env_budget)
+    # The loss head (a linear layer's output read only by cross_entropy) runs chunked, its
+    # [tokens, vocab] logits never whole (memfuse.head, memfuse.loss_head). MEMFUSE_CHUNK_LOSS_HEAD=0
+    # turns it off; options={"chunk_loss_head": False} under torch.compile.
+    chunk_loss_head: bool = field(default_factory=lambda: os.environ.get("MEMFUSE_CHUNK_LOSS_HEAD", "1").strip()
+                                  .lower() not in ("0", "false", "no", "off"))
+    # Bytes of a chunk's logits and their gradient at memory_budget 1.0; the budget scales it.
+    loss_head_chunk_bytes: int = 256 * 2**20
 
     def __post_init__(self):
         budget = self.memory_budget
@@ -81,7 +88,7 @@ class Config:
 
 
 # torch.compile(model, backend="memfuse", options={...}): the Config fields an option may set.
-OPTIONS = ("memory_budget",)
+OPTIONS = ("memory_budget", "chunk_loss_head", "loss_head_chunk_bytes")
 
 
 def config_with_options(config: Config, options: dict | None) -> Config:

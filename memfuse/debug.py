@@ -23,6 +23,7 @@ log = logging.getLogger("memfuse")
 # What each counter counts, and where (docs/debugging.md repeats this table).
 COUNTERS = {
     "compiles": "programs compiled (api.FusedFunction._compile), recompiles included",
+    "loss_heads_chunked": "cross-entropies of a linear's output computed chunked, logits never whole (memfuse.head)",
     "recompiles": "compiles of a function that already had a compiled program (a cache miss on a new key)",
     "cache_hits": "calls that found their compiled program in the cache",
     "front_misses": "calls the front cache (api._Front: generated code binding the arguments, unpacking tuple, "

@@ -160,6 +160,7 @@ class Report:
     paddings: list = field(default_factory=list)   # PaddingRow per extern matmul, forward then backward
     budget: Any = None                 # plan.Budget: what Config.memory_budget < 1 changed
     placed: list = field(default_factory=list)     # PlacedRow, forward then backward
+    loss_heads: list = field(default_factory=list)  # head.HeadDecision per cross_entropy of a linear
 
     def kernels_of(self, program: str, generated_only: bool = True) -> list:
         return [k for k in self.kernels if k.program == program and (k.is_kernel or not generated_only)]
@@ -221,7 +222,8 @@ def build_report(entry, name: str) -> Report:
     return Report(name, graph_size(joint), graph_size(the_plan.forward),
                   graph_size(the_plan.backward) if the_plan.backward is not None else None,
                   saved, the_plan.saved_bytes, decisions, kernels, externs, not_fused, fallbacks,
-                  captured.specialized, entry=entry, paddings=paddings, budget=the_plan.budget, placed=placed)
+                  captured.specialized, entry=entry, paddings=paddings, budget=the_plan.budget, placed=placed,
+                  loss_heads=list(captured.loss_heads))
 
 
 def _read_program(program_name: str, program, hints: dict, kernels: list, externs: list,
@@ -282,7 +284,7 @@ def _dtype(dtype) -> str:
 
 def format_report(r: Report) -> str:
     lines = [f"memfuse.explain: {r.name}"]
-    lines += _graph_lines(r) + _saved_lines(r) + _decision_lines(r) + _kernel_lines(r) + padding_lines(r)
+    lines += _graph_lines(r) + _loss_head_lines(r) + _saved_lines(r) + _decision_lines(r) + _kernel_lines(r) + padding_lines(r)
     lines += in_place_lines(r) + buffer_lines(r)
     lines += _fallback_lines(r)
     return "\n".join(lines)
@@ -294,6 +296,12 @@ def _graph_lines(r: Report) -> list:
     if r.specialized:
         lines.append(f"  leading sizes are part of the compile key: {r.specialized}")
     return lines
+
+
+def _loss_head_lines(r: Report) -> list:
+    if not r.loss_heads:
+        return []
+    return ["", "loss heads (cross_entropy of a linear layer's output)"] + [f"  {d}" for d in r.loss_heads]
 
 
 def _saved_lines(r: Report) -> list:

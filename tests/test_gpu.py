@@ -678,3 +678,35 @@ def test_online_cross_entropy_at_a_vocabulary_matches_eager(vocabulary):
     for program in (entry.function.forward, entry.function.backward):
         passes = [s.kernel.source.passes for s in program.steps if getattr(s, "kernel", None) is not None]
         assert 2 in passes and max(p or 0 for p in passes) == 2, passes
+
+
+@pytest.mark.parametrize("return_logits", [False, True])
+def test_chunked_loss_head_bf16_on_the_gpu(return_logits):
+    """memfuse.loss_head's op with its Triton kernels compiled for the GPU: an odd vocabulary (the
+    padded weight), 3000 tokens in chunks of 504 rows, bf16 operands: loss and gradients no
+    further from fp64 than eager's bf16 linear + fp32 cross-entropy (3x margin)."""
+    import torch.nn.functional as F
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    tokens, hidden, vocab = 3000, 256, 4001
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.float64, generator=generator)
+    weight = torch.randn(vocab, hidden, device="cuda", dtype=torch.float64, generator=generator) / 16
+    target = torch.randint(0, vocab, (tokens,), device="cuda", generator=generator)
+    target[::7] = -100
+    upstream = torch.randn(tokens, vocab, device="cuda", dtype=torch.float64, generator=generator) / tokens
+
+    def run(x, weight, chunked):
+        x, weight = x.detach().requires_grad_(), weight.detach().requires_grad_()
+        if chunked:
+            loss, _, logits = torch.ops.memfuse.linear_cross_entropy(
+                x, weight, None, target, -100, "mean", 0.0, x.dtype, return_logits, 8 * 2**20)
+        else:
+            logits = F.linear(x, weight)
+            loss = F.cross_entropy(logits.float(), target)
+        total = loss + ((logits.double() * upstream).sum() if return_logits else 0)
+        return (loss.double(), *torch.autograd.grad(total, (x, weight)))
+
+    exact = run(x, weight, chunked=False)
+    eager = run(x.bfloat16(), weight.bfloat16(), chunked=False)
+    ours = run(x.bfloat16(), weight.bfloat16(), chunked=True)
+    for mine, theirs, truth in zip(ours, eager, exact):
+        assert relative_error(mine.double(), truth) <= 3 * relative_error(theirs.double(), truth) + 1e-6

@@ -1,0 +1,327 @@
+"""Finds the loss head in a model and computes it chunked (memfuse.loss_head), unchanged user code.
+
+The pattern: `cross_entropy(x, target)` where x is a linear layer's output, optionally cast
+(`.float()`, `.to(float32)`) and flattened to [tokens, vocab] (`view`, `reshape`, `contiguous`),
+with no other reader on the way. It is replaced by `torch.ops.memfuse.linear_cross_entropy` on the
+linear's input, weight and bias. Where the linear's output is also read elsewhere (a model that
+returns its logits), the op returns them too and takes their gradient into its backward; where a
+cast or flattened copy is read elsewhere, the head is left as it is, with the reason.
+
+Two ways in, one rule: `chunk_loss_heads(gm)` rewrites a Dynamo graph (the torch.compile backend),
+`LossHeadMode` swaps the calls while memfuse traces a function or module (memory_efficient_fusion),
+where a returned logits tensor is only known after the trace: `traced_with_chunked_heads` then
+traces again without the swap.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import operator
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from . import loss_head  # noqa: F401  (registers torch.ops.memfuse.linear_cross_entropy)
+from .config import Config
+from .debug import STATS, topic_log
+
+log = topic_log("graphs")
+fallback_log = logging.getLogger("memfuse.fallbacks")
+
+LINEARS = (torch._C._nn.linear, F.linear)
+CASTS = ("float", "to")
+FLATTENS = ("view", "reshape", "contiguous")
+CROSS_ENTROPY_PARAMETERS = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction",
+                            "label_smoothing")
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadDecision:
+    """What memfuse did with one cross-entropy: chunked (with the settings) or left, and why."""
+    loss: str                   # the cross-entropy's name in the graph
+    chunked: bool
+    reason: str
+    vocab: Optional[int] = None
+    returns_logits: bool = False
+    chunk_bytes: Optional[int] = None
+
+    def __str__(self) -> str:
+        if not self.chunked:
+            return f"loss head {self.loss}: not chunked: {self.reason}"
+        logits = "; the logits are also returned, written whole, not kept" if self.returns_logits else ""
+        return (f"loss head {self.loss}: chunked linear + cross-entropy over vocab {self.vocab}, chunks of "
+                f"{self.chunk_bytes / 2**20:.0f} MiB of logits and gradient{logits}: {self.reason}")
+
+
+def chunk_bytes(config: Config) -> int:
+    """The head's transient follows the memory budget: a budget of 0.5 halves the chunks."""
+    return max(1, int(config.loss_head_chunk_bytes * config.memory_budget))
+
+
+# -- the Dynamo graph (torch.compile backend) ----------------------------------------------------
+def with_chunked_loss_heads(gm: torch.fx.GraphModule, config: Config) -> tuple:
+    """(a copy of `gm` with its loss heads chunked, the decisions), or (gm, []) when it has no
+    cross_entropy or chunking is off. A copy: a graph memfuse cannot compile runs as captured."""
+    if not config.chunk_loss_head or not any(n.target is F.cross_entropy for n in gm.graph.nodes):
+        return gm, []
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    copied = torch.fx.GraphModule(gm, graph)
+    return copied, chunk_loss_heads(copied, config)
+
+
+def chunk_loss_heads(gm: torch.fx.GraphModule, config: Config) -> list[HeadDecision]:
+    """Rewrite each loss head of `gm` (a Dynamo graph of torch functions) into the chunked op, in
+    place; the decisions, one per cross-entropy."""
+    decisions = [_rewrite(gm.graph, node, config) for node in list(gm.graph.nodes)
+                 if node.op == "call_function" and node.target is F.cross_entropy]
+    if any(d.chunked for d in decisions):
+        gm.graph.lint()
+        gm.recompile()
+    for decision in decisions:
+        _record(decision)
+    return decisions
+
+
+def _record(decision: HeadDecision) -> None:
+    if decision.chunked:
+        STATS["loss_heads_chunked"] += 1
+        log.info("memfuse: %s", decision)
+    else:
+        fallback_log.info("memfuse: %s", decision)
+
+
+def _rewrite(graph: torch.fx.Graph, loss: torch.fx.Node, config: Config) -> HeadDecision:
+    arguments = dict(zip(CROSS_ENTROPY_PARAMETERS, loss.args)) | dict(loss.kwargs)
+    problem = _settings_problem(arguments)
+    if problem:
+        return HeadDecision(loss.name, False, problem)
+    chain, linear = _chain_to_linear(arguments["input"])
+    if linear is None:
+        return HeadDecision(loss.name, False, "its input is not a linear layer's output (cast and flattened at most)")
+    problem = _chain_problem(chain, linear) or _loss_problem(loss)
+    if problem:
+        return HeadDecision(loss.name, False, problem)
+    weight = linear.args[1] if len(linear.args) > 1 else linear.kwargs["weight"]
+    bias = linear.args[2] if len(linear.args) > 2 else linear.kwargs.get("bias")
+    logits_value = linear.meta["example_value"]
+    vocab = int(logits_value.shape[-1])
+    returns_logits = len(linear.users) > 1    # its first reader is the chain (or the loss)
+    with graph.inserting_before(loss):
+        hidden = graph.call_function(_flat_rows, (linear.args[0],))
+        head = graph.call_function(torch.ops.memfuse.linear_cross_entropy.default, (
+            hidden, weight, bias, arguments["target"], arguments.get("ignore_index", -100),
+            arguments.get("reduction", "mean"), float(arguments.get("label_smoothing", 0.0)), logits_value.dtype,
+            returns_logits, chunk_bytes(config)))
+        head_loss = graph.call_function(operator.getitem, (head, 0))
+    loss.replace_all_uses_with(head_loss)
+    graph.erase_node(loss)
+    for node in reversed(chain):
+        graph.erase_node(node)
+    if returns_logits:
+        with graph.inserting_after(head_loss):
+            flat_logits = graph.call_function(operator.getitem, (head, 2))
+        with graph.inserting_after(flat_logits):
+            logits = graph.call_function(_rows_like, (flat_logits, linear.args[0]))
+        linear.replace_all_uses_with(logits)
+    graph.erase_node(linear)
+    return HeadDecision(loss.name, True, "a linear layer's output feeds only the loss"
+                        + (" and the function's outputs" if returns_logits else ""),
+                        vocab, returns_logits, chunk_bytes(config))
+
+
+def _settings_problem(arguments: dict) -> Optional[str]:
+    if arguments.get("weight") is not None:
+        return "a class weight is given (weight=...), which the chunked head does not take"
+    if arguments.get("size_average") is not None or arguments.get("reduce") is not None:
+        return "the deprecated size_average / reduce arguments are given"
+    if arguments.get("reduction", "mean") not in loss_head.REDUCTIONS:
+        return f"reduction {arguments['reduction']!r} is not one of {loss_head.REDUCTIONS}"
+    for name in ("ignore_index", "label_smoothing", "reduction"):
+        if isinstance(arguments.get(name), torch.fx.Node):
+            return f"{name} is computed in the graph, not a constant"
+    return None
+
+
+def _chain_to_linear(node) -> tuple[list, Optional[torch.fx.Node]]:
+    """The casts and flattens between the loss and a linear, nearest to the linear first."""
+    chain = []
+    while isinstance(node, torch.fx.Node):
+        if node.op == "call_function" and node.target in LINEARS:
+            return list(reversed(chain)), node
+        if node.op != "call_method" or node.target not in CASTS + FLATTENS:
+            return [], None
+        chain.append(node)
+        node = node.args[0]
+    return [], None
+
+
+def _chain_problem(chain: list, linear: torch.fx.Node) -> Optional[str]:
+    if "example_value" not in linear.meta:
+        return "the linear's traced value is unknown"
+    for node in chain:
+        value = node.meta.get("example_value")
+        if len(node.users) != 1:
+            return f"{node.name} ({node.target}) between the linear and the loss is also read elsewhere"
+        if node.target == "to" and (value is None or value.dtype != torch.float32):
+            return f"{node.name} converts to something other than float32"
+    flat = (chain[-1] if chain else linear).meta.get("example_value")
+    if flat is None or flat.dim() != 2:
+        return "the loss reads logits that are not [tokens, vocab]"
+    if linear.meta["example_value"].dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"the logits are {linear.meta['example_value'].dtype}"
+    return None
+
+
+def _loss_problem(loss: torch.fx.Node) -> Optional[str]:
+    value = loss.meta.get("example_value")
+    if value is None or value.dtype != torch.float32:
+        return "the loss is not computed in float32 (half logits without autocast or a cast)"
+    return None
+
+
+def _flat_rows(hidden: torch.Tensor) -> torch.Tensor:
+    """The linear's input as [tokens, hidden]."""
+    return hidden.reshape(-1, hidden.shape[-1])
+
+
+def _rows_like(flat_logits: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """[tokens, vocab] logits back in the linear's output shape: hidden's leading dims."""
+    return flat_logits.view(*hidden.shape[:-1], flat_logits.shape[-1])
+
+
+# -- while memfuse traces a function (memory_efficient_fusion) -------------------------------------
+@dataclasses.dataclass
+class _Logits:
+    """A tensor the mode follows: a linear's output, or a cast or flattened form of one."""
+    linear_output: torch.Tensor
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    bias: Optional[torch.Tensor]
+
+
+class LogitsReturned(Exception):
+    """A chunked head's logits are also read past the loss: the trace must be redone without it."""
+
+
+class LossHeadMode(TorchFunctionMode):
+    """Follows each linear's output through casts and flattens; a cross_entropy of one becomes the
+    chunked op. A followed tensor read by anything else marks its head as returning logits, which
+    this path does not chunk (`LogitsReturned` after the trace)."""
+
+    def __init__(self, config: Config):
+        super().__init__()
+        self.config = config
+        self.followed: dict[int, _Logits] = {}
+        self.chunked: dict[str, _Logits] = {}     # by the decision's name
+        self.read_elsewhere: set[int] = set()     # id() of linear outputs read past their loss
+        self.decisions: list[HeadDecision] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.cross_entropy and id(args[0]) in self.followed:
+            return self._chunked_loss(args, kwargs)
+        result = func(*args, **kwargs)
+        if func in LINEARS:
+            self._follow(result, _Logits(result, args[0], *_weight_and_bias(args, kwargs)))
+        elif args and id(args[0]) in self.followed and _keeps_logits(func, args[0], result):
+            self._follow(result, self.followed[id(args[0])])
+        elif isinstance(result, (torch.Tensor, tuple, list)) and not isinstance(result, torch.Size):
+            self._note_reads(args, kwargs)
+        return result
+
+    def _follow(self, tensor: torch.Tensor, origin: _Logits) -> None:
+        self.followed[id(tensor)] = origin
+
+    def _note_reads(self, args, kwargs) -> None:
+        for leaf in torch.utils._pytree.tree_leaves((args, kwargs)):
+            if isinstance(leaf, torch.Tensor) and id(leaf) in self.followed:
+                self.read_elsewhere.add(id(self.followed[id(leaf)].linear_output))
+
+    def _chunked_loss(self, args, kwargs) -> torch.Tensor:
+        arguments = dict(zip(CROSS_ENTROPY_PARAMETERS, args)) | kwargs
+        origin = self.followed[id(arguments["input"])]
+        name = f"cross_entropy_{len(self.decisions)}"
+        problem = _settings_problem(arguments) or _value_problem(arguments["input"], origin.linear_output)
+        if problem:
+            self.decisions.append(HeadDecision(name, False, problem))
+            return F.cross_entropy(*args, **kwargs)
+        hidden = origin.hidden.reshape(-1, origin.hidden.shape[-1])
+        loss, _, _ = torch.ops.memfuse.linear_cross_entropy(
+            hidden, origin.weight, origin.bias, arguments["target"], arguments.get("ignore_index", -100),
+            arguments.get("reduction", "mean"), float(arguments.get("label_smoothing", 0.0)),
+            origin.linear_output.dtype, False, chunk_bytes(self.config))
+        self.chunked[name] = origin
+        self.decisions.append(HeadDecision(name, True, "a linear layer's output feeds only the loss",
+                                           int(origin.weight.shape[0]), False, chunk_bytes(self.config)))
+        return loss
+
+    def returned_logits(self, outputs) -> list[str]:
+        """The chunked heads whose logits are read past the loss or returned."""
+        returned = {id(t) for t in torch.utils._pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor)}
+        returned |= {id(self.followed[i].linear_output) for i in returned if i in self.followed}
+        return [name for name, o in self.chunked.items()
+                if id(o.linear_output) in returned or id(o.linear_output) in self.read_elsewhere]
+
+
+def _weight_and_bias(args, kwargs) -> tuple:
+    weight = args[1] if len(args) > 1 else kwargs["weight"]
+    return weight, args[2] if len(args) > 2 else kwargs.get("bias")
+
+
+def _is_method(func, names: tuple) -> bool:
+    name = getattr(func, "__name__", None)
+    return name in names and getattr(torch.Tensor, name, None) is func
+
+
+def _keeps_logits(func, before: torch.Tensor, after) -> bool:
+    """A cast to float32, or a view, reshape or contiguous copy that keeps the vocabulary last."""
+    if not isinstance(after, torch.Tensor) or after.shape[-1:] != before.shape[-1:]:
+        return False
+    if _is_method(func, CASTS):
+        return after.dtype in (torch.float32, before.dtype)
+    return _is_method(func, FLATTENS) and after.dtype == before.dtype
+
+
+def _value_problem(logits: torch.Tensor, linear_output: torch.Tensor) -> Optional[str]:
+    if logits.dim() != 2:
+        return "the loss reads logits that are not [tokens, vocab]"
+    if linear_output.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"the logits are {linear_output.dtype}"
+    if linear_output.dtype != torch.float32 and logits.dtype != torch.float32 and not torch.is_autocast_enabled(
+            logits.device.type):
+        return "the loss is not computed in float32 (half logits without autocast or a cast)"
+    return None
+
+
+def capture_chunked(trace: Callable, fn: Callable, config: Config):
+    """`trace(fn)` with each loss head of fn chunked, and the decisions. Where a chunked head's
+    logits are also returned or read elsewhere, this path cannot swap them in (the linear ran
+    before the loss was known): the trace is redone without chunking, and that is the decision."""
+    if not config.chunk_loss_head:
+        return trace(fn), []
+    modes = []      # one per trace of fn: AOTAutograd runs it more than once
+
+    def chunked(*args):
+        modes.append(LossHeadMode(config))
+        with modes[-1] as mode:
+            outputs = fn(*args)
+        returned = mode.returned_logits(outputs)
+        if returned:
+            raise LogitsReturned(returned)
+        return outputs
+    try:
+        traced = trace(chunked)
+    except LogitsReturned as e:
+        decisions = [HeadDecision(name, False, "the logits are also returned (or read past the loss): "
+                                  "memory_efficient_fusion cannot chunk them; torch.compile(backend='memfuse') can")
+                     for name in e.args[0]]
+        for decision in decisions:
+            _record(decision)
+        return trace(fn), decisions
+    decisions = modes[-1].decisions if modes else []
+    for decision in decisions:
+        _record(decision)
+    return traced, decisions

@@ -1,0 +1,305 @@
+"""The loss head, chunked: cross-entropy of a linear layer's output without its [tokens, vocab] logits.
+
+`logits = hidden @ weight.T (+ bias)`, then `cross_entropy(logits.float(), target)`: in LLM training
+the logits are the largest activation (Llama of `make bench-models`: [16384, 32000], 1 GB in bf16,
+2 GB in fp32, and as much again for their gradient). `torch.ops.memfuse.linear_cross_entropy`
+computes the same loss a chunk of tokens at a time:
+
+- forward, per chunk: the chunk's logits (one matmul, in the linear's dtype), then one kernel
+  that reads each row once and keeps its log-sum-exp and its target's logit (`_row_statistics`).
+  Only the [tokens] log-sum-exps are kept for the backward.
+- backward, per chunk: the chunk's logits again, one kernel that writes their gradient
+  `(softmax - one_hot) * scale` (`_logits_gradient`), and the two matmuls that take it into
+  the hidden states' and the weight's gradients; the weight's gradient adds up over chunks.
+
+A chunk's rows follow a byte budget (`chunk_rows`), so the head's transient is the same at any
+token count. Where the logits also leave the function (a model that returns them), the op writes
+them whole in the forward and adds their incoming gradient to each chunk's; they are still not
+kept for the backward. memfuse.head finds the pattern in traced graphs and puts this op there.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+# A matmul dimension that is a multiple of this many elements runs cuBLAS's aligned kernels.
+ALIGN = 8
+# Columns one program reads per step of its loop over the vocabulary.
+BLOCK_COLUMNS = 2048
+REDUCTIONS = ("mean", "sum", "none")
+
+
+def chunk_rows(tokens: int, vocab: int, dtype: torch.dtype, chunk_bytes: int) -> int:
+    """Token rows per chunk: the chunk's logits and their gradient fit in `chunk_bytes`; a
+    multiple of ALIGN (the chunk's matmuls stay aligned), at least ALIGN, at most `tokens`."""
+    per_row = 2 * _padded(vocab) * dtype.itemsize
+    rows = max(ALIGN, chunk_bytes // per_row // ALIGN * ALIGN)
+    return max(1, min(rows, tokens))
+
+
+def _padded(vocab: int) -> int:
+    return -(-vocab // ALIGN) * ALIGN
+
+
+# -- the kernels ---------------------------------------------------------------------------------
+@triton.jit
+def _row_statistics(logits_ptr, logits_row_stride, target_ptr, log_sum_exp_ptr, target_logit_ptr,
+                    logit_sum_ptr, vocab, BLOCK: tl.constexpr):
+    """One program per token row: the row's log-sum-exp, its target's logit and the sum of its
+    logits (label smoothing), in fp32, reading the row once (a running max rescales the sum)."""
+    row = tl.program_id(0).to(tl.int64)
+    row_logits = logits_ptr + row * logits_row_stride
+    target = tl.load(target_ptr + row)
+    running_max = float("-inf")
+    sum_of_exp = 0.0
+    target_logit = 0.0
+    logit_sum = 0.0
+    for start in range(0, vocab, BLOCK):
+        columns = start + tl.arange(0, BLOCK)
+        inside = columns < vocab
+        logits = tl.load(row_logits + columns, mask=inside, other=float("-inf")).to(tl.float32)
+        # online softmax: rescale what is summed so far to the new max
+        new_max = tl.maximum(running_max, tl.max(logits, axis=0))
+        sum_of_exp = sum_of_exp * tl.exp(running_max - new_max) + tl.sum(tl.exp(logits - new_max), axis=0)
+        running_max = new_max
+        target_logit += tl.sum(tl.where(columns == target, logits, 0.0), axis=0)
+        logit_sum += tl.sum(tl.where(inside, logits, 0.0), axis=0)
+    tl.store(log_sum_exp_ptr + row, running_max + tl.log(sum_of_exp))
+    tl.store(target_logit_ptr + row, target_logit)
+    tl.store(logit_sum_ptr + row, logit_sum)
+
+
+@triton.jit
+def _logits_gradient(logits_ptr, logits_row_stride, log_sum_exp_ptr, target_ptr, row_scale_ptr,
+                     incoming_ptr, incoming_row_stride, gradient_ptr, gradient_row_stride, vocab, padded_vocab,
+                     smoothing, HAS_INCOMING: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per token row: d loss / d logits = (softmax - (1 - smoothing) * one_hot -
+    smoothing / vocab) * row_scale, plus the gradient the returned logits received (HAS_INCOMING).
+    Columns past the vocabulary (the aligned padding) get 0, so the matmuls can read them."""
+    row = tl.program_id(0).to(tl.int64)
+    row_logits = logits_ptr + row * logits_row_stride
+    row_gradient = gradient_ptr + row * gradient_row_stride
+    log_sum_exp = tl.load(log_sum_exp_ptr + row)
+    target = tl.load(target_ptr + row)
+    row_scale = tl.load(row_scale_ptr + row)
+    for start in range(0, padded_vocab, BLOCK):
+        columns = start + tl.arange(0, BLOCK)
+        inside = columns < vocab
+        logits = tl.load(row_logits + columns, mask=inside, other=float("-inf")).to(tl.float32)
+        softmax = tl.exp(logits - log_sum_exp)
+        wanted = tl.where(columns == target, 1.0 - smoothing, 0.0) + tl.where(inside, smoothing / vocab, 0.0)
+        gradient = (softmax - wanted) * row_scale
+        if HAS_INCOMING:
+            incoming = tl.load(incoming_ptr + row * incoming_row_stride + columns, mask=inside, other=0.0)
+            gradient += incoming.to(tl.float32)
+        gradient = tl.where(inside, gradient, 0.0)
+        tl.store(row_gradient + columns, gradient.to(gradient_ptr.dtype.element_ty), mask=columns < padded_vocab)
+
+
+# -- the op --------------------------------------------------------------------------------------
+def _no_autocast(device: torch.device):
+    """The op casts its operands itself: an autocast around the compiled call must not recast."""
+    return torch.autocast(device.type, enabled=False) if device.type in ("cuda", "cpu") else contextlib.nullcontext()
+
+
+def _aligned_weight(weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype):
+    """The weight (and bias) in the matmul's dtype with the vocabulary padded to ALIGN rows of
+    zeros: the chunk's logits then have an aligned row stride, and cuBLAS its aligned kernels."""
+    vocab = weight.shape[0]
+    weight = weight.to(dtype)
+    bias = None if bias is None else bias.to(dtype)
+    if _padded(vocab) == vocab:
+        return weight, bias
+    pad = _padded(vocab) - vocab
+    weight = torch.nn.functional.pad(weight, (0, 0, 0, pad))
+    return weight, None if bias is None else torch.nn.functional.pad(bias, (0, pad))
+
+
+def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    if bias is None:
+        return torch.mm(hidden, weight.t(), out=out)
+    return torch.addmm(bias, hidden, weight.t(), out=out)
+
+
+def _row_losses(log_sum_exp, target_logit, logit_sum, valid, vocab: int, smoothing: float) -> torch.Tensor:
+    """Each row's loss, 0 where the target is ignored: -log softmax[target], mixed with the mean
+    of -log softmax over the vocabulary by `smoothing` (cross_entropy's label_smoothing)."""
+    loss = log_sum_exp - target_logit
+    if smoothing:
+        loss = (1.0 - smoothing) * loss + smoothing * (log_sum_exp - logit_sum / vocab)
+    return torch.where(valid, loss, 0.0)
+
+
+def _reduced(row_losses: torch.Tensor, valid: torch.Tensor, reduction: str) -> torch.Tensor:
+    if reduction == "none":
+        return row_losses
+    total = row_losses.sum()
+    return total / valid.sum() if reduction == "mean" else total
+
+
+def _check(hidden, weight, bias, target, reduction: str) -> None:
+    """Bad input is an error naming the argument. Sizes that may be symbolic (traced) are
+    compared only on real tensors: a comparison in the trace would make them part of the key."""
+    if hidden.dim() != 2 or weight.dim() != 2:
+        raise ValueError(f"memfuse.linear_cross_entropy: hidden [tokens, H] and weight [vocab, H] expected, "
+                         f"got {tuple(hidden.shape)} and {tuple(weight.shape)}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"memfuse.linear_cross_entropy: reduction {reduction!r}, expected one of {REDUCTIONS}")
+    if target.dim() != 1 or target.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"memfuse.linear_cross_entropy: target of int64 [tokens] expected, "
+                         f"got {target.dtype} {tuple(target.shape)}")
+
+
+def _check_sizes(hidden, weight, bias, target) -> None:
+    if hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"memfuse.linear_cross_entropy: hidden [tokens, H] and weight [vocab, H] expected, "
+                         f"got {tuple(hidden.shape)} and {tuple(weight.shape)}")
+    if target.shape != hidden.shape[:1]:
+        raise ValueError(f"memfuse.linear_cross_entropy: target of [tokens] = [{hidden.shape[0]}] expected, "
+                         f"got {tuple(target.shape)}")
+    if bias is not None and bias.shape != weight.shape[:1]:
+        raise ValueError(f"memfuse.linear_cross_entropy: bias of [vocab] = [{weight.shape[0]}] expected, "
+                         f"got {tuple(bias.shape)}")
+
+
+@torch.library.custom_op("memfuse::linear_cross_entropy", mutates_args=())
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                         target: torch.Tensor, ignore_index: int, reduction: str, label_smoothing: float,
+                         dtype: torch.dtype, return_logits: bool, chunk_bytes: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, log_sum_exp [tokens] fp32, logits) of `cross_entropy((hidden @ weight.T + bias) in
+    dtype, as fp32, target)`. `logits` is [tokens, vocab] in `dtype` when `return_logits` (their
+    rows aligned: a view of a padded buffer where vocab is odd), else empty."""
+    _check(hidden, weight, bias, target, reduction)
+    _check_sizes(hidden, weight, bias, target)
+    tokens, vocab = hidden.shape[0], weight.shape[0]
+    with _no_autocast(hidden.device):
+        hidden = hidden.to(dtype)
+        aligned, aligned_bias = _aligned_weight(weight, bias, dtype)
+        logits = _logits_buffer(hidden, vocab, dtype, return_logits)
+        log_sum_exp, target_logit, logit_sum = (hidden.new_empty(tokens, dtype=torch.float32) for _ in range(3))
+        rows = chunk_rows(tokens, vocab, dtype, chunk_bytes)
+        for start in range(0, tokens, rows):
+            end = min(start + rows, tokens)
+            out = logits[start:end] if return_logits else None
+            chunk = _chunk_logits(hidden[start:end], aligned, aligned_bias, out=out)
+            _row_statistics[(end - start,)](chunk, chunk.stride(0), target[start:end], log_sum_exp[start:end],
+                                            target_logit[start:end], logit_sum[start:end], vocab, BLOCK=BLOCK_COLUMNS)
+        valid = target != ignore_index
+        # as aten's nll_loss: a target outside the vocabulary that is not ignored is an error
+        torch._assert_async(((target >= 0) & (target < vocab) | ~valid).all(),
+                            "memfuse.linear_cross_entropy: a target is outside [0, vocab)")
+        losses = _row_losses(log_sum_exp, target_logit, logit_sum, valid, vocab, label_smoothing)
+        loss = _reduced(losses, valid, reduction)
+    return loss, log_sum_exp, logits[:, :vocab] if return_logits else logits
+
+
+def _logits_buffer(hidden: torch.Tensor, vocab: int, dtype: torch.dtype, return_logits: bool) -> torch.Tensor:
+    return hidden.new_empty((hidden.shape[0], _padded(vocab) if return_logits else 0), dtype=dtype)
+
+
+@linear_cross_entropy.register_fake
+def _(hidden, weight, bias, target, ignore_index, reduction, label_smoothing, dtype, return_logits, chunk_bytes):
+    _check(hidden, weight, bias, target, reduction)
+    tokens, vocab = hidden.shape[0], weight.shape[0]
+    loss = hidden.new_empty((tokens,) if reduction == "none" else (), dtype=torch.float32)
+    log_sum_exp = hidden.new_empty((tokens,), dtype=torch.float32)
+    logits = _logits_buffer(hidden, vocab, dtype, return_logits)
+    return loss, log_sum_exp, logits[:, :vocab] if return_logits else logits
+
+
+@torch.library.custom_op("memfuse::linear_cross_entropy_backward", mutates_args=())
+def linear_cross_entropy_backward(loss_gradient: torch.Tensor, logits_gradient: Optional[torch.Tensor],
+                                  hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                                  target: torch.Tensor, log_sum_exp: torch.Tensor, ignore_index: int,
+                                  reduction: str, label_smoothing: float, dtype: torch.dtype, chunk_bytes: int
+                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(d hidden, d weight, d bias) of linear_cross_entropy, chunk by chunk: each chunk's logits
+    again, their gradient, and the two matmuls. The weight's gradient adds up over the chunks in
+    fp32 when the weight is fp32 (autocast's master weights), else in the weight's dtype (one
+    rounding per chunk). `logits_gradient`: what the returned logits received, or None. The bias
+    gradient is empty when there is no bias."""
+    tokens, vocab = hidden.shape[0], weight.shape[0]
+    with _no_autocast(hidden.device):
+        compute_hidden = hidden.to(dtype)
+        aligned, aligned_bias = _aligned_weight(weight, bias, dtype)
+        scales = _row_scales(loss_gradient, target, ignore_index, reduction)
+        hidden_gradient = hidden.new_empty(hidden.shape)
+        weight_gradient = torch.zeros(aligned.shape, dtype=weight.dtype, device=weight.device)
+        bias_gradient = torch.zeros(aligned.shape[:1] if bias is not None else (0,), dtype=torch.float32,
+                                    device=weight.device)
+        rows = chunk_rows(tokens, vocab, dtype, chunk_bytes)
+        for start in range(0, tokens, rows):
+            end = min(start + rows, tokens)
+            chunk_hidden = compute_hidden[start:end]
+            chunk = _chunk_logits(chunk_hidden, aligned, aligned_bias)
+            gradient = torch.empty_like(chunk)
+            incoming = None if logits_gradient is None else _unit_stride(logits_gradient)[start:end]
+            _logits_gradient[(end - start,)](
+                chunk, chunk.stride(0), log_sum_exp[start:end], target[start:end], scales[start:end],
+                incoming, 0 if incoming is None else incoming.stride(0), gradient, gradient.stride(0),
+                vocab, aligned.shape[0], label_smoothing, HAS_INCOMING=incoming is not None, BLOCK=BLOCK_COLUMNS)
+            del chunk
+            hidden_gradient[start:end] = torch.mm(gradient, aligned)
+            _accumulate(weight_gradient, gradient.t(), chunk_hidden)
+            if bias is not None:
+                bias_gradient += gradient.sum(0, dtype=torch.float32)
+    bias_gradient = bias_gradient[:vocab].to(bias.dtype) if bias is not None else bias_gradient
+    return hidden_gradient, weight_gradient[:vocab].contiguous() if vocab != aligned.shape[0] else weight_gradient, \
+        bias_gradient
+
+
+def _unit_stride(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _accumulate(total: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
+    """total += left @ right: in place in total's dtype where the operands share it (cuBLAS adds in
+    fp32 and rounds once), else the chunk's product in the operands' dtype added to total."""
+    if total.dtype == left.dtype:
+        total.addmm_(left, right)
+    else:
+        total += torch.mm(left, right)
+
+
+def _row_scales(loss_gradient: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str) -> torch.Tensor:
+    """d loss / d row loss, per row (fp32): the incoming gradient, over the count of counted rows
+    for a mean, and 0 where the target is ignored."""
+    valid = target != ignore_index
+    scale = loss_gradient.to(torch.float32)
+    if reduction == "mean":
+        scale = scale / valid.sum()
+    return torch.where(valid, scale.expand(target.shape), 0.0)
+
+
+@linear_cross_entropy_backward.register_fake
+def _(loss_gradient, logits_gradient, hidden, weight, bias, target, log_sum_exp, ignore_index, reduction,
+      label_smoothing, dtype, chunk_bytes):
+    bias_gradient = bias.new_empty(bias.shape) if bias is not None else hidden.new_empty((0,), dtype=torch.float32)
+    return hidden.new_empty(hidden.shape), weight.new_empty(weight.shape), bias_gradient
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    hidden, weight, bias, target, ignore_index, reduction, label_smoothing, dtype, return_logits, chunk_bytes = inputs
+    _, log_sum_exp, _ = output
+    ctx.save_for_backward(hidden, weight, bias, target, log_sum_exp)
+    ctx.settings = (ignore_index, reduction, label_smoothing, dtype, chunk_bytes)
+    ctx.return_logits = return_logits
+    ctx.mark_non_differentiable(log_sum_exp)
+
+
+def _backward(ctx, loss_gradient, _log_sum_exp_gradient, logits_gradient):
+    hidden, weight, bias, target, log_sum_exp = ctx.saved_tensors
+    incoming = logits_gradient if ctx.return_logits else None
+    hidden_gradient, weight_gradient, bias_gradient = linear_cross_entropy_backward(
+        loss_gradient, incoming, hidden, weight, bias, target, log_sum_exp, *ctx.settings)
+    return (hidden_gradient, weight_gradient, bias_gradient if bias is not None else None,
+            None, None, None, None, None, None, None)
+
+
+linear_cross_entropy.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,266 @@
+"""The chunked loss head (issue 18): memfuse.loss_head's op against the unchunked math, and
+memfuse.head finding the pattern (linear -> [cast] -> [flatten] -> cross_entropy) in functions,
+in torch.compile graphs and in HuggingFace's GPT-2, BERT-MLM and Llama heads, or saying why not."""
+import logging
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import memfuse
+from memfuse import loss_head
+from memfuse.config import Config
+from memfuse.head import chunk_bytes
+
+IGNORE = -100
+
+
+def head_inputs(tokens, hidden, vocab, bias=False, dtype=torch.float64, ignored_every=5, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=generator, dtype=dtype, requires_grad=True)
+    weight = torch.randn(vocab, hidden, generator=generator, dtype=dtype, requires_grad=True)
+    b = torch.randn(vocab, generator=generator, dtype=dtype, requires_grad=True) if bias else None
+    target = torch.randint(0, vocab, (tokens,), generator=generator)
+    if ignored_every:
+        target[::ignored_every] = IGNORE
+    return x, weight, b, target
+
+
+def as_fp32(*tensors):
+    return [None if t is None else t.detach().float().requires_grad_() for t in tensors]
+
+
+def op_loss(x, weight, b, target, reduction, smoothing, return_logits=False, chunk=4096, dtype=torch.float32):
+    return torch.ops.memfuse.linear_cross_entropy(x, weight, b, target, IGNORE, reduction, smoothing, dtype,
+                                                  return_logits, chunk)
+
+
+def relative(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+# -- the op ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("bias", [False, True])
+def test_op_matches_cross_entropy_of_the_linear(reduction, smoothing, bias):
+    """Odd vocabulary (37: the aligned weight has 3 rows of padding), 45 tokens in chunks of 8
+    rows (the last chunk short), every fifth target ignored; fp32 against fp64."""
+    x, weight, b, target = head_inputs(45, 16, 37, bias)
+    assert loss_head.chunk_rows(45, 37, torch.float32, 2048) == 8
+    x32, w32, b32 = as_fp32(x, weight, b)
+    loss, log_sum_exp, logits = op_loss(x32, w32, b32, target, reduction, smoothing, chunk=2048)
+    reference = F.cross_entropy(F.linear(x, weight, b), target, ignore_index=IGNORE, reduction=reduction,
+                                label_smoothing=smoothing)
+    assert logits.numel() == 0
+    assert relative(loss, reference) < 1e-6
+    assert relative(log_sum_exp, torch.logsumexp(F.linear(x, weight, b), -1)) < 1e-6
+    upstream = torch.randn_like(reference)
+    (loss * upstream.float()).sum().backward()
+    (reference * upstream).sum().backward()
+    for ours, theirs in zip((x32, w32, b32), (x, weight, b)):
+        if theirs is not None:
+            assert relative(ours.grad, theirs.grad) < 1e-5
+
+
+def test_returned_logits_and_their_gradient():
+    """With return_logits the op also returns the [tokens, vocab] logits (rows aligned to 8, a
+    view of the padded buffer) and adds the gradient they receive to each chunk's."""
+    x, weight, b, target = head_inputs(30, 8, 21, bias=True)
+    x32, w32, b32 = as_fp32(x, weight, b)
+    loss, _, logits = op_loss(x32, w32, b32, target, "mean", 0.0, return_logits=True, chunk=1024)
+    reference_logits = F.linear(x, weight, b)
+    reference = F.cross_entropy(reference_logits, target, ignore_index=IGNORE)
+    assert logits.shape == (30, 21) and logits.stride() == (24, 1)
+    assert relative(logits, reference_logits) < 1e-6
+    logits_upstream = torch.randn(30, 21, dtype=torch.float64)
+    (loss + (logits * logits_upstream.float()).sum()).backward()
+    (reference + (reference_logits * logits_upstream).sum()).backward()
+    for ours, theirs in zip((x32, w32, b32), (x, weight, b)):
+        assert relative(ours.grad, theirs.grad) < 1e-5
+
+
+def test_bf16_no_further_from_fp64_than_eager():
+    """bf16 operands: loss and gradients no further from fp64 than eager's bf16 linear + fp32 loss
+    (the op accumulates the bf16 weight's gradient over chunks in bf16, as eager's one matmul
+    rounds it once: a margin of 3x)."""
+    x, weight, _, target = head_inputs(64, 32, 50)
+    exact = F.cross_entropy(F.linear(x, weight), target, ignore_index=IGNORE)
+    exact_grads = torch.autograd.grad(exact, (x, weight))
+    xb, wb = (t.detach().bfloat16().requires_grad_() for t in (x, weight))
+    eager = F.cross_entropy(F.linear(xb, wb).float(), target, ignore_index=IGNORE)
+    eager_grads = torch.autograd.grad(eager, (xb, wb))
+    ours, _, _ = op_loss(xb, wb, None, target, "mean", 0.0, chunk=1024, dtype=torch.bfloat16)
+    our_grads = torch.autograd.grad(ours, (xb, wb))
+    assert abs(ours.double() - exact) <= 3 * abs(eager.double() - exact) + 1e-6
+    for mine, theirs, truth in zip(our_grads, eager_grads, exact_grads):
+        assert mine.dtype == torch.bfloat16
+        assert relative(mine, truth) <= 3 * relative(theirs, truth) + 1e-6
+
+
+def test_all_targets_ignored_gives_nan_as_eager():
+    x, weight, _, target = head_inputs(8, 4, 10, ignored_every=1)
+    loss, _, _ = op_loss(*as_fp32(x, weight), None, target, "mean", 0.0)
+    assert torch.isnan(loss) and torch.isnan(F.cross_entropy(F.linear(x, weight), target, ignore_index=IGNORE))
+
+
+def test_a_target_outside_the_vocabulary_is_an_error():
+    x, weight, _, target = head_inputs(8, 4, 10, ignored_every=0)
+    target[3] = 10
+    with pytest.raises(RuntimeError, match="outside"):
+        op_loss(*as_fp32(x, weight), None, target, "mean", 0.0)
+
+
+@pytest.mark.parametrize("shapes, message", [
+    (((8, 4), (10, 5), (8,)), "hidden"),
+    (((8, 4), (10, 4), (7,)), "target"),
+])
+def test_bad_shapes_name_the_argument(shapes, message):
+    x, weight, target = torch.randn(*shapes[0]), torch.randn(*shapes[1]), torch.zeros(shapes[2], dtype=torch.long)
+    with pytest.raises(ValueError, match=message):
+        op_loss(x, weight, None, target, "mean", 0.0)
+
+
+def test_chunks_follow_the_byte_budget_and_the_memory_budget():
+    assert loss_head.chunk_rows(16384, 32000, torch.bfloat16, 256 * 2**20) == 2096
+    assert loss_head.chunk_rows(5, 32000, torch.bfloat16, 256 * 2**20) == 5
+    assert loss_head.chunk_rows(16384, 32000, torch.bfloat16, 1) == 8
+    assert chunk_bytes(Config(memory_budget=0.5)) == chunk_bytes(Config()) // 2
+
+
+# -- found in functions (memory_efficient_fusion) ------------------------------------------------
+def linear_head(x, weight, target):
+    return F.cross_entropy(F.linear(x, weight).float().view(-1, weight.shape[0]), target, label_smoothing=0.1)
+
+
+def matmul_head(x, weight, target):
+    """Not the pattern: `x @ weight.T` is a matmul, not a linear layer."""
+    return F.cross_entropy(x @ weight.T, target)
+
+
+def returning_head(x, weight, target):
+    logits = F.linear(x, weight)
+    return F.cross_entropy(logits, target), logits
+
+
+def weighted_head(x, weight, target):
+    return F.cross_entropy(F.linear(x, weight), target, weight=torch.ones(weight.shape[0]))
+
+
+def test_a_function_head_is_chunked_and_keeps_no_logits():
+    x, weight, _, target = head_inputs(40, 16, 37, dtype=torch.float32)
+    fused = memfuse.memory_efficient_fusion(linear_head)
+    loss = fused(x, weight, target)
+    grads = torch.autograd.grad(loss, (x, weight))
+    reference = linear_head(x, weight, target)
+    assert relative(loss, reference) < 1e-6
+    for ours, theirs in zip(grads, torch.autograd.grad(reference, (x, weight))):
+        assert relative(ours, theirs) < 1e-5
+    assert memfuse.stats()["loss_heads_chunked"] == 1
+    report = memfuse.explain(linear_head, x, weight, target)
+    assert [d.chunked for d in report.loss_heads] == [True]
+    assert "chunked linear + cross-entropy over vocab 37" in str(report)
+    assert report.saved_bytes <= 40 * 4, "only the [tokens] log-sum-exps beyond the inputs"
+    graph_targets = {str(n.target) for n in report.entry.captured.aten_graph.graph.nodes}
+    assert "aten.mm.default" not in graph_targets, "the replaced linear is not computed"
+
+
+class Head(torch.nn.Module):
+    """A module's head on [batch, sequence, hidden]: the weight a parameter (static)."""
+
+    def __init__(self, hidden, vocab):
+        super().__init__()
+        self.vocab = torch.nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, x, target):
+        logits = self.vocab(x).float().view(-1, self.vocab.out_features)
+        return F.cross_entropy(logits, target.view(-1))
+
+
+def test_one_compile_for_every_batch_size():
+    """memfuse's key holds each input's last dim (the sequence length of [batch, sequence]
+    targets); the leading ones, here the batch, take every size in one compile."""
+    head = Head(16, 37)
+    fused = memfuse.memory_efficient_fusion(head)
+    for batch in (5, 7, 3):
+        x, _, _, target = head_inputs(batch * 8, 16, 37, dtype=torch.float32, seed=batch)
+        x, target = x.view(batch, 8, 16), target.view(batch, 8)
+        loss = fused(x, target)
+        assert relative(loss, head(x, target)) < 1e-6
+    assert memfuse.stats()["compiles"] == 1 and memfuse.stats()["loss_heads_chunked"] == 1
+
+
+@pytest.mark.parametrize("fn, reason", [
+    (returning_head, "the logits are also returned"),
+    (weighted_head, "a class weight is given"),
+])
+def test_a_head_not_taken_says_why_and_matches_eager(fn, reason, caplog):
+    x, weight, _, target = head_inputs(40, 16, 37, dtype=torch.float32)
+    with caplog.at_level(logging.INFO, logger="memfuse.fallbacks"):
+        out = memfuse.memory_efficient_fusion(fn)(x, weight, target)
+    expected = fn(x, weight, target)
+    loss, reference = (out[0], expected[0]) if isinstance(out, tuple) else (out, expected)
+    assert relative(loss, reference) < 1e-6
+    assert memfuse.stats()["loss_heads_chunked"] == 0
+    assert any(reason in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+def test_a_matmul_head_is_not_a_linear_layer():
+    x, weight, _, target = head_inputs(40, 16, 37, dtype=torch.float32, ignored_every=0)
+    loss = memfuse.memory_efficient_fusion(matmul_head)(x, weight, target)
+    assert relative(loss, matmul_head(x, weight, target)) < 1e-6
+    assert memfuse.stats()["loss_heads_chunked"] == 0
+
+
+def test_chunking_can_be_turned_off():
+    x, weight, _, target = head_inputs(40, 16, 37, dtype=torch.float32)
+    fused = memfuse.memory_efficient_fusion(linear_head, config=Config(chunk_loss_head=False))
+    assert relative(fused(x, weight, target), linear_head(x, weight, target)) < 1e-6
+    assert memfuse.stats()["loss_heads_chunked"] == 0
+
+
+# -- found in torch.compile graphs, HuggingFace models included ------------------------------------
+def test_backend_chunks_a_head_whose_logits_are_returned():
+    """The backend rewrites Dynamo's graph: returned logits come out of the op, and their gradient
+    goes into its backward."""
+    torch._dynamo.reset()
+    x, weight, _, target = head_inputs(40, 16, 37, dtype=torch.float32)
+    compiled = torch.compile(returning_head, backend="memfuse")
+    loss, logits = compiled(x, weight, target)
+    reference_loss, reference_logits = returning_head(x, weight, target)
+    upstream = torch.randn_like(logits)
+    grads = torch.autograd.grad(loss + (logits * upstream).sum(), (x, weight))
+    expected = torch.autograd.grad(reference_loss + (reference_logits * upstream).sum(), (x, weight))
+    assert relative(loss, reference_loss) < 1e-6 and relative(logits, reference_logits) < 1e-6
+    for ours, theirs in zip(grads, expected):
+        assert relative(ours, theirs) < 1e-5
+    assert memfuse.stats()["loss_heads_chunked"] == 1
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bert", "llama"])
+def test_huggingface_heads_are_found_and_match_eager(family):
+    """The three heads of `make bench-models`, tiny, under torch.compile(backend="memfuse"): the
+    loss and every gradient as eager's (the head's pattern found once per model)."""
+    pytest.importorskip("transformers")
+    sys.argv.append("--tiny")           # benchmarks.models: tiny configs, the interpreter
+    try:
+        from benchmarks.models import FAMILIES, build
+    finally:
+        sys.argv.remove("--tiny")
+    torch._dynamo.reset()
+    spec = FAMILIES[family]
+    model = build(spec, spec.tiny, 0.0)
+    reference = build(spec, spec.tiny, 0.0, model.state_dict())
+    ids = torch.randint(0, spec.tiny.vocab, (2, 16), generator=torch.Generator().manual_seed(1))
+    loss = torch.compile(model, backend="memfuse")(input_ids=ids, labels=ids).loss
+    expected = reference(input_ids=ids, labels=ids).loss
+    loss.backward()
+    expected.backward()
+    assert memfuse.stats()["loss_heads_chunked"] == 1
+    assert relative(loss, expected) < 1e-6
+    largest = max(p.grad.norm() for p in reference.parameters() if p.grad is not None)
+    for (name, ours), theirs in zip(model.named_parameters(), reference.parameters()):
+        if theirs.grad is not None:
+            error = (ours.grad - theirs.grad).norm() / max(theirs.grad.norm(), 1e-3 * largest)
+            assert error < 1e-4, name
