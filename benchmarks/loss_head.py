@@ -168,7 +168,7 @@ def liger_rewrite(fn: Callable) -> Callable:
 WRAPPERS: dict[str, Callable[[Callable], Callable]] = {
     "eager": lambda fn: fn,
     "torch_compile": lambda fn: torch.compile(fn),
-    "torch_compile_chunker": lambda fn: torch.compile(fn),  # under chunker_config(), see peer_context
+    "torch_compile_chunker": lambda fn: torch.compile(fn),  # under peer_context(): the auto-chunker on
     "liger": liger_rewrite,
     "memfuse": memfuse.memory_efficient_fusion,
     "memfuse_backend": lambda fn: torch.compile(fn, backend="memfuse"),
@@ -421,10 +421,11 @@ def render(result: dict, markdown: bool) -> str:
     meta, w = result["metadata"], result["metadata"]["workload"]
     headers = ["form", "peer", "ms/step", "vs fastest", "peak MB", "vs least", "1st call s", "loss",
                "loss err", "grad err", "loss head", "note"]
-    body = [[r["form"], r["peer"], models._fmt(r["step_s"], ".2f", 1e3), models._fmt(r["time_ratio"], ".2f", suffix="x"),
-             models._fmt(r["peak_bytes"], ".0f", 1 / MB), models._fmt(r["memory_ratio"], ".2f", suffix="x"),
-             models._fmt(r["first_call_s"], ".1f"), models._fmt(r["loss"], ".4f"), models._fmt(r["loss_error"], ".1e"),
-             models._fmt(r["grad_error"], ".1e"), _chunked(r), _note(r)] for r in result["rows"]]
+    fmt = models._fmt
+    body = [[r["form"], r["peer"], fmt(r["step_s"], ".2f", 1e3), fmt(r["time_ratio"], ".2f", suffix="x"),
+             fmt(r["peak_bytes"], ".0f", 1 / MB), fmt(r["memory_ratio"], ".2f", suffix="x"),
+             fmt(r["first_call_s"], ".1f"), fmt(r["loss"], ".4f"), fmt(r["loss_error"], ".1e"),
+             fmt(r["grad_error"], ".1e"), _chunked(r), _note(r)] for r in result["rows"]]
     head = (f"- {w['tokens']} tokens x hidden {w['hidden']} -> vocab {w['vocab']}, {meta['precision']}, "
             f"{w['ignore_fraction']:.0%} of targets ignored; {meta['device']}, torch {meta['torch']}, "
             f"triton {meta['triton']}, liger-kernel {meta['liger_kernel'] or 'not installed'}, {meta['date']}")
@@ -462,7 +463,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--forms", help=f"comma-separated, from {', '.join(FORMS)} (default: both)")
     parser.add_argument("--peers", help=f"comma-separated, from {', '.join(PEERS)} (default: all; --tiny: all but "
                                         f"{', '.join(COMPILE_PEERS)}, which are reported missing)")
-    parser.add_argument("--timed-steps", type=int, help=f"timed steps per peer (GPU default {GPU_SETTINGS.timed_steps})")
+    parser.add_argument("--timed-steps", type=int,
+                        help=f"timed steps per peer (GPU default {GPU_SETTINGS.timed_steps})")
     parser.add_argument("--tiny", action="store_true", help="a tiny head on CPU through the Triton interpreter")
     parser.add_argument("--out", type=Path, default=models.DEFAULT_OUT, help="output directory")
     args = parser.parse_args(argv)
