@@ -1,7 +1,8 @@
 # make test: fresh virtualenv, CPU torch, the suite through Triton's interpreter.
 # make bench: side-by-side benchmark of the seed's blocks; make bench-models: of whole HuggingFace
-# models; make bench-budget: memory budgets of those models beside torch.compile's. Without a GPU
-# they are small smoke runs through the interpreter, and say so.
+# models; make bench-budget: memory budgets of those models beside torch.compile's; make
+# bench-loss-head: the loss head alone beside torch.compile, its auto-chunker and Liger-Kernel.
+# Without a GPU they are small smoke runs through the interpreter, and say so.
 PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
@@ -18,7 +19,7 @@ endif
 BENCH_PY := $(or $(BENCH_PY),$(VENV)/bin/python)
 BENCH_SETUP = $(if $(filter $(VENV)/bin/python,$(BENCH_PY)),$(VENV)/.installed)
 
-.PHONY: test bench bench-models bench-budget install clean
+.PHONY: test bench bench-models bench-budget bench-loss-head install clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +43,10 @@ bench-models: $(BENCH_SETUP)
 # ARGS: e.g. --models gpt2 --budgets 1.0,0.5 --modes memfuse_backend
 bench-budget: $(BENCH_SETUP)
 	$(BENCH_PY) -m benchmarks.budget $(ARGS)
+
+# ARGS: e.g. --autocast, --forms function --peers eager,liger,memfuse, --ignore-fraction 0.1
+bench-loss-head: $(BENCH_SETUP)
+	$(BENCH_PY) -m benchmarks.loss_head $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,515 @@
+"""The loss head alone (issue 18): `cross_entropy((hidden @ weight.T).float(), target)`, forward
+and backward, side by side: eager, torch.compile, torch.compile with its auto-chunker,
+Liger-Kernel's fused linear cross-entropy, and memfuse on the unchanged code.
+
+    python -m benchmarks.loss_head [--tokens 8192] [--hidden 4096] [--vocab 128256] [--dtype bfloat16]
+                                   [--ignore-fraction F] [--autocast] [--forms function,module]
+                                   [--peers NAME,..] [--timed-steps N] [--tiny] [--out DIR]
+
+The user's head is written twice, as a plain function of (hidden, weight, target) and as an
+nn.Module (nn.Linear(hidden, vocab, bias=False), then cross_entropy); every peer runs each form in
+this process, one after another, on the same tensors. `--autocast`: fp32 weights under
+torch.autocast(bfloat16), hidden states in --dtype. Per peer: the median step time, the step's
+peak memory above the inputs', the first call, the loss and gradients against an fp32 reference
+(fp64 on CPU), and for memfuse whether `memfuse.explain` reports a chunked loss head. A peer that
+cannot run here (Liger not installed, no auto-chunker in this torch) has a row saying why.
+Writes loss-head-<variant>.json and .md into --out (variant: the dtype, or "autocast").
+
+Without CUDA, or with --tiny, a tiny head runs on CPU in fp32 through the Triton interpreter
+(torch.compile's peers only when --peers names them): a smoke run of the harness, not a
+measurement (loss-head-tiny-*). docs/benchmarks.md defines every column.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib.metadata
+import io
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import models  # noqa: E402  (sets TRITON_INTERPRET for --tiny before triton loads)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+import memfuse  # noqa: E402
+
+MB = models.MB
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+IGNORE_INDEX = -100  # cross_entropy's default, and Liger's
+TARGET_TIME_RATIO = 1.1  # issue 18: memfuse within 1.1x the fastest peer's time
+GPU_SETTINGS = models.Settings(warmup_steps=5, timed_steps=20)
+TINY_BANNER = (
+    "=" * 88 + "\n"
+    "TINY RUN: a tiny loss head on CPU, memfuse and Liger through the Triton interpreter.\n"
+    "These numbers say NOTHING about performance; they only show the harness and peers work.\n"
+    + "=" * 88
+)
+
+
+# -- the workload: the user's unchanged loss head ---------------------------------------------------
+def loss_head(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy((hidden @ weight.T).float(), target)
+
+
+class LossHead(nn.Module):
+    """The same head as a model writes it: the LM head's linear layer, then the loss."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        self.linear.weight = nn.Parameter(weight.detach())  # shares the function form's storage
+
+    def forward(self, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.linear(hidden).float(), target)
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    tokens: int
+    hidden: int
+    vocab: int
+    dtype: str  # of the hidden states, and of the weight unless autocast
+    ignore_fraction: float  # share of targets set to IGNORE_INDEX
+    autocast: bool  # fp32 weight under torch.autocast(bfloat16)
+
+    @property
+    def variant(self) -> str:
+        return "autocast" if self.autocast else self.dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    hidden: torch.Tensor  # [tokens, hidden], requires grad
+    weight: torch.Tensor  # [vocab, hidden], requires grad
+    target: torch.Tensor  # [tokens] int64, IGNORE_INDEX where ignored
+
+
+def make_inputs(workload: Workload, device: torch.device) -> Inputs:
+    """Seeded random inputs; the weight scaled as nn.Linear initializes it (|w| < 1/sqrt(hidden))."""
+    generator = torch.Generator().manual_seed(models.DATA_SEED)
+    hidden = torch.randn(workload.tokens, workload.hidden, generator=generator)
+    bound = workload.hidden ** -0.5
+    weight = (torch.rand(workload.vocab, workload.hidden, generator=generator) * 2 - 1) * bound
+    target = torch.randint(0, workload.vocab, (workload.tokens,), generator=generator)
+    ignored = torch.rand(workload.tokens, generator=generator) < workload.ignore_fraction
+    weight_dtype = torch.float32 if workload.autocast else DTYPES[workload.dtype]
+    return Inputs(hidden.to(device, DTYPES[workload.dtype]).requires_grad_(),
+                  weight.to(device, weight_dtype).requires_grad_(),
+                  target.masked_fill(ignored, IGNORE_INDEX).to(device))
+
+
+@dataclasses.dataclass(frozen=True)
+class Head:
+    """One form of the head, ready to call: `fn(*args)` is the loss; a step's gradients land in
+    `leaves` (the hidden states and the weight)."""
+
+    form: str
+    fn: Callable
+    args: tuple
+    leaves: tuple
+
+
+def function_head(inputs: Inputs) -> Head:
+    return Head("function", loss_head, (inputs.hidden, inputs.weight, inputs.target), (inputs.hidden, inputs.weight))
+
+
+def module_head(inputs: Inputs) -> Head:
+    module = LossHead(inputs.weight)
+    return Head("module", module, (inputs.hidden, inputs.target), (inputs.hidden, module.linear.weight))
+
+
+FORMS: dict[str, Callable[[Inputs], Head]] = {"function": function_head, "module": module_head}
+
+
+def autocast(workload: Workload, device: torch.device):
+    if workload.autocast:
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def train_step(fn: Callable, head: Head, workload: Workload, device: torch.device) -> torch.Tensor:
+    """Forward under the workload's autocast, backward into the leaves' .grad."""
+    with autocast(workload, device):
+        loss = fn(*head.args)
+    loss.backward()
+    return loss.detach()
+
+
+def clear_grads(head: Head) -> None:
+    for leaf in head.leaves:
+        leaf.grad = None
+
+
+# -- the peers --------------------------------------------------------------------------------------
+def liger_rewrite(fn: Callable) -> Callable:
+    """The head rewritten for Liger-Kernel, as its users must: the same weight into its fused op
+    (ignore_index -100 and the mean, as cross_entropy's defaults)."""
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+    fused = LigerFusedLinearCrossEntropyLoss()
+    if isinstance(fn, LossHead):
+        return lambda hidden, target: fused(fn.linear.weight, hidden, target)
+    return lambda hidden, weight, target: fused(weight, hidden, target)
+
+
+WRAPPERS: dict[str, Callable[[Callable], Callable]] = {
+    "eager": lambda fn: fn,
+    "torch_compile": lambda fn: torch.compile(fn),
+    "torch_compile_chunker": lambda fn: torch.compile(fn),  # under peer_context(): the auto-chunker on
+    "liger": liger_rewrite,
+    "memfuse": memfuse.memory_efficient_fusion,
+    "memfuse_backend": lambda fn: torch.compile(fn, backend="memfuse"),
+}
+PEERS = tuple(WRAPPERS)
+MEMFUSE_PEERS = ("memfuse", "memfuse_backend")
+COMPILE_PEERS = ("torch_compile", "torch_compile_chunker")  # --tiny runs them only when --peers names them
+
+
+def peer_context(peer: str):
+    """torch.compile's auto-chunker is a global of Inductor's: set around that peer's compile and run."""
+    if peer == "torch_compile_chunker":
+        return torch._inductor.config.patch({"auto_chunker.enable": True})
+    return contextlib.nullcontext()
+
+
+def missing_reason(peer: str, tiny: bool, named: bool) -> str | None:
+    """Why `peer` cannot run here, or None."""
+    if tiny and peer in COMPILE_PEERS and not named:
+        return "not run in --tiny: Inductor builds C++ kernels on the CPU for tens of seconds (--peers names it)"
+    if peer == "torch_compile_chunker" and not hasattr(torch._inductor.config, "auto_chunker"):
+        return f"torch {torch.__version__} has no torch._inductor.config.auto_chunker"
+    if peer == "liger":
+        try:
+            import liger_kernel.transformers  # noqa: F401
+        except ImportError as error:
+            return f"not installed ({error})"
+    return None
+
+
+# -- one form x peer --------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Reference:
+    loss: float
+    grads: tuple  # of the leaves, in the reference dtype
+
+
+def reference(inputs: Inputs, device: torch.device) -> Reference:
+    """The head in fp32 (fp64 on CPU) from the same values, no autocast."""
+    dtype = torch.float32 if device.type == "cuda" else torch.float64
+    hidden, weight = (t.detach().to(dtype).requires_grad_() for t in (inputs.hidden, inputs.weight))
+    loss = F.cross_entropy(hidden @ weight.T, inputs.target)
+    return Reference(loss.item(), torch.autograd.grad(loss, (hidden, weight)))
+
+
+def errors(loss: torch.Tensor, head: Head, ref: Reference) -> tuple[float, float]:
+    """(|loss - ref| / |ref|, max over the leaves of ||grad - ref|| / ||ref||)."""
+    loss_error = abs(loss.item() - ref.loss) / abs(ref.loss)
+    grad_error = max(((leaf.grad.to(want.dtype) - want).norm() / want.norm()).item()
+                     for leaf, want in zip(head.leaves, ref.grads))
+    return loss_error, grad_error
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One form x peer. None where not measured (memory on CPU), where it failed or was missing."""
+
+    form: str
+    peer: str
+    missing: str | None = None  # why the peer did not run here
+    error: str | None = None  # it ran and raised: type, where and message
+    first_call_s: float | None = None  # wrap + first step, compile included
+    step_s: float | None = None  # median of the timed steps
+    step_samples_s: tuple = ()
+    peak_bytes: int | None = None  # a step's peak above the memory allocated at its start (the inputs)
+    loss: float | None = None
+    loss_error: float | None = None
+    grad_error: float | None = None
+    chunked_loss_head: bool | None = None  # memfuse peers: explain reports a chunked loss head
+    explain: tuple = ()  # explain's lines about the loss head, or why there are none
+    time_ratio: float | None = None  # step_s / the fastest row's of the form
+    memory_ratio: float | None = None  # peak_bytes / the least row's of the form
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    workload: Workload
+    setup: models.Setup
+    head: Head
+    reference: Reference
+
+
+def measure(case: Case, peer: str) -> Row:
+    """First call (wrap and compile included) and its errors, warm-up, timed steps, one step's peak;
+    then, for memfuse, what explain says about the loss head."""
+    head, setup = case.head, case.setup
+
+    def step(fn):
+        train_step(fn, head, case.workload, setup.device)
+        clear_grads(head)
+
+    with peer_context(peer):
+        setup.synchronize()
+        start = time.perf_counter()
+        fn = WRAPPERS[peer](head.fn)
+        loss = train_step(fn, head, case.workload, setup.device)
+        setup.synchronize()
+        first_call_s = time.perf_counter() - start
+        loss_error, grad_error = errors(loss, head, case.reference)
+        clear_grads(head)
+        for _ in range(setup.settings.warmup_steps):
+            step(fn)
+        samples = models.step_seconds(lambda: step(fn), setup.settings.timed_steps, setup)
+        peak = step_peak(lambda: step(fn), setup) if setup.device.type == "cuda" else None
+    row = Row(head.form, peer, first_call_s=first_call_s, step_s=statistics.median(samples),
+              step_samples_s=tuple(samples), peak_bytes=peak, loss=loss.item(), loss_error=loss_error,
+              grad_error=grad_error)
+    if peer in MEMFUSE_PEERS:
+        chunked, lines = explain_loss_head(fn, case)
+        row = dataclasses.replace(row, chunked_loss_head=chunked, explain=lines)
+    return row
+
+
+def step_peak(step: Callable[[], None], setup: models.Setup) -> int:
+    setup.synchronize()
+    torch.cuda.reset_peak_memory_stats(setup.device)
+    before = torch.cuda.memory_allocated(setup.device)
+    step()
+    setup.synchronize()
+    return torch.cuda.max_memory_allocated(setup.device) - before
+
+
+def explain_loss_head(fn: Callable, case: Case) -> tuple[bool, tuple]:
+    """(whether memfuse.explain reports a chunked loss head, its lines naming the loss head).
+    Best-effort: an explain that raises, or names no loss head, reads as not chunked, with why."""
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), autocast(case.workload, case.setup.device):
+            text = str(memfuse.explain(fn, *case.head.args))
+    except Exception as error:  # a report about the run, never a reason to stop it
+        return False, (f"not chunked: explain raised {type(error).__name__}: {error}",)
+    finally:
+        clear_grads(case.head)
+    return read_loss_head(text)
+
+
+def read_loss_head(text: str) -> tuple[bool, tuple]:
+    """(whether a report's text names a chunked loss head, its lines naming a loss head)."""
+    lines = tuple(line.strip() for line in text.splitlines() if "loss head" in line.lower())
+    if not lines:
+        return False, ("not chunked: explain names no loss head",)
+    return any("chunked" in line and "not chunked" not in line for line in lines), lines
+
+
+def run_peer(case: Case, peer: str, missing: str | None) -> Row:
+    print(f"{case.head.form} {peer} ...", flush=True)
+    if missing:
+        return Row(case.head.form, peer, missing=missing)
+    models.isolate(case.setup)
+    try:
+        row = measure(case, peer)
+    except Exception as error:  # one failing peer must not end the comparison
+        clear_grads(case.head)
+        row = Row(case.head.form, peer, error=models._error_text(error))
+    models.isolate(case.setup)
+    return row
+
+
+def with_ratios(rows: list[Row]) -> list[Row]:
+    """Each row's time over the fastest row's and peak over the least row's (rows that ran)."""
+    fastest = min((r.step_s for r in rows if r.step_s), default=None)
+    least = min((r.peak_bytes for r in rows if r.peak_bytes is not None), default=None)
+    return [dataclasses.replace(r, time_ratio=r.step_s / fastest if r.step_s and fastest else None,
+                                memory_ratio=r.peak_bytes / least if r.peak_bytes is not None and least else None)
+            for r in rows]
+
+
+def target_lines(rows: list[Row]) -> list[str]:
+    """Issue 18's target for each memfuse row: a peak at most the best other peer's, a time at
+    most TARGET_TIME_RATIO x the fastest other peer's."""
+    others = [r for r in rows if r.peer not in MEMFUSE_PEERS and r.step_s]
+    lines = []
+    for row in (r for r in rows if r.peer in MEMFUSE_PEERS):
+        name = f"{row.form} {row.peer}"
+        if not row.step_s or not others:
+            lines.append(f"{name}: not judged (no time for it or for any other peer)")
+            continue
+        fastest = min(others, key=lambda r: r.step_s)
+        timed = row.step_s <= TARGET_TIME_RATIO * fastest.step_s
+        text = (f"time {row.step_s * 1e3:.2f} ms = {row.step_s / fastest.step_s:.2f}x the fastest peer's "
+                f"({fastest.peer}), target <= {TARGET_TIME_RATIO}x")
+        measured = [r for r in others if r.peak_bytes is not None]
+        if row.peak_bytes is None or not measured:
+            lines.append(f"{name}: {text}; memory not measured (CPU): not judged")
+            continue
+        least = min(measured, key=lambda r: r.peak_bytes)
+        met = timed and row.peak_bytes <= least.peak_bytes
+        lines.append(f"{name}: {'MET' if met else 'NOT MET'}: peak {row.peak_bytes / MB:.0f} MB = "
+                     f"{row.peak_bytes / least.peak_bytes:.2f}x the least peer's ({least.peer}), target <= 1x; {text}")
+    return lines
+
+
+def run_form(form: str, inputs: Inputs, ref: Reference, workload: Workload, setup: models.Setup,
+             missing: dict) -> list[Row]:
+    """Every peer on one form of the head, or a row saying why it is missing."""
+    case = Case(workload, setup, FORMS[form](inputs), ref)
+    return with_ratios([run_peer(case, peer, reason) for peer, reason in missing.items()])
+
+
+# -- metadata, files, the report --------------------------------------------------------------------
+def _liger_version() -> str | None:
+    try:
+        return importlib.metadata.version("liger-kernel")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def metadata(workload: Workload, setup: models.Setup, inputs: Inputs) -> dict:
+    meta = models.metadata(setup)
+    del meta["transformers"], meta["definitions"]
+    grad_bytes = sum(t.numel() * t.element_size() for t in (inputs.hidden, inputs.weight))
+    return {
+        **meta,
+        "precision": f"{workload.dtype} hidden, fp32 weight under autocast(bfloat16)" if workload.autocast
+        else f"{workload.dtype} hidden and weight",
+        "liger_kernel": _liger_version(),
+        "workload": dataclasses.asdict(workload),
+        "input_bytes": sum(t.numel() * t.element_size() for t in (inputs.hidden, inputs.weight, inputs.target)),
+        "grad_bytes": grad_bytes,
+        "definitions": {
+            "step_s": "median of the timed steps (CUDA events around each; host clock on CPU); a step is "
+                      "forward, backward into .grad, then the grads set to None",
+            "peak_bytes": "max_memory_allocated over one step - memory_allocated at its start (the inputs); "
+                          "includes the step's own gradients (grad_bytes, the same for every peer)",
+            "first_call_s": "wrap + first step, compile included, in this process",
+            "loss_error": "first step: |loss - reference| / |reference|, reference in fp32 (fp64 on CPU)",
+            "grad_error": "first step: max over hidden and weight of ||grad - reference|| / ||reference||",
+            "time_ratio": "step_s / the fastest peer's of the same form",
+            "memory_ratio": "peak_bytes / the least peer's of the same form",
+            "chunked_loss_head": "memfuse peers: memfuse.explain's report names a chunked loss head",
+        },
+    }
+
+
+def stem(out: Path, workload: Workload, tiny: bool) -> Path:
+    return out / f"loss-head-{'tiny-' if tiny else ''}{workload.variant}"
+
+
+def _note(row: dict) -> str:
+    text = row["missing"] and f"missing: {row['missing']}" or row["error"] and f"error: {row['error']}" or ""
+    return " ".join(text.split()).replace("|", "/")[:models.ERROR_CHARS]
+
+
+def _chunked(row: dict) -> str:
+    if row["chunked_loss_head"] is None:
+        return models.MISSING
+    return "chunked" if row["chunked_loss_head"] else "not chunked"
+
+
+def render(result: dict, markdown: bool) -> str:
+    meta, w = result["metadata"], result["metadata"]["workload"]
+    headers = ["form", "peer", "ms/step", "vs fastest", "peak MB", "vs least", "1st call s", "loss",
+               "loss err", "grad err", "loss head", "note"]
+    fmt = models._fmt
+    body = [[r["form"], r["peer"], fmt(r["step_s"], ".2f", 1e3), fmt(r["time_ratio"], ".2f", suffix="x"),
+             fmt(r["peak_bytes"], ".0f", 1 / MB), fmt(r["memory_ratio"], ".2f", suffix="x"),
+             fmt(r["first_call_s"], ".1f"), fmt(r["loss"], ".4f"), fmt(r["loss_error"], ".1e"),
+             fmt(r["grad_error"], ".1e"), _chunked(r), _note(r)] for r in result["rows"]]
+    head = (f"- {w['tokens']} tokens x hidden {w['hidden']} -> vocab {w['vocab']}, {meta['precision']}, "
+            f"{w['ignore_fraction']:.0%} of targets ignored; {meta['device']}, torch {meta['torch']}, "
+            f"triton {meta['triton']}, liger-kernel {meta['liger_kernel'] or 'not installed'}, {meta['date']}")
+    table = models._markdown(headers, body) if markdown else models._table(headers, body)
+    targets = [f"- {line}" for line in result["targets"]]
+    explained = [f"- {r['form']} {r['peer']}: {line}" for r in result["rows"] for line in r["explain"]]
+    return "\n".join([head, "", table, "", "Target (issue 18):", *targets, "", "memfuse.explain:", *explained])
+
+
+def write_report(result: dict, path_stem: Path) -> None:
+    text = render(result, markdown=True)
+    heading = "The loss head alone: one forward+backward"
+    if result["metadata"]["tiny"]:
+        heading += " -- TINY RUN on CPU through the Triton interpreter: not a performance result"
+    path_stem.with_suffix(".md").write_text(f"## {heading}\n\n{text}\n")
+    print("\n" + render(result, markdown=False))
+    print(f"\nwrote {path_stem.with_suffix('.json')} and {path_stem.with_suffix('.md')}")
+
+
+# -- the command ------------------------------------------------------------------------------------
+TINY_SIZE = {"tokens": 40, "hidden": 16, "vocab": 101, "dtype": "float32"}
+GPU_SIZE = {"tokens": 8192, "hidden": 4096, "vocab": 128256, "dtype": "bfloat16"}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, help=f"default {GPU_SIZE['tokens']} (--tiny {TINY_SIZE['tokens']})")
+    parser.add_argument("--hidden", type=int, help=f"default {GPU_SIZE['hidden']} (--tiny {TINY_SIZE['hidden']})")
+    parser.add_argument("--vocab", type=int, help=f"default {GPU_SIZE['vocab']} (--tiny {TINY_SIZE['vocab']})")
+    parser.add_argument("--dtype", choices=DTYPES, help="of the hidden states and the weight (default bfloat16; "
+                                                        "--tiny float32); with --autocast, of the hidden states")
+    parser.add_argument("--ignore-fraction", type=float, default=0.0,
+                        help=f"share of targets set to {IGNORE_INDEX}, in [0, 1) (default 0)")
+    parser.add_argument("--autocast", action="store_true", help="fp32 weight under torch.autocast(bfloat16)")
+    parser.add_argument("--forms", help=f"comma-separated, from {', '.join(FORMS)} (default: both)")
+    parser.add_argument("--peers", help=f"comma-separated, from {', '.join(PEERS)} (default: all; --tiny: all but "
+                                        f"{', '.join(COMPILE_PEERS)}, which are reported missing)")
+    parser.add_argument("--timed-steps", type=int,
+                        help=f"timed steps per peer (GPU default {GPU_SETTINGS.timed_steps})")
+    parser.add_argument("--tiny", action="store_true", help="a tiny head on CPU through the Triton interpreter")
+    parser.add_argument("--out", type=Path, default=models.DEFAULT_OUT, help="output directory")
+    args = parser.parse_args(argv)
+    for name in ("tokens", "hidden", "vocab", "timed_steps"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+    if not 0 <= args.ignore_fraction < 1:
+        parser.error(f"--ignore-fraction must be in [0, 1) (some target must count), got {args.ignore_fraction}")
+    return args
+
+
+def workload_of(args: argparse.Namespace, tiny: bool) -> Workload:
+    size = TINY_SIZE if tiny else GPU_SIZE
+    return Workload(args.tokens or size["tokens"], args.hidden or size["hidden"], args.vocab or size["vocab"],
+                    args.dtype or size["dtype"], args.ignore_fraction, args.autocast)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    tiny = args.tiny or not torch.cuda.is_available()
+    if tiny and os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("--tiny runs memfuse through the Triton interpreter: set TRITON_INTERPRET=1 before "
+                 "triton loads (python -m benchmarks.loss_head --tiny does)")
+    forms = models._names(args.forms, tuple(FORMS), "forms")
+    named = models._names(args.peers, PEERS, "peers") if args.peers else ()
+    missing = {peer: missing_reason(peer, tiny, peer in named) for peer in named or PEERS}
+    settings = models.TINY_SETTINGS if tiny else GPU_SETTINGS
+    if args.timed_steps:
+        settings = dataclasses.replace(settings, timed_steps=args.timed_steps)
+    setup = models.Setup(torch.device("cpu" if tiny else "cuda"), tiny, settings)
+    workload = workload_of(args, tiny)
+    if tiny:
+        print(TINY_BANNER, flush=True)
+    inputs = make_inputs(workload, setup.device)
+    ref = reference(inputs, setup.device)
+    rows = [row for form in forms for row in run_form(form, inputs, ref, workload, setup, missing)]
+    result = {"metadata": metadata(workload, setup, inputs), "rows": [dataclasses.asdict(r) for r in rows],
+              "targets": [line for form in forms for line in target_lines([r for r in rows if r.form == form])]}
+    args.out.mkdir(parents=True, exist_ok=True)
+    path_stem = stem(args.out, workload, tiny)
+    path_stem.with_suffix(".json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    write_report(result, path_stem)
+    if tiny:
+        print(TINY_BANNER)
+
+
+if __name__ == "__main__":
+    main()
