@@ -1,6 +1,7 @@
 """Finds the loss head in a model and computes it chunked (memfuse.loss_head), unchanged user code.
 
-The pattern: `cross_entropy(x, target)` where x is a linear layer's output, optionally cast
+The pattern: `cross_entropy(x, target)` where x is a linear layer's output (or `hidden @ w.T` of a
+2-D w), optionally cast
 (`.float()`, `.to(float32)`) and flattened to [tokens, vocab] (`view`, `reshape`, `contiguous`),
 with no other reader on the way. It is replaced by `torch.ops.memfuse.linear_cross_entropy` on the
 linear's input, weight and bias. Where the linear's output is also read elsewhere (a model that
@@ -31,6 +32,7 @@ log = topic_log("graphs")
 fallback_log = logging.getLogger("memfuse.fallbacks")
 
 LINEARS = (torch._C._nn.linear, F.linear)
+MATMULS = (operator.matmul, torch.matmul, torch.mm)
 CASTS = ("float", "to")
 FLATTENS = ("view", "reshape", "contiguous")
 CROSS_ENTROPY_PARAMETERS = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction",
@@ -100,17 +102,16 @@ def _rewrite(graph: torch.fx.Graph, loss: torch.fx.Node, config: Config) -> Head
         return HeadDecision(loss.name, False, problem)
     chain, linear = _chain_to_linear(arguments["input"])
     if linear is None:
-        return HeadDecision(loss.name, False, "its input is not a linear layer's output (cast and flattened at most)")
+        return HeadDecision(loss.name, False, "its input is not a linear layer's output or x @ w.T (cast and flattened at most)")
     problem = _chain_problem(chain, linear) or _loss_problem(loss)
     if problem:
         return HeadDecision(loss.name, False, problem)
-    weight = linear.args[1] if len(linear.args) > 1 else linear.kwargs["weight"]
-    bias = linear.args[2] if len(linear.args) > 2 else linear.kwargs.get("bias")
+    hidden_input, weight, bias = _graph_operands(linear)
     logits_value = linear.meta["example_value"]
     vocab = int(logits_value.shape[-1])
     returns_logits = len(linear.users) > 1    # its first reader is the chain (or the loss)
     with graph.inserting_before(loss):
-        hidden = graph.call_function(_flat_rows, (linear.args[0],))
+        hidden = graph.call_function(_flat_rows, (hidden_input,))
         head = graph.call_function(torch.ops.memfuse.linear_cross_entropy.default, (
             hidden, weight, bias, arguments["target"], arguments.get("ignore_index", -100),
             arguments.get("reduction", "mean"), float(arguments.get("label_smoothing", 0.0)), logits_value.dtype,
@@ -124,9 +125,12 @@ def _rewrite(graph: torch.fx.Graph, loss: torch.fx.Node, config: Config) -> Head
         with graph.inserting_after(head_loss):
             flat_logits = graph.call_function(operator.getitem, (head, 2))
         with graph.inserting_after(flat_logits):
-            logits = graph.call_function(_rows_like, (flat_logits, linear.args[0]))
+            logits = graph.call_function(_rows_like, (flat_logits, hidden_input))
         linear.replace_all_uses_with(logits)
+    transposed = linear.args[1]
     graph.erase_node(linear)
+    if transposed is not weight and not transposed.users:   # x @ w.T: the .T of the weight
+        graph.erase_node(transposed)
     return HeadDecision(loss.name, True, "a linear layer's output feeds only the loss"
                         + (" and the function's outputs" if returns_logits else ""),
                         vocab, returns_logits, chunk_bytes(config))
@@ -149,13 +153,42 @@ def _chain_to_linear(node) -> tuple[list, Optional[torch.fx.Node]]:
     """The casts and flattens between the loss and a linear, nearest to the linear first."""
     chain = []
     while isinstance(node, torch.fx.Node):
-        if node.op == "call_function" and node.target in LINEARS:
+        if _graph_operands(node) is not None:
             return list(reversed(chain)), node
         if node.op != "call_method" or node.target not in CASTS + FLATTENS:
             return [], None
         chain.append(node)
         node = node.args[0]
     return [], None
+
+
+def _graph_operands(node: torch.fx.Node) -> Optional[tuple]:
+    """(hidden, weight, bias) of a linear layer, or of `hidden @ weight.T` (matmul of a transposed
+    2-D weight, no bias); None for anything else."""
+    if node.op != "call_function":
+        return None
+    if node.target in LINEARS:
+        weight = node.args[1] if len(node.args) > 1 else node.kwargs["weight"]
+        return node.args[0], weight, node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+    if node.target in MATMULS and len(node.args) == 2 and isinstance(node.args[1], torch.fx.Node):
+        weight = _transposed_base(node.args[1])
+        return None if weight is None else (node.args[0], weight, None)
+    return None
+
+
+def _transposed_base(node: torch.fx.Node) -> Optional[torch.fx.Node]:
+    """w of `w.T`, `w.mT`, `w.t()`, `torch.t(w)` or `w.transpose(0, 1)` for a 2-D w."""
+    base = node.args[0] if node.args else None
+    value = getattr(base, "meta", {}).get("example_value")
+    if value is None or value.dim() != 2:
+        return None
+    if node.op == "call_function" and node.target is getattr and node.args[1] in ("T", "mT"):
+        return base
+    if (node.op == "call_method" and node.target == "t") or (node.op == "call_function" and node.target is torch.t):
+        return base
+    if node.op == "call_method" and node.target == "transpose" and {d % 2 for d in node.args[1:3]} == {0, 1}:
+        return base
+    return None
 
 
 def _chain_problem(chain: list, linear: torch.fx.Node) -> Optional[str]:
@@ -215,6 +248,7 @@ class LossHeadMode(TorchFunctionMode):
         super().__init__()
         self.config = config
         self.followed: dict[int, _Logits] = {}
+        self.transposed: dict[int, torch.Tensor] = {}   # id(w.T) -> w, for x @ w.T
         self.chunked: dict[str, _Logits] = {}     # by the decision's name
         self.read_elsewhere: set[int] = set()     # id() of linear outputs read past their loss
         self.decisions: list[HeadDecision] = []
@@ -226,6 +260,11 @@ class LossHeadMode(TorchFunctionMode):
         result = func(*args, **kwargs)
         if func in LINEARS:
             self._follow(result, _Logits(result, args[0], *_weight_and_bias(args, kwargs)))
+        elif _is_transpose(func, args) and isinstance(result, torch.Tensor):
+            self.transposed[id(result)] = args[0]
+        elif getattr(func, "__name__", None) in ("matmul", "mm", "__matmul__") and len(args) == 2 \
+                and id(args[1]) in self.transposed:
+            self._follow(result, _Logits(result, args[0], self.transposed[id(args[1])], None))
         elif args and id(args[0]) in self.followed and _keeps_logits(func, args[0], result):
             self._follow(result, self.followed[id(args[0])])
         elif isinstance(result, (torch.Tensor, tuple, list)) and not isinstance(result, torch.Size):
@@ -264,6 +303,18 @@ class LossHeadMode(TorchFunctionMode):
         returned |= {id(self.followed[i].linear_output) for i in returned if i in self.followed}
         return [name for name, o in self.chunked.items()
                 if id(o.linear_output) in returned or id(o.linear_output) in self.read_elsewhere]
+
+
+def _is_transpose(func, args) -> bool:
+    """w.T, w.mT (property getters), w.t(), torch.t(w), w.transpose(0, 1) of a 2-D w."""
+    if not args or not isinstance(args[0], torch.Tensor) or args[0].dim() != 2:
+        return False
+    name = getattr(func, "__name__", None)
+    if name == "__get__":
+        return getattr(getattr(func, "__self__", None), "__name__", None) in ("T", "mT")
+    if name == "transpose":
+        return len(args) == 3 and {args[1] % 2, args[2] % 2} == {0, 1}
+    return name == "t"
 
 
 def _weight_and_bias(args, kwargs) -> tuple:

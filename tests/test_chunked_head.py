@@ -135,8 +135,13 @@ def linear_head(x, weight, target):
 
 
 def matmul_head(x, weight, target):
-    """Not the pattern: `x @ weight.T` is a matmul, not a linear layer."""
-    return F.cross_entropy(x @ weight.T, target)
+    """The issue's head as users write it: a matmul with the transposed weight."""
+    return F.cross_entropy((x @ weight.T).float(), target)
+
+
+def untransposed_head(x, weight, target):
+    """Not the pattern: the weight is [hidden, vocab], no transpose says which dim is the vocabulary."""
+    return F.cross_entropy(x @ weight, target)
 
 
 def returning_head(x, weight, target):
@@ -206,11 +211,23 @@ def test_a_head_not_taken_says_why_and_matches_eager(fn, reason, caplog):
     assert any(reason in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
 
 
-def test_a_matmul_head_is_not_a_linear_layer():
+@pytest.mark.parametrize("compile_with", ["memory_efficient_fusion", "backend"])
+def test_x_at_w_transposed_is_the_pattern_and_x_at_w_is_not(compile_with):
+    torch._dynamo.reset()
     x, weight, _, target = head_inputs(40, 16, 37, dtype=torch.float32, ignored_every=0)
-    loss = memfuse.memory_efficient_fusion(matmul_head)(x, weight, target)
-    assert relative(loss, matmul_head(x, weight, target)) < 1e-6
-    assert memfuse.stats()["loss_heads_chunked"] == 0
+    wrap = memfuse.memory_efficient_fusion if compile_with == "memory_efficient_fusion" else \
+        (lambda fn: torch.compile(fn, backend="memfuse"))
+    loss = wrap(matmul_head)(x, weight, target)
+    grads = torch.autograd.grad(loss, (x, weight))
+    expected = matmul_head(x, weight, target)
+    assert relative(loss, expected) < 1e-6
+    for ours, theirs in zip(grads, torch.autograd.grad(expected, (x, weight))):
+        assert relative(ours, theirs) < 1e-5
+    assert memfuse.stats()["loss_heads_chunked"] == 1
+    upright = weight.detach().t().contiguous().requires_grad_()
+    loss = wrap(untransposed_head)(x, upright, target)
+    assert relative(loss, untransposed_head(x, upright, target)) < 1e-6
+    assert memfuse.stats()["loss_heads_chunked"] == 1
 
 
 def test_chunking_can_be_turned_off():
