@@ -48,13 +48,16 @@ class HeadDecision:
     vocab: Optional[int] = None
     returns_logits: bool = False
     chunk_bytes: Optional[int] = None
+    gradients_in_forward: bool = False   # formed while each chunk's logits are at hand, scaled in the backward
 
     def __str__(self) -> str:
         if not self.chunked:
             return f"loss head {self.loss}: not chunked: {self.reason}"
         logits = "; the logits are also returned, written whole, not kept" if self.returns_logits else ""
+        gradients = ("; gradients formed in the forward, scaled in the backward" if self.gradients_in_forward
+                     else "; the backward forms each chunk's logits again")
         return (f"loss head {self.loss}: chunked linear + cross-entropy over vocab {self.vocab}, chunks of "
-                f"{self.chunk_bytes / 2**20:.0f} MiB of logits and gradient{logits}: {self.reason}")
+                f"{self.chunk_bytes / 2**20:.0f} MiB of logits and gradient{logits}{gradients}: {self.reason}")
 
 
 def chunk_bytes(config: Config) -> int:
@@ -110,12 +113,14 @@ def _rewrite(graph: torch.fx.Graph, loss: torch.fx.Node, config: Config) -> Head
     logits_value = linear.meta["example_value"]
     vocab = int(logits_value.shape[-1])
     returns_logits = len(linear.users) > 1    # its first reader is the chain (or the loss)
+    in_forward = _gradients_in_forward(arguments.get("reduction", "mean"), [
+        getattr(n, "meta", {}).get("example_value") for n in (hidden_input, weight, bias)])
     with graph.inserting_before(loss):
         hidden = graph.call_function(_flat_rows, (hidden_input,))
         head = graph.call_function(torch.ops.memfuse.linear_cross_entropy.default, (
             hidden, weight, bias, arguments["target"], arguments.get("ignore_index", -100),
             arguments.get("reduction", "mean"), float(arguments.get("label_smoothing", 0.0)), logits_value.dtype,
-            returns_logits, chunk_bytes(config)))
+            returns_logits, in_forward, chunk_bytes(config)))
         head_loss = graph.call_function(operator.getitem, (head, 0))
     loss.replace_all_uses_with(head_loss)
     graph.erase_node(loss)
@@ -133,7 +138,14 @@ def _rewrite(graph: torch.fx.Graph, loss: torch.fx.Node, config: Config) -> Head
         graph.erase_node(transposed)
     return HeadDecision(loss.name, True, "a linear layer's output feeds only the loss"
                         + (" and the function's outputs" if returns_logits else ""),
-                        vocab, returns_logits, chunk_bytes(config))
+                        vocab, returns_logits, chunk_bytes(config), in_forward)
+
+
+def _gradients_in_forward(reduction: str, operands: list) -> bool:
+    """A mean or sum loss whose operands need gradients: the forward forms them for an upstream
+    gradient of 1 while each chunk's logits are at hand (loss_head.linear_cross_entropy)."""
+    return reduction != "none" and torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in operands)
 
 
 def _settings_problem(arguments: dict) -> Optional[str]:
@@ -288,13 +300,14 @@ class LossHeadMode(TorchFunctionMode):
             self.decisions.append(HeadDecision(name, False, problem))
             return F.cross_entropy(*args, **kwargs)
         hidden = origin.hidden.reshape(-1, origin.hidden.shape[-1])
-        loss, _, _ = torch.ops.memfuse.linear_cross_entropy(
+        in_forward = _gradients_in_forward(arguments.get("reduction", "mean"), [origin.hidden, origin.weight, origin.bias])
+        loss, *_ = torch.ops.memfuse.linear_cross_entropy(
             hidden, origin.weight, origin.bias, arguments["target"], arguments.get("ignore_index", -100),
             arguments.get("reduction", "mean"), float(arguments.get("label_smoothing", 0.0)),
-            origin.linear_output.dtype, False, chunk_bytes(self.config))
+            origin.linear_output.dtype, False, in_forward, chunk_bytes(self.config))
         self.chunked[name] = origin
         self.decisions.append(HeadDecision(name, True, "a linear layer's output feeds only the loss",
-                                           int(origin.weight.shape[0]), False, chunk_bytes(self.config)))
+                                           int(origin.weight.shape[0]), False, chunk_bytes(self.config), in_forward))
         return loss
 
     def returned_logits(self, outputs) -> list[str]:

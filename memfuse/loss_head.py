@@ -20,6 +20,7 @@ kept for the backward. memfuse.head finds the pattern in traced graphs and puts 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Optional
 
 import torch
@@ -167,36 +168,89 @@ def _check_sizes(hidden, weight, bias, target) -> None:
                          f"got {tuple(bias.shape)}")
 
 
+@dataclasses.dataclass
+class _Gradients:
+    """The head's gradients as the chunks add to them: hidden [tokens, H] in hidden's dtype, the
+    weight's [padded vocab, H] in the weight's dtype, the bias's [padded vocab] in fp32."""
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor
+
+    @staticmethod
+    def zeros(hidden, aligned, weight, bias) -> "_Gradients":
+        return _Gradients(hidden.new_empty(hidden.shape),
+                          torch.zeros(aligned.shape, dtype=weight.dtype, device=weight.device),
+                          torch.zeros(aligned.shape[:1] if bias is not None else (0,), dtype=torch.float32,
+                                      device=weight.device))
+
+    def add_chunk(self, start: int, end: int, gradient, chunk_hidden, aligned, has_bias: bool) -> None:
+        """The two matmuls that take a chunk's logits gradient into hidden's and the weight's."""
+        self.hidden[start:end] = torch.mm(gradient, aligned)
+        _accumulate(self.weight, gradient.t(), chunk_hidden)
+        if has_bias:
+            self.bias += gradient.sum(0, dtype=torch.float32)
+
+    def finished(self, vocab: int, bias) -> tuple:
+        """(hidden, weight, bias) gradients without the padding; the bias's empty without a bias."""
+        weight = self.weight[:vocab].contiguous() if self.weight.shape[0] != vocab else self.weight
+        return self.hidden, weight, self.bias[:vocab].to(bias.dtype) if bias is not None else self.bias
+
+
+def _launch_gradient(chunk, gradient, log_sum_exp, target, scales, incoming, vocab: int, smoothing: float) -> None:
+    _logits_gradient[(chunk.shape[0],)](
+        chunk, chunk.stride(0), log_sum_exp, target, scales, incoming,
+        0 if incoming is None else incoming.stride(0), gradient, gradient.stride(0), vocab, gradient.shape[1],
+        smoothing, HAS_INCOMING=incoming is not None, BLOCK=BLOCK_COLUMNS)
+
+
 @torch.library.custom_op("memfuse::linear_cross_entropy", mutates_args=())
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                          target: torch.Tensor, ignore_index: int, reduction: str, label_smoothing: float,
-                         dtype: torch.dtype, return_logits: bool, chunk_bytes: int
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, log_sum_exp [tokens] fp32, logits) of `cross_entropy((hidden @ weight.T + bias) in
-    dtype, as fp32, target)`. `logits` is [tokens, vocab] in `dtype` when `return_logits` (their
-    rows aligned: a view of a padded buffer where vocab is odd), else empty."""
+                         dtype: torch.dtype, return_logits: bool, with_gradients: bool, chunk_bytes: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                    torch.Tensor]:
+    """(loss, log_sum_exp [tokens] fp32, logits, d loss / d hidden, d weight, d bias) of
+    `cross_entropy((hidden @ weight.T + bias) in dtype, as fp32, target)`.
+
+    `logits` is [tokens, vocab] in `dtype` when `return_logits` (rows aligned: a view of a padded
+    buffer where vocab is odd), else empty. With `with_gradients` (a mean or sum loss) the forward
+    also forms the gradients for an upstream gradient of 1 while each chunk's logits are at hand:
+    the backward then only scales them, three matmuls in all instead of four. Else they are empty
+    and the backward recomputes each chunk's logits."""
     _check(hidden, weight, bias, target, reduction)
     _check_sizes(hidden, weight, bias, target)
     tokens, vocab = hidden.shape[0], weight.shape[0]
     with _no_autocast(hidden.device):
-        hidden = hidden.to(dtype)
+        compute_hidden = hidden.to(dtype)
         aligned, aligned_bias = _aligned_weight(weight, bias, dtype)
         logits = _logits_buffer(hidden, vocab, dtype, return_logits)
         log_sum_exp, target_logit, logit_sum = (hidden.new_empty(tokens, dtype=torch.float32) for _ in range(3))
-        rows = chunk_rows(tokens, vocab, dtype, chunk_bytes)
-        for start in range(0, tokens, rows):
-            end = min(start + rows, tokens)
-            out = logits[start:end] if return_logits else None
-            chunk = _chunk_logits(hidden[start:end], aligned, aligned_bias, out=out)
-            _row_statistics[(end - start,)](chunk, chunk.stride(0), target[start:end], log_sum_exp[start:end],
-                                            target_logit[start:end], logit_sum[start:end], vocab, BLOCK=BLOCK_COLUMNS)
         valid = target != ignore_index
         # as aten's nll_loss: a target outside the vocabulary that is not ignored is an error
         torch._assert_async(((target >= 0) & (target < vocab) | ~valid).all(),
                             "memfuse.linear_cross_entropy: a target is outside [0, vocab)")
+        gradients = _Gradients.zeros(hidden, aligned, weight, bias) if with_gradients else None
+        scales = _row_scales(torch.ones((), device=hidden.device), target, ignore_index, reduction)
+        rows = chunk_rows(tokens, vocab, dtype, chunk_bytes)
+        for start in range(0, tokens, rows):
+            end = min(start + rows, tokens)
+            chunk = _chunk_logits(compute_hidden[start:end], aligned, aligned_bias,
+                                  out=logits[start:end] if return_logits else None)
+            _row_statistics[(end - start,)](chunk, chunk.stride(0), target[start:end], log_sum_exp[start:end],
+                                            target_logit[start:end], logit_sum[start:end], vocab, BLOCK=BLOCK_COLUMNS)
+            if gradients is not None:    # in place over the chunk's logits, unless they are returned
+                gradient = torch.empty_like(chunk) if return_logits else chunk
+                _launch_gradient(chunk, gradient, log_sum_exp[start:end], target[start:end], scales[start:end],
+                                 None, vocab, label_smoothing)
+                gradients.add_chunk(start, end, gradient, compute_hidden[start:end], aligned, bias is not None)
         losses = _row_losses(log_sum_exp, target_logit, logit_sum, valid, vocab, label_smoothing)
         loss = _reduced(losses, valid, reduction)
-    return loss, log_sum_exp, logits[:, :vocab] if return_logits else logits
+        precomputed = gradients.finished(vocab, bias) if gradients is not None else _no_gradients(hidden)
+    return loss, log_sum_exp, logits[:, :vocab] if return_logits else logits, *precomputed
+
+
+def _no_gradients(hidden: torch.Tensor) -> tuple:
+    return tuple(hidden.new_empty((0,)) for _ in range(3))
 
 
 def _logits_buffer(hidden: torch.Tensor, vocab: int, dtype: torch.dtype, return_logits: bool) -> torch.Tensor:
@@ -204,54 +258,70 @@ def _logits_buffer(hidden: torch.Tensor, vocab: int, dtype: torch.dtype, return_
 
 
 @linear_cross_entropy.register_fake
-def _(hidden, weight, bias, target, ignore_index, reduction, label_smoothing, dtype, return_logits, chunk_bytes):
+def _(hidden, weight, bias, target, ignore_index, reduction, label_smoothing, dtype, return_logits, with_gradients,
+      chunk_bytes):
     _check(hidden, weight, bias, target, reduction)
     tokens, vocab = hidden.shape[0], weight.shape[0]
     loss = hidden.new_empty((tokens,) if reduction == "none" else (), dtype=torch.float32)
     log_sum_exp = hidden.new_empty((tokens,), dtype=torch.float32)
     logits = _logits_buffer(hidden, vocab, dtype, return_logits)
-    return loss, log_sum_exp, logits[:, :vocab] if return_logits else logits
+    if with_gradients:
+        precomputed = (hidden.new_empty(hidden.shape), weight.new_empty(weight.shape),
+                       bias.new_empty(bias.shape) if bias is not None else hidden.new_empty((0,)))
+    else:
+        precomputed = _no_gradients(hidden)
+    return loss, log_sum_exp, logits[:, :vocab] if return_logits else logits, *precomputed
 
 
 @torch.library.custom_op("memfuse::linear_cross_entropy_backward", mutates_args=())
 def linear_cross_entropy_backward(loss_gradient: torch.Tensor, logits_gradient: Optional[torch.Tensor],
                                   hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                                  target: torch.Tensor, log_sum_exp: torch.Tensor, ignore_index: int,
+                                  target: torch.Tensor, log_sum_exp: torch.Tensor, hidden_unit: torch.Tensor,
+                                  weight_unit: torch.Tensor, bias_unit: torch.Tensor, ignore_index: int,
                                   reduction: str, label_smoothing: float, dtype: torch.dtype, chunk_bytes: int
                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(d hidden, d weight, d bias) of linear_cross_entropy, chunk by chunk: each chunk's logits
-    again, their gradient, and the two matmuls. The weight's gradient adds up over the chunks in
-    fp32 when the weight is fp32 (autocast's master weights), else in the weight's dtype (one
-    rounding per chunk). `logits_gradient`: what the returned logits received, or None. The bias
-    gradient is empty when there is no bias."""
-    tokens, vocab = hidden.shape[0], weight.shape[0]
+    """(d hidden, d weight, d bias) of linear_cross_entropy. Where the forward formed the gradients
+    (`hidden_unit` not empty) they are scaled by the loss's gradient; else each chunk's logits are
+    formed again, then their gradient and the two matmuls. The weight's gradient adds up over the
+    chunks in fp32 when the weight is fp32 (autocast's master weights), else in the weight's dtype
+    (one rounding per chunk). `logits_gradient`: what the returned logits received, or None; all
+    zeros (a model's returned logits nobody reads) adds nothing, and is skipped."""
     with _no_autocast(hidden.device):
-        compute_hidden = hidden.to(dtype)
-        aligned, aligned_bias = _aligned_weight(weight, bias, dtype)
-        scales = _row_scales(loss_gradient, target, ignore_index, reduction)
-        hidden_gradient = hidden.new_empty(hidden.shape)
-        weight_gradient = torch.zeros(aligned.shape, dtype=weight.dtype, device=weight.device)
-        bias_gradient = torch.zeros(aligned.shape[:1] if bias is not None else (0,), dtype=torch.float32,
-                                    device=weight.device)
-        rows = chunk_rows(tokens, vocab, dtype, chunk_bytes)
-        for start in range(0, tokens, rows):
-            end = min(start + rows, tokens)
-            chunk_hidden = compute_hidden[start:end]
-            chunk = _chunk_logits(chunk_hidden, aligned, aligned_bias)
-            gradient = torch.empty_like(chunk)
-            incoming = None if logits_gradient is None else _unit_stride(logits_gradient)[start:end]
-            _logits_gradient[(end - start,)](
-                chunk, chunk.stride(0), log_sum_exp[start:end], target[start:end], scales[start:end],
-                incoming, 0 if incoming is None else incoming.stride(0), gradient, gradient.stride(0),
-                vocab, aligned.shape[0], label_smoothing, HAS_INCOMING=incoming is not None, BLOCK=BLOCK_COLUMNS)
-            del chunk
-            hidden_gradient[start:end] = torch.mm(gradient, aligned)
-            _accumulate(weight_gradient, gradient.t(), chunk_hidden)
-            if bias is not None:
-                bias_gradient += gradient.sum(0, dtype=torch.float32)
-    bias_gradient = bias_gradient[:vocab].to(bias.dtype) if bias is not None else bias_gradient
-    return hidden_gradient, weight_gradient[:vocab].contiguous() if vocab != aligned.shape[0] else weight_gradient, \
-        bias_gradient
+        if weight_unit.numel():    # the forward formed them
+            scale = loss_gradient.to(torch.float32)
+            hidden_gradient, weight_gradient, bias_gradient = (u * scale for u in (hidden_unit, weight_unit, bias_unit))
+            if logits_gradient is not None and bool(logits_gradient.any()):
+                _add_incoming(hidden_gradient, weight_gradient, bias_gradient, logits_gradient, hidden, weight, dtype)
+            return hidden_gradient, weight_gradient, bias_gradient
+        return _recomputed_backward(loss_gradient, logits_gradient, hidden, weight, bias, target, log_sum_exp,
+                                    ignore_index, reduction, label_smoothing, dtype, chunk_bytes)
+
+
+def _add_incoming(hidden_gradient, weight_gradient, bias_gradient, logits_gradient, hidden, weight, dtype) -> None:
+    """The returned logits' own gradient through the matmul: hidden += g @ W, weight += g.T @ hidden."""
+    incoming = _unit_stride(logits_gradient).to(dtype)
+    hidden_gradient += torch.mm(incoming, weight.to(dtype))
+    _accumulate(weight_gradient, incoming.t(), hidden.to(dtype))
+    if bias_gradient.numel():
+        bias_gradient += incoming.sum(0, dtype=torch.float32).to(bias_gradient.dtype)
+
+
+def _recomputed_backward(loss_gradient, logits_gradient, hidden, weight, bias, target, log_sum_exp, ignore_index,
+                         reduction, label_smoothing, dtype, chunk_bytes) -> tuple:
+    tokens, vocab = hidden.shape[0], weight.shape[0]
+    compute_hidden = hidden.to(dtype)
+    aligned, aligned_bias = _aligned_weight(weight, bias, dtype)
+    scales = _row_scales(loss_gradient, target, ignore_index, reduction)
+    gradients = _Gradients.zeros(hidden, aligned, weight, bias)
+    incoming = None if logits_gradient is None else _unit_stride(logits_gradient)
+    rows = chunk_rows(tokens, vocab, dtype, chunk_bytes)
+    for start in range(0, tokens, rows):
+        end = min(start + rows, tokens)
+        chunk = _chunk_logits(compute_hidden[start:end], aligned, aligned_bias)
+        _launch_gradient(chunk, chunk, log_sum_exp[start:end], target[start:end], scales[start:end],
+                         None if incoming is None else incoming[start:end], vocab, label_smoothing)
+        gradients.add_chunk(start, end, chunk, compute_hidden[start:end], aligned, bias is not None)
+    return gradients.finished(vocab, bias)
 
 
 def _unit_stride(t: torch.Tensor) -> torch.Tensor:
@@ -278,28 +348,29 @@ def _row_scales(loss_gradient: torch.Tensor, target: torch.Tensor, ignore_index:
 
 
 @linear_cross_entropy_backward.register_fake
-def _(loss_gradient, logits_gradient, hidden, weight, bias, target, log_sum_exp, ignore_index, reduction,
-      label_smoothing, dtype, chunk_bytes):
-    bias_gradient = bias.new_empty(bias.shape) if bias is not None else hidden.new_empty((0,), dtype=torch.float32)
+def _(loss_gradient, logits_gradient, hidden, weight, bias, target, log_sum_exp, hidden_unit, weight_unit, bias_unit,
+      ignore_index, reduction, label_smoothing, dtype, chunk_bytes):
+    bias_gradient = bias.new_empty(bias.shape) if bias is not None else hidden.new_empty((0,))
     return hidden.new_empty(hidden.shape), weight.new_empty(weight.shape), bias_gradient
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    hidden, weight, bias, target, ignore_index, reduction, label_smoothing, dtype, return_logits, chunk_bytes = inputs
-    _, log_sum_exp, _ = output
-    ctx.save_for_backward(hidden, weight, bias, target, log_sum_exp)
+    (hidden, weight, bias, target, ignore_index, reduction, label_smoothing, dtype, return_logits, _,
+     chunk_bytes) = inputs
+    _, log_sum_exp, _, *units = output
+    ctx.save_for_backward(hidden, weight, bias, target, log_sum_exp, *units)
     ctx.settings = (ignore_index, reduction, label_smoothing, dtype, chunk_bytes)
     ctx.return_logits = return_logits
-    ctx.mark_non_differentiable(log_sum_exp)
+    ctx.mark_non_differentiable(log_sum_exp, *units)
 
 
-def _backward(ctx, loss_gradient, _log_sum_exp_gradient, logits_gradient):
-    hidden, weight, bias, target, log_sum_exp = ctx.saved_tensors
+def _backward(ctx, loss_gradient, _log_sum_exp_gradient, logits_gradient, *_unit_gradients):
+    hidden, weight, bias, target, log_sum_exp, *units = ctx.saved_tensors
     incoming = logits_gradient if ctx.return_logits else None
     hidden_gradient, weight_gradient, bias_gradient = linear_cross_entropy_backward(
-        loss_gradient, incoming, hidden, weight, bias, target, log_sum_exp, *ctx.settings)
+        loss_gradient, incoming, hidden, weight, bias, target, log_sum_exp, *units, *ctx.settings)
     return (hidden_gradient, weight_gradient, bias_gradient if bias is not None else None,
-            None, None, None, None, None, None, None)
+            None, None, None, None, None, None, None, None)
 
 
 linear_cross_entropy.register_autograd(_backward, setup_context=_setup_context)

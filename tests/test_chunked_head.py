@@ -31,9 +31,11 @@ def as_fp32(*tensors):
     return [None if t is None else t.detach().float().requires_grad_() for t in tensors]
 
 
-def op_loss(x, weight, b, target, reduction, smoothing, return_logits=False, chunk=4096, dtype=torch.float32):
-    return torch.ops.memfuse.linear_cross_entropy(x, weight, b, target, IGNORE, reduction, smoothing, dtype,
-                                                  return_logits, chunk)
+def op_loss(x, weight, b, target, reduction, smoothing, return_logits=False, chunk=4096, dtype=torch.float32,
+            with_gradients=False):
+    loss, log_sum_exp, logits, *_ = torch.ops.memfuse.linear_cross_entropy(
+        x, weight, b, target, IGNORE, reduction, smoothing, dtype, return_logits, with_gradients, chunk)
+    return loss, log_sum_exp, logits
 
 
 def relative(a, b):
@@ -41,16 +43,24 @@ def relative(a, b):
 
 
 # -- the op ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+GRADIENTS = pytest.mark.parametrize("with_gradients", [False, True], ids=["backward_recomputes", "forward_forms"])
+
+
+@pytest.mark.parametrize("reduction, with_gradients", [
+    ("mean", False), ("mean", True), ("sum", False), ("sum", True),
+    ("none", False),     # a per-row loss has per-row upstream gradients: only the recomputing backward
+])
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 @pytest.mark.parametrize("bias", [False, True])
-def test_op_matches_cross_entropy_of_the_linear(reduction, smoothing, bias):
+def test_op_matches_cross_entropy_of_the_linear(reduction, with_gradients, smoothing, bias):
     """Odd vocabulary (37: the aligned weight has 3 rows of padding), 45 tokens in chunks of 8
-    rows (the last chunk short), every fifth target ignored; fp32 against fp64."""
+    rows (the last chunk short), every fifth target ignored; fp32 against fp64. The gradients
+    formed in the forward (mean, sum) or by recomputing each chunk in the backward."""
     x, weight, b, target = head_inputs(45, 16, 37, bias)
     assert loss_head.chunk_rows(45, 37, torch.float32, 2048) == 8
     x32, w32, b32 = as_fp32(x, weight, b)
-    loss, log_sum_exp, logits = op_loss(x32, w32, b32, target, reduction, smoothing, chunk=2048)
+    loss, log_sum_exp, logits = op_loss(x32, w32, b32, target, reduction, smoothing, chunk=2048,
+                                        with_gradients=with_gradients)
     reference = F.cross_entropy(F.linear(x, weight, b), target, ignore_index=IGNORE, reduction=reduction,
                                 label_smoothing=smoothing)
     assert logits.numel() == 0
@@ -64,12 +74,15 @@ def test_op_matches_cross_entropy_of_the_linear(reduction, smoothing, bias):
             assert relative(ours.grad, theirs.grad) < 1e-5
 
 
-def test_returned_logits_and_their_gradient():
+@GRADIENTS
+def test_returned_logits_and_their_gradient(with_gradients):
     """With return_logits the op also returns the [tokens, vocab] logits (rows aligned to 8, a
-    view of the padded buffer) and adds the gradient they receive to each chunk's."""
+    view of the padded buffer) and adds the gradient they receive to each chunk's (recomputing)
+    or through its own two matmuls (formed in the forward)."""
     x, weight, b, target = head_inputs(30, 8, 21, bias=True)
     x32, w32, b32 = as_fp32(x, weight, b)
-    loss, _, logits = op_loss(x32, w32, b32, target, "mean", 0.0, return_logits=True, chunk=1024)
+    loss, _, logits = op_loss(x32, w32, b32, target, "mean", 0.0, return_logits=True, chunk=1024,
+                              with_gradients=with_gradients)
     reference_logits = F.linear(x, weight, b)
     reference = F.cross_entropy(reference_logits, target, ignore_index=IGNORE)
     assert logits.shape == (30, 21) and logits.stride() == (24, 1)
@@ -81,7 +94,8 @@ def test_returned_logits_and_their_gradient():
         assert relative(ours.grad, theirs.grad) < 1e-5
 
 
-def test_bf16_no_further_from_fp64_than_eager():
+@GRADIENTS
+def test_bf16_no_further_from_fp64_than_eager(with_gradients):
     """bf16 operands: loss and gradients no further from fp64 than eager's bf16 linear + fp32 loss
     (the op accumulates the bf16 weight's gradient over chunks in bf16, as eager's one matmul
     rounds it once: a margin of 3x)."""
@@ -91,7 +105,8 @@ def test_bf16_no_further_from_fp64_than_eager():
     xb, wb = (t.detach().bfloat16().requires_grad_() for t in (x, weight))
     eager = F.cross_entropy(F.linear(xb, wb).float(), target, ignore_index=IGNORE)
     eager_grads = torch.autograd.grad(eager, (xb, wb))
-    ours, _, _ = op_loss(xb, wb, None, target, "mean", 0.0, chunk=1024, dtype=torch.bfloat16)
+    ours, _, _ = op_loss(xb, wb, None, target, "mean", 0.0, chunk=1024, dtype=torch.bfloat16,
+                         with_gradients=with_gradients)
     our_grads = torch.autograd.grad(ours, (xb, wb))
     assert abs(ours.double() - exact) <= 3 * abs(eager.double() - exact) + 1e-6
     for mine, theirs, truth in zip(our_grads, eager_grads, exact_grads):
@@ -153,6 +168,19 @@ def weighted_head(x, weight, target):
     return F.cross_entropy(F.linear(x, weight), target, weight=torch.ones(weight.shape[0]))
 
 
+def test_returned_logits_that_receive_no_gradient_add_nothing():
+    """A model's returned logits nobody reads get a zero gradient (autograd's): the formed
+    gradients stand as they are, the same as without returned logits."""
+    x, weight, _, target = head_inputs(30, 8, 21)
+    plain, returning = (as_fp32(x, weight) for _ in range(2))
+    loss, _, _ = op_loss(*plain, None, target, "mean", 0.0, with_gradients=True)
+    loss_too, _, logits = op_loss(*returning, None, target, "mean", 0.0, return_logits=True, with_gradients=True)
+    torch.autograd.backward((loss_too, logits), (torch.ones(()), torch.zeros_like(logits)))
+    loss.backward()
+    for a, b in zip(plain, returning):
+        assert torch.equal(a.grad, b.grad)
+
+
 def test_a_function_head_is_chunked_and_keeps_no_logits():
     x, weight, _, target = head_inputs(40, 16, 37, dtype=torch.float32)
     fused = memfuse.memory_efficient_fusion(linear_head)
@@ -164,9 +192,10 @@ def test_a_function_head_is_chunked_and_keeps_no_logits():
         assert relative(ours, theirs) < 1e-5
     assert memfuse.stats()["loss_heads_chunked"] == 1
     report = memfuse.explain(linear_head, x, weight, target)
-    assert [d.chunked for d in report.loss_heads] == [True]
+    assert [(d.chunked, d.gradients_in_forward) for d in report.loss_heads] == [(True, True)]
     assert "chunked linear + cross-entropy over vocab 37" in str(report)
-    assert report.saved_bytes <= 40 * 4, "only the [tokens] log-sum-exps beyond the inputs"
+    formed_in_forward = (40 * 16 + 37 * 16) * 4   # the gradients of x and weight, for the backward to scale
+    assert report.saved_bytes <= 40 * 4 + formed_in_forward, "log-sum-exps and gradients, no [tokens, vocab]"
     graph_targets = {str(n.target) for n in report.entry.captured.aten_graph.graph.nodes}
     assert "aten.mm.default" not in graph_targets, "the replaced linear is not computed"
 
@@ -253,6 +282,9 @@ def test_backend_chunks_a_head_whose_logits_are_returned():
     for ours, theirs in zip(grads, expected):
         assert relative(ours, theirs) < 1e-5
     assert memfuse.stats()["loss_heads_chunked"] == 1
+    [graph] = memfuse.explain(compiled, x, weight, target).graphs
+    [head] = graph.loss_heads
+    assert head.chunked and head.returns_logits and head.gradients_in_forward
 
 
 @pytest.mark.parametrize("family", ["gpt2", "bert", "llama"])

@@ -680,8 +680,9 @@ def test_online_cross_entropy_at_a_vocabulary_matches_eager(vocabulary):
         assert 2 in passes and max(p or 0 for p in passes) == 2, passes
 
 
+@pytest.mark.parametrize("with_gradients", [False, True])
 @pytest.mark.parametrize("return_logits", [False, True])
-def test_chunked_loss_head_bf16_on_the_gpu(return_logits):
+def test_chunked_loss_head_bf16_on_the_gpu(return_logits, with_gradients):
     """memfuse.loss_head's op with its Triton kernels compiled for the GPU: an odd vocabulary (the
     padded weight), 3000 tokens in chunks of 504 rows, bf16 operands: loss and gradients no
     further from fp64 than eager's bf16 linear + fp32 cross-entropy (3x margin)."""
@@ -697,8 +698,8 @@ def test_chunked_loss_head_bf16_on_the_gpu(return_logits):
     def run(x, weight, chunked):
         x, weight = x.detach().requires_grad_(), weight.detach().requires_grad_()
         if chunked:
-            loss, _, logits = torch.ops.memfuse.linear_cross_entropy(
-                x, weight, None, target, -100, "mean", 0.0, x.dtype, return_logits, 8 * 2**20)
+            loss, _, logits, *_ = torch.ops.memfuse.linear_cross_entropy(
+                x, weight, None, target, -100, "mean", 0.0, x.dtype, return_logits, with_gradients, 8 * 2**20)
         else:
             logits = F.linear(x, weight)
             loss = F.cross_entropy(logits.float(), target)
