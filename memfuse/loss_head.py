@@ -290,11 +290,20 @@ def linear_cross_entropy_backward(loss_gradient: torch.Tensor, logits_gradient: 
         if weight_unit.numel():    # the forward formed them
             scale = loss_gradient.to(torch.float32)
             hidden_gradient, weight_gradient, bias_gradient = (u * scale for u in (hidden_unit, weight_unit, bias_unit))
-            if logits_gradient is not None and bool(logits_gradient.any()):
+            if logits_gradient is not None and _may_be_nonzero(logits_gradient):
                 _add_incoming(hidden_gradient, weight_gradient, bias_gradient, logits_gradient, hidden, weight, dtype)
             return hidden_gradient, weight_gradient, bias_gradient
         return _recomputed_backward(loss_gradient, logits_gradient, hidden, weight, bias, target, log_sum_exp,
                                     ignore_index, reduction, label_smoothing, dtype, chunk_bytes)
+
+
+def _may_be_nonzero(gradient: torch.Tensor) -> bool:
+    """False when the returned logits' gradient is all zeros (a model's logits nobody read: autograd
+    hands the backward zeros): one read and a sync, against two [tokens, vocab] matmuls. While a
+    CUDA graph is captured nothing may sync: then it is taken as it is."""
+    if gradient.is_cuda and torch.cuda.is_current_stream_capturing():
+        return True
+    return bool(gradient.any())
 
 
 def _add_incoming(hidden_gradient, weight_gradient, bias_gradient, logits_gradient, hidden, weight, dtype) -> None:
