@@ -313,3 +313,19 @@ def test_huggingface_heads_are_found_and_match_eager(family):
         if theirs.grad is not None:
             error = (ours.grad - theirs.grad).norm() / max(theirs.grad.norm(), 1e-3 * largest)
             assert error < 1e-4, name
+
+
+def test_backend_head_takes_every_batch_size_after_dynamo_goes_dynamic():
+    """Dynamo compiles the first size as it is and the second with symbolic sizes; the chunked op
+    (its fake implementation) takes those, so later sizes compile nothing more."""
+    torch._dynamo.reset()
+    head = Head(16, 37)
+    compiled = torch.compile(head, backend="memfuse")
+    for batch in (5, 7, 3, 9):
+        x, _, _, target = head_inputs(batch * 8, 16, 37, dtype=torch.float32, seed=batch)
+        x, target = x.view(batch, 8, 16), target.view(batch, 8)
+        loss = compiled(x, target)
+        expected = head(x, target)
+        assert relative(loss, expected) < 1e-6
+        assert relative(torch.autograd.grad(loss, x)[0], torch.autograd.grad(expected, x)[0]) < 1e-5
+    assert memfuse.stats()["compiles"] == 2 and memfuse.stats()["loss_heads_chunked"] == 2
