@@ -153,10 +153,15 @@ def _export(fn: Callable, fakes: tuple, trace_joint: bool) -> torch.fx.GraphModu
 
 
 def _without_unused(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """`gm` without the values nothing reads, random draws kept (they advance the generator as in
-    eager). The loss head's swap (memfuse.head) leaves the linear it replaced in the trace."""
+    """`gm` without the values nothing reads (the loss head's swap, memfuse.head, leaves the linear
+    it replaced in the trace). Random draws stay (they advance the generator as in eager), and so
+    do checks, but for NOOP_ATEN's checks of a value that only they read (the trace made them)."""
     for node in reversed(list(gm.graph.nodes)):
-        if node.op == "call_function" and not node.users and _pure(node.target):
+        if node.op != "call_function" or node.users:
+            continue
+        checks_the_unused = node.target in NOOP_ATEN and all(
+            set(i.users) == {node} for i in node.all_input_nodes)
+        if checks_the_unused or (not node.is_impure() and _pure(node.target)):
             gm.graph.erase_node(node)
     return gm
 
@@ -370,6 +375,10 @@ NOOP_ATEN = {aten._assert_tensor_metadata.default}   # checks the trace already 
 ANY_STRIDES_ATEN = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.permute.default,
                     aten.slice.Tensor, aten.select.int, aten.expand.default, aten.unsqueeze.default,
                     aten.squeeze.dims, aten.alias.default}
+# The chunked loss head (memfuse.loss_head) reads every operand through its strides.
+LOSS_HEAD_ATEN = {torch.ops.memfuse.linear_cross_entropy.default,
+                  torch.ops.memfuse.linear_cross_entropy_backward.default}
+ANY_STRIDES_ATEN |= LOSS_HEAD_ATEN
 # Matmuls: extern (cuBLAS) calls whose operands memfuse.padding may align (ir.Matmul).
 MATMUL_ATEN = {aten.mm.default, aten.bmm.default, aten.addmm.default}
 REDUCE_ATEN = {aten.sum.dim_IntList: Op.SUM, aten.amax.default: Op.MAX, aten.amin.default: Op.MIN,
@@ -555,7 +564,7 @@ class _Lowering:
             name = self.lower_tensor_op(node, val)
         except NotFusible as reason:
             return self.lower_extern(node, val, str(reason))
-        if getattr(node.target, "is_view", False) and name == node.name and self.graph[name].op is Op.STRIDED:
+        if getattr(node.target, "is_view", False) and name == node.name and self.graph[name].op in (Op.STRIDED, Op.VIEW):
             self.aten_views[name] = node
         return name
 
@@ -1247,13 +1256,15 @@ class _Lowering:
     def keep_aten_views(self) -> None:
         """A view that only aten calls read, and read in any strides (a transposed weight for mm),
         stays an aten view: a strided read is a kernel that copies it, aten reads it where it
-        lies. Not a fallback."""
+        lies. Not a fallback. A reshape (VIEW) stays one only for the chunked loss head: a matmul
+        operand's reshape is the producing kernel's to write (padding.py)."""
         users = self.graph.users()
         outputs = set(self.graph.outputs)
         for name in reversed(list(self.aten_views)):   # a view of such a view first
             readers = [self.graph[u] for u in users[name]]
+            in_any_strides = ANY_STRIDES_ATEN if self.graph[name].op is Op.STRIDED else LOSS_HEAD_ATEN
             if not readers or name in outputs or any(
-                    r.op is not Op.EXTERN or r.attr.target not in ANY_STRIDES_ATEN for r in readers):
+                    r.op is not Op.EXTERN or r.attr.target not in in_any_strides for r in readers):
                 continue
             node = self.aten_views[name]
             inputs, value, attr = self.extern_call(node, node.meta["val"])

@@ -89,9 +89,16 @@ def compile_failed(name: str, error: Exception) -> EagerCall:
                            f"{message[:MESSAGE_LIMIT]}", way_out)
 
 
+# Functions outside api and module that call the user's code, or torch on its behalf, while capture
+# traces it: a failure under them is the trace's (memfuse.head's wrapper and TorchFunctionMode that
+# swap in the chunked loss head).
+USER_CODE_WRAPPERS = ("chunked", "__torch_function__")
+
+
 def _failed_stage(error: BaseException) -> str:
     """The innermost memfuse module in the traceback, leaving out the wrappers that run the user's
-    code (api, module): "memfuse.capture" for a trace of the user's code that fails."""
+    code (api, module, USER_CODE_WRAPPERS): "memfuse.capture" for a trace of the user's code that
+    fails."""
     package = Path(__file__).parent
     stage = "memfuse"
     tb = error.__traceback__
@@ -99,7 +106,8 @@ def _failed_stage(error: BaseException) -> str:
         path = Path(tb.tb_frame.f_code.co_filename)
         if package in path.parents:
             name = path.relative_to(package).parts[0].removesuffix(".py")
-            stage = stage if name in ("api", "module") else f"memfuse.{name}"
+            runs_user_code = name in ("api", "module") or tb.tb_frame.f_code.co_name in USER_CODE_WRAPPERS
+            stage = stage if runs_user_code else f"memfuse.{name}"
         tb = tb.tb_next
     return stage
 

@@ -220,6 +220,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: Optio
     _check(hidden, weight, bias, target, reduction)
     _check_sizes(hidden, weight, bias, target)
     tokens, vocab = hidden.shape[0], weight.shape[0]
+    target = target.contiguous()       # the kernels read one target per row
     with _no_autocast(hidden.device):
         compute_hidden = hidden.to(dtype)
         aligned, aligned_bias = _aligned_weight(weight, bias, dtype)
@@ -318,6 +319,7 @@ def _add_incoming(hidden_gradient, weight_gradient, bias_gradient, logits_gradie
 def _recomputed_backward(loss_gradient, logits_gradient, hidden, weight, bias, target, log_sum_exp, ignore_index,
                          reduction, label_smoothing, dtype, chunk_bytes) -> tuple:
     tokens, vocab = hidden.shape[0], weight.shape[0]
+    target = target.contiguous()
     compute_hidden = hidden.to(dtype)
     aligned, aligned_bias = _aligned_weight(weight, bias, dtype)
     scales = _row_scales(loss_gradient, target, ignore_index, reduction)

@@ -429,8 +429,11 @@ def _same_size(graph: Graph, node) -> bool:
 
 def _made_by_aten(graph: Graph, name: str) -> bool:
     """Whether `name` is an aten call's result in storage of its own, or an aliasing view of one
-    (never of a program input: a reshape of it returned would alias what the caller passed in)."""
+    (never of a program input: a reshape of it returned would alias what the caller passed in).
+    An element of an aten call's tuple (the chunked loss head's logits) counts as its result."""
     node = graph[name]
+    if node.op is Op.GETITEM and graph[node.inputs[0]].op is Op.EXTERN:
+        node = graph[node.inputs[0]]
     while node.op is Op.EXTERN and isinstance(node.attr.target, torch._ops.OpOverload):
         aliases = node.attr.target in ALIASING_CALLS or \
             any(r.alias_info is not None for r in node.attr.target._schema.returns)

@@ -86,8 +86,8 @@ def test_tiny_table(tmp_path, capsys):
     moved = [r["must_move"] for r in launches]
     assert moved == sorted(moved, reverse=True)        # no times: the most bytes first
     size = FAMILIES["gpt2"].tiny
-    loss = [r for r in launches if r["d"] == size.vocab and "max over D" in r["summary"]]
-    assert loss and all(r["rows"] == size.batch * size.seq for r in loss)   # the log-softmax over the vocabulary
+    # the loss head runs chunked (memfuse.loss_head's own kernels): no generated kernel reads a vocabulary row
+    assert not [r for r in launches if r["d"] == size.vocab]
     table = (tmp_path / "kernel-sol-tiny-gpt2.md").read_text()
     assert table.count("| `memfuse_") == len(launches) and "TINY RUN" in table
     assert table.strip() in capsys.readouterr().out
