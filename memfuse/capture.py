@@ -564,7 +564,8 @@ class _Lowering:
             name = self.lower_tensor_op(node, val)
         except NotFusible as reason:
             return self.lower_extern(node, val, str(reason))
-        if getattr(node.target, "is_view", False) and name == node.name and self.graph[name].op in (Op.STRIDED, Op.VIEW):
+        if getattr(node.target, "is_view", False) and name == node.name and \
+                self.graph[name].op in (Op.STRIDED, Op.VIEW):
             self.aten_views[name] = node
         return name
 

@@ -105,7 +105,8 @@ def _rewrite(graph: torch.fx.Graph, loss: torch.fx.Node, config: Config) -> Head
         return HeadDecision(loss.name, False, problem)
     chain, linear = _chain_to_linear(arguments["input"])
     if linear is None:
-        return HeadDecision(loss.name, False, "its input is not a linear layer's output or x @ w.T (cast and flattened at most)")
+        return HeadDecision(loss.name, False, "its input is not a linear layer's output or x @ w.T "
+                                              "(cast and flattened at most)")
     problem = _chain_problem(chain, linear) or _loss_problem(loss)
     if problem:
         return HeadDecision(loss.name, False, problem)
@@ -132,12 +133,12 @@ def _rewrite(graph: torch.fx.Graph, loss: torch.fx.Node, config: Config) -> Head
         with graph.inserting_after(flat_logits):
             logits = graph.call_function(_rows_like, (flat_logits, hidden_input))
         linear.replace_all_uses_with(logits)
-    transposed = linear.args[1]
+    transposed = linear.args[1] if len(linear.args) > 1 else None
     graph.erase_node(linear)
-    if transposed is not weight and not transposed.users:   # x @ w.T: the .T of the weight
-        graph.erase_node(transposed)
+    if isinstance(transposed, torch.fx.Node) and transposed is not weight and not transposed.users:
+        graph.erase_node(transposed)        # x @ w.T: the .T of the weight
     return HeadDecision(loss.name, True, "a linear layer's output feeds only the loss"
-                        + (" and the function's outputs" if returns_logits else ""),
+                        + (" and readers past it (returned logits)" if returns_logits else ""),
                         vocab, returns_logits, chunk_bytes(config), in_forward)
 
 
@@ -300,7 +301,8 @@ class LossHeadMode(TorchFunctionMode):
             self.decisions.append(HeadDecision(name, False, problem))
             return F.cross_entropy(*args, **kwargs)
         hidden = origin.hidden.reshape(-1, origin.hidden.shape[-1])
-        in_forward = _gradients_in_forward(arguments.get("reduction", "mean"), [origin.hidden, origin.weight, origin.bias])
+        in_forward = _gradients_in_forward(arguments.get("reduction", "mean"),
+                                           [origin.hidden, origin.weight, origin.bias])
         loss, *_ = torch.ops.memfuse.linear_cross_entropy(
             hidden, origin.weight, origin.bias, arguments["target"], arguments.get("ignore_index", -100),
             arguments.get("reduction", "mean"), float(arguments.get("label_smoothing", 0.0)),
