@@ -340,10 +340,14 @@ def _unit_stride(t: torch.Tensor) -> torch.Tensor:
 
 
 def _accumulate(total: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
-    """total += left @ right: in place in total's dtype where the operands share it (cuBLAS adds in
-    fp32 and rounds once), else the chunk's product in the operands' dtype added to total."""
+    """total += left @ right, in place in the matmul's epilogue: in total's dtype where the operands
+    share it (cuBLAS adds in fp32 and rounds once); an fp32 total of bf16/fp16 operands through
+    aten's addmm with out_dtype on CUDA (no [vocab, H] product written and read again per chunk),
+    else the chunk's product added to total."""
     if total.dtype == left.dtype:
         total.addmm_(left, right)
+    elif total.is_cuda and total.dtype == torch.float32 and hasattr(torch.ops.aten.addmm, "dtype_out"):
+        torch.ops.aten.addmm.dtype_out(total, left, right, torch.float32, out=total)
     else:
         total += torch.mm(left, right)
 

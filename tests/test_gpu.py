@@ -680,9 +680,10 @@ def test_online_cross_entropy_at_a_vocabulary_matches_eager(vocabulary):
         assert 2 in passes and max(p or 0 for p in passes) == 2, passes
 
 
+@pytest.mark.parametrize("master_fp32", [False, True], ids=["bf16_weight", "fp32_weight"])
 @pytest.mark.parametrize("with_gradients", [False, True])
 @pytest.mark.parametrize("return_logits", [False, True])
-def test_chunked_loss_head_bf16_on_the_gpu(return_logits, with_gradients):
+def test_chunked_loss_head_bf16_on_the_gpu(return_logits, with_gradients, master_fp32):
     """memfuse.loss_head's op with its Triton kernels compiled for the GPU: an odd vocabulary (the
     padded weight), 3000 tokens in chunks of 504 rows, bf16 operands: loss and gradients no
     further from fp64 than eager's bf16 linear + fp32 cross-entropy (3x margin)."""
@@ -696,18 +697,20 @@ def test_chunked_loss_head_bf16_on_the_gpu(return_logits, with_gradients):
     upstream = torch.randn(tokens, vocab, device="cuda", dtype=torch.float64, generator=generator) / tokens
 
     def run(x, weight, chunked):
+        """fp32_weight: autocast's master weight, cast to the matmul's dtype (its gradient in fp32)."""
         x, weight = x.detach().requires_grad_(), weight.detach().requires_grad_()
         if chunked:
             loss, _, logits, *_ = torch.ops.memfuse.linear_cross_entropy(
                 x, weight, None, target, -100, "mean", 0.0, x.dtype, return_logits, with_gradients, 8 * 2**20)
         else:
-            logits = F.linear(x, weight)
+            logits = F.linear(x, weight.to(x.dtype))
             loss = F.cross_entropy(logits.float(), target)
         total = loss + ((logits.double() * upstream).sum() if return_logits else 0)
         return (loss.double(), *torch.autograd.grad(total, (x, weight)))
 
     exact = run(x, weight, chunked=False)
-    eager = run(x.bfloat16(), weight.bfloat16(), chunked=False)
-    ours = run(x.bfloat16(), weight.bfloat16(), chunked=True)
+    matmul_weight = weight.float() if master_fp32 else weight.bfloat16()
+    eager = run(x.bfloat16(), matmul_weight, chunked=False)
+    ours = run(x.bfloat16(), matmul_weight, chunked=True)
     for mine, theirs, truth in zip(ours, eager, exact):
         assert relative_error(mine.double(), truth) <= 3 * relative_error(theirs.double(), truth) + 1e-6
