@@ -20,6 +20,7 @@ kept for the backward. memfuse.head finds the pattern in traced graphs and puts 
 from __future__ import annotations
 
 import contextlib
+import functools
 import dataclasses
 from typing import Optional
 
@@ -346,10 +347,25 @@ def _accumulate(total: torch.Tensor, left: torch.Tensor, right: torch.Tensor) ->
     else the chunk's product added to total."""
     if total.dtype == left.dtype:
         total.addmm_(left, right)
-    elif total.is_cuda and total.dtype == torch.float32 and hasattr(torch.ops.aten.addmm, "dtype_out"):
+    elif total.dtype == torch.float32 and _fp32_epilogue(total.device, left.dtype):
         torch.ops.aten.addmm.dtype_out(total, left, right, torch.float32, out=total)
     else:
         total += torch.mm(left, right)
+
+
+@functools.cache
+def _fp32_epilogue(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this torch runs addmm of `dtype` operands into an fp32 total on `device` (CUDA builds
+    since torch 2.9; not the CPU): tried once on a 8x8 product."""
+    if device.type != "cuda" or not hasattr(torch.ops.aten.addmm, "dtype_out"):
+        return False
+    total = torch.zeros(8, 8, device=device)
+    operand = torch.ones(8, 8, device=device, dtype=dtype)
+    try:
+        torch.ops.aten.addmm.dtype_out(total, operand, operand, torch.float32, out=total)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return bool((total == 8).all())
 
 
 def _row_scales(loss_gradient: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str) -> torch.Tensor:
