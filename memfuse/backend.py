@@ -31,7 +31,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from .capture import Captured, decomposition_table, lower_graph
 from .config import Config, config_with_options
 from .debug import STATS, on_compile, timed, topic_log
-from .head import with_chunked_loss_heads
+from .head import attach_returned_logits, with_chunked_loss_heads
 from .ir import Graph, Symbol, verify
 from .plan import Plan, plan
 from .precompile import precompile
@@ -77,7 +77,8 @@ def memfuse_backend(gm: torch.fx.GraphModule, example_inputs, *, config: Optiona
     config = config_with_options(config or Config(), options)
     record = GraphRecord(_graph_name(gm), _input_names(gm))
     original = gm
-    gm, record.loss_heads = with_chunked_loss_heads(gm, config)
+    chunked = with_chunked_loss_heads(gm, config)
+    gm, record.loss_heads = chunked.gm, chunked.decisions
     compilers = _Compilers(config, record)
     backend = aot_autograd(fw_compiler=compilers.forward, bw_compiler=compilers.backward,
                            inference_compiler=compilers.inference, partition_fn=compilers.partition,
@@ -90,7 +91,7 @@ def memfuse_backend(gm: torch.fx.GraphModule, example_inputs, *, config: Optiona
         return _through_torch(original, record, e, config)
     STATS["compiles"] += 1
     on_compile(record.name, record)
-    return compiled
+    return attach_returned_logits(compiled, chunked)
 
 
 def _through_torch(gm: torch.fx.GraphModule, record: GraphRecord, error: Exception, config: Config):

@@ -4,9 +4,12 @@ The pattern: `cross_entropy(x, target)` where x is a linear layer's output (or `
 2-D w), optionally cast
 (`.float()`, `.to(float32)`) and flattened to [tokens, vocab] (`view`, `reshape`, `contiguous`),
 with no other reader on the way. It is replaced by `torch.ops.memfuse.linear_cross_entropy` on the
-linear's input, weight and bias. Where the linear's output is also read elsewhere (a model that
-returns its logits), the op returns them too and takes their gradient into its backward; where a
-cast or flattened copy is read elsewhere, the head is left as it is, with the reason.
+linear's input, weight and bias. Where the linear's output is also read elsewhere, the op returns
+them too and takes their gradient into its backward; where a cast or flattened copy is read
+elsewhere, the head is left as it is, with the reason. Logits a Dynamo graph returns (a
+HuggingFace model's) leave it detached and get their gradient path back outside the compiled
+graph (`attach_returned_logits`): autograd would otherwise hand the backward a [tokens, vocab]
+zero gradient for them at every step.
 
 Two ways in, one rule: `chunk_loss_heads(gm)` rewrites a Dynamo graph (the torch.compile backend),
 `LossHeadMode` swaps the calls while memfuse traces a function or module (memory_efficient_fusion),
@@ -53,7 +56,8 @@ class HeadDecision:
     def __str__(self) -> str:
         if not self.chunked:
             return f"loss head {self.loss}: not chunked: {self.reason}"
-        logits = "; the logits are also returned, written whole, not kept" if self.returns_logits else ""
+        logits = ("; the logits are also returned: written whole, not kept, differentiated only if read"
+                  if self.returns_logits else "")
         gradients = ("; gradients formed in the forward, scaled in the backward" if self.gradients_in_forward
                      else "; the backward forms each chunk's logits again")
         return (f"loss head {self.loss}: chunked linear + cross-entropy over vocab {self.vocab}, chunks of "
@@ -66,28 +70,69 @@ def chunk_bytes(config: Config) -> int:
 
 
 # -- the Dynamo graph (torch.compile backend) ----------------------------------------------------
-def with_chunked_loss_heads(gm: torch.fx.GraphModule, config: Config) -> tuple:
-    """(a copy of `gm` with its loss heads chunked, the decisions), or (gm, []) when it has no
-    cross_entropy or chunking is off. A copy: a graph memfuse cannot compile runs as captured."""
+@dataclasses.dataclass(frozen=True)
+class ReturnedLogits:
+    """Where a chunked head's logits leave the rewritten graph detached: the graph's outputs at
+    `positions`, and the extra outputs from `operands` on (hidden, weight, then bias if
+    `has_bias`) that `attach_returned_logits` gives loss_head.ReturnedLogits."""
+    positions: tuple
+    operands: int
+    has_bias: bool
+
+
+@dataclasses.dataclass
+class ChunkedGraph:
+    """A Dynamo graph with its loss heads chunked: the graph to compile, the decisions, the
+    returned logits to attach to the compiled graph's outputs, and its output count before."""
+    gm: torch.fx.GraphModule
+    decisions: list
+    returned: list
+    outputs: int
+
+
+def with_chunked_loss_heads(gm: torch.fx.GraphModule, config: Config) -> ChunkedGraph:
+    """A copy of `gm` with its loss heads chunked, or `gm` itself when it has no cross_entropy or
+    chunking is off. A copy: a graph memfuse cannot compile runs as captured."""
+    outputs = len(_output_values(gm.graph))
     if not config.chunk_loss_head or not any(n.target is F.cross_entropy for n in gm.graph.nodes):
-        return gm, []
+        return ChunkedGraph(gm, [], [], outputs)
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     copied = torch.fx.GraphModule(gm, graph)
-    return copied, chunk_loss_heads(copied, config)
-
-
-def chunk_loss_heads(gm: torch.fx.GraphModule, config: Config) -> list[HeadDecision]:
-    """Rewrite each loss head of `gm` (a Dynamo graph of torch functions) into the chunked op, in
-    place; the decisions, one per cross-entropy."""
-    decisions = [_rewrite(gm.graph, node, config) for node in list(gm.graph.nodes)
+    rewritten = [_rewrite(copied.graph, node, config) for node in list(copied.graph.nodes)
                  if node.op == "call_function" and node.target is F.cross_entropy]
+    decisions = [decision for decision, _ in rewritten]
     if any(d.chunked for d in decisions):
-        gm.graph.lint()
-        gm.recompile()
+        copied.graph.lint()
+        copied.recompile()
     for decision in decisions:
         _record(decision)
-    return decisions
+    return ChunkedGraph(copied, decisions, [r for _, r in rewritten if r is not None], outputs)
+
+
+def attach_returned_logits(compiled: Callable, chunked: ChunkedGraph) -> Callable:
+    """`compiled` (the rewritten graph, compiled) with the original graph's outputs: each returned
+    logits tensor through loss_head.ReturnedLogits, the extra outputs dropped."""
+    if not chunked.returned:
+        return compiled
+
+    def with_returned_logits(*args):
+        results = list(compiled(*args))
+        for returned in chunked.returned:
+            first = returned.operands
+            bias = results[first + 2] if returned.has_bias else None
+            logits = loss_head.ReturnedLogits.apply(results[returned.positions[0]], results[first],
+                                                    results[first + 1], bias)
+            for position in returned.positions:
+                results[position] = logits
+        return results[:chunked.outputs]
+    return torch._dynamo.disable(with_returned_logits)
+
+
+def _output_values(graph: torch.fx.Graph) -> tuple:
+    output = graph.find_nodes(op="output")[0]
+    values = output.args[0]
+    return tuple(values) if isinstance(values, (tuple, list)) else (values,)
 
 
 def _record(decision: HeadDecision) -> None:
@@ -98,22 +143,27 @@ def _record(decision: HeadDecision) -> None:
         fallback_log.info("memfuse: %s", decision)
 
 
-def _rewrite(graph: torch.fx.Graph, loss: torch.fx.Node, config: Config) -> HeadDecision:
+def _rewrite(graph: torch.fx.Graph, loss: torch.fx.Node, config: Config) -> tuple:
+    """(the decision, the ReturnedLogits when the head's logits leave the graph, else None)."""
     arguments = dict(zip(CROSS_ENTROPY_PARAMETERS, loss.args)) | dict(loss.kwargs)
     problem = _settings_problem(arguments)
     if problem:
-        return HeadDecision(loss.name, False, problem)
+        return HeadDecision(loss.name, False, problem), None
     chain, linear = _chain_to_linear(arguments["input"])
     if linear is None:
         return HeadDecision(loss.name, False, "its input is not a linear layer's output or x @ w.T "
-                                              "(cast and flattened at most)")
+                                              "(cast and flattened at most)"), None
     problem = _chain_problem(chain, linear) or _loss_problem(loss)
     if problem:
-        return HeadDecision(loss.name, False, problem)
+        return HeadDecision(loss.name, False, problem), None
     hidden_input, weight, bias = _graph_operands(linear)
     logits_value = linear.meta["example_value"]
     vocab = int(logits_value.shape[-1])
-    returns_logits = len(linear.users) > 1    # its first reader is the chain (or the loss)
+    first_reader = chain[0] if chain else loss
+    returned_at = [i for i, value in enumerate(_output_values(graph)) if value is linear]
+    read_in_graph = [u for u in linear.users if u is not first_reader and u.op != "output"]
+    returns_logits = len(linear.users) > 1
+    only_returned = bool(returned_at) and not read_in_graph
     in_forward = _gradients_in_forward(arguments.get("reduction", "mean"), [
         getattr(n, "meta", {}).get("example_value") for n in (hidden_input, weight, bias)])
     with graph.inserting_before(loss):
@@ -127,11 +177,14 @@ def _rewrite(graph: torch.fx.Graph, loss: torch.fx.Node, config: Config) -> Head
     graph.erase_node(loss)
     for node in reversed(chain):
         graph.erase_node(node)
+    returned = None
     if returns_logits:
         with graph.inserting_after(head_loss):
             flat_logits = graph.call_function(operator.getitem, (head, 2))
         with graph.inserting_after(flat_logits):
             logits = graph.call_function(_rows_like, (flat_logits, hidden_input))
+        if only_returned:
+            returned = _return_detached(graph, logits, returned_at, hidden_input, weight, bias)
         linear.replace_all_uses_with(logits)
     transposed = linear.args[1] if len(linear.args) > 1 else None
     graph.erase_node(linear)
@@ -139,7 +192,23 @@ def _rewrite(graph: torch.fx.Graph, loss: torch.fx.Node, config: Config) -> Head
         graph.erase_node(transposed)        # x @ w.T: the .T of the weight
     return HeadDecision(loss.name, True, "a linear layer's output feeds only the loss"
                         + (" and readers past it (returned logits)" if returns_logits else ""),
-                        vocab, returns_logits, chunk_bytes(config), in_forward)
+                        vocab, returns_logits, chunk_bytes(config), in_forward), returned
+
+
+def _return_detached(graph: torch.fx.Graph, logits: torch.fx.Node, positions: list, hidden: torch.fx.Node,
+                     weight: torch.fx.Node, bias: Optional[torch.fx.Node]) -> ReturnedLogits:
+    """The graph returns `logits` detached at `positions`, and the linear's operands after its
+    outputs, for attach_returned_logits."""
+    output = graph.find_nodes(op="output")[0]
+    with graph.inserting_after(logits):
+        detached = graph.call_method("detach", (logits,))
+    values = list(_output_values(graph))
+    for position in positions:
+        values[position] = detached
+    operands = len(values)
+    values += [hidden, weight] + ([bias] if bias is not None else [])
+    output.args = (tuple(values),)
+    return ReturnedLogits(tuple(positions), operands, bias is not None)
 
 
 def _gradients_in_forward(reduction: str, operands: list) -> bool:

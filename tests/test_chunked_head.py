@@ -287,6 +287,67 @@ def test_backend_chunks_a_head_whose_logits_are_returned():
     assert head.chunked and head.returns_logits and head.gradients_in_forward
 
 
+class ShapesMade(torch.utils._python_dispatch.TorchDispatchMode):
+    """The shapes of every tensor the ops inside the block return (the backward's included)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        self.shapes += [tuple(t.shape) for t in torch.utils._pytree.tree_leaves(result)
+                        if isinstance(t, torch.Tensor)]
+        return result
+
+
+def biased_returning_head(x, weight, bias, target):
+    logits = F.linear(x, weight, bias)
+    return F.cross_entropy(logits, target), logits
+
+
+def test_backend_returned_logits_nobody_reads_cost_the_backward_nothing():
+    """Logits the graph returns leave it detached: the loss's backward makes no [tokens, vocab]
+    tensor (autograd would hand the compiled graph a zero gradient of that size), and the logits
+    keep their gradient path (bias included) for a caller that reads them."""
+    torch._dynamo.reset()
+    x, weight, bias, target = head_inputs(40, 16, 37, bias=True, dtype=torch.float32)
+    compiled = torch.compile(biased_returning_head, backend="memfuse")
+    loss, logits = compiled(x, weight, bias, target)
+    assert type(logits.grad_fn).__name__ == "ReturnedLogitsBackward"
+    with ShapesMade() as made:
+        loss.backward()
+    assert made.shapes and (40, 37) not in made.shapes
+    expected = torch.autograd.grad(F.cross_entropy(F.linear(x, weight, bias), target), (x, weight, bias))
+    for tensor, theirs in zip((x, weight, bias), expected):
+        assert relative(tensor.grad, theirs) < 1e-5
+    upstream = torch.randn_like(logits)
+    loss, logits = compiled(x, weight, bias, target)
+    ours = torch.autograd.grad(loss + (logits * upstream).sum(), (x, weight, bias))
+    reference_loss, reference_logits = biased_returning_head(x, weight, bias, target)
+    theirs = torch.autograd.grad(reference_loss + (reference_logits * upstream).sum(), (x, weight, bias))
+    for a, b in zip(ours, theirs):
+        assert relative(a, b) < 1e-5
+
+
+def z_loss_head(x, weight, target):
+    """Logits read in the graph (a z-loss) and returned: their gradient goes into the op's backward."""
+    logits = F.linear(x, weight)
+    return F.cross_entropy(logits, target) + 1e-2 * logits.logsumexp(-1).pow(2).mean(), logits
+
+
+def test_backend_logits_read_in_the_graph_take_their_gradient_into_the_op():
+    torch._dynamo.reset()
+    x, weight, _, target = head_inputs(40, 16, 37, dtype=torch.float32)
+    loss, logits = torch.compile(z_loss_head, backend="memfuse")(x, weight, target)
+    reference_loss, reference_logits = z_loss_head(x, weight, target)
+    assert relative(loss, reference_loss) < 1e-6 and relative(logits, reference_logits) < 1e-6
+    ours, theirs = (torch.autograd.grad(value, (x, weight)) for value in (loss, reference_loss))
+    for a, b in zip(ours, theirs):
+        assert relative(a, b) < 1e-5
+    assert memfuse.stats()["loss_heads_chunked"] == 1
+
+
 @pytest.mark.parametrize("family", ["gpt2", "bert", "llama"])
 def test_huggingface_heads_are_found_and_match_eager(family):
     """The three heads of `make bench-models`, tiny, under torch.compile(backend="memfuse"): the
