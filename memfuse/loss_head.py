@@ -13,9 +13,12 @@ computes the same loss a chunk of tokens at a time:
   the hidden states' and the weight's gradients; the weight's gradient adds up over chunks.
 
 A chunk's rows follow a byte budget (`chunk_rows`), so the head's transient is the same at any
-token count. Where the logits also leave the function (a model that returns them), the op writes
-them whole in the forward and adds their incoming gradient to each chunk's; they are still not
-kept for the backward. memfuse.head finds the pattern in traced graphs and puts this op there.
+token count. Where the logits are also read elsewhere, the op writes them whole in the forward
+and adds their incoming gradient to its gradients; they are still not kept for the backward.
+Logits that only leave the graph (a model that returns them) go out detached and get their
+gradient path back outside it (`ReturnedLogits`), so that autograd does not hand the backward a
+[tokens, vocab] zero gradient at every step. memfuse.head finds the pattern in traced graphs and
+puts this op there.
 """
 from __future__ import annotations
 
@@ -49,13 +52,9 @@ def _padded(vocab: int) -> int:
 
 # -- the kernels ---------------------------------------------------------------------------------
 @triton.jit
-def _row_statistics(logits_ptr, logits_row_stride, target_ptr, log_sum_exp_ptr, target_logit_ptr,
-                    logit_sum_ptr, vocab, BLOCK: tl.constexpr):
-    """One program per token row: the row's log-sum-exp, its target's logit and the sum of its
-    logits (label smoothing), in fp32, reading the row once (a running max rescales the sum)."""
-    row = tl.program_id(0).to(tl.int64)
-    row_logits = logits_ptr + row * logits_row_stride
-    target = tl.load(target_ptr + row)
+def _statistics_of_row(row_logits, target, vocab, BLOCK: tl.constexpr):
+    """(log-sum-exp, target's logit, sum of logits) of one row in fp32, reading it once: a running
+    max rescales the sum of exps (online softmax)."""
     running_max = float("-inf")
     sum_of_exp = 0.0
     target_logit = 0.0
@@ -64,30 +63,20 @@ def _row_statistics(logits_ptr, logits_row_stride, target_ptr, log_sum_exp_ptr, 
         columns = start + tl.arange(0, BLOCK)
         inside = columns < vocab
         logits = tl.load(row_logits + columns, mask=inside, other=float("-inf")).to(tl.float32)
-        # online softmax: rescale what is summed so far to the new max
         new_max = tl.maximum(running_max, tl.max(logits, axis=0))
         sum_of_exp = sum_of_exp * tl.exp(running_max - new_max) + tl.sum(tl.exp(logits - new_max), axis=0)
         running_max = new_max
         target_logit += tl.sum(tl.where(columns == target, logits, 0.0), axis=0)
         logit_sum += tl.sum(tl.where(inside, logits, 0.0), axis=0)
-    tl.store(log_sum_exp_ptr + row, running_max + tl.log(sum_of_exp))
-    tl.store(target_logit_ptr + row, target_logit)
-    tl.store(logit_sum_ptr + row, logit_sum)
+    return running_max + tl.log(sum_of_exp), target_logit, logit_sum
 
 
 @triton.jit
-def _logits_gradient(logits_ptr, logits_row_stride, log_sum_exp_ptr, target_ptr, row_scale_ptr,
-                     incoming_ptr, incoming_row_stride, gradient_ptr, gradient_row_stride, vocab, padded_vocab,
+def _gradient_of_row(row_logits, row_gradient, row_incoming, log_sum_exp, target, row_scale, vocab, padded_vocab,
                      smoothing, HAS_INCOMING: tl.constexpr, BLOCK: tl.constexpr):
-    """One program per token row: d loss / d logits = (softmax - (1 - smoothing) * one_hot -
-    smoothing / vocab) * row_scale, plus the gradient the returned logits received (HAS_INCOMING).
-    Columns past the vocabulary (the aligned padding) get 0, so the matmuls can read them."""
-    row = tl.program_id(0).to(tl.int64)
-    row_logits = logits_ptr + row * logits_row_stride
-    row_gradient = gradient_ptr + row * gradient_row_stride
-    log_sum_exp = tl.load(log_sum_exp_ptr + row)
-    target = tl.load(target_ptr + row)
-    row_scale = tl.load(row_scale_ptr + row)
+    """Writes one row's d loss / d logits = (softmax - (1 - smoothing) * one_hot - smoothing / vocab)
+    * row_scale, plus what the logits received from other readers (HAS_INCOMING). Columns past the
+    vocabulary (the aligned padding) get 0, so the matmuls can read them."""
     for start in range(0, padded_vocab, BLOCK):
         columns = start + tl.arange(0, BLOCK)
         inside = columns < vocab
@@ -96,10 +85,51 @@ def _logits_gradient(logits_ptr, logits_row_stride, log_sum_exp_ptr, target_ptr,
         wanted = tl.where(columns == target, 1.0 - smoothing, 0.0) + tl.where(inside, smoothing / vocab, 0.0)
         gradient = (softmax - wanted) * row_scale
         if HAS_INCOMING:
-            incoming = tl.load(incoming_ptr + row * incoming_row_stride + columns, mask=inside, other=0.0)
-            gradient += incoming.to(tl.float32)
+            gradient += tl.load(row_incoming + columns, mask=inside, other=0.0).to(tl.float32)
         gradient = tl.where(inside, gradient, 0.0)
-        tl.store(row_gradient + columns, gradient.to(gradient_ptr.dtype.element_ty), mask=columns < padded_vocab)
+        tl.store(row_gradient + columns, gradient.to(row_gradient.dtype.element_ty), mask=columns < padded_vocab)
+
+
+@triton.jit
+def _row_statistics(logits_ptr, logits_row_stride, target_ptr, log_sum_exp_ptr, target_logit_ptr,
+                    logit_sum_ptr, vocab, BLOCK: tl.constexpr):
+    """One program per token row: its log-sum-exp, target's logit and logit sum (label smoothing)."""
+    row = tl.program_id(0).to(tl.int64)
+    log_sum_exp, target_logit, logit_sum = _statistics_of_row(
+        logits_ptr + row * logits_row_stride, tl.load(target_ptr + row), vocab, BLOCK)
+    tl.store(log_sum_exp_ptr + row, log_sum_exp)
+    tl.store(target_logit_ptr + row, target_logit)
+    tl.store(logit_sum_ptr + row, logit_sum)
+
+
+@triton.jit
+def _logits_gradient(logits_ptr, logits_row_stride, log_sum_exp_ptr, target_ptr, row_scale_ptr,
+                     incoming_ptr, incoming_row_stride, gradient_ptr, gradient_row_stride, vocab, padded_vocab,
+                     smoothing, HAS_INCOMING: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per token row: the gradient of its logits (the backward that recomputes them)."""
+    row = tl.program_id(0).to(tl.int64)
+    _gradient_of_row(logits_ptr + row * logits_row_stride, gradient_ptr + row * gradient_row_stride,
+                     incoming_ptr + row * incoming_row_stride, tl.load(log_sum_exp_ptr + row),
+                     tl.load(target_ptr + row), tl.load(row_scale_ptr + row), vocab, padded_vocab, smoothing,
+                     HAS_INCOMING, BLOCK)
+
+
+@triton.jit
+def _row_statistics_and_gradient(logits_ptr, logits_row_stride, target_ptr, log_sum_exp_ptr, target_logit_ptr,
+                                 logit_sum_ptr, row_scale_ptr, gradient_ptr, gradient_row_stride, vocab,
+                                 padded_vocab, smoothing, BLOCK: tl.constexpr):
+    """One program per token row, the forward that forms the gradients: the row's statistics, then
+    its gradient (in place where gradient is logits), one launch and the row's second read from
+    L2 while it is still there."""
+    row = tl.program_id(0).to(tl.int64)
+    row_logits = logits_ptr + row * logits_row_stride
+    target = tl.load(target_ptr + row)
+    log_sum_exp, target_logit, logit_sum = _statistics_of_row(row_logits, target, vocab, BLOCK)
+    tl.store(log_sum_exp_ptr + row, log_sum_exp)
+    tl.store(target_logit_ptr + row, target_logit)
+    tl.store(logit_sum_ptr + row, logit_sum)
+    _gradient_of_row(row_logits, gradient_ptr + row * gradient_row_stride, row_logits, log_sum_exp, target,
+                     tl.load(row_scale_ptr + row), vocab, padded_vocab, smoothing, False, BLOCK)
 
 
 # -- the op --------------------------------------------------------------------------------------
@@ -198,8 +228,9 @@ class _Gradients:
 
 
 def _launch_gradient(chunk, gradient, log_sum_exp, target, scales, incoming, vocab: int, smoothing: float) -> None:
+    """Without incoming gradient the kernel is handed the chunk in its place, never read."""
     _logits_gradient[(chunk.shape[0],)](
-        chunk, chunk.stride(0), log_sum_exp, target, scales, incoming,
+        chunk, chunk.stride(0), log_sum_exp, target, scales, chunk if incoming is None else incoming,
         0 if incoming is None else incoming.stride(0), gradient, gradient.stride(0), vocab, gradient.shape[1],
         smoothing, HAS_INCOMING=incoming is not None, BLOCK=BLOCK_COLUMNS)
 
@@ -238,13 +269,15 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: Optio
             end = min(start + rows, tokens)
             chunk = _chunk_logits(compute_hidden[start:end], aligned, aligned_bias,
                                   out=logits[start:end] if return_logits else None)
-            _row_statistics[(end - start,)](chunk, chunk.stride(0), target[start:end], log_sum_exp[start:end],
-                                            target_logit[start:end], logit_sum[start:end], vocab, BLOCK=BLOCK_COLUMNS)
-            if gradients is not None:    # in place over the chunk's logits, unless they are returned
-                gradient = torch.empty_like(chunk) if return_logits else chunk
-                _launch_gradient(chunk, gradient, log_sum_exp[start:end], target[start:end], scales[start:end],
-                                 None, vocab, label_smoothing)
-                gradients.add_chunk(start, end, gradient, compute_hidden[start:end], aligned, bias is not None)
+            statistics = (target[start:end], log_sum_exp[start:end], target_logit[start:end], logit_sum[start:end])
+            if gradients is None:
+                _row_statistics[(end - start,)](chunk, chunk.stride(0), *statistics, vocab, BLOCK=BLOCK_COLUMNS)
+                continue
+            gradient = torch.empty_like(chunk) if return_logits else chunk   # in place unless returned
+            _row_statistics_and_gradient[(end - start,)](
+                chunk, chunk.stride(0), *statistics, scales[start:end], gradient, gradient.stride(0), vocab,
+                gradient.shape[1], label_smoothing, BLOCK=BLOCK_COLUMNS)
+            gradients.add_chunk(start, end, gradient, compute_hidden[start:end], aligned, bias is not None)
         losses = _row_losses(log_sum_exp, target_logit, logit_sum, valid, vocab, label_smoothing)
         loss = _reduced(losses, valid, reduction)
         precomputed = gradients.finished(vocab, bias) if gradients is not None else _no_gradients(hidden)
@@ -286,26 +319,17 @@ def linear_cross_entropy_backward(loss_gradient: torch.Tensor, logits_gradient: 
     (`hidden_unit` not empty) they are scaled by the loss's gradient; else each chunk's logits are
     formed again, then their gradient and the two matmuls. The weight's gradient adds up over the
     chunks in fp32 when the weight is fp32 (autocast's master weights), else in the weight's dtype
-    (one rounding per chunk). `logits_gradient`: what the returned logits received, or None; all
-    zeros (a model's returned logits nobody reads) adds nothing, and is skipped."""
+    (one rounding per chunk). `logits_gradient`: what the logits received from their readers in
+    the graph, or None."""
     with _no_autocast(hidden.device):
         if weight_unit.numel():    # the forward formed them
             scale = loss_gradient.to(torch.float32)
             hidden_gradient, weight_gradient, bias_gradient = (u * scale for u in (hidden_unit, weight_unit, bias_unit))
-            if logits_gradient is not None and _may_be_nonzero(logits_gradient):
+            if logits_gradient is not None:
                 _add_incoming(hidden_gradient, weight_gradient, bias_gradient, logits_gradient, hidden, weight, dtype)
             return hidden_gradient, weight_gradient, bias_gradient
         return _recomputed_backward(loss_gradient, logits_gradient, hidden, weight, bias, target, log_sum_exp,
                                     ignore_index, reduction, label_smoothing, dtype, chunk_bytes)
-
-
-def _may_be_nonzero(gradient: torch.Tensor) -> bool:
-    """False when the returned logits' gradient is all zeros (a model's logits nobody read: autograd
-    hands the backward zeros): one read and a sync, against two [tokens, vocab] matmuls. While a
-    CUDA graph is captured nothing may sync: then it is taken as it is."""
-    if gradient.is_cuda and torch.cuda.is_current_stream_capturing():
-        return True
-    return bool(gradient.any())
 
 
 def _add_incoming(hidden_gradient, weight_gradient, bias_gradient, logits_gradient, hidden, weight, dtype) -> None:
@@ -393,11 +417,14 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.settings = (ignore_index, reduction, label_smoothing, dtype, chunk_bytes)
     ctx.return_logits = return_logits
     ctx.mark_non_differentiable(log_sum_exp, *units)
+    ctx.set_materialize_grads(False)    # logits nobody differentiates: None, not [tokens, vocab] zeros
 
 
 def _backward(ctx, loss_gradient, _log_sum_exp_gradient, logits_gradient, *_unit_gradients):
     hidden, weight, bias, target, log_sum_exp, *units = ctx.saved_tensors
     incoming = logits_gradient if ctx.return_logits else None
+    if loss_gradient is None:      # only the logits are differentiated
+        loss_gradient = log_sum_exp.new_zeros(() if ctx.settings[1] != "none" else log_sum_exp.shape)
     hidden_gradient, weight_gradient, bias_gradient = linear_cross_entropy_backward(
         loss_gradient, incoming, hidden, weight, bias, target, log_sum_exp, *units, *ctx.settings)
     return (hidden_gradient, weight_gradient, bias_gradient if bias is not None else None,
@@ -405,3 +432,31 @@ def _backward(ctx, loss_gradient, _log_sum_exp_gradient, logits_gradient, *_unit
 
 
 linear_cross_entropy.register_autograd(_backward, setup_context=_setup_context)
+
+
+class ReturnedLogits(torch.autograd.Function):
+    """Logits the op wrote whole and a Dynamo graph returned detached, given their gradient path
+    back: d hidden = g @ W, d weight = g.T @ hidden, d bias = the column sums of g, in the
+    logits' dtype as the linear's own backward. Autograd runs it only when something
+    differentiates the returned logits: unread, they cost the backward nothing."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
+                bias: Optional[torch.Tensor]) -> torch.Tensor:
+        ctx.save_for_backward(hidden, weight, bias)
+        return logits.view_as(logits)
+
+    @staticmethod
+    def backward(ctx, gradient: torch.Tensor):
+        hidden, weight, bias = ctx.saved_tensors
+        with _no_autocast(gradient.device):
+            rows = _unit_stride(gradient.reshape(-1, gradient.shape[-1]))
+            hidden_gradient = weight_gradient = bias_gradient = None
+            if ctx.needs_input_grad[1]:
+                hidden_gradient = torch.mm(rows, weight.to(rows.dtype)).view(hidden.shape).to(hidden.dtype)
+            if ctx.needs_input_grad[2]:
+                flat_hidden = hidden.reshape(-1, hidden.shape[-1]).to(rows.dtype)
+                weight_gradient = torch.mm(rows.t(), flat_hidden).to(weight.dtype)
+            if bias is not None and ctx.needs_input_grad[3]:
+                bias_gradient = rows.sum(0).to(bias.dtype)
+        return None, hidden_gradient, weight_gradient, bias_gradient
