@@ -7,7 +7,8 @@ Each mode trains a fresh copy of the model (bf16 autocast, dropout as in the ben
 steps warm it up, then one step is profiled. Per mode: the step's GPU time (the sum of its kernel
 times: the GPU is busy back to back in these steps), that time by class (matmul, attention,
 memfuse's Triton kernels, torch.compile's Triton kernels, copies and fills, other aten kernels),
-and the TOP_KERNELS kernels with the most time, with their launch counts. Needs CUDA.
+its launches by class, and the --top kernels (default TOP_KERNELS) with the most time, with their
+launch counts. Needs CUDA.
 """
 from __future__ import annotations
 
@@ -61,25 +62,30 @@ def profiled_step(model, batch: dict, setup: Setup, around=contextlib.nullcontex
     return [(e.name, e.device_time_total / 1e3) for e in events]
 
 
-def profile_mode(family, templates: Templates, mode: str, setup: Setup) -> dict:
+def profile_mode(family, templates: Templates, mode: str, setup: Setup, top_kernels: int = TOP_KERNELS) -> dict:
     model = WRAPPERS[mode](fresh(templates.dropout, setup.device), family)
     kernels: dict = defaultdict(lambda: [0.0, 0])
     for name, ms in profiled_step(model, make_batch(family.size, setup.device), setup):
         kernels[name][0] += ms
         kernels[name][1] += 1
     by_class: dict = defaultdict(float)
-    for name, (ms, _) in kernels.items():
+    launches_by_class: dict = defaultdict(int)
+    for name, (ms, launches) in kernels.items():
         by_class[kernel_class(name)] += ms
-    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]
+        launches_by_class[kernel_class(name)] += launches
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top_kernels]
     return {"mode": mode, "gpu_ms": sum(ms for ms, _ in kernels.values()),
             "by_class": dict(sorted(by_class.items(), key=lambda kv: -kv[1])),
+            "launches_by_class": dict(launches_by_class),
             "top": [{"kernel": name, "ms": ms, "launches": n, "class": kernel_class(name)} for name, (ms, n) in top]}
 
 
 def report(model: str, results: list) -> str:
     lines = [f"## {model}: GPU time of one step (ms)"]
     for r in results:
-        classes = ", ".join(f"{label} {ms:.1f}" for label, ms in r["by_class"].items())
+        launches = r.get("launches_by_class", {})
+        classes = ", ".join(f"{label} {ms:.1f} ({launches.get(label, '?')} launches)"
+                            for label, ms in r["by_class"].items())
         lines += ["", f"### {r['mode']}: {r['gpu_ms']:.1f} ms ({classes})", "",
                   "| ms | launches | class | kernel |", "| --- | --- | --- | --- |"]
         lines += [f"| {t['ms']:.2f} | {t['launches']} | {t['class']} | `{t['kernel'][:110]}` |" for t in r["top"]]
@@ -92,6 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--modes", default="torch_compile,memfuse_backend",
                         help=f"comma-separated, from {', '.join(MODES)}")
     parser.add_argument("--out", type=Path, help="directory for profile-MODEL.json and .md")
+    parser.add_argument("--top", type=int, default=TOP_KERNELS, help="kernels listed per mode")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs CUDA: the profile is of GPU kernels")
@@ -105,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     for mode in modes:
         torch._dynamo.reset()
-        results.append(profile_mode(family, templates, mode, setup))
+        results.append(profile_mode(family, templates, mode, setup, args.top))
         torch.cuda.empty_cache()
     text = report(args.model, results)
     print(text)

@@ -171,7 +171,7 @@ def _rewrite(graph: torch.fx.Graph, loss: torch.fx.Node, config: Config) -> tupl
         head = graph.call_function(torch.ops.memfuse.linear_cross_entropy.default, (
             hidden, weight, bias, arguments["target"], arguments.get("ignore_index", -100),
             arguments.get("reduction", "mean"), float(arguments.get("label_smoothing", 0.0)), logits_value.dtype,
-            returns_logits, in_forward, chunk_bytes(config)))
+            returns_logits, in_forward, chunk_bytes(config), not only_returned))
         head_loss = graph.call_function(operator.getitem, (head, 0))
     loss.replace_all_uses_with(head_loss)
     graph.erase_node(loss)
@@ -197,14 +197,12 @@ def _rewrite(graph: torch.fx.Graph, loss: torch.fx.Node, config: Config) -> tupl
 
 def _return_detached(graph: torch.fx.Graph, logits: torch.fx.Node, positions: list, hidden: torch.fx.Node,
                      weight: torch.fx.Node, bias: Optional[torch.fx.Node]) -> ReturnedLogits:
-    """The graph returns `logits` detached at `positions`, and the linear's operands after its
-    outputs, for attach_returned_logits."""
+    """The graph returns `logits` (the op's, which carry no gradient) at `positions`, and the
+    linear's operands after its outputs, for attach_returned_logits."""
     output = graph.find_nodes(op="output")[0]
-    with graph.inserting_after(logits):
-        detached = graph.call_method("detach", (logits,))
     values = list(_output_values(graph))
     for position in positions:
-        values[position] = detached
+        values[position] = logits
     operands = len(values)
     values += [hidden, weight] + ([bias] if bias is not None else [])
     output.args = (tuple(values),)

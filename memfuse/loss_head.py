@@ -33,8 +33,11 @@ import triton.language as tl
 
 # A matmul dimension that is a multiple of this many elements runs cuBLAS's aligned kernels.
 ALIGN = 8
-# Columns one program reads per step of its loop over the vocabulary.
-BLOCK_COLUMNS = 2048
+# Columns one program reads per step of its loop over the vocabulary, and its warps: the fastest
+# of BLOCK 1024-8192 x 4-16 warps on an H100 for [2096, 32000], [1328, 50257] and [512, 128256]
+# chunks (docs/benchmarks.md, 2026-11-24).
+BLOCK_COLUMNS = 4096
+NUM_WARPS = 8
 REDUCTIONS = ("mean", "sum", "none")
 
 
@@ -232,23 +235,25 @@ def _launch_gradient(chunk, gradient, log_sum_exp, target, scales, incoming, voc
     _logits_gradient[(chunk.shape[0],)](
         chunk, chunk.stride(0), log_sum_exp, target, scales, chunk if incoming is None else incoming,
         0 if incoming is None else incoming.stride(0), gradient, gradient.stride(0), vocab, gradient.shape[1],
-        smoothing, HAS_INCOMING=incoming is not None, BLOCK=BLOCK_COLUMNS)
+        smoothing, HAS_INCOMING=incoming is not None, BLOCK=BLOCK_COLUMNS, num_warps=NUM_WARPS)
 
 
 @torch.library.custom_op("memfuse::linear_cross_entropy", mutates_args=())
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                          target: torch.Tensor, ignore_index: int, reduction: str, label_smoothing: float,
-                         dtype: torch.dtype, return_logits: bool, with_gradients: bool, chunk_bytes: int
+                         dtype: torch.dtype, return_logits: bool, with_gradients: bool, chunk_bytes: int,
+                         differentiable_logits: bool = True
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                     torch.Tensor]:
     """(loss, log_sum_exp [tokens] fp32, logits, d loss / d hidden, d weight, d bias) of
     `cross_entropy((hidden @ weight.T + bias) in dtype, as fp32, target)`.
 
     `logits` is [tokens, vocab] in `dtype` when `return_logits` (rows aligned: a view of a padded
-    buffer where vocab is odd), else empty. With `with_gradients` (a mean or sum loss) the forward
-    also forms the gradients for an upstream gradient of 1 while each chunk's logits are at hand:
-    the backward then only scales them, three matmuls in all instead of four. Else they are empty
-    and the backward recomputes each chunk's logits."""
+    buffer where vocab is odd), else empty; without `differentiable_logits` they carry no gradient
+    (logits a graph only returns: memfuse.head gives them ReturnedLogits). With `with_gradients` (a
+    mean or sum loss) the forward also forms the gradients for an upstream gradient of 1 while each
+    chunk's logits are at hand: the backward then only scales them, three matmuls in all instead of
+    four. Else they are empty and the backward recomputes each chunk's logits."""
     _check(hidden, weight, bias, target, reduction)
     _check_sizes(hidden, weight, bias, target)
     tokens, vocab = hidden.shape[0], weight.shape[0]
@@ -271,12 +276,12 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: Optio
                                   out=logits[start:end] if return_logits else None)
             statistics = (target[start:end], log_sum_exp[start:end], target_logit[start:end], logit_sum[start:end])
             if gradients is None:
-                _row_statistics[(end - start,)](chunk, chunk.stride(0), *statistics, vocab, BLOCK=BLOCK_COLUMNS)
+                _row_statistics[(end - start,)](chunk, chunk.stride(0), *statistics, vocab, BLOCK=BLOCK_COLUMNS, num_warps=NUM_WARPS)
                 continue
             gradient = torch.empty_like(chunk) if return_logits else chunk   # in place unless returned
             _row_statistics_and_gradient[(end - start,)](
                 chunk, chunk.stride(0), *statistics, scales[start:end], gradient, gradient.stride(0), vocab,
-                gradient.shape[1], label_smoothing, BLOCK=BLOCK_COLUMNS)
+                gradient.shape[1], label_smoothing, BLOCK=BLOCK_COLUMNS, num_warps=NUM_WARPS)
             gradients.add_chunk(start, end, gradient, compute_hidden[start:end], aligned, bias is not None)
         losses = _row_losses(log_sum_exp, target_logit, logit_sum, valid, vocab, label_smoothing)
         loss = _reduced(losses, valid, reduction)
@@ -294,7 +299,7 @@ def _logits_buffer(hidden: torch.Tensor, vocab: int, dtype: torch.dtype, return_
 
 @linear_cross_entropy.register_fake
 def _(hidden, weight, bias, target, ignore_index, reduction, label_smoothing, dtype, return_logits, with_gradients,
-      chunk_bytes):
+      chunk_bytes, differentiable_logits=True):
     _check(hidden, weight, bias, target, reduction)
     tokens, vocab = hidden.shape[0], weight.shape[0]
     loss = hidden.new_empty((tokens,) if reduction == "none" else (), dtype=torch.float32)
@@ -411,12 +416,12 @@ def _(loss_gradient, logits_gradient, hidden, weight, bias, target, log_sum_exp,
 
 def _setup_context(ctx, inputs, output) -> None:
     (hidden, weight, bias, target, ignore_index, reduction, label_smoothing, dtype, return_logits, _,
-     chunk_bytes) = inputs
-    _, log_sum_exp, _, *units = output
+     chunk_bytes, differentiable_logits) = inputs
+    _, log_sum_exp, logits, *units = output
     ctx.save_for_backward(hidden, weight, bias, target, log_sum_exp, *units)
     ctx.settings = (ignore_index, reduction, label_smoothing, dtype, chunk_bytes)
-    ctx.return_logits = return_logits
-    ctx.mark_non_differentiable(log_sum_exp, *units)
+    ctx.return_logits = return_logits and differentiable_logits
+    ctx.mark_non_differentiable(log_sum_exp, *units, *([] if differentiable_logits else [logits]))
     ctx.set_materialize_grads(False)    # logits nobody differentiates: None, not [tokens, vocab] zeros
 
 
@@ -428,7 +433,7 @@ def _backward(ctx, loss_gradient, _log_sum_exp_gradient, logits_gradient, *_unit
     hidden_gradient, weight_gradient, bias_gradient = linear_cross_entropy_backward(
         loss_gradient, incoming, hidden, weight, bias, target, log_sum_exp, *units, *ctx.settings)
     return (hidden_gradient, weight_gradient, bias_gradient if bias is not None else None,
-            None, None, None, None, None, None, None, None)
+            None, None, None, None, None, None, None, None, None)
 
 
 linear_cross_entropy.register_autograd(_backward, setup_context=_setup_context)
