@@ -359,9 +359,10 @@ class FusedFunction:
 
         grad = key[0]
         static = [self._is_static(i, t) for i, t in enumerate(tensors)]
-        captured, heads = capture_chunked(
-            lambda fn: capture(fn, tensors, trace_joint=grad, static_inputs=static), traced, self.config)
-        captured.loss_heads = heads
+        captured, heads, returns = capture_chunked(
+            lambda fn: capture(fn, tensors, trace_joint=grad, static_inputs=static), traced, self.config,
+            returned_logits=self.graphs is None)
+        captured.loss_heads, captured.returned_logits = heads, returns
         if captured.specialized:
             recompile_log.info("memfuse: %s: leading sizes join the compile key: %s", self._name(),
                                captured.specialized)

@@ -81,6 +81,8 @@ class Captured:
     differentiable_outputs: list = field(default_factory=list)   # forward outputs with a tangent
     aten_graph: Optional[torch.fx.GraphModule] = None
     loss_heads: list = field(default_factory=list)    # memfuse.head's HeadDecisions
+    # loss_head.LogitsReturns: chunked logits the function returns; its last outputs are for them
+    returned_logits: list = field(default_factory=list)
 
 
 class MutatedInputError(RuntimeError):
@@ -196,10 +198,24 @@ def _dependent_outputs(captured: "Captured", requires_grad: list) -> list:
     graph = captured.joint
     tracked = {name for name, rg in zip(graph.inputs, requires_grad) if rg}
     for name, node in graph.nodes.items():
-        if any(i in tracked for i in node.inputs):
+        if any(i in tracked for i in node.inputs) and not _untracked(graph, node):
             tracked.add(name)
     outputs = graph.outputs[:captured.num_fwd_outputs]
     return [i for i, o in enumerate(outputs) if o in tracked and graph[o].value.is_floating]
+
+
+def _untracked(graph: Graph, node: Node) -> bool:
+    """A value autograd does not track though it reads tracked ones: the chunked loss head's
+    log-sum-exps and formed gradients, and the logits it returns without gradient (the last
+    argument, `differentiable_logits`, False: memfuse.head, for a function that returns them)."""
+    if node.op is not Op.GETITEM:
+        return False
+    head = graph[node.inputs[0]]
+    if head.op is not Op.EXTERN or head.attr.target is not torch.ops.memfuse.linear_cross_entropy.default:
+        return False
+    differentiable_logits = head.attr.args[11] if len(head.attr.args) > 11 else \
+        dict(head.attr.kwargs).get("differentiable_logits", True)
+    return node.attr.index != 0 and (node.attr.index != 2 or not differentiable_logits)
 
 
 def _fake_input(mode: FakeTensorMode, t: torch.Tensor, static: bool) -> torch.Tensor:

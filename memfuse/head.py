@@ -70,20 +70,11 @@ def chunk_bytes(config: Config) -> int:
 
 
 # -- the Dynamo graph (torch.compile backend) ----------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class ReturnedLogits:
-    """Where a chunked head's logits leave the rewritten graph detached: the graph's outputs at
-    `positions`, and the extra outputs from `operands` on (hidden, weight, then bias if
-    `has_bias`) that `attach_returned_logits` gives loss_head.ReturnedLogits."""
-    positions: tuple
-    operands: int
-    has_bias: bool
-
-
 @dataclasses.dataclass
 class ChunkedGraph:
     """A Dynamo graph with its loss heads chunked: the graph to compile, the decisions, the
-    returned logits to attach to the compiled graph's outputs, and its output count before."""
+    returned logits to attach to the compiled graph's outputs (loss_head.LogitsReturn), and its
+    output count before."""
     gm: torch.fx.GraphModule
     decisions: list
     returned: list
@@ -117,15 +108,7 @@ def attach_returned_logits(compiled: Callable, chunked: ChunkedGraph) -> Callabl
         return compiled
 
     def with_returned_logits(*args):
-        results = list(compiled(*args))
-        for returned in chunked.returned:
-            first = returned.operands
-            bias = results[first + 2] if returned.has_bias else None
-            logits = loss_head.ReturnedLogits.apply(results[returned.positions[0]], results[first],
-                                                    results[first + 1], bias)
-            for position in returned.positions:
-                results[position] = logits
-        return results[:chunked.outputs]
+        return loss_head.attach_returned_logits(compiled(*args), args, chunked.returned, chunked.outputs)
     return torch._dynamo.disable(with_returned_logits)
 
 
@@ -144,7 +127,7 @@ def _record(decision: HeadDecision) -> None:
 
 
 def _rewrite(graph: torch.fx.Graph, loss: torch.fx.Node, config: Config) -> tuple:
-    """(the decision, the ReturnedLogits when the head's logits leave the graph, else None)."""
+    """(the decision, the LogitsReturn when the head's logits leave the graph, else None)."""
     arguments = dict(zip(CROSS_ENTROPY_PARAMETERS, loss.args)) | dict(loss.kwargs)
     problem = _settings_problem(arguments)
     if problem:
@@ -196,17 +179,18 @@ def _rewrite(graph: torch.fx.Graph, loss: torch.fx.Node, config: Config) -> tupl
 
 
 def _return_detached(graph: torch.fx.Graph, logits: torch.fx.Node, positions: list, hidden: torch.fx.Node,
-                     weight: torch.fx.Node, bias: Optional[torch.fx.Node]) -> ReturnedLogits:
+                     weight: torch.fx.Node, bias: Optional[torch.fx.Node]) -> loss_head.LogitsReturn:
     """The graph returns `logits` (the op's, which carry no gradient) at `positions`, and the
     linear's operands after its outputs, for attach_returned_logits."""
     output = graph.find_nodes(op="output")[0]
     values = list(_output_values(graph))
     for position in positions:
         values[position] = logits
-    operands = len(values)
+    first = len(values)
     values += [hidden, weight] + ([bias] if bias is not None else [])
     output.args = (tuple(values),)
-    return ReturnedLogits(tuple(positions), operands, bias is not None)
+    return loss_head.LogitsReturn(tuple(positions), ("output", first), ("output", first + 1),
+                                  ("output", first + 2) if bias is not None else None)
 
 
 def _gradients_in_forward(reduction: str, operands: list) -> bool:
@@ -324,9 +308,11 @@ class LossHeadMode(TorchFunctionMode):
     chunked op. A followed tensor read by anything else marks its head as returning logits, which
     this path does not chunk (`LogitsReturned` after the trace)."""
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, returning: frozenset = frozenset()):
         super().__init__()
         self.config = config
+        self.returning = returning                # heads whose logits the function returns (a retrace)
+        self.logits: dict[str, torch.Tensor] = {}  # by name: the op's logits of a returning head
         self.followed: dict[int, _Logits] = {}
         self.transposed: dict[int, torch.Tensor] = {}   # id(w.T) -> w, for x @ w.T
         self.chunked: dict[str, _Logits] = {}     # by the decision's name
@@ -370,14 +356,38 @@ class LossHeadMode(TorchFunctionMode):
         hidden = origin.hidden.reshape(-1, origin.hidden.shape[-1])
         in_forward = _gradients_in_forward(arguments.get("reduction", "mean"),
                                            [origin.hidden, origin.weight, origin.bias])
-        loss, *_ = torch.ops.memfuse.linear_cross_entropy(
+        returning = name in self.returning
+        loss, _, logits, *_ = torch.ops.memfuse.linear_cross_entropy(
             hidden, origin.weight, origin.bias, arguments["target"], arguments.get("ignore_index", -100),
             arguments.get("reduction", "mean"), float(arguments.get("label_smoothing", 0.0)),
-            origin.linear_output.dtype, False, in_forward, chunk_bytes(self.config))
+            origin.linear_output.dtype, returning, in_forward, chunk_bytes(self.config), not returning)
         self.chunked[name] = origin
-        self.decisions.append(HeadDecision(name, True, "a linear layer's output feeds only the loss",
-                                           int(origin.weight.shape[0]), False, chunk_bytes(self.config), in_forward))
+        if returning:
+            self.logits[name] = logits
+        reason = "a linear layer's output feeds only the loss" + (" and the outputs" if returning else "")
+        self.decisions.append(HeadDecision(name, True, reason, int(origin.weight.shape[0]), returning,
+                                           chunk_bytes(self.config), in_forward))
         return loss
+
+    def with_returned_logits(self, outputs: tuple, inputs: tuple) -> tuple:
+        """(outputs with each returning head's linear output replaced by the op's logits, then the
+        heads' hidden states; their LogitsReturns), or LogitsReturned when a head's logits leave
+        in another form (cast, reshaped, read past the loss) or its weight is not an input."""
+        outputs, returns = list(outputs), []
+        for name, logits in self.logits.items():
+            origin = self.chunked[name]
+            positions = tuple(i for i, t in enumerate(outputs) if t is origin.linear_output)
+            weight, bias = _input_index(origin.weight, inputs), _input_index(origin.bias, inputs)
+            if not positions or id(origin.linear_output) in self.read_elsewhere or weight is None or \
+                    (origin.bias is not None and bias is None) or \
+                    any(self.followed.get(id(t)) is origin and t is not origin.linear_output for t in outputs):
+                raise LogitsReturned([name], "its logits leave cast, reshaped or read past the loss, or its "
+                                             "weight is not an input of the traced function")
+            for position in positions:
+                outputs[position] = logits.view(origin.linear_output.shape)
+            returns.append(loss_head.LogitsReturn(positions, ("output", len(outputs) + len(returns)),
+                                                  ("input", weight), None if bias is None else ("input", bias)))
+        return (*outputs, *(self.chunked[name].hidden for name in self.logits)), returns
 
     def returned_logits(self, outputs) -> list[str]:
         """The chunked heads whose logits are read past the loss or returned."""
@@ -429,32 +439,49 @@ def _value_problem(logits: torch.Tensor, linear_output: torch.Tensor) -> Optiona
     return None
 
 
-def capture_chunked(trace: Callable, fn: Callable, config: Config):
-    """`trace(fn)` with each loss head of fn chunked, and the decisions. Where a chunked head's
-    logits are also returned or read elsewhere, this path cannot swap them in (the linear ran
-    before the loss was known): the trace is redone without chunking, and that is the decision."""
-    if not config.chunk_loss_head:
-        return trace(fn), []
-    modes = []      # one per trace of fn: AOTAutograd runs it more than once
+def _input_index(tensor: Optional[torch.Tensor], inputs: tuple) -> Optional[int]:
+    return next((i for i, t in enumerate(inputs) if t is tensor), None) if tensor is not None else None
 
-    def chunked(*args):
-        modes.append(LossHeadMode(config))
-        with modes[-1] as mode:
-            outputs = fn(*args)
-        returned = mode.returned_logits(outputs)
-        if returned:
-            raise LogitsReturned(returned)
-        return outputs
+
+def capture_chunked(trace: Callable, fn: Callable, config: Config, returned_logits: bool = True):
+    """(`trace(fn)` with each loss head of fn chunked, the decisions, the LogitsReturns). A head
+    whose logits fn also returns is only known after a trace (the linear ran before the loss):
+    fn is traced again with those heads writing their logits, which replace the linear's in fn's
+    outputs; the traced function also returns the heads' hidden states, for the runtime to give
+    the logits their own backward (loss_head.attach_returned_logits). Where that cannot be (the
+    logits leave cast or reshaped, are read past the loss, or the caller cannot take them:
+    `returned_logits` False, CUDA graphs), fn is traced unchunked, and that is the decision."""
+    if not config.chunk_loss_head:
+        return trace(fn), [], []
+    modes, returns = [], []      # one mode per trace of fn: AOTAutograd runs it more than once
+
+    def chunked(returning: frozenset):
+        def traced(*args):
+            modes.append(LossHeadMode(config, returning))
+            with modes[-1] as mode:
+                outputs = fn(*args)
+            returned = set(mode.returned_logits(outputs))
+            if returned - returning:
+                raise LogitsReturned(sorted(returned - returning))
+            outputs, returns[:] = mode.with_returned_logits(outputs, args)
+            return outputs
+        return traced
     try:
-        traced = trace(chunked)
+        try:
+            traced = trace(chunked(frozenset()))
+        except LogitsReturned as e:
+            if not returned_logits:
+                raise LogitsReturned(e.args[0], "CUDA graphs (cuda_graphs=True) replay the outputs as "
+                                                "compiled, and returned chunked logits need their own backward")
+            traced = trace(chunked(frozenset(e.args[0])))
     except LogitsReturned as e:
-        decisions = [HeadDecision(name, False, "the logits are also returned (or read past the loss): "
-                                  "memory_efficient_fusion cannot chunk them; torch.compile(backend='memfuse') can")
-                     for name in e.args[0]]
+        why = e.args[1] if len(e.args) > 1 else "its logits are also read past the loss"
+        decisions = [HeadDecision(name, False, f"memory_efficient_fusion cannot chunk it: {why}; "
+                                  "torch.compile(backend='memfuse') can") for name in e.args[0]]
         for decision in decisions:
             _record(decision)
-        return trace(fn), decisions
+        return trace(fn), decisions, []
     decisions = modes[-1].decisions if modes else []
     for decision in decisions:
         _record(decision)
-    return traced, decisions
+    return traced, decisions, list(returns)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import dataclasses
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import triton
@@ -465,3 +465,31 @@ class ReturnedLogits(torch.autograd.Function):
             if bias is not None and ctx.needs_input_grad[3]:
                 bias_gradient = rows.sum(0).to(bias.dtype)
         return None, hidden_gradient, weight_gradient, bias_gradient
+
+
+@dataclasses.dataclass(frozen=True)
+class LogitsReturn:
+    """Where a compiled graph returns a chunked head's logits without gradient (its outputs at
+    `positions`), and where the linear's operands are for ReturnedLogits: each an ("output", i)
+    or ("input", i) of the compiled call; `bias` None without a bias."""
+    positions: tuple
+    hidden: tuple
+    weight: tuple
+    bias: Optional[tuple]
+
+
+def attach_returned_logits(outputs: Sequence, inputs: Sequence, returns: list, count: int) -> list:
+    """The compiled call's first `count` outputs (the caller's; the rest are the operands it
+    returned for this), the logits of each LogitsReturn through ReturnedLogits."""
+    def found(place):
+        if place is None:
+            return None
+        source, index = place
+        return (outputs if source == "output" else inputs)[index]
+    results = list(outputs[:count])
+    for returned in returns:
+        logits = ReturnedLogits.apply(outputs[returned.positions[0]], found(returned.hidden),
+                                      found(returned.weight), found(returned.bias))
+        for position in returned.positions:
+            results[position] = logits
+    return results

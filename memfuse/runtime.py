@@ -27,6 +27,7 @@ from .codegen import CompiledKernel, dtype_name, generate
 from .config import Config
 from .debug import STATS, timed
 from .ir import Graph, Kind, Op, ValueRef
+from .loss_head import attach_returned_logits
 from .ops import OPS, REDUCERS, accumulate_dtype, compute_dtype
 from .schedule import ExternStep, KernelGroup, Schedule
 from .tuning import LaunchConfig, TuningCache, cpu_config, default_config
@@ -824,6 +825,12 @@ class CompiledFunction:
                                     device_inputs=inputs[saved:], saved_inputs=inputs[:saved])
         # (*tensor inputs) -> the forward's outputs: what a repeated call runs (api._Front)
         self.apply = self.forward_only if self.backward is None else functools.partial(_function_apply, self)
+        # chunked logits the function returns: the caller's outputs are the first ones, the logits
+        # given their own backward (loss_head.attach_returned_logits)
+        self.returned_logits = captured.returned_logits
+        self.num_user_outputs = self.num_fwd_outputs - len(self.returned_logits)
+        if self.returned_logits:
+            self.apply = self._with_returned_logits
 
     def run_forward(self, inputs) -> tuple:
         """(outputs, size values, seed input, device) of a forward run on the tensor inputs. The
@@ -841,9 +848,15 @@ class CompiledFunction:
         return tuple(self.run_forward(inputs)[0][:self.num_fwd_outputs])
 
     def __call__(self, inputs: list) -> tuple:
+        if self.returned_logits:
+            return self._with_returned_logits(*inputs)
         if self.backward is None:
             return self.forward_only(*inputs)
         return _MemfuseFunction.apply(self, *inputs)
+
+    def _with_returned_logits(self, *inputs) -> tuple:
+        outputs = self.forward_only(*inputs) if self.backward is None else _function_apply(self, *inputs)
+        return tuple(attach_returned_logits(outputs, inputs, self.returned_logits, self.num_user_outputs))
 
 
 SEED_LIMIT = 2 ** 31 - 1   # seeds are int32 kernel scalars (and kernels add a stream index)
@@ -905,6 +918,7 @@ class _MemfuseFunction(torch.autograd.Function):
         ctx.call = (compiled, symbol_values, seed, device, _saved_tensors_hooks(False) is None)
         if compiled.non_differentiable:
             ctx.mark_non_differentiable(*[outs[i] for i in compiled.non_differentiable])
+            ctx._materialize_non_diff_grads = False   # the backward drops their gradients: no zeros made
         return tuple(outs[:n])
 
     @staticmethod

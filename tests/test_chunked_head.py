@@ -225,8 +225,13 @@ def test_one_compile_for_every_batch_size():
     assert memfuse.stats()["compiles"] == 1 and memfuse.stats()["loss_heads_chunked"] == 1
 
 
+def returning_flattened_head(x, weight, target):
+    logits = F.linear(x, weight).reshape(-1, weight.shape[0])
+    return F.cross_entropy(logits, target), logits
+
+
 @pytest.mark.parametrize("fn, reason", [
-    (returning_head, "the logits are also returned"),
+    (returning_flattened_head, "its logits leave cast, reshaped or read past the loss"),
     (weighted_head, "a class weight is given"),
 ])
 def test_a_head_not_taken_says_why_and_matches_eager(fn, reason, caplog):
@@ -238,6 +243,32 @@ def test_a_head_not_taken_says_why_and_matches_eager(fn, reason, caplog):
     assert relative(loss, reference) < 1e-6
     assert memfuse.stats()["loss_heads_chunked"] == 0
     assert any(reason in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+def test_returned_logits_are_chunked_by_memory_efficient_fusion():
+    """A function that returns its logits: traced again with the head writing them; unread, the
+    backward makes no [tokens, vocab] tensor; read, they carry their gradient (bias included)."""
+    x, weight, bias, target = head_inputs(40, 16, 37, bias=True, dtype=torch.float32)
+    fused = memfuse.memory_efficient_fusion(biased_returning_head)
+    loss, logits = fused(x, weight, bias, target)
+    reference_loss, reference_logits = biased_returning_head(x, weight, bias, target)
+    assert relative(loss, reference_loss) < 1e-6 and relative(logits, reference_logits) < 1e-6
+    assert type(logits.grad_fn).__name__ == "ReturnedLogitsBackward"
+    with ShapesMade() as made:
+        loss.backward()
+    assert made.shapes and (40, 37) not in made.shapes
+    for tensor, theirs in zip((x, weight, bias), torch.autograd.grad(reference_loss, (x, weight, bias))):
+        assert relative(tensor.grad, theirs) < 1e-5
+    upstream = torch.randn_like(logits)
+    loss, logits = fused(x, weight, bias, target)
+    ours = torch.autograd.grad(loss + (logits * upstream).sum(), (x, weight, bias))
+    reference_loss, reference_logits = biased_returning_head(x, weight, bias, target)
+    theirs = torch.autograd.grad(reference_loss + (reference_logits * upstream).sum(), (x, weight, bias))
+    for a, b in zip(ours, theirs):
+        assert relative(a, b) < 1e-5
+    [head] = memfuse.explain(fused, x, weight, bias, target).loss_heads
+    assert head.chunked and head.returns_logits
+    assert memfuse.stats()["loss_heads_chunked"] >= 1
 
 
 @pytest.mark.parametrize("compile_with", ["memory_efficient_fusion", "backend"])
