@@ -371,9 +371,10 @@ class LossHeadMode(TorchFunctionMode):
 
     def with_returned_logits(self, outputs: tuple, inputs: tuple) -> tuple:
         """(outputs with each returning head's linear output replaced by the op's logits, then the
-        heads' hidden states; their LogitsReturns), or LogitsReturned when a head's logits leave
-        in another form (cast, reshaped, read past the loss) or its weight is not an input."""
-        outputs, returns = list(outputs), []
+        heads' hidden states that are not inputs; their LogitsReturns), or LogitsReturned when a
+        head's logits leave in another form (cast, reshaped, read past the loss) or its weight is
+        not an input."""
+        outputs, returns, extras = list(outputs), [], []
         for name, logits in self.logits.items():
             origin = self.chunked[name]
             positions = tuple(i for i, t in enumerate(outputs) if t is origin.linear_output)
@@ -385,9 +386,13 @@ class LossHeadMode(TorchFunctionMode):
                                              "weight is not an input of the traced function")
             for position in positions:
                 outputs[position] = logits.view(origin.linear_output.shape)
-            returns.append(loss_head.LogitsReturn(positions, ("output", len(outputs) + len(returns)),
-                                                  ("input", weight), None if bias is None else ("input", bias)))
-        return (*outputs, *(self.chunked[name].hidden for name in self.logits)), returns
+            hidden = _input_index(origin.hidden, inputs)
+            if hidden is None:      # an intermediate: returned too, as a value of its own (AOTAutograd's
+                extras.append(origin.hidden.clone())   # export takes no output that aliases another)
+            returns.append(loss_head.LogitsReturn(
+                positions, ("input", hidden) if hidden is not None else ("output", len(outputs) + len(extras) - 1),
+                ("input", weight), None if bias is None else ("input", bias)))
+        return (*outputs, *extras), returns
 
     def returned_logits(self, outputs) -> list[str]:
         """The chunked heads whose logits are read past the loss or returned."""

@@ -828,7 +828,7 @@ class CompiledFunction:
         # chunked logits the function returns: the caller's outputs are the first ones, the logits
         # given their own backward (loss_head.attach_returned_logits)
         self.returned_logits = captured.returned_logits
-        self.num_user_outputs = self.num_fwd_outputs - len(self.returned_logits)
+        self.num_user_outputs = self.num_fwd_outputs - sum(r.hidden[0] == "output" for r in self.returned_logits)
         if self.returned_logits:
             self.apply = self._with_returned_logits
 
