@@ -1,20 +1,20 @@
 """Finds the loss head in a model and computes it chunked (memfuse.loss_head), unchanged user code.
 
 The pattern: `cross_entropy(x, target)` where x is a linear layer's output (or `hidden @ w.T` of a
-2-D w), optionally cast
-(`.float()`, `.to(float32)`) and flattened to [tokens, vocab] (`view`, `reshape`, `contiguous`),
-with no other reader on the way. It is replaced by `torch.ops.memfuse.linear_cross_entropy` on the
-linear's input, weight and bias. Where the linear's output is also read elsewhere, the op returns
-them too and takes their gradient into its backward; where a cast or flattened copy is read
-elsewhere, the head is left as it is, with the reason. Logits a Dynamo graph returns (a
-HuggingFace model's) leave it detached and get their gradient path back outside the compiled
-graph (`attach_returned_logits`): autograd would otherwise hand the backward a [tokens, vocab]
-zero gradient for them at every step.
+2-D w), optionally cast (`.float()`, `.to(float32)`) and flattened to [tokens, vocab] (`view`,
+`reshape`, `contiguous`), with no other reader on the way. It is replaced by
+`torch.ops.memfuse.linear_cross_entropy` on the linear's input, weight and bias. Where the
+linear's output is also read in the graph, the op returns the logits too and takes their gradient
+into its backward; where a cast or flattened copy is read elsewhere, the head is left as it is,
+with the reason. Logits the graph only returns (a HuggingFace model's) come out of the op without
+gradient and get their own backward outside the compiled graph (loss_head.ReturnedLogits, placed
+by a loss_head.LogitsReturn): autograd would otherwise hand the backward a [tokens, vocab] zero
+gradient for them at every step.
 
-Two ways in, one rule: `chunk_loss_heads(gm)` rewrites a Dynamo graph (the torch.compile backend),
-`LossHeadMode` swaps the calls while memfuse traces a function or module (memory_efficient_fusion),
-where a returned logits tensor is only known after the trace: `traced_with_chunked_heads` then
-traces again without the swap.
+Two ways in, one rule: `with_chunked_loss_heads(gm)` rewrites a Dynamo graph (the torch.compile
+backend), `LossHeadMode` swaps the calls while memfuse traces a function or module
+(memory_efficient_fusion, `capture_chunked`), where returned logits are only known after a trace:
+it traces again with those heads writing them.
 """
 from __future__ import annotations
 
