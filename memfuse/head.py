@@ -460,8 +460,8 @@ def capture_chunked(trace: Callable, fn: Callable, config: Config, returned_logi
         return trace(fn), [], []
     modes, returns = [], []      # one mode per trace of fn: AOTAutograd runs it more than once
 
-    def chunked(returning: frozenset):
-        def traced(*args):
+    def chunked_returning(returning: frozenset):
+        def chunked(*args):     # eager.USER_CODE_WRAPPERS: a failure in fn below is the trace's
             modes.append(LossHeadMode(config, returning))
             with modes[-1] as mode:
                 outputs = fn(*args)
@@ -470,15 +470,15 @@ def capture_chunked(trace: Callable, fn: Callable, config: Config, returned_logi
                 raise LogitsReturned(sorted(returned - returning))
             outputs, returns[:] = mode.with_returned_logits(outputs, args)
             return outputs
-        return traced
+        return chunked
     try:
         try:
-            traced = trace(chunked(frozenset()))
+            traced = trace(chunked_returning(frozenset()))
         except LogitsReturned as e:
             if not returned_logits:
                 raise LogitsReturned(e.args[0], "CUDA graphs (cuda_graphs=True) replay the outputs as "
                                                 "compiled, and returned chunked logits need their own backward")
-            traced = trace(chunked(frozenset(e.args[0])))
+            traced = trace(chunked_returning(frozenset(e.args[0])))
     except LogitsReturned as e:
         why = e.args[1] if len(e.args) > 1 else "its logits are also read past the loss"
         decisions = [HeadDecision(name, False, f"memory_efficient_fusion cannot chunk it: {why}; "
