@@ -114,8 +114,10 @@ def report(result: dict) -> str:
              "| chunk | variant | block | warps | ms |", "| --- | --- | --- | --- | --- |"]
     for r in result["kernels"]:
         ms = "-" if r["ms"] is None else f"{r['ms']:.3f}"
-        lines.append(f"| [{r['rows']}, {r['vocab']}] | {r['variant']} | {r['block'] or '-'} | {r['warps'] or '-'} | {ms} |")
-    lines += ["", "| weight gradient | from rows | variant | ms | max error vs fp32 product |", "| --- | --- | --- | --- | --- |"]
+        lines.append(f"| [{r['rows']}, {r['vocab']}] | {r['variant']} | {r['block'] or '-'} | "
+                     f"{r['warps'] or '-'} | {ms} |")
+    lines += ["", "| weight gradient | from rows | variant | ms | max error vs fp32 product |",
+              "| --- | --- | --- | --- | --- |"]
     for r in result["accumulation"]:
         ms = "-" if r["ms"] is None else f"{r['ms']:.3f}"
         lines.append(f"| [{r['vocab']}, {r['hidden']}] | {r['rows']} | {r['variant']} | {ms} | {r['max_error']:.2g} |")

@@ -276,7 +276,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: Optio
                                   out=logits[start:end] if return_logits else None)
             statistics = (target[start:end], log_sum_exp[start:end], target_logit[start:end], logit_sum[start:end])
             if gradients is None:
-                _row_statistics[(end - start,)](chunk, chunk.stride(0), *statistics, vocab, BLOCK=BLOCK_COLUMNS, num_warps=NUM_WARPS)
+                _row_statistics[(end - start,)](chunk, chunk.stride(0), *statistics, vocab, BLOCK=BLOCK_COLUMNS,
+                                                num_warps=NUM_WARPS)
                 continue
             gradient = torch.empty_like(chunk) if return_logits else chunk   # in place unless returned
             _row_statistics_and_gradient[(end - start,)](
