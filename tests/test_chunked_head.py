@@ -1,6 +1,7 @@
 """The chunked loss head (issue 18): memfuse.loss_head's op against the unchunked math, and
 memfuse.head finding the pattern (linear -> [cast] -> [flatten] -> cross_entropy) in functions,
 in torch.compile graphs and in HuggingFace's GPT-2, BERT-MLM and Llama heads, or saying why not."""
+import functools
 import logging
 import sys
 
@@ -245,32 +246,6 @@ def test_a_head_not_taken_says_why_and_matches_eager(fn, reason, caplog):
     assert any(reason in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
 
 
-def test_returned_logits_are_chunked_by_memory_efficient_fusion():
-    """A function that returns its logits: traced again with the head writing them; unread, the
-    backward makes no [tokens, vocab] tensor; read, they carry their gradient (bias included)."""
-    x, weight, bias, target = head_inputs(40, 16, 37, bias=True, dtype=torch.float32)
-    fused = memfuse.memory_efficient_fusion(biased_returning_head)
-    loss, logits = fused(x, weight, bias, target)
-    reference_loss, reference_logits = biased_returning_head(x, weight, bias, target)
-    assert relative(loss, reference_loss) < 1e-6 and relative(logits, reference_logits) < 1e-6
-    assert type(logits.grad_fn).__name__ == "ReturnedLogitsBackward"
-    with ShapesMade() as made:
-        loss.backward()
-    assert made.shapes and (40, 37) not in made.shapes
-    for tensor, theirs in zip((x, weight, bias), torch.autograd.grad(reference_loss, (x, weight, bias))):
-        assert relative(tensor.grad, theirs) < 1e-5
-    upstream = torch.randn_like(logits)
-    loss, logits = fused(x, weight, bias, target)
-    ours = torch.autograd.grad(loss + (logits * upstream).sum(), (x, weight, bias))
-    reference_loss, reference_logits = biased_returning_head(x, weight, bias, target)
-    theirs = torch.autograd.grad(reference_loss + (reference_logits * upstream).sum(), (x, weight, bias))
-    for a, b in zip(ours, theirs):
-        assert relative(a, b) < 1e-5
-    [head] = memfuse.explain(fused, x, weight, bias, target).loss_heads
-    assert head.chunked and head.returns_logits
-    assert memfuse.stats()["loss_heads_chunked"] >= 1
-
-
 @pytest.mark.parametrize("compile_with", ["memory_efficient_fusion", "backend"])
 def test_x_at_w_transposed_is_the_pattern_and_x_at_w_is_not(compile_with):
     torch._dynamo.reset()
@@ -337,20 +312,26 @@ def biased_returning_head(x, weight, bias, target):
     return F.cross_entropy(logits, target), logits
 
 
-def test_backend_returned_logits_nobody_reads_cost_the_backward_nothing():
-    """Logits the graph returns leave it detached: the loss's backward makes no [tokens, vocab]
-    tensor (autograd would hand the compiled graph a zero gradient of that size), and the logits
-    keep their gradient path (bias included) for a caller that reads them."""
+@pytest.mark.parametrize("compile_with", ["memory_efficient_fusion", "backend"])
+def test_returned_logits_nobody_reads_cost_the_backward_nothing(compile_with):
+    """Logits the function returns come out of the compiled graph without gradient (the backend
+    rewrites Dynamo's graph; memory_efficient_fusion traces again with the head writing them):
+    the loss's backward makes no [tokens, vocab] tensor (autograd would hand the compiled graph a
+    zero gradient of that size), and the logits keep their own gradient path (bias included)
+    for a caller that reads them."""
     torch._dynamo.reset()
     x, weight, bias, target = head_inputs(40, 16, 37, bias=True, dtype=torch.float32)
-    compiled = torch.compile(biased_returning_head, backend="memfuse")
+    wrap = memfuse.memory_efficient_fusion if compile_with == "memory_efficient_fusion" else \
+        functools.partial(torch.compile, backend="memfuse")
+    compiled = wrap(biased_returning_head)
     loss, logits = compiled(x, weight, bias, target)
+    reference_loss, reference_logits = biased_returning_head(x, weight, bias, target)
+    assert relative(loss, reference_loss) < 1e-6 and relative(logits, reference_logits) < 1e-6
     assert type(logits.grad_fn).__name__ == "ReturnedLogitsBackward"
     with ShapesMade() as made:
         loss.backward()
     assert made.shapes and (40, 37) not in made.shapes
-    expected = torch.autograd.grad(F.cross_entropy(F.linear(x, weight, bias), target), (x, weight, bias))
-    for tensor, theirs in zip((x, weight, bias), expected):
+    for tensor, theirs in zip((x, weight, bias), torch.autograd.grad(reference_loss, (x, weight, bias))):
         assert relative(tensor.grad, theirs) < 1e-5
     upstream = torch.randn_like(logits)
     loss, logits = compiled(x, weight, bias, target)
@@ -359,6 +340,9 @@ def test_backend_returned_logits_nobody_reads_cost_the_backward_nothing():
     theirs = torch.autograd.grad(reference_loss + (reference_logits * upstream).sum(), (x, weight, bias))
     for a, b in zip(ours, theirs):
         assert relative(a, b) < 1e-5
+    report = memfuse.explain(compiled, x, weight, bias, target)
+    [head] = report.loss_heads if compile_with == "memory_efficient_fusion" else report.graphs[0].loss_heads
+    assert head.chunked and head.returns_logits
 
 
 def z_loss_head(x, weight, target):
