@@ -146,7 +146,9 @@ def _rewrite(graph: torch.fx.Graph, loss: torch.fx.Node, config: Config) -> tupl
     returned_at = [i for i, value in enumerate(_output_values(graph)) if value is linear]
     read_in_graph = [u for u in linear.users if u is not first_reader and u.op != "output"]
     returns_logits = len(linear.users) > 1
-    only_returned = bool(returned_at) and not read_in_graph
+    returned_anywhere = sum(leaf is linear for leaf in torch.utils._pytree.tree_leaves(_output_values(graph)))
+    # returned at top level only: a nested one would keep the op's logits, without their gradient path
+    only_returned = bool(returned_at) and not read_in_graph and returned_anywhere == len(returned_at)
     in_forward = _gradients_in_forward(arguments.get("reduction", "mean"), [
         getattr(n, "meta", {}).get("example_value") for n in (hidden_input, weight, bias)])
     with graph.inserting_before(loss):
@@ -167,7 +169,7 @@ def _rewrite(graph: torch.fx.Graph, loss: torch.fx.Node, config: Config) -> tupl
         with graph.inserting_after(flat_logits):
             logits = graph.call_function(_rows_like, (flat_logits, hidden_input))
         if only_returned:
-            returned = _return_detached(graph, logits, returned_at, hidden_input, weight, bias)
+            returned = _return_without_gradient(graph, logits, returned_at, hidden_input, weight, bias)
         linear.replace_all_uses_with(logits)
     transposed = linear.args[1] if len(linear.args) > 1 else None
     graph.erase_node(linear)
@@ -178,7 +180,7 @@ def _rewrite(graph: torch.fx.Graph, loss: torch.fx.Node, config: Config) -> tupl
                         vocab, returns_logits, chunk_bytes(config), in_forward), returned
 
 
-def _return_detached(graph: torch.fx.Graph, logits: torch.fx.Node, positions: list, hidden: torch.fx.Node,
+def _return_without_gradient(graph: torch.fx.Graph, logits: torch.fx.Node, positions: list, hidden: torch.fx.Node,
                      weight: torch.fx.Node, bias: Optional[torch.fx.Node]) -> loss_head.LogitsReturn:
     """The graph returns `logits` (the op's, which carry no gradient) at `positions`, and the
     linear's operands after its outputs, for attach_returned_logits."""
