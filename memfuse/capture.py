@@ -9,6 +9,7 @@ Anything the kernels cannot take becomes an EXTERN node with the reason recorded
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import operator
 import re
@@ -25,8 +26,8 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, Stateles
 from . import views
 from .debug import timed
 from . import loss_head  # noqa: F401  (registers the chunked loss head's ops, named below)
-from .ir import (BINARY, COMPARISON, UNARY, Cast, Constant, Extern, Graph, Index, Kind, Matmul, Node, Op, Reduce,
-                 Seeded, Strided, Symbol, Value, ValueRef, fits, value_refs, verify)
+from .ir import (BINARY, COMPARISON, EXTERNAL, FUSIBLE, RANDOM, UNARY, Cast, Constant, Extern, Graph, Index, Kind,
+                 Matmul, Node, Op, Reduce, Seeded, Strided, Symbol, Value, ValueRef, fits, renamed, value_refs, verify)
 from .ops import OPS, accumulate_dtype
 
 aten = torch.ops.aten
@@ -515,6 +516,8 @@ class _Lowering:
             elif node.op == "output":
                 outs = node.args[0]
                 self.graph.outputs = [self.env[o] if o is not None else None for o in outs]
+        self.graph, merged = merge_stored_duplicates(self.graph)
+        self.env = {fx: _merged_name(name, merged) for fx, name in self.env.items()}
         self.keep_aten_views()
         has_seed = self.rng_streams > 0
         if has_seed:   # the seed sits between primals and tangents in the call order
@@ -1277,7 +1280,7 @@ class _Lowering:
         operand's reshape is the producing kernel's to write (padding.py)."""
         users = self.graph.users()
         outputs = set(self.graph.outputs)
-        for name in reversed(list(self.aten_views)):   # a view of such a view first
+        for name in reversed([n for n in self.aten_views if n in self.graph.nodes]):   # a view of such a view first
             readers = [self.graph[u] for u in users[name]]
             in_any_strides = ANY_STRIDES_ATEN if self.graph[name].op is Op.STRIDED else LOSS_HEAD_ATEN
             if not readers or name in outputs or any(
@@ -1313,6 +1316,82 @@ class _Lowering:
         if node.target in MATMUL_ATEN and isinstance(val, torch.Tensor):   # the device decides padding
             return list(dict.fromkeys(inputs)), value, Matmul(node.target, args, kwargs, val.device.type)
         return list(dict.fromkeys(inputs)), value, Extern(node.target, args, kwargs)
+
+
+# -- one node for a value computed twice -------------------------------------------------------
+def merge_stored_duplicates(graph: Graph) -> tuple:
+    """(graph, merged): `graph` with one node for each value that several nodes compute and each writes to memory:
+    autocast casts a layer's normalized input once per linear layer that reads it (three bf16
+    copies for q, k and v), and each layer builds the same attention mask for its own attention
+    call. A duplicate read only in registers stays: the backward recomputing a forward value next
+    to the derivative that reads it is one kernel, not one value written by another (merge_key
+    says what counts as the same value). `merged`: each dropped node -> the node kept for it."""
+    stored, constant = _stored(graph), _from_constants(graph)
+    names: dict = {}      # dropped duplicate -> the node that computes its value
+    first: dict = {}      # merge key -> the first node with it
+    merged = Graph(inputs=list(graph.inputs))
+    for name, node in graph.nodes.items():
+        inputs = tuple(names.get(i, i) for i in node.inputs)
+        attr = node.attr
+        if isinstance(attr, Extern):
+            attr = dataclasses.replace(attr, args=renamed(attr.args, names), kwargs=renamed(attr.kwargs, names))
+        key = merge_key(node.op, inputs, node.value, attr) if name in stored or name in constant else None
+        if key is not None and key in first:
+            names[name] = first[key]
+            continue
+        if key is not None:
+            first[key] = name
+        merged.add(Node(name, node.op, inputs, node.value, attr))
+    merged.outputs = list(graph.outputs)
+    return merged, names
+
+
+def _merged_name(name, merged: dict):
+    """A lowered fx node's value name (or tuple of them, or None) after merge_stored_duplicates."""
+    if isinstance(name, tuple):
+        return tuple(_merged_name(n, merged) for n in name)
+    return merged.get(name, name) if isinstance(name, str) else name
+
+
+def merge_key(op: Op, inputs: tuple, value: Value, attr) -> Optional[tuple]:
+    """What makes two nodes compute the same values: op, inputs, result and attribute (a STRIDED
+    node's description aside). None for nodes never merged: inputs, random draws (each its own
+    stream) and aten calls (memfuse cannot tell which of them are pure)."""
+    if op not in FUSIBLE or op in RANDOM:
+        return None
+    if isinstance(attr, Strided):
+        attr = dataclasses.replace(attr, describe="")
+    return op, inputs, value, attr
+
+
+def _from_constants(graph: Graph) -> set:
+    """The fusible values computed from constants and sizes alone (a scalar tensor, a fill, an
+    iota): every kernel that reads one computes it, so one node serves them all."""
+    constant: set = set()
+    for name, node in graph.nodes.items():
+        if node.op in FUSIBLE and node.op not in RANDOM and node.op is not Op.STRIDED and all(
+                graph[i].op in (Op.CONSTANT, Op.SYMBOL) or i in constant for i in node.inputs):
+            constant.add(name)
+    return constant
+
+
+def _stored(graph: Graph) -> set:
+    """The fusible values that go to memory whatever the schedule: read by an aten call, read in
+    place by a strided view, or reshaped (VIEW) into such a value. Outputs are left out: each
+    returned tensor stays a tensor of its own."""
+    users = graph.users()
+    outputs = set(graph.outputs)
+    stored: set = set()
+    for name in reversed(graph.nodes):
+        if name in outputs:
+            continue
+        for u in users[name]:
+            reader = graph[u]
+            if reader.op in EXTERNAL or (reader.op is Op.STRIDED and reader.inputs[0] == name) \
+                    or (reader.op is Op.VIEW and u in stored):
+                stored.add(name)
+                break
+    return stored
 
 
 def strided_attr(m: "views.AccessMap", value: Value, describe: str, size_operand: Callable,

@@ -307,6 +307,15 @@ def fits(src: Value, dst: Value, op: Op) -> bool:
     return False
 
 
+def renamed(arg, names: dict):
+    """An extern's (nested) argument with each ValueRef to a name in `names` pointing at its new name."""
+    if isinstance(arg, ValueRef):
+        return ValueRef(names.get(arg.name, arg.name))
+    if isinstance(arg, (list, tuple)):
+        return type(arg)(renamed(a, names) for a in arg)
+    return arg
+
+
 def value_refs(args) -> list:
     """The names of the values an extern call's (nested) arguments refer to, in order."""
     out = []

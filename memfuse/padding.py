@@ -35,6 +35,7 @@ gets the slice written out by a kernel (as the readers of a plain view do).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -45,7 +46,7 @@ import torch
 from . import views
 from .capture import ANY_STRIDES_ATEN, MATMUL_ATEN, place, strided_attr
 from .config import Config
-from .ir import EXTERNAL, Constant, Extern, Graph, Kind, Matmul, Node, Op, Symbol, Value, ValueRef
+from .ir import EXTERNAL, Constant, Extern, Graph, Kind, Matmul, Node, Op, Symbol, Value, ValueRef, renamed
 
 aten = torch.ops.aten
 
@@ -315,9 +316,9 @@ class _Rewrite:
             return Node(node.name, node.op, (self.roots[node.inputs[0]],) + node.inputs[1:], node.value, node.attr)
         if node.op is Op.EXTERN and node.attr.target in ANY_STRIDES_ATEN and any(i in self.views for i in node.inputs):
             inputs = tuple(self.views.get(i, i) for i in node.inputs)
-            args = _renamed(node.attr.args, self.views)
-            kwargs = tuple((key, _renamed(v, self.views)) for key, v in node.attr.kwargs)
-            return Node(node.name, node.op, inputs, node.value, _with_args(node.attr, args, kwargs))
+            attr = dataclasses.replace(node.attr, args=renamed(node.attr.args, self.views),
+                                       kwargs=renamed(node.attr.kwargs, self.views))
+            return Node(node.name, node.op, inputs, node.value, attr)
         return node
 
     # -- padded operands ---------------------------------------------------------------------------
@@ -384,17 +385,3 @@ def _is_one(size) -> bool:
 
 def _shape(shape) -> str:
     return f"[{', '.join(str(s) for s in shape)}]"
-
-
-def _renamed(arg, names: dict):
-    if isinstance(arg, ValueRef):
-        return ValueRef(names.get(arg.name, arg.name))
-    if isinstance(arg, (list, tuple)):
-        return type(arg)(_renamed(a, names) for a in arg)
-    return arg
-
-
-def _with_args(attr: Extern, args: tuple, kwargs: tuple) -> Extern:
-    if isinstance(attr, Matmul):
-        return Matmul(attr.target, args, kwargs, attr.device)
-    return Extern(attr.target, args, kwargs)

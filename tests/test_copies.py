@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import memfuse
-from memfuse.ir import Constant, Extern, Graph, Kind, Node, Op, Value, ValueRef
+from memfuse.ir import Constant, Extern, Graph, Kind, Node, Op, Value, ValueRef, format_graph
 from memfuse.reinplace import reinplace_fills
 
 aten = torch.ops.aten
@@ -134,3 +134,62 @@ def test_reinplace_rules():
         graph, records = reinplace_fills(unsafe)
         assert graph is unsafe and records == []
         assert graph["put"].attr.target is aten.index_put.default
+
+
+def _joint(fn, *args):
+    return memfuse.memory_efficient_fusion(fn).compiled_for(*args).captured.joint
+
+
+def _reading(joint: Graph, op: Op, source: str) -> list:
+    return [n for n in joint.nodes.values() if n.op is op and n.inputs[:1] == (source,)]
+
+
+def three_projections(x, wq, wk, wv):
+    """As autocast runs q, k and v projections: each linear casts the same input to bf16."""
+    h = x * 2
+    return tuple(h.to(torch.bfloat16) @ w.to(torch.bfloat16) for w in (wq, wk, wv))
+
+
+def test_a_value_cast_for_three_matmuls_is_cast_once():
+    x = torch.randn(6, 8, requires_grad=True)
+    weights = [torch.randn(8, 4, requires_grad=True) for _ in range(3)]
+    joint = _joint(three_projections, x, *weights)
+    doubled = next(n.name for n in joint.nodes.values() if n.op is Op.MUL and x.shape[1] == n.value.d)
+    assert len(_reading(joint, Op.CAST, doubled)) == 1, format_graph(joint)
+    fused = memfuse.memory_efficient_fusion(three_projections)
+    outs, expected = fused(x, *weights), three_projections(x, *weights)
+    for out, ref in zip(outs, expected):
+        assert torch.equal(out, ref)
+    grads = torch.autograd.grad(sum(o.float().sum() for o in outs), [x, *weights])
+    for grad, ref in zip(grads, torch.autograd.grad(sum(o.float().sum() for o in expected), [x, *weights])):
+        assert torch.allclose(grad, ref, rtol=1e-2, atol=1e-2)
+
+
+def two_attention_layers(x, keep):
+    """Each layer builds the additive mask from the same boolean one for its attention call."""
+    q = x.unsqueeze(1)
+    for _ in range(2):
+        q = F.scaled_dot_product_attention(q, q, q, attn_mask=torch.where(keep, 0.0, -1e4)) * 2
+    return q
+
+
+def test_a_mask_each_layer_builds_is_built_once():
+    x, keep = torch.randn(2, 6, 8, requires_grad=True), torch.rand(6, 6) > 0.3
+    joint = _joint(two_attention_layers, x, keep)
+    assert len([n for n in joint.nodes.values() if n.op is Op.WHERE]) == 1, format_graph(joint)
+    fused = memfuse.memory_efficient_fusion(two_attention_layers)
+    out, ref = fused(x, keep), two_attention_layers(x, keep)
+    assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5)
+    grad, = torch.autograd.grad(out.sum(), [x])
+    expected, = torch.autograd.grad(ref.sum(), [x])
+    assert torch.allclose(grad, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_value_recomputed_beside_its_derivative_is_not_merged():
+    """GELU's backward recomputes tanh(...) next to the derivative that reads it, in registers:
+    merged with the forward's tanh it would be a value one kernel writes for another."""
+    def layer(x, w):
+        return F.gelu(x @ w, approximate="tanh")
+
+    joint = _joint(layer, torch.randn(4, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True))
+    assert len([n for n in joint.nodes.values() if n.op is Op.TANH]) == 2, format_graph(joint)
