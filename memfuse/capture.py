@@ -426,8 +426,12 @@ SPECIAL_ATEN = {
     aten.slice.Tensor: "view when it keeps a whole dim; else a strided read of a tensor in memory",
     aten.select.int: "a strided read of a tensor in memory",
     aten.split_with_sizes.default: "strided reads of a tensor in memory, one per part",
-    aten.cat.default: "windowed strided reads of the parts in memory, each where its range lies",
-    aten.slice_scatter.default: "a windowed strided read of the source over the base (step 1; else an extern)",
+    aten.cat.default: "windowed strided reads of the parts in memory, each where its range lies; along D, a part "
+                      "computed from reads (rotate_half's -x2) is computed at its columns",
+    aten.slice_scatter.default: "a windowed strided read of the source over the base (step 1; else an extern); "
+                                "along D, a source computed from reads is computed at its columns",
+    aten.any.dim: "sum of the booleans as fp32 > 0, over D or over M",
+    aten.all.dim: "sum of the booleans as fp32 == the dim's size, over D or over M (static sizes)",
     aten.select_backward.default: "a windowed strided read of the gradient over zeros",
     aten.scatter.src: "where(column == index, src, self) for an index known to lie in [0, D): from argmax/argmin "
                       "over D (max.dim's backward) or checked by a gather of the graph (its IndexCheck, or aten's); "
@@ -478,6 +482,10 @@ def lowering_table() -> dict:
 
 class NotFusible(Exception):
     """Raised inside a lowering rule: the node becomes an EXTERN, with this reason."""
+
+
+# How many pointwise ops deep a cat's part is rebuilt in registers (columns_in_registers).
+COLUMN_DEPTH = 3
 
 
 class _Lowering:
@@ -640,6 +648,8 @@ class _Lowering:
             return self.lower_rand(node, value)
         if target in REDUCE_ATEN:
             return self.lower_reduction(node, REDUCE_ATEN[target], value)
+        if target in (aten.any.dim, aten.all.dim):
+            return self.lower_any_all(node, value)
         if target in (aten.scatter.src, aten.scatter.value):
             return self.lower_scatter(node, value)
         if target is aten.gather.default:
@@ -824,26 +834,81 @@ class _Lowering:
         dim = (node.args[1] if len(node.args) > 1 else 0) % rank
         result, start = self.const(0, value.dtype), sympy.Integer(0)
         for k, part in enumerate(node.args[0]):
-            source = self.access(self.env_name(part))
-            if len(source.shape) != rank or part.meta["val"].dtype != value.dtype:
+            name = self.env_name(part)
+            shape = self.graph[name].value.shape
+            if len(shape) != rank or part.meta["val"].dtype != value.dtype:
                 raise NotFusible("a cat of parts of other ranks or dtypes")
-            end = start + source.shape[dim]
+            end = start + shape[dim]
             window = tuple((start, end) if j == dim else None for j in range(rank))
-            result = self.strided(f"{node.name}_part{k}", source.then(*views.shift(rank, dim, start), value.shape),
-                                  value, f"cat part {k} (dim={dim})", window, result)
+            step = views.shift(rank, dim, start)
+            computed = self.columns_in_registers(name, step, value, window, f"{node.name}_part{k}")
+            if computed is not None:
+                result = self.pointwise(Op.WHERE, [self.column_window(start, end, value), computed, result], value,
+                                        f"{node.name}_part{k}")
+            else:
+                result = self.strided(f"{node.name}_part{k}", self.access(name).then(*step, value.shape), value,
+                                      f"cat part {k} (dim={dim})", window, result)
             start = end
         return result
 
+    # -- a cat or slice_scatter along D of values computed from reads ---------------------
+    def columns_in_registers(self, name: str, step: tuple, value: Value, window: tuple, label: str,
+                             depth: int = COLUMN_DEPTH) -> Optional[str]:
+        """`name` placed at its window of a [M, D] `value` (a cat's part, a slice_scatter's source,
+        along the last dim), computed there in registers: its pointwise ops over reads of tensors
+        in memory, each read shifted to the window (0 outside it). RoPE's rotate_half is
+        cat(-x2, x1): read this way, -x2 needs no kernel of half the row writing it first. None
+        where `name` is not such a value (a reduction, a value a kernel computes from another
+        space), or the cat is not along D."""
+        node = self.graph[name]
+        if value.kind is not Kind.FULL or window[-1] is None or any(w is not None for w in window[:-1]) \
+                or not all(isinstance(b, int) or sympy.sympify(b).is_Integer for b in window[-1]):
+            return None
+        in_memory = node.op in (Op.INPUT, Op.EXTERN, Op.GETITEM) or (node.op is Op.STRIDED and name in self.maps)
+        if in_memory and depth == COLUMN_DEPTH:
+            return None        # read where it lies: the windowed read over the fallback is one node
+        if in_memory:
+            read = Value(node.value.dtype, Kind.FULL, value.shape, value.m, value.d)
+            return self.strided(f"{label}_{name}", self.access(name).then(*step, value.shape), read,
+                                f"{name} read at its window", window, self.const(0, node.value.dtype))
+        if node.op not in UNARY | BINARY | {Op.WHERE} or node.value.kind is not Kind.FULL or depth == 0:
+            return None
+        inputs = []
+        for i in node.inputs:
+            kind = self.graph[i].value.kind
+            moved = i if kind in (Kind.SCALAR, Kind.ROW) else \
+                self.columns_in_registers(i, step, value, window, label, depth - 1) if kind is Kind.FULL else None
+            if moved is None:
+                return None
+            inputs.append(moved)
+        computed = Value(node.value.dtype, Kind.FULL, value.shape, value.m, value.d)
+        return self.add(node.op, inputs, computed, node.attr, name=f"{label}_{name}")
+
+    def column_window(self, start, end, value: Value) -> str:
+        """The COL mask of the columns [start, end) of a [M, D] value."""
+        column = self.add(Op.IOTA, [], Value(torch.int64, Kind.COL, (sympy.Integer(value.d),), d=value.d),
+                          name="column")
+        mask = Value(torch.bool, Kind.COL, (sympy.Integer(value.d),), d=value.d)
+        after = self.pointwise(Op.GE, [column, self.const(int(start))], mask, "column_from")
+        before = self.pointwise(Op.LT, [column, self.const(int(end))], mask, "column_before")
+        return self.pointwise(Op.LOGICAL_AND, [after, before], mask, "column_window")
+
     def lower_slice_scatter(self, node, value: Value) -> str:
-        base, src = self.operand(node.args[0]), self.access(self.env_name(node.args[1]))
+        base, name = self.operand(node.args[0]), self.env_name(node.args[1])
         rank = len(value.shape)
         dim, start, end, step = (list(node.args[2:]) + [0, None, None, 1][len(node.args) - 2:])[:4]
         dim = dim % rank
         if step != 1:
             raise NotFusible(f"a slice_scatter with step {step}")
         start = self.index_expr(start or 0, value.shape[dim])
-        window = tuple((start, start + src.shape[dim]) if j == dim else None for j in range(rank))
-        return self.strided(node.name, src.then(*views.shift(rank, dim, start), value.shape), value,
+        end = start + self.graph[name].value.shape[dim]
+        window = tuple((start, end) if j == dim else None for j in range(rank))
+        shift = views.shift(rank, dim, start)
+        computed = self.columns_in_registers(name, shift, value, window, node.name) \
+            if self.graph[base].value.kind in (Kind.FULL, Kind.SCALAR) else None
+        if computed is not None:
+            return self.pointwise(Op.WHERE, [self.column_window(start, end, value), computed, base], value, node.name)
+        return self.strided(node.name, self.access(name).then(*shift, value.shape), value,
                             f"slice_scatter(dim={dim})", window, base)
 
     def lower_select_backward(self, node, value: Value) -> str:
@@ -1076,6 +1141,31 @@ class _Lowering:
         self.check_reducible(op, axis, source, value)
         self.check_fits(op, [x], value)
         return self.add(op, [x], value, Reduce(axis), name=node.name)
+
+    def lower_any_all(self, node, value: Value) -> str:
+        """any / all over D or over the leading dims: the count of true elements (a fp32 sum of the
+        booleans, exact up to 2^24 per row) compared with 0 or with the dim's size. _safe_softmax
+        asks any(x != -inf) of every attention row: fused, the row's softmax kernel answers it
+        instead of writing a bool [batch, heads, seq, seq] for aten to read."""
+        x = self.operand(node.args[0])
+        source = self.graph[x].value
+        dims = node.args[1] if len(node.args) > 1 else None
+        if self.everything(dims, source):
+            raise NotFusible("any/all over every dim")
+        axis = self.reduction_axis(dims, source)
+        if value.kind is not axis:
+            raise NotFusible("any/all whose result does not keep the [M, D] place of its rows or columns")
+        dims = [dims] if isinstance(dims, int) else list(dims)
+        size = sympy.Mul(*(source.shape[d % len(source.shape)] for d in dims))
+        if node.target is aten.all.dim and not sympy.sympify(size).is_Integer:
+            raise NotFusible("all over dims whose size is a symbol")
+        ones = self.add(Op.CAST, [x], Value(torch.float32, source.kind, source.shape, source.m, source.d),
+                        Cast(torch.float32), name=f"{node.name}_ones")
+        counted = Value(torch.float32, value.kind, value.shape, value.m, value.d)
+        count = self.add(Op.SUM, [ones], counted, Reduce(axis), name=f"{node.name}_count")
+        if node.target is aten.any.dim:
+            return self.pointwise(Op.GT, [count, self.const(0.0)], value, node.name)
+        return self.pointwise(Op.EQ, [count, self.const(float(size))], value, node.name)
 
     @staticmethod
     def check_reducible(op: Op, axis: Kind, source: Value, value: Value) -> None:

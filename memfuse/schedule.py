@@ -124,22 +124,24 @@ def schedule(graph: Graph, config: Config, kind: str) -> Schedule:
         verify(reshaped)
     graph = reshaped
     free = input_free(graph)
-    stage, group_of, groups, externs, not_fused = _group(graph, free)
+    loads = read_by_readers(graph, free)
+    stage, group_of, groups, externs, not_fused = _group(graph, free, loads)
     placed: list = []
-    _sink(graph, stage, group_of, groups, externs, placed)
+    _sink(graph, stage, group_of, groups, externs, placed, loads)
     _join_sharing(graph, groups, free, placed)
     steps = _order(graph, groups, externs, kind)
-    _compute_free_in_readers(graph, groups, free, placed)
+    _compute_free_in_readers(graph, groups, free, loads, placed)
     for group in steps:
         if isinstance(group, KernelGroup):
-            _fill_io(graph, group, free)
+            _fill_io(graph, group, free | loads)
             group.aten_reason = _codegen_limit(graph, group, config)
     return Schedule(graph, steps, not_fused, paddings, in_place, placed)
 
 
-def _group(graph: Graph, free: set) -> tuple:
+def _group(graph: Graph, free: set, loads: set) -> tuple:
     """(stage, group_of, groups, externs, not_fused): every node as early as its inputs allow, in
-    the groups of its inputs at its stage when their spaces agree."""
+    the groups of its inputs at its stage when their spaces agree; a view in `loads` in no group,
+    at the stage its root is in memory."""
     stage: dict = {}
     group_of: dict = {}
     groups: list = []
@@ -160,6 +162,8 @@ def _group(graph: Graph, free: set) -> tuple:
         for inp in node.inputs:
             here = max(here, _input_stage(graph, inp, stage, group_of, space, not_fused, name))
         stage[name] = here
+        if name in loads:
+            continue
         joinable = [group_of[i] for i in node.inputs if i in group_of and group_of[i].stage == here
                     and group_of[i].space.agrees(space) and _barrier(graph, i) is None]
         if joinable:
@@ -194,34 +198,58 @@ def input_free(graph: Graph) -> set:
     return free
 
 
+def read_by_readers(graph: Graph, free: set) -> set:
+    """The views read in place (STRIDED nodes) that every kernel reading them loads itself
+    through the access map, never written: a permute or slice of an aten result, the cos and sin
+    tables broadcast over the heads. Written once, such a view costs its size in writes and reads
+    again; loaded where it is read, it costs the reads of its root it had anyway. Not a sum over
+    dims (many root elements per element), a padded matmul operand (its kernel stores it), a view
+    another view reads in place (that one needs it in memory), or a value the program returns."""
+    users = graph.users()
+    outputs = set(graph.outputs)
+    loads: set = set()
+    for name, node in graph.nodes.items():
+        if node.op is not Op.STRIDED or name in outputs or not users[name] or node.attr.summed \
+                or column_padding(graph, node) is not None or node.inputs[0] in loads:
+            continue
+        rest = node.inputs[1:]      # the fallback of a windowed read, the sizes of the map
+        if all(graph[i].op in SOURCES or i in free or i in loads for i in rest) and all(
+                graph[u].op in FUSIBLE and not _reads_from_memory(graph, u, name) for u in users[name]):
+            loads.add(name)
+    return loads
+
+
 def _reads_from_memory(graph: Graph, reader: str, name: str) -> bool:
     """Whether the fusible node `reader` reads `name` from memory (a view's root), not from registers."""
     node = graph[reader]
     return node.op in MEMORY_VIEWS and node.inputs[0] == name
 
 
-def _compute_free_in_readers(graph: Graph, groups: list, free: set, placed: list) -> None:
-    """Add to each group the input-free values its nodes read (and theirs), in graph order."""
+def _compute_free_in_readers(graph: Graph, groups: list, free: set, loads: set, placed: list) -> None:
+    """Add to each group the input-free values and the views in `loads` its nodes read (and
+    theirs), in graph order."""
     position = {name: i for i, name in enumerate(graph.nodes)}
     readers: dict = {}
+    in_readers = free | loads
     for group in groups:
         members = set(group.nodes)
-        todo = [i for n in group.nodes for i in graph[n].inputs if i in free]
+        todo = [i for n in group.nodes for i in graph[n].inputs if i in in_readers]
         while todo:
             name = todo.pop()
             if name not in members:
                 members.add(name)
                 group.nodes.append(name)
                 readers.setdefault(name, []).append(group.name)
-                todo.extend(i for i in graph[name].inputs if i in free)
+                todo.extend(i for i in graph[name].inputs if i in in_readers)
         group.nodes.sort(key=position.__getitem__)
     for name in sorted(readers, key=position.__getitem__):
-        placed.append((name, f"no input (constants, sizes, the seed): computed in every kernel that reads it "
-                             f"({', '.join(readers[name])}), never written"))
+        what = "no input (constants, sizes, the seed): computed" if name in free else \
+            f"a view of {graph[name].inputs[0]} ({graph[name].attr.describe}): loaded through its access map"
+        placed.append((name, f"{what} in every kernel that reads it ({', '.join(readers[name])}), never written"))
 
 
 # -- values computed where they are read ------------------------------------------------------------
-def _sink(graph: Graph, stage: dict, group_of: dict, groups: list, externs: list, placed: list) -> None:
+def _sink(graph: Graph, stage: dict, group_of: dict, groups: list, externs: list, placed: list, loads: set) -> None:
     """Move every node whose readers all run at later stages to the earliest reader's stage: into
     that reader's kernel (or a new kernel at that stage when only externs read it there), last node
     first, so a chain moves whole; an aten view moves to just before its first reader likewise. A
@@ -244,7 +272,8 @@ def _sink(graph: Graph, stage: dict, group_of: dict, groups: list, externs: list
             stage[name] = max(stage[name], min(stage[r] - (r in group_of) for r in users[name]))
     while True:
         undo = {n for n in group_of if stage[n] != origin[n] and _forces_write(graph, n, group_of, home, written)}
-        undo |= {i for n in stage for i in graph[n].inputs if stage[i] != origin[i] and _too_late(i, n, stage, group_of)}
+        undo |= {i for n in stage for i in graph[n].inputs
+                 if stage[i] != origin[i] and _too_late(i, n, stage, group_of, loads)}
         if not undo:
             break
         for name in undo:
@@ -264,12 +293,13 @@ def _is_view(node) -> bool:
         r.alias_info is not None and not r.alias_info.is_write for r in target._schema.returns)
 
 
-def _too_late(inp: str, name: str, stage: dict, group_of: dict) -> bool:
-    """Whether `name` would run before its input is ready: a kernel reads what an earlier stage
-    wrote (or its own kernel computes), an extern what its stage or an earlier one did."""
+def _too_late(inp: str, name: str, stage: dict, group_of: dict, loads: set) -> bool:
+    """Whether `name` would run before its input is ready: a kernel (or a view its readers load)
+    reads what an earlier stage wrote (or its own kernel computes), an extern what its stage or an
+    earlier one did."""
     if name in group_of and group_of.get(inp) is group_of[name]:
         return False
-    return stage[inp] > stage[name] - (name in group_of)
+    return stage[inp] > stage[name] - (name in group_of or name in loads)
 
 
 def _latest_place(graph: Graph, name: str, stage: dict, group_of: dict, users: dict, groups: list):

@@ -9,7 +9,7 @@ from helpers import BLOCKS, block_inputs, counters, delta, forward_backward, rel
 from memfuse.buffers import memory_timeline, plan_buffers
 from memfuse.capture import capture
 from memfuse.config import Config
-from memfuse.ir import Op
+from memfuse.ir import Op, format_graph
 from memfuse.plan import plan
 from memfuse.schedule import ExternStep, schedule
 
@@ -208,3 +208,82 @@ def test_recomputed_layers_are_computed_where_the_backward_reads_them():
     _, held, peak = _backward_memory(fused, (x, *weights))
     all_layers_activations = layers * rows * hidden * 4
     assert peak - held < all_layers_activations, (peak, held, all_layers_activations)
+
+
+def rope(x, w, cos, sin):
+    """Llama's rotary embedding as HuggingFace writes it: q from a projection, split into heads
+    (a permuted view of the matmul's result), rotate_half as cat(-x2, x1), cos and sin tables
+    broadcast over batch and heads."""
+    batch, seq, heads, dim = x.shape[0], x.shape[1], 2, w.shape[1] // 2
+    q = (x @ w).view(batch, seq, heads, dim).transpose(1, 2)
+    x1, x2 = q[..., : dim // 2], q[..., dim // 2:]
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return q * cos + rotated * sin
+
+
+def test_rotary_embedding_is_one_kernel_reading_the_matmul_where_it_lies():
+    """The heads' permute and the cos/sin broadcasts are loaded where they are read, and -x2 is
+    computed in the kernel that places it: one forward kernel over the heads after the matmul,
+    none over half the row, no view written."""
+    x, w = torch.randn(2, 5, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+    angles = torch.arange(5.0)[:, None] * torch.arange(1.0, 3.0).repeat(2)[None, :] / 5
+    cos, sin = angles.cos(), angles.sin()
+    fused = memfuse.memory_efficient_fusion(rope)
+    _grads_match_eager(rope, fused, (x, w, cos, sin), (x, w))
+    forward = fused.compiled_for(x, w, cos, sin).function.forward.schedule
+    over_heads = [k for k in forward.kernels if k.space.d != x.shape[-1]]    # not the input's reshape
+    assert [k.space.d for k in over_heads] == [4], [(k.name, k.space, k.outputs) for k in forward.kernels]
+    strided = {n for n, node in forward.graph.nodes.items() if node.op is Op.STRIDED}
+    assert not [o for k in forward.kernels for o in k.outputs if o in strided]
+
+
+def test_a_view_read_by_kernels_of_two_stages_is_loaded_by_each():
+    """A permuted view of an aten result that kernels of two stages read (before and after
+    another matmul) is never written: each kernel loads it through its access map."""
+    def two_reads(x, w, v):
+        heads = (x @ w).view(x.shape[0], 2, 4).transpose(0, 1)     # [2, rows, 4]: a permute
+        first = (heads * 2).transpose(0, 1).reshape(x.shape[0], 8) @ v
+        return heads.sum() + first.sum() * heads.amax()
+
+    x, w, v = (torch.randn(*s, requires_grad=True) for s in ((6, 8), (8, 8), (8, 3)))
+    fused = memfuse.memory_efficient_fusion(two_reads)
+    out, ref = fused(x, w, v), two_reads(x, w, v)
+    assert rel_error(out, ref) <= 1e-5
+    forward = fused.compiled_for(x, w, v).function.forward.schedule
+    permutes = [n for n, node in forward.graph.nodes.items()
+                if node.op is Op.STRIDED and forward.graph[node.inputs[0]].op is Op.EXTERN]
+    assert permutes
+    readers = [k for k in forward.kernels if set(permutes) & set(k.nodes)]
+    assert len(readers) >= 2, [(k.name, k.nodes) for k in forward.kernels]
+    assert not [o for k in forward.kernels for o in k.outputs if o in permutes]
+
+
+def test_safe_softmax_is_one_kernel_each_way():
+    """_safe_softmax (attention with a mask: rows of -inf give 0, not nan) asks any(x != -inf) of
+    each row: a row reduction in the softmax's kernel, not a bool tensor written for aten."""
+    scores, keep = torch.randn(2, 3, 5, 5, requires_grad=True), torch.rand(2, 3, 5, 5) > 0.4
+    keep[0, 0, 1] = False                                   # a row with nothing kept: 0, as eager gives
+    def safe(scores, keep):
+        return torch.ops.aten._safe_softmax(scores.masked_fill(~keep, float("-inf")), -1) * 3
+
+    fused = memfuse.memory_efficient_fusion(safe)
+    out, ref = fused(scores, keep), safe(scores, keep)
+    assert torch.equal(out[0, 0, 1], torch.zeros(5)) and rel_error(out, ref) <= 1e-5
+    grad, = torch.autograd.grad((out * torch.arange(5.0)).sum(), [scores])
+    expected, = torch.autograd.grad((ref * torch.arange(5.0)).sum(), [scores])
+    assert rel_error(grad, expected) <= 1e-5
+    entry = fused.compiled_for(scores, keep)
+    joint = entry.captured.joint
+    assert not [n for n in joint.nodes.values() if n.op is Op.EXTERN and "any" in str(n.attr.target)]
+    assert len(entry.function.forward.schedule.kernels) == 1
+
+
+def test_any_and_all_over_rows_and_columns_match_eager():
+    def flags(x):
+        return torch.where((x > -1).all(-1, keepdim=True), x, -x) * (x > 1).any(0, keepdim=True)
+
+    x = torch.randn(7, 6, requires_grad=True)
+    fused = memfuse.memory_efficient_fusion(flags)
+    _grads_match_eager(flags, fused, (x,), (x,))
+    joint = fused.compiled_for(x).captured.joint
+    assert not [n for n in joint.nodes.values() if n.op is Op.EXTERN], format_graph(joint)
