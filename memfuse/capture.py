@@ -431,7 +431,6 @@ SPECIAL_ATEN = {
     aten.slice_scatter.default: "a windowed strided read of the source over the base (step 1; else an extern); "
                                 "along D, a source computed from reads is computed at its columns",
     aten.any.dim: "sum of the booleans as fp32 > 0, over D or over M",
-    aten.all.dim: "sum of the booleans as fp32 == the dim's size, over D or over M (static sizes)",
     aten.select_backward.default: "a windowed strided read of the gradient over zeros",
     aten.scatter.src: "where(column == index, src, self) for an index known to lie in [0, D): from argmax/argmin "
                       "over D (max.dim's backward) or checked by a gather of the graph (its IndexCheck, or aten's); "
@@ -648,8 +647,8 @@ class _Lowering:
             return self.lower_rand(node, value)
         if target in REDUCE_ATEN:
             return self.lower_reduction(node, REDUCE_ATEN[target], value)
-        if target in (aten.any.dim, aten.all.dim):
-            return self.lower_any_all(node, value)
+        if target is aten.any.dim:
+            return self.lower_any(node, value)
         if target in (aten.scatter.src, aten.scatter.value):
             return self.lower_scatter(node, value)
         if target is aten.gather.default:
@@ -1142,30 +1141,24 @@ class _Lowering:
         self.check_fits(op, [x], value)
         return self.add(op, [x], value, Reduce(axis), name=node.name)
 
-    def lower_any_all(self, node, value: Value) -> str:
-        """any / all over D or over the leading dims: the count of true elements (a fp32 sum of the
-        booleans, exact up to 2^24 per row) compared with 0 or with the dim's size. _safe_softmax
-        asks any(x != -inf) of every attention row: fused, the row's softmax kernel answers it
+    def lower_any(self, node, value: Value) -> str:
+        """any over D or over the leading dims (all arrives decomposed, as not any of not): the
+        count of true elements, a fp32 sum of the booleans, above 0. _safe_softmax asks
+        any(x != -inf) of every attention row: fused, the row's softmax kernel answers it
         instead of writing a bool [batch, heads, seq, seq] for aten to read."""
         x = self.operand(node.args[0])
         source = self.graph[x].value
         dims = node.args[1] if len(node.args) > 1 else None
         if self.everything(dims, source):
-            raise NotFusible("any/all over every dim")
+            raise NotFusible("any over every dim")
         axis = self.reduction_axis(dims, source)
         if value.kind is not axis:
-            raise NotFusible("any/all whose result does not keep the [M, D] place of its rows or columns")
-        dims = [dims] if isinstance(dims, int) else list(dims)
-        size = sympy.Mul(*(source.shape[d % len(source.shape)] for d in dims))
-        if node.target is aten.all.dim and not sympy.sympify(size).is_Integer:
-            raise NotFusible("all over dims whose size is a symbol")
+            raise NotFusible("any whose result does not keep the [M, D] place of its rows or columns")
         ones = self.add(Op.CAST, [x], Value(torch.float32, source.kind, source.shape, source.m, source.d),
                         Cast(torch.float32), name=f"{node.name}_ones")
         counted = Value(torch.float32, value.kind, value.shape, value.m, value.d)
         count = self.add(Op.SUM, [ones], counted, Reduce(axis), name=f"{node.name}_count")
-        if node.target is aten.any.dim:
-            return self.pointwise(Op.GT, [count, self.const(0.0)], value, node.name)
-        return self.pointwise(Op.EQ, [count, self.const(float(size))], value, node.name)
+        return self.pointwise(Op.GT, [count, self.const(0.0)], value, node.name)
 
     @staticmethod
     def check_reducible(op: Op, axis: Kind, source: Value, value: Value) -> None:
@@ -1417,6 +1410,7 @@ def merge_stored_duplicates(graph: Graph) -> tuple:
     to the derivative that reads it is one kernel, not one value written by another (merge_key
     says what counts as the same value). `merged`: each dropped node -> the node kept for it."""
     stored, constant = _stored(graph), _from_constants(graph)
+    returned = set(graph.outputs)       # each returned tensor stays a tensor of its own
     names: dict = {}      # dropped duplicate -> the node that computes its value
     first: dict = {}      # merge key -> the first node with it
     merged = Graph(inputs=list(graph.inputs))
@@ -1425,7 +1419,8 @@ def merge_stored_duplicates(graph: Graph) -> tuple:
         attr = node.attr
         if isinstance(attr, Extern):
             attr = dataclasses.replace(attr, args=renamed(attr.args, names), kwargs=renamed(attr.kwargs, names))
-        key = merge_key(node.op, inputs, node.value, attr) if name in stored or name in constant else None
+        mergeable = (name in stored or name in constant) and name not in returned
+        key = merge_key(node.op, inputs, node.value, attr) if mergeable else None
         if key is not None and key in first:
             names[name] = first[key]
             continue
@@ -1467,14 +1462,10 @@ def _from_constants(graph: Graph) -> set:
 
 def _stored(graph: Graph) -> set:
     """The fusible values that go to memory whatever the schedule: read by an aten call, read in
-    place by a strided view, or reshaped (VIEW) into such a value. Outputs are left out: each
-    returned tensor stays a tensor of its own."""
+    place by a strided view, or reshaped (VIEW) into such a value."""
     users = graph.users()
-    outputs = set(graph.outputs)
     stored: set = set()
     for name in reversed(graph.nodes):
-        if name in outputs:
-            continue
         for u in users[name]:
             reader = graph[u]
             if reader.op in EXTERNAL or (reader.op is Op.STRIDED and reader.inputs[0] == name) \

@@ -727,6 +727,8 @@ def _run_aten_group(graph: Graph, step: AtenGroup, env: dict, symbol_values: tup
             result = torch.empty(rows, d, dtype=compute_dtype(node.value.dtype), device=device)
         elif node.op is Op.VIEW:
             result = read(node.inputs[0])
+        elif node.op is Op.IOTA:   # the column index (a cat's window, a scatter's hit)
+            result = torch.arange(node.value.d, dtype=torch.int64, device=device).view(1, -1)
         elif node.op is Op.STRIDED and node.inputs[0] in local:   # a padded store: zero columns appended
             value = torch.broadcast_to(local[node.inputs[0]], (rows, d))
             result = torch.nn.functional.pad(value, (0, node.value.d - d))

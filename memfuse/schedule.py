@@ -308,7 +308,7 @@ def _latest_place(graph: Graph, name: str, stage: dict, group_of: dict, users: d
     readers = users[name]
     node = graph[name]
     if not readers or _barrier(graph, name) is not None or column_padding(graph, node) is not None \
-            or any(r in group_of and _reads_from_memory(graph, r, name) for r in readers):
+            or any(_reads_from_memory(graph, r, name) for r in readers):
         return None
     latest = min(stage[r] for r in readers)
     space = _node_space(graph, node, group_of)

@@ -232,6 +232,8 @@ SAMPLES = {
                            S(lambda a: aten.sum.dim_IntList(a, [0]), "f", name="leading"),
                            S(lambda a: aten.sum.dim_IntList(a, [0, 2], True), "f", name="leading_and_d")],
     prims.sum.default: [S(lambda a: prims.sum.default(a, [2]), "f", grad=False)],
+    aten.any.dim: [S(lambda b: aten.any.dim(b, -1), "b", grad=False),
+                   S(lambda a: torch.where(aten.any.dim(a > 1, -1, True), a, -a), "f", name="in_a_where")],
     aten.amax.default: [S(lambda a: aten.amax.default(a, [-1]), "f"), S(lambda a: aten.amax.default(a, [0, 1]), "f"),
                         S(lambda a: aten.amax.default(a, []), "f", name="total")],
     aten.amin.default: [S(lambda a: aten.amin.default(a, [-1], True), "f"),
