@@ -484,7 +484,7 @@ class NotFusible(Exception):
 
 
 # How many pointwise ops deep a cat's part is rebuilt in registers (columns_in_registers).
-COLUMN_DEPTH = 3
+COLUMN_DEPTH = 6
 
 
 class _Lowering:
@@ -855,14 +855,20 @@ class _Lowering:
                              depth: int = COLUMN_DEPTH) -> Optional[str]:
         """`name` placed at its window of a [M, D] `value` (a cat's part, a slice_scatter's source,
         along the last dim), computed there in registers: its pointwise ops over reads of tensors
-        in memory, each read shifted to the window (0 outside it). RoPE's rotate_half is
-        cat(-x2, x1): read this way, -x2 needs no kernel of half the row writing it first. None
+        in memory, each read shifted to the window (0 outside it), through slices along D of such
+        ops. RoPE's rotate_half is cat(-x2, x1): read this way, -x2 needs no kernel of half the row
+        writing it first, and its backward no kernel writing the gradient times sin. None
         where `name` is not such a value (a reduction, a value a kernel computes from another
         space), or the cat is not along D."""
         node = self.graph[name]
         if value.kind is not Kind.FULL or window[-1] is None or any(w is not None for w in window[:-1]) \
                 or not all(isinstance(b, int) or sympy.sympify(b).is_Integer for b in window[-1]):
             return None
+        if depth > 0 and self.shifts_columns_of_computed(name):
+            # a slice along D of a value computed from reads: that value, read at the slice's place
+            through = self.maps[name].then(*step, value.shape)
+            return self.columns_in_registers(self.maps[name].root, (through.coeffs, through.consts), value, window,
+                                             label, depth - 1)
         in_memory = node.op in (Op.INPUT, Op.EXTERN, Op.GETITEM) or (node.op is Op.STRIDED and name in self.maps)
         if in_memory and depth == COLUMN_DEPTH:
             return None        # read where it lies: the windowed read over the fallback is one node
@@ -882,6 +888,17 @@ class _Lowering:
             inputs.append(moved)
         computed = Value(node.value.dtype, Kind.FULL, value.shape, value.m, value.d)
         return self.add(node.op, inputs, computed, node.attr, name=f"{label}_{name}")
+
+    def shifts_columns_of_computed(self, name: str) -> bool:
+        """Whether `name` is a view that only moves along D (a slice of the last dim: rows kept,
+        so row values still line up) of a pointwise value no kernel has to write."""
+        view = self.maps.get(name)
+        if view is None or self.graph[view.root].op not in UNARY | BINARY | {Op.WHERE}:
+            return False
+        rank = len(view.shape)
+        return len(view.coeffs) == rank and all(
+            views.same(view.coeffs[j][k], 1 if j == k else 0) for j in range(rank) for k in range(rank)) \
+            and all(views.same(c, 0) for c in view.consts[:-1])
 
     def column_window(self, start, end, value: Value) -> str:
         """The COL mask of the columns [start, end) of a [M, D] value."""

@@ -224,7 +224,7 @@ def rope(x, w, cos, sin):
 def test_rotary_embedding_is_one_kernel_reading_the_matmul_where_it_lies():
     """The heads' permute and the cos/sin broadcasts are loaded where they are read, and -x2 is
     computed in the kernel that places it: one forward kernel over the heads after the matmul,
-    none over half the row, no view written."""
+    none over half the row, no view written; the backward's gradient through it one kernel too."""
     x, w = torch.randn(2, 5, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
     angles = torch.arange(5.0)[:, None] * torch.arange(1.0, 3.0).repeat(2)[None, :] / 5
     cos, sin = angles.cos(), angles.sin()
@@ -235,6 +235,11 @@ def test_rotary_embedding_is_one_kernel_reading_the_matmul_where_it_lies():
     assert [k.space.d for k in over_heads] == [4], [(k.name, k.space, k.outputs) for k in forward.kernels]
     strided = {n for n, node in forward.graph.nodes.items() if node.op is Op.STRIDED}
     assert not [o for k in forward.kernels for o in k.outputs if o in strided]
+    # the backward: the gradient through rotate_half (slices of grad * sin, one negated, placed
+    # by slice_scatter) in one kernel, then its copy into the matmul's [batch, seq, heads x dim]
+    backward = fused.compiled_for(x, w, cos, sin).function.backward.schedule
+    over_heads = [k for k in backward.kernels if k.space.d != x.shape[-1]]
+    assert [k.space.d for k in over_heads] == [4, 4], [(k.name, k.space, k.outputs) for k in backward.kernels]
 
 
 def test_a_view_read_by_kernels_of_two_stages_is_loaded_by_each():
