@@ -53,6 +53,16 @@ CASES = {   # name -> (fn, input shapes)
     "cat_rows": (lambda x, y: torch.cat([x, y * 2], 1).exp(), [(3, 4, 8), (3, 2, 8)]),
     "rotate_half": (rotate_half, [(3, 4, 8)]),
     "slice_of_permute": (lambda x: x.permute(1, 0, 2)[1:, :, 2:6] * 2, [(3, 4, 8)]),
+    # cat parts along D computed at their columns (capture's columns_in_registers): binary ops of
+    # two shifted reads, a row value, three parts, slices of a computed product (rotate_half's
+    # backward reads those), and a chain deeper than it rebuilds (read from memory instead)
+    "cat_of_products": (lambda x, y: torch.cat([x[..., 4:] * y[..., :4], x[..., :4] - y[..., 4:]], -1).exp(),
+                        [(3, 4, 8), (3, 4, 8)]),
+    "cat_three_parts_and_a_row": (lambda x: torch.cat([x[..., :2].exp(), -x[..., 4:], x[..., 2:4] * x.sum(-1, True)],
+                                                      -1) * 2, [(3, 4, 8)]),
+    "rotate_half_of_a_product": (lambda x, y: rotate_half(x * y), [(3, 4, 8), (3, 4, 8)]),
+    "cat_of_a_deep_chain": (lambda x: torch.cat([x[..., :4].sin().cos().exp().neg().sin().cos().exp(), x[..., 4:]],
+                                                -1) * 2, [(3, 4, 8)]),
     "select_with_weight": (lambda x, w: F.layer_norm(x[:, 0], (8,), w), [(3, 4, 8), (8,)]),
 }
 
