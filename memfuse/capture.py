@@ -1420,10 +1420,10 @@ class _Lowering:
 
 # -- one node for a value computed twice -------------------------------------------------------
 def merge_stored_duplicates(graph: Graph) -> tuple:
-    """(graph, merged): `graph` with one node for each value that several nodes compute and each writes to memory:
-    autocast casts a layer's normalized input once per linear layer that reads it (three bf16
-    copies for q, k and v), and each layer builds the same attention mask for its own attention
-    call. A duplicate read only in registers stays: the backward recomputing a forward value next
+    """(graph, merged): `graph` with one node for each value that several nodes compute and each
+    writes to memory: autocast casts a layer's normalized input once per linear layer that reads
+    it (three bf16 copies for q, k and v), and each layer builds the same attention mask for its
+    own attention call. A duplicate read only in registers stays: the backward recomputing a forward value next
     to the derivative that reads it is one kernel, not one value written by another (merge_key
     says what counts as the same value). `merged`: each dropped node -> the node kept for it."""
     stored, constant = _stored(graph), _from_constants(graph)

@@ -132,6 +132,12 @@ class Matmul(Extern):
 
 
 @dataclass(frozen=True)
+class Reshape:
+    """On a VIEW node: the runtime's `.reshape` of a tensor already in memory, which only aten
+    calls read (schedule.reshapes_for_aten), not a kernel copying it."""
+
+
+@dataclass(frozen=True)
 class Index:
     index: int
 
@@ -177,7 +183,7 @@ class Strided:
         return list(dict.fromkeys(r.name for r in refs if isinstance(r, ValueRef)))
 
 
-Attr = Union[None, Cast, Constant, Symbol, Seeded, Reduce, Extern, Matmul, Index, Strided]
+Attr = Union[None, Cast, Constant, Symbol, Seeded, Reduce, Extern, Matmul, Index, Strided, Reshape]
 
 
 @dataclass(frozen=True)

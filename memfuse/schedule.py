@@ -5,9 +5,11 @@ kernel cannot read in the same pass (an extern result, a reduction over M, a val
 of another space, the root a STRIDED view reads from memory). A node joins the groups of its
 inputs at its own stage when their spaces agree (merging them), else starts a new one. Every edge
 between groups then runs from a lower stage to a higher one, so the steps, ordered by stage,
-never wait on a later step. Three rules then place values where they cost least memory:
+never wait on a later step. Four rules then place values where they cost least memory:
 - a value computed from constants, sizes and the seed alone (a fill, an iota, a dropout draw) is
   computed inside every kernel that reads it, never written (`input_free`);
+- a view read in place (a permute, slice or broadcast of a tensor in memory) that only kernels
+  read is loaded by each of them through its access map, never written (`read_by_readers`);
 - a value is computed where it is read: a node whose readers all run at later stages moves to the
   earliest reader's stage, into that reader's kernel (`_sink`), unless that would write one of
   its inputs to memory that was not written before;
@@ -29,8 +31,8 @@ import torch
 from .config import Config
 from .debug import timed
 from .ops import TRITON_DTYPES
-from .ir import (EXTERNAL, FUSIBLE, LEAF, MEMORY_VIEWS, REDUCTION, Extern, Graph, Kind, Node, Op, Reduce, Value,
-                 column_padding, verify)
+from .ir import (EXTERNAL, FUSIBLE, LEAF, MEMORY_VIEWS, REDUCTION, Extern, Graph, Kind, Node, Op, Reduce, Reshape,
+                 Value, column_padding, verify)
 from .padding import pad_matmuls
 from .reinplace import reinplace_fills
 
@@ -119,7 +121,7 @@ def schedule(graph: Graph, config: Config, kind: str) -> Schedule:
     result itself (`returned_reshapes`)."""
     graph, paddings = pad_matmuls(graph, config)
     graph, in_place = reinplace_fills(graph)
-    reshaped = returned_reshapes(graph)
+    reshaped = reshapes_for_aten(returned_reshapes(graph))
     if config.check and (in_place or any(p.padded for p in paddings) or reshaped is not graph):
         verify(reshaped)
     graph = reshaped
@@ -419,7 +421,40 @@ def _runtime_reshape(graph: Graph, node) -> bool:
         return False
     if node.value.kind in (Kind.COL, Kind.SCALAR):
         return _barrier(graph, node.inputs[0]) is not None
+    if isinstance(node.attr, Reshape):
+        return True
     return node.op is Op.VIEW and node.name in graph.outputs and _made_by_aten(graph, node.inputs[0])
+
+
+def reshapes_for_aten(graph: Graph) -> Graph:
+    """The graph with each reshape (VIEW) of a tensor already in memory (a program input, an aten
+    result, or such a reshape) that only aten calls read marked `Reshape`: the runtime's
+    `.reshape`, an alias, where a kernel would copy it. BERT's backward reads each layer's saved
+    attention probabilities as a [batch x heads, seq, seq] bmm operand: four 384 MB fp32 copies,
+    alive together, otherwise. A returned one stays a copy (it would alias the caller's input)."""
+    users = graph.users()
+    outputs = set(graph.outputs)
+    for_aten: set = set()        # VIEW nodes read by aten calls alone, directly or through such VIEWs
+    for name in reversed(graph.nodes):
+        node = graph[name]
+        if node.op is Op.VIEW and name not in outputs and users[name] and all(
+                graph[u].op in EXTERNAL or u in for_aten for u in users[name]):
+            for_aten.add(name)
+    marked: set = set()
+    for name in graph.nodes:
+        node = graph[name]
+        source = graph[node.inputs[0]] if node.inputs else None
+        if name in for_aten and node.attr is None and node.value.kind in (Kind.FULL, Kind.ROW) \
+                and source.value.dtype == node.value.dtype \
+                and (source.op is Op.INPUT or source.op in EXTERNAL or source.name in marked) \
+                and _same_size(graph, node):
+            marked.add(name)
+    if not marked:
+        return graph
+    rewritten = Graph(inputs=list(graph.inputs), outputs=list(graph.outputs))
+    for name, node in graph.nodes.items():
+        rewritten.add(Node(name, node.op, node.inputs, node.value, Reshape()) if name in marked else node)
+    return rewritten
 
 
 def returned_reshapes(graph: Graph) -> Graph:

@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import memfuse
-from memfuse.ir import Constant, Extern, Graph, Kind, Node, Op, Value, ValueRef, format_graph
+from memfuse.ir import Constant, Extern, Graph, Kind, Node, Op, Reshape, Value, ValueRef, format_graph
 from memfuse.reinplace import reinplace_fills
 
 aten = torch.ops.aten
@@ -193,3 +193,30 @@ def test_a_value_recomputed_beside_its_derivative_is_not_merged():
 
     joint = _joint(layer, torch.randn(4, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True))
     assert len([n for n in joint.nodes.values() if n.op is Op.TANH]) == 2, format_graph(joint)
+
+
+def attention_probabilities(scores, v):
+    """BERT's attention as matmuls: the probabilities [B, H, S, S] go to bmm as [B x H, S, S]."""
+    probs = torch.softmax(scores, dim=-1)
+    batch, heads, seq, _ = probs.shape
+    out = torch.bmm(probs.reshape(batch * heads, seq, seq), v.reshape(batch * heads, seq, -1))
+    return out.view(batch, heads, seq, -1) * 2
+
+
+def test_a_saved_value_reshaped_for_aten_is_an_alias_not_a_copy():
+    """The backward reads the saved probabilities as a bmm operand: a reshape of a tensor in
+    memory that only aten reads is the runtime's `.reshape` (an alias), not a kernel copying it."""
+    scores = torch.randn(2, 3, 5, 5, requires_grad=True)
+    v = torch.randn(2, 3, 5, 4, requires_grad=True)
+    fused = memfuse.memory_efficient_fusion(attention_probabilities)
+    out, ref = fused(scores, v), attention_probabilities(scores, v)
+    assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5)
+    for grad, expected in zip(torch.autograd.grad((out * out).sum(), [scores, v]),
+                              torch.autograd.grad((ref * ref).sum(), [scores, v])):
+        assert torch.allclose(grad, expected, rtol=1e-5, atol=1e-5)
+    backward = fused.compiled_for(scores, v).function.backward.schedule
+    graph = backward.graph
+    copies = [o for k in backward.kernels for o in k.outputs
+              if graph[o].op is Op.VIEW and graph[graph[o].inputs[0]].op is Op.INPUT]
+    assert not copies, [(k.name, k.nodes) for k in backward.kernels]
+    assert any(isinstance(node.attr, Reshape) for node in graph.nodes.values())
