@@ -84,6 +84,7 @@ class Captured:
     loss_heads: list = field(default_factory=list)    # memfuse.head's HeadDecisions
     # loss_head.LogitsReturns: chunked logits the function returns; its last outputs are for them
     returned_logits: list = field(default_factory=list)
+    merged: dict = field(default_factory=dict)   # a node dropped as a duplicate -> the one kept (explain)
 
 
 class MutatedInputError(RuntimeError):
@@ -535,7 +536,7 @@ class _Lowering:
         has_grads = trace_joint and num_tangents > 0
         return Captured(self.graph, num_primals, num_tangents,
                         len(self.graph.outputs) - (num_primals if has_grads else 0),
-                        self.symbols, self.hints, has_seed, self.fallbacks)
+                        self.symbols, self.hints, has_seed, self.fallbacks, merged=merged)
 
     # -- helpers ---------------------------------------------------------------------
     def add(self, op: Op, inputs, value: Value, attr=None, name: Optional[str] = None) -> str:

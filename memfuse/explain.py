@@ -161,6 +161,7 @@ class Report:
     budget: Any = None                 # plan.Budget: what Config.memory_budget < 1 changed
     placed: list = field(default_factory=list)     # PlacedRow, forward then backward
     loss_heads: list = field(default_factory=list)  # head.HeadDecision per cross_entropy of a linear
+    merged: dict = field(default_factory=dict)      # Captured.merged: duplicate dropped -> node kept
 
     def kernels_of(self, program: str, generated_only: bool = True) -> list:
         return [k for k in self.kernels if k.program == program and (k.is_kernel or not generated_only)]
@@ -223,7 +224,7 @@ def build_report(entry, name: str) -> Report:
                   graph_size(the_plan.backward) if the_plan.backward is not None else None,
                   saved, the_plan.saved_bytes, decisions, kernels, externs, not_fused, fallbacks,
                   captured.specialized, entry=entry, paddings=paddings, budget=the_plan.budget, placed=placed,
-                  loss_heads=list(captured.loss_heads))
+                  loss_heads=list(captured.loss_heads), merged=dict(captured.merged))
 
 
 def _read_program(program_name: str, program, hints: dict, kernels: list, externs: list,
@@ -295,6 +296,9 @@ def _graph_lines(r: Report) -> list:
     lines.append(f"  backward  {r.backward}" if r.backward is not None else "  backward  none (no input needs a gradient)")
     if r.specialized:
         lines.append(f"  leading sizes are part of the compile key: {r.specialized}")
+    if r.merged:
+        pairs = ", ".join(f"{dropped} -> {kept}" for dropped, kept in r.merged.items())
+        lines.append(f"  merged    {len(r.merged)} values computed twice and written to memory, one node each: {pairs}")
     return lines
 
 

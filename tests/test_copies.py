@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import memfuse
+from memfuse.explain import build_report
 from memfuse.ir import Constant, Extern, Graph, Kind, Node, Op, Reshape, Value, ValueRef, format_graph
 from memfuse.reinplace import reinplace_fills
 
@@ -156,6 +157,9 @@ def test_a_value_cast_for_three_matmuls_is_cast_once():
     joint = _joint(three_projections, x, *weights)
     doubled = next(n.name for n in joint.nodes.values() if n.op is Op.MUL and x.shape[1] == n.value.d)
     assert len(_reading(joint, Op.CAST, doubled)) == 1, format_graph(joint)
+    report = build_report(memfuse.memory_efficient_fusion(three_projections).compiled_for(x, *weights), "qkv")
+    cast, = _reading(joint, Op.CAST, doubled)
+    assert list(report.merged.values()).count(cast.name) == 2 and "merged" in str(report)
     fused = memfuse.memory_efficient_fusion(three_projections)
     outs, expected = fused(x, *weights), three_projections(x, *weights)
     for out, ref in zip(outs, expected):
@@ -219,4 +223,5 @@ def test_a_saved_value_reshaped_for_aten_is_an_alias_not_a_copy():
     copies = [o for k in backward.kernels for o in k.outputs
               if graph[o].op is Op.VIEW and graph[graph[o].inputs[0]].op is Op.INPUT]
     assert not copies, [(k.name, k.nodes) for k in backward.kernels]
-    assert any(isinstance(node.attr, Reshape) for node in graph.nodes.values())
+    reshaped = [n for n, node in graph.nodes.items() if isinstance(node.attr, Reshape)]
+    assert reshaped and {n for n, _ in backward.placed} >= set(reshaped)     # explain says why
