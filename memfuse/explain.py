@@ -298,7 +298,8 @@ def _graph_lines(r: Report) -> list:
         lines.append(f"  leading sizes are part of the compile key: {r.specialized}")
     if r.merged:
         pairs = ", ".join(f"{dropped} -> {kept}" for dropped, kept in r.merged.items())
-        lines.append(f"  merged    {len(r.merged)} values computed twice and written to memory, one node each: {pairs}")
+        lines.append(f"  merged    {len(r.merged)} duplicates (written to memory, or from constants alone), "
+                     f"one node each: {pairs}")
     return lines
 
 
