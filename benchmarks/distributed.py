@@ -109,6 +109,12 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=None,
                         help="default: benchmarks/results/distributed.json (gpt), distributed-MODEL.json (the others)")
     parser.add_argument("--dump-params", type=Path, default=None, help="rank 0 saves every case's final parameters here")
+    parser.add_argument("--profile", default="",
+                        help="cases to profile after timing, as WRAPPER/MODE, comma-separated, or 'all' (CUDA): one "
+                             "step per rank under torch.profiler, its GPU time split into compute, communication "
+                             "and idle")
+    parser.add_argument("--trace-dir", type=Path, default=None,
+                        help="rank 0 writes each profiled case's Chrome trace here")
     args = parser.parse_args(argv)
     args.wrappers = _choose(args.wrappers, WRAPPERS, "--wrappers")
     if args.out is None:
@@ -148,6 +154,7 @@ class CaseResult:
     it_s: Optional[float] = None                   # timed steps / the slowest rank's time
     peak_bytes: Optional[list] = None              # per rank, CUDA: max allocated over the timed steps
     forward_bytes: Optional[list] = None           # per rank, CUDA: allocated after forward and loss - before
+    profile: Optional[list] = None                 # per rank, --profile: step_time_split() of one step
     error: Optional[str] = None
 
 
@@ -405,6 +412,8 @@ def run_case(r: Rank, ref: Reference, wrapper: str, mode: str, result: CaseResul
         result.error = "timing skipped: --budget-s spent"
         return
     _time_steps(r, parallel, optimizer, result)
+    if r.device.type == "cuda" and _profiled(r.args.profile, wrapper, mode):
+        _profile_step(r, parallel, optimizer, result)
 
 
 def _inspect_grads(model, result: CaseResult) -> None:
@@ -485,6 +494,86 @@ def _time_steps(r: Rank, parallel, optimizer, result: CaseResult) -> None:
     result.it_s = r.args.timed / slowest if slowest > 0 else None
     if r.device.type == "cuda":
         result.peak_bytes = gather(torch.cuda.max_memory_allocated(r.device))
+
+
+def _profiled(chosen: str, wrapper: str, mode: str) -> bool:
+    cases = {c.strip() for c in chosen.split(",") if c.strip()}
+    return "all" in cases or f"{wrapper}/{mode}" in cases
+
+
+def _profile_step(r: Rank, parallel, optimizer, result: CaseResult) -> None:
+    """One more step on every rank under torch.profiler (GPU activity only, to keep the host's cost
+    as it is): where its wall time went, per rank."""
+    from torch.profiler import ProfilerActivity, profile
+    batch = r.shard(r.batches[0])
+    r.synchronize()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CUDA]) as trace:
+        start = time.perf_counter()
+        train_step(r, parallel, optimizer, batch)
+        r.synchronize()
+        wall_ms = (time.perf_counter() - start) * 1e3
+    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in trace.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA]
+    result.profile = gather(step_time_split(kernels, wall_ms))
+    if r.args.trace_dir is not None and r.rank == 0:
+        r.args.trace_dir.mkdir(parents=True, exist_ok=True)
+        trace.export_chrome_trace(str(r.args.trace_dir / f"trace-{r.work.name}-{result.wrapper}-{result.mode}.json"))
+
+
+def merged_intervals(intervals) -> list:
+    """(start, end) pairs, sorted and merged where they overlap or touch."""
+    out: list = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
+    return out
+
+
+def _length(merged: list) -> float:
+    return sum(end - start for start, end in merged)
+
+
+def _intersection(a: list, b: list) -> float:
+    """Length of the overlap of two merged interval lists."""
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def step_time_split(kernels: list, wall_ms: float, top: int = 8) -> dict:
+    """A profiled step's GPU kernels, (name, start us, end us), on any streams: time the GPU computed
+    (any non-communication kernel running), communicated, communicated with nothing computing beside
+    it (`exposed_comm_ms`: the collectives the step waits for; NCCL kernels also spin while the other
+    rank catches up), and was idle while the step's wall clock ran (`idle_ms`: the host was behind);
+    then the time by kernel class (profile_step.CLASSES) and the kernels with the most time."""
+    from benchmarks.profile_step import kernel_class
+    compute = merged_intervals((s, e) for name, s, e in kernels if kernel_class(name) != "communication")
+    comm = merged_intervals((s, e) for name, s, e in kernels if kernel_class(name) == "communication")
+    busy_ms = _length(merged_intervals([*map(tuple, compute), *map(tuple, comm)])) / 1e3
+    by_class: dict = {}
+    by_kernel: dict = {}
+    for name, s, e in kernels:
+        ms = (e - s) / 1e3
+        by_class[kernel_class(name)] = by_class.get(kernel_class(name), 0.0) + ms
+        count, total = by_kernel.get(name, (0, 0.0))
+        by_kernel[name] = (count + 1, total + ms)
+    return {
+        "wall_ms": wall_ms, "busy_ms": busy_ms, "idle_ms": max(0.0, wall_ms - busy_ms),
+        "compute_ms": _length(compute) / 1e3, "comm_ms": _length(comm) / 1e3,
+        "exposed_comm_ms": (_length(comm) - _intersection(comm, compute)) / 1e3,
+        "launches": len(kernels),
+        "by_class": dict(sorted(by_class.items(), key=lambda kv: -kv[1])),
+        "top": [{"kernel": name, "launches": n, "ms": ms}
+                for name, (n, ms) in sorted(by_kernel.items(), key=lambda kv: -kv[1][1])[:top]],
+    }
 
 
 def _max_over_ranks(value: float, r: Rank) -> float:
@@ -665,6 +754,17 @@ def table(results: dict) -> str:
                for text in ([c.note] if c.note else []) + [f"ran through torch: {why}" for why in c.fallback_reasons]]
     if remarks:
         lines += ["", "notes:", *remarks]
+    profiled = [c for c in results["cases"] if c.profile]
+    if profiled:
+        lines += ["", "one profiled step per rank, ms: wall clock; GPU busy; computing; communicating; communicating "
+                      "with nothing computing beside it (exposed); GPU idle (wall - busy); launches",
+                  f"{'wrapper':<16}{'mode':<17}{'rank':>5}{'wall':>8}{'busy':>8}{'compute':>9}{'comm':>8}"
+                  f"{'exposed':>9}{'idle':>8}{'launches':>9}"]
+        for c in profiled:
+            for rank, p in enumerate(c.profile):
+                lines.append(f"{c.wrapper:<16}{c.mode:<17}{rank:>5}{p['wall_ms']:>8.1f}{p['busy_ms']:>8.1f}"
+                             f"{p['compute_ms']:>9.1f}{p['comm_ms']:>8.1f}{p['exposed_comm_ms']:>9.1f}"
+                             f"{p['idle_ms']:>8.1f}{p['launches']:>9}")
     if results["dropout"]:
         lines += ["", "dropout across ranks (same seed: equal masks on every rank; per-rank seeds: different; "
                       "DDP grads == each rank's own):"]

@@ -32,6 +32,7 @@ TOP_KERNELS = 15
 WARM_STEPS = 3
 # Kernel-name fragments, first match wins: what each class of GPU work is called in a trace.
 CLASSES = (
+    ("communication", ("nccl",)),
     ("memfuse kernels", ("memfuse_",)),
     ("torch.compile kernels", ("triton_",)),
     ("attention", ("flash", "fmha", "attention", "cudnn", "sdpa")),

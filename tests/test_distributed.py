@@ -355,3 +355,21 @@ def test_hf_fsdp2_whole_model_is_one_group_and_says_so(hf_run):
     assert "one group" in notes.pop(("fsdp2", "memfuse_whole"))
     assert set(notes.values()) == {None}
     assert "per-layer FSDP hooks would never run" in run["log"]
+
+
+def test_step_time_split_counts_only_communication_nothing_overlaps_as_exposed():
+    """--profile's arithmetic on a made-up step (us): a matmul 0-100 with an all-gather 50-150 beside
+    it, a gap, then a reduce-scatter 200-260 alone and two overlapping kernels 300-340."""
+    from benchmarks.distributed import step_time_split
+    kernels = [("sm90_xmma_gemm_bf16", 0, 100), ("ncclDevKernel_AllGather_RING_LL", 50, 150),
+               ("ncclDevKernel_ReduceScatter_RING_LL", 200, 260),
+               ("memfuse_fwd_0", 300, 340), ("triton_poi_fused_add_0", 310, 330)]
+    split = step_time_split(kernels, wall_ms=0.5)
+    assert split["busy_ms"] == pytest.approx((150 + 60 + 40) / 1e3)
+    assert split["compute_ms"] == pytest.approx((100 + 40) / 1e3)
+    assert split["comm_ms"] == pytest.approx((100 + 60) / 1e3)
+    assert split["exposed_comm_ms"] == pytest.approx((50 + 60) / 1e3)     # 100-150 and 200-260
+    assert split["idle_ms"] == pytest.approx(0.5 - 0.25)
+    assert split["launches"] == 5
+    assert split["by_class"]["communication"] == pytest.approx(0.16)
+    assert split["top"][0]["kernel"] == "sm90_xmma_gemm_bf16"
