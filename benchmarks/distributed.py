@@ -79,6 +79,12 @@ HF_LR = 1e-3                 # AdamW's learning rate for the HuggingFace models 
 # prints the values).
 FP32_TOLERANCES = (1e-4, 1e-2)
 BF16_TOLERANCES = (1e-2, 1e-1)
+# Under bf16 autocast the peers' own update errors are the noise floor: splitting the batch moves
+# eager's parameters 0.2 of an update away from single-process eager's (GPT-2, BERT; AdamW turns
+# the sign of a tiny gradient into a whole step), torch.compile's 0.3. A memfuse case passes when
+# its update error is within this factor of the larger of the two in the same wrapper.
+NOISE_FLOOR_FACTOR = 1.25
+NOISE_FLOOR_MODES = ("eager", "torch_compile")
 
 
 def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
@@ -138,6 +144,7 @@ class CaseResult:
     losses: list = dataclasses.field(default_factory=list)   # mean over ranks, per step
     loss_rel_err: Optional[float] = None           # max over steps of |loss - eager| / |eager|
     update_rel_err: Optional[float] = None         # see update_error()
+    update_bar: Optional[float] = None             # the update error that passes (see NOISE_FLOOR_FACTOR)
     param_max_abs_err: Optional[float] = None
     ok: Optional[bool] = None
     grad_strides_match: Optional[bool] = None      # DDP: every .grad has its parameter's strides (first step)
@@ -155,6 +162,7 @@ class CaseResult:
     peak_bytes: Optional[list] = None              # per rank, CUDA: max allocated over the timed steps
     forward_bytes: Optional[list] = None           # per rank, CUDA: allocated after forward and loss - before
     profile: Optional[list] = None                 # per rank, --profile: step_time_split() of one step
+    host: Optional[list] = None                    # per rank, --profile: host_costs() of one step
     error: Optional[str] = None
 
 
@@ -440,7 +448,7 @@ def _compare(r: Rank, ref: Reference, model, result: CaseResult) -> None:
         raise RuntimeError(f"{result.wrapper}/{result.mode}: parameter shapes differ from the plain model's")
     result.update_rel_err = update_error(final, ref)
     result.param_max_abs_err = max((p - want).abs().max().item() for p, want in zip(final, ref.final))
-    result.ok = result.loss_rel_err <= r.loss_tol and result.update_rel_err <= r.update_tol
+    result.ok = result.loss_rel_err <= r.loss_tol and result.update_rel_err <= result.update_bar
     if r.args.dump_params is not None and r.rank == 0:
         r.dumped[f"{result.wrapper}/{result.mode}"] = final
 
@@ -519,6 +527,54 @@ def _profile_step(r: Rank, parallel, optimizer, result: CaseResult) -> None:
     if r.args.trace_dir is not None and r.rank == 0:
         r.args.trace_dir.mkdir(parents=True, exist_ok=True)
         trace.export_chrome_trace(str(r.args.trace_dir / f"trace-{r.work.name}-{result.wrapper}-{result.mode}.json"))
+    result.host = gather(host_costs(r, lambda: train_step(r, parallel, optimizer, batch),
+                                    f"host-{r.work.name}-{result.wrapper}-{result.mode}.txt"))
+
+
+def host_costs(r: Rank, step, name: str, top: int = 15) -> dict:
+    """The host's side of a step: how long it takes to enqueue one (`host_ms`, the step returns
+    before the GPU is done unless something waits for it; `wall_ms` after synchronizing), the
+    operations that made the host wait for the GPU (torch.cuda's sync debug mode: each warning's
+    Python line), and under cProfile the functions with the most time of their own. Rank 0 writes
+    the whole cProfile listing to --trace-dir."""
+    import cProfile
+    import io
+    import pstats
+    import warnings
+    r.synchronize()
+    dist.barrier()
+    start = time.perf_counter()
+    step()
+    host_ms = (time.perf_counter() - start) * 1e3
+    r.synchronize()
+    wall_ms = (time.perf_counter() - start) * 1e3
+    dist.barrier()
+    profiler = cProfile.Profile()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            profiler.enable()
+            step()
+            profiler.disable()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    r.synchronize()
+    syncs: dict = {}
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            where = f"{Path(w.filename).name}:{w.lineno}"
+            syncs[where] = syncs.get(where, 0) + 1
+    stats = pstats.Stats(profiler)
+    own = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]
+    if r.args.trace_dir is not None and r.rank == 0:
+        listing = io.StringIO()
+        pstats.Stats(profiler, stream=listing).sort_stats("cumulative").print_stats(80)
+        (r.args.trace_dir / name).write_text(listing.getvalue())
+    return {"host_ms": host_ms, "wall_ms": wall_ms, "syncs": syncs,
+            "top_own": [{"function": f"{Path(file).name}:{line}:{func}", "calls": calls, "own_ms": own_s * 1e3,
+                         "cumulative_ms": cum_s * 1e3}
+                        for (file, line, func), (_, calls, own_s, cum_s, _) in own]}
 
 
 def merged_intervals(intervals) -> list:
@@ -662,6 +718,7 @@ def run_all(r: Rank) -> dict:
             if over_budget(r):
                 result.error = "skipped: --budget-s spent"
                 continue
+            result.update_bar = update_bar(r, results["cases"], wrapper)
             say(r, f"{wrapper:>15} {mode:<16} ...")
             try:
                 run_case(r, ref, wrapper, mode, result)
@@ -685,6 +742,16 @@ def run_all(r: Rank) -> dict:
                 _release(r)
         write(r, results)
     return results
+
+
+def update_bar(r: Rank, done: list, wrapper: str) -> float:
+    """--update-tol, or under bf16 autocast NOISE_FLOOR_FACTOR x the largest update error of the
+    NOISE_FLOOR_MODES cases already run in this wrapper, whichever is larger."""
+    if not r.work.autocast:
+        return r.update_tol
+    floor = [c.update_rel_err for c in done
+             if c.wrapper == wrapper and c.mode in NOISE_FLOOR_MODES and c.update_rel_err is not None]
+    return max([r.update_tol] + [NOISE_FLOOR_FACTOR * e for e in floor])
 
 
 def metadata(r: Rank) -> dict:
@@ -733,11 +800,12 @@ def table(results: dict) -> str:
     lines = [f"memfuse under torch.distributed: {m['model']} size={m['size']}, {m['world_size']} ranks x batch "
              f"{m['batch_per_rank']}, {m['device']} ({m['backend']}), torch {m['torch']}, triton {m['triton']}",
              "loss err: max over steps vs single-process eager; update err: max ||p - p_eager|| / ||p_eager - p0|| "
-             f"(floor: {UPDATE_SCALE_FLOOR:g} x the largest ||p_eager - p0||);",
+             f"(floor: {UPDATE_SCALE_FLOOR:g} x the largest ||p_eager - p0||); bar: the update err that passes "
+             f"(under bf16 autocast at least {NOISE_FLOOR_FACTOR:g} x eager's or torch.compile's in the wrapper);",
              "peak/fwd MB: the largest rank; saved MB: kept for backward after forward and loss "
              "(activations | layer params)",
              "",
-             f"{'wrapper':<16}{'mode':<17}{'loss err':>9}{'upd err':>9}{'':>4}{'it/s':>8}{'vs eager':>9}"
+             f"{'wrapper':<16}{'mode':<17}{'loss err':>9}{'upd err':>9}{'bar':>8}{'':>4}{'it/s':>8}{'vs eager':>9}"
              f"{'peak MB':>9}{'fwd MB':>8}{'saved act':>10}{'params':>8}{'compiles':>9}"]
     eager = {c.wrapper: c.it_s for c in results["cases"] if c.mode == "eager"}
     for c in results["cases"]:
@@ -746,7 +814,8 @@ def table(results: dict) -> str:
             continue
         vs = f"{c.it_s / eager[c.wrapper]:.2f}x" if c.it_s and eager.get(c.wrapper) else "-"
         lines.append(
-            f"{c.wrapper:<16}{c.mode:<17}{c.loss_rel_err:>9.1e}{c.update_rel_err:>9.1e}{'ok' if c.ok else 'BAD':>4}"
+            f"{c.wrapper:<16}{c.mode:<17}{c.loss_rel_err:>9.1e}{c.update_rel_err:>9.1e}{c.update_bar:>8.1e}"
+            f"{'ok' if c.ok else 'BAD':>4}"
             f"{(f'{c.it_s:.1f}' if c.it_s else '-'):>8}{vs:>9}{_mb(c.peak_bytes):>9}{_mb(c.forward_bytes):>8}"
             f"{_mb(c.saved_activation_bytes):>10}{_mb(c.saved_block_param_bytes):>8}"
             f"{(c.memfuse_compiles if c.mode.startswith('memfuse') else '-'):>9}")
@@ -765,6 +834,15 @@ def table(results: dict) -> str:
                 lines.append(f"{c.wrapper:<16}{c.mode:<17}{rank:>5}{p['wall_ms']:>8.1f}{p['busy_ms']:>8.1f}"
                              f"{p['compute_ms']:>9.1f}{p['comm_ms']:>8.1f}{p['exposed_comm_ms']:>9.1f}"
                              f"{p['idle_ms']:>8.1f}{p['launches']:>9}")
+    hosted = [c for c in results["cases"] if c.host]
+    if hosted:
+        lines += ["", "the host's side of one step per rank, ms: time to enqueue it (host); wall clock after "
+                      "synchronizing; operations that waited for the GPU (where, count)",
+                  f"{'wrapper':<16}{'mode':<17}{'rank':>5}{'host':>8}{'wall':>8}  waits"]
+        for c in hosted:
+            for rank, h in enumerate(c.host):
+                waits = ", ".join(f"{where} x{n}" for where, n in sorted(h["syncs"].items())) or "none"
+                lines.append(f"{c.wrapper:<16}{c.mode:<17}{rank:>5}{h['host_ms']:>8.1f}{h['wall_ms']:>8.1f}  {waits}")
     if results["dropout"]:
         lines += ["", "dropout across ranks (same seed: equal masks on every rank; per-rank seeds: different; "
                       "DDP grads == each rank's own):"]
