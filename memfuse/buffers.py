@@ -31,7 +31,7 @@ import torch
 
 from .capture import TensorConstant
 from .debug import timed
-from .ir import Extern, Graph, Op, Value
+from .ir import Extern, Graph, Op, Value, aten_schema
 from .schedule import ALIASING_CALLS, ExternStep, KernelGroup, Schedule
 
 ENTRY = "entry"      # the plan's first step: the inputs, unpacked from the caller's list
@@ -248,8 +248,9 @@ def _extern_storage(node) -> tuple:
         return False, False
     if target in ALIASING_CALLS:
         return False, True
-    if isinstance(target, torch._ops.OpOverload):
-        aliases = any(r.alias_info is not None for r in target._schema.returns)
+    schema = aten_schema(target)
+    if schema is not None:
+        aliases = any(r.alias_info is not None for r in schema.returns)
         return not aliases, aliases
     return True, True                          # any other callable: either
 

@@ -24,6 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
 from . import views
+from .attention import size_only_masks
 from .debug import timed
 from . import loss_head  # noqa: F401  (registers the chunked loss head's ops, named below)
 from .ir import (BINARY, COMPARISON, EXTERNAL, FUSIBLE, RANDOM, UNARY, Cast, Constant, Extern, Graph, Index, Kind,
@@ -85,6 +86,7 @@ class Captured:
     # loss_head.LogitsReturns: chunked logits the function returns; its last outputs are for them
     returned_logits: list = field(default_factory=list)
     merged: dict = field(default_factory=dict)   # a node dropped as a duplicate -> the one kept (explain)
+    attention_masks: list = field(default_factory=list)   # attention.MaskDecision per attention call with a mask
 
 
 class MutatedInputError(RuntimeError):
@@ -510,6 +512,7 @@ class _Lowering:
 
     def run(self, num_primals: int, trace_joint: bool) -> Captured:
         placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        attention_masks = size_only_masks(self.gm)
         for position, node in enumerate(placeholders):
             self.env[node] = self.graph.add(Node(node.name, Op.INPUT, (), classify(node.meta["val"])))
             self.graph.inputs.append(node.name)
@@ -536,7 +539,8 @@ class _Lowering:
         has_grads = trace_joint and num_tangents > 0
         return Captured(self.graph, num_primals, num_tangents,
                         len(self.graph.outputs) - (num_primals if has_grads else 0),
-                        self.symbols, self.hints, has_seed, self.fallbacks, merged=merged)
+                        self.symbols, self.hints, has_seed, self.fallbacks, merged=merged,
+                        attention_masks=attention_masks)
 
     # -- helpers ---------------------------------------------------------------------
     def add(self, op: Op, inputs, value: Value, attr=None, name: Optional[str] = None) -> str:

@@ -38,6 +38,10 @@ COUNTERS = {
     "graph_fallbacks": "Dynamo graphs the backend could not compile, run through torch instead (once per graph)",
     "eager_calls": "calls that ran the original function or module through torch, op by op, instead of a "
                    "compiled program (api.EagerCall: each reason logged once on the fallbacks topic)",
+    "attention_masks_checked": "sets of sizes at which an attention mask built from sizes alone was evaluated "
+                               "and looked at (memfuse.attention: one wait for the GPU each)",
+    "attention_masks_dropped": "attention calls run with is_causal or no mask where the traced graph passed a "
+                               "mask built from sizes alone, found causal or empty at the call's sizes",
     "graph_captures": "CUDA-graph instances captured (graphs.GraphedFunction, cuda_graphs=True)",
     "graph_replays": "calls served by replaying captured CUDA graphs (cuda_graphs=True)",
 }

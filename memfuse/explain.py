@@ -162,6 +162,7 @@ class Report:
     placed: list = field(default_factory=list)     # PlacedRow, forward then backward
     loss_heads: list = field(default_factory=list)  # head.HeadDecision per cross_entropy of a linear
     merged: dict = field(default_factory=dict)      # Captured.merged: duplicate dropped -> node kept
+    attention_masks: list = field(default_factory=list)   # attention.MaskDecision per attention call with a mask
 
     def kernels_of(self, program: str, generated_only: bool = True) -> list:
         return [k for k in self.kernels if k.program == program and (k.is_kernel or not generated_only)]
@@ -224,7 +225,8 @@ def build_report(entry, name: str) -> Report:
                   graph_size(the_plan.backward) if the_plan.backward is not None else None,
                   saved, the_plan.saved_bytes, decisions, kernels, externs, not_fused, fallbacks,
                   captured.specialized, entry=entry, paddings=paddings, budget=the_plan.budget, placed=placed,
-                  loss_heads=list(captured.loss_heads), merged=dict(captured.merged))
+                  loss_heads=list(captured.loss_heads), merged=dict(captured.merged),
+                  attention_masks=list(captured.attention_masks))
 
 
 def _read_program(program_name: str, program, hints: dict, kernels: list, externs: list,
@@ -285,7 +287,8 @@ def _dtype(dtype) -> str:
 
 def format_report(r: Report) -> str:
     lines = [f"memfuse.explain: {r.name}"]
-    lines += _graph_lines(r) + _loss_head_lines(r) + _saved_lines(r) + _decision_lines(r) + _kernel_lines(r) + padding_lines(r)
+    lines += _graph_lines(r) + _attention_mask_lines(r) + _loss_head_lines(r) + _saved_lines(r)
+    lines += _decision_lines(r) + _kernel_lines(r) + padding_lines(r)
     lines += in_place_lines(r) + buffer_lines(r)
     lines += _fallback_lines(r)
     return "\n".join(lines)
@@ -300,6 +303,15 @@ def _graph_lines(r: Report) -> list:
         pairs = ", ".join(f"{dropped} -> {kept}" for dropped, kept in r.merged.items())
         lines.append(f"  merged    {len(r.merged)} duplicates (written to memory, or from constants alone), "
                      f"one node each: {pairs}")
+    return lines
+
+
+def _attention_mask_lines(r: Report) -> list:
+    if not r.attention_masks:
+        return []
+    lines = ["", "attention masks (memfuse.attention)"]
+    for d in r.attention_masks:
+        lines.append(f"  {d.call}: mask {d.mask} {'replaced' if d.taken else 'kept'}: {d.reason}")
     return lines
 
 

@@ -124,6 +124,14 @@ class Extern:
     kwargs: tuple                       # ((key, value), ...)
 
 
+def aten_schema(target) -> Optional[torch.FunctionSchema]:
+    """The aten schema an extern's target calls by: an OpOverload's, or that of the op a wrapper
+    calls (attention.AttentionCall), else None (a callable of memfuse's own)."""
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema
+    return getattr(target, "schema", None)
+
+
 @dataclass(frozen=True)
 class Matmul(Extern):
     """An aten matmul (mm, bmm, addmm): an Extern that also says which device type it was traced

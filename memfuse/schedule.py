@@ -32,7 +32,7 @@ from .config import Config
 from .debug import timed
 from .ops import TRITON_DTYPES
 from .ir import (EXTERNAL, FUSIBLE, LEAF, MEMORY_VIEWS, REDUCTION, Extern, Graph, Kind, Node, Op, Reduce, Reshape,
-                 Value, column_padding, verify)
+                 Value, aten_schema, column_padding, verify)
 from .padding import pad_matmuls
 from .reinplace import reinplace_fills
 
@@ -292,9 +292,9 @@ def _sink(graph: Graph, stage: dict, group_of: dict, groups: list, externs: list
 
 def _is_view(node) -> bool:
     """An aten call whose result is a view of its input (permute, view, expand): free to run late."""
-    target = node.attr.target if node.op is Op.EXTERN and isinstance(node.attr, Extern) else None
-    return isinstance(target, torch._ops.OpOverload) and any(
-        r.alias_info is not None and not r.alias_info.is_write for r in target._schema.returns)
+    schema = aten_schema(node.attr.target) if node.op is Op.EXTERN and isinstance(node.attr, Extern) else None
+    return schema is not None and any(
+        r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
 
 
 def _too_late(inp: str, name: str, stage: dict, group_of: dict, loads: set) -> bool:
@@ -501,9 +501,9 @@ def _made_by_aten(graph: Graph, name: str) -> bool:
     node = graph[name]
     if node.op is Op.GETITEM and graph[node.inputs[0]].op is Op.EXTERN:
         node = graph[node.inputs[0]]
-    while node.op is Op.EXTERN and isinstance(node.attr.target, torch._ops.OpOverload):
+    while node.op is Op.EXTERN and aten_schema(node.attr.target) is not None:
         aliases = node.attr.target in ALIASING_CALLS or \
-            any(r.alias_info is not None for r in node.attr.target._schema.returns)
+            any(r.alias_info is not None for r in aten_schema(node.attr.target).returns)
         if not aliases:
             return True
         if not node.inputs:

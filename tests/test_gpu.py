@@ -714,3 +714,36 @@ def test_chunked_loss_head_bf16_on_the_gpu(return_logits, with_gradients, master
     ours = run(x.bfloat16(), matmul_weight, chunked=True)
     for mine, theirs, truth in zip(ours, eager, exact):
         assert relative_error(mine.double(), truth) <= 3 * relative_error(theirs.double(), truth) + 1e-6
+
+
+@pytest.mark.parametrize("path", ["function", "backend"])
+def test_a_causal_mask_built_from_sizes_runs_the_causal_kernel_on_gpu(path):
+    """bf16 attention with a [batch, 1, q, kv] causal mask built from aranges (as HuggingFace's
+    traced mask code builds it), GQA keys repeated as transformers repeats them: memfuse runs the
+    attention op with is_causal and no mask (memfuse.attention), output and gradients as eager's."""
+    import torch.nn.functional as F
+
+    def attention(q, k, v):
+        i = torch.arange(q.shape[-2], device=q.device)[:, None]
+        j = torch.arange(k.shape[-2], device=q.device)[None, :]
+        mask = (j <= i)[None, None].expand(q.shape[0], 1, -1, -1)
+        k, v = (t[:, :, None].expand(-1, -1, 4, -1, -1).reshape(q.shape) for t in (k, v))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(2, 8, 512, 64, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    k, v = (torch.randn(2, 2, 512, 64, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+            for _ in range(2))
+    fused = memfuse.memory_efficient_fusion(attention) if path == "function" else \
+        torch.compile(attention, backend="memfuse", dynamic=True)
+    before = memfuse.stats()["attention_masks_dropped"]
+    out = fused(q, k, v)
+    out.float().square().sum().backward()
+    got = [out.detach()] + [t.grad for t in (q, k, v)]
+    assert memfuse.stats()["attention_masks_dropped"] >= before + 2
+    for t in (q, k, v):
+        t.grad = None
+    want = attention(q, k, v)
+    want.float().square().sum().backward()
+    for a, b in zip(got, [want.detach()] + [t.grad for t in (q, k, v)]):
+        assert relative_error(a, b) < 1e-2

@@ -1,0 +1,240 @@
+"""attention: an attention mask built from sizes alone runs as the attention kernel's own causal
+mask (or as no mask), where at the call's sizes it is one.
+
+Traced, HuggingFace's models build their attention mask as a tensor: under any trace (torch.compile's
+too) their mask code takes its trace-friendly path and hands scaled_dot_product_attention a
+[batch, 1, q, kv] mask made of aranges and compares, where eager passes none and asks for
+`is_causal`. With a mask the attention kernel computes every block and reads the mask; the causal
+kernel skips the blocks above the diagonal. On an H200, Llama's (benchmarks/models.py) attention
+took 2.1 ms forward and 5.0 ms backward a step traced, 0.74 and 1.9 ms in eager.
+
+A mask whose subgraph reads no tensor's values, only sizes, is one constant per set of sizes.
+`size_only_masks` gives each attention call that reads such a mask (the forward's and the
+backward's) the sizes in its place, and makes the call an `AttentionCall`: at each new set of sizes
+the first call evaluates the mask's subgraph on the device and looks at it (one wait for the GPU
+per set of sizes, shared by the forward and the backward); where it is the causal mask the call
+runs with `is_causal=True` and no mask, where it masks nothing with neither, otherwise with the
+mask, evaluated again at every call. Results never rest on a guess about the mask.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.fx
+
+from .debug import STATS
+
+aten = torch.ops.aten
+
+# attention op -> (its mask argument, its is_causal argument), forward and backward alike
+MASK_ARGUMENTS = {
+    aten._scaled_dot_product_cudnn_attention.default: ("attn_bias", "is_causal"),
+    aten._scaled_dot_product_cudnn_attention_backward.default: ("attn_bias", "is_causal"),
+    aten._scaled_dot_product_efficient_attention.default: ("attn_bias", "is_causal"),
+    aten._scaled_dot_product_efficient_attention_backward.default: ("attn_bias", "is_causal"),
+    aten._scaled_dot_product_flash_attention_for_cpu.default: ("attn_mask", "is_causal"),
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: ("attn_mask", "is_causal"),
+}
+# A float mask's entry at most this masks its position: torch's cuDNN attention turns a boolean
+# mask into a bias of -65504 (fp16's lowest) where eager's other kernels use -inf. Either way the
+# position's weight, exp(score - 65504 - row max), is 0 in fp32 unless the row's scores differ by
+# tens of thousands; `is_causal`, what eager runs for such a model, masks exactly.
+MASKED_BIAS = -65504.0
+# ops that read a tensor's size, never its values: where a size-only subgraph starts
+SIZE_READS = (aten.sym_size.int, aten.sym_size.default, aten.sym_numel.default)
+
+
+@dataclass(frozen=True)
+class MaskDecision:
+    """What became of one attention call's mask (explain prints these)."""
+    call: str                 # the attention node
+    mask: str                 # the mask node it read
+    taken: bool               # the call now gets sizes and decides per call
+    reason: str
+
+
+class SizeOnlyMask:
+    """A mask's subgraph as a function of the sizes it reads, and what it is at each set of sizes
+    seen: "causal", "none" (masks nothing) or None (anything else)."""
+
+    def __init__(self, evaluate: torch.fx.GraphModule, name: str):
+        self.evaluate = evaluate
+        self.name = name
+        self.forms: dict = {}
+
+    def resolve(self, sizes: tuple) -> tuple:
+        """(mask or None, is_causal) for a call at `sizes`."""
+        form = self.forms.get(sizes, False)
+        if form is False:
+            form = self.forms[sizes] = mask_form(self.evaluate(*sizes))
+            STATS["attention_masks_checked"] += 1
+        if form is None:
+            return self.evaluate(*sizes), False
+        STATS["attention_masks_dropped"] += 1
+        return None, form == "causal"
+
+
+def mask_form(mask: torch.Tensor) -> Optional[str]:
+    """"none" where the mask keeps every position, "causal" where it keeps exactly the lower
+    triangle of each square [q, kv] block (what `is_causal=True` means), else None. A boolean
+    mask keeps its True positions, a float mask its zeros; its others must be at most MASKED_BIAS."""
+    if mask.dim() < 2:
+        return None
+    if mask.dtype == torch.bool:
+        kept = mask
+    elif mask.is_floating_point():
+        kept = mask == 0
+        if not bool((kept | (mask <= MASKED_BIAS)).all()):
+            return None
+    else:
+        return None
+    if bool(kept.all()):
+        return "none"
+    q, kv = kept.shape[-2:]
+    if q == kv and bool((kept == torch.ones(q, kv, dtype=torch.bool, device=kept.device).tril()).all()):
+        return "causal"
+    return None
+
+
+class AttentionCall:
+    """An attention op whose mask argument holds the sizes of a SizeOnlyMask: per call, the mask
+    (or None) and is_causal that `SizeOnlyMask.resolve` gives for them."""
+
+    def __init__(self, op: torch._ops.OpOverload, mask: SizeOnlyMask):
+        self.op = op
+        self.mask = mask
+        self.schema = op._schema           # what memfuse's buffer and schedule rules read of an aten call
+        names = [a.name for a in op._schema.arguments]
+        mask_name, causal_name = MASK_ARGUMENTS[op]
+        self.mask_at, self.causal_at = names.index(mask_name), names.index(causal_name)
+        self.mask_name, self.causal_name = mask_name, causal_name
+        # what torch.fx prints for a call of it (dumps of the aten graph, explain's)
+        self.__name__ = f"sizes_mask_{op._schema.name.split('::')[-1]}"
+        self.__module__ = __name__
+
+    def __call__(self, *args, **kwargs):
+        args = list(args)
+        sizes = args[self.mask_at] if self.mask_at < len(args) else kwargs[self.mask_name]
+        mask, causal = self.mask.resolve(tuple(sizes))
+        _put(args, kwargs, self.mask_at, self.mask_name, mask)
+        _put(args, kwargs, self.causal_at, self.causal_name, causal)
+        return self.op(*args, **kwargs)
+
+    def __str__(self) -> str:
+        return f"{self.op} (mask {self.mask.name}: built from sizes, causal or none decided per size)"
+
+
+def _put(args: list, kwargs: dict, at: int, name: str, value) -> None:
+    if at < len(args):
+        args[at] = value
+    else:
+        kwargs[name] = value
+
+
+def size_only_masks(gm: torch.fx.GraphModule) -> list:
+    """Rewrites `gm` in place: each attention call whose mask is built from sizes alone, and is
+    causal or masks nothing at the traced sizes, becomes an AttentionCall reading those sizes; the
+    mask's nodes nothing else reads go. Returns a MaskDecision per attention call with a mask."""
+    decisions, masks = [], {}
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in MASK_ARGUMENTS:
+            continue
+        mask_name, _ = MASK_ARGUMENTS[node.target]
+        at = [a.name for a in node.target._schema.arguments].index(mask_name)
+        mask = node.args[at] if at < len(node.args) else node.kwargs.get(mask_name)
+        if not isinstance(mask, torch.fx.Node):
+            continue
+        if mask not in masks:
+            masks[mask] = _size_only(gm, mask)
+        found = masks[mask]
+        if isinstance(found, str):
+            decisions.append(MaskDecision(node.name, mask.name, False, found))
+            continue
+        size_mask, leaves, form = found
+        if at < len(node.args):
+            node.update_arg(at, list(leaves))
+        else:
+            node.update_kwarg(mask_name, list(leaves))
+        node.target = AttentionCall(node.target, size_mask)
+        decisions.append(MaskDecision(node.name, mask.name, True,
+                                      f"built from sizes alone, {form} at the traced sizes: the call gets the sizes "
+                                      f"and runs with is_causal={form == 'causal'} and no mask at every size where "
+                                      f"the mask is {form} (checked once per size)"))
+    for mask in masks:
+        _erase_unused(gm, mask)
+    return decisions
+
+
+def _size_only(gm: torch.fx.GraphModule, mask: torch.fx.Node):
+    """(SizeOnlyMask, the size nodes it reads, its form at the traced sizes), or why not."""
+    leaves, inside, stack = [], set(), [mask]
+    while stack:
+        node = stack.pop()
+        if node in inside or node in leaves:
+            continue
+        val = node.meta.get("val")
+        if node.op == "placeholder":
+            if isinstance(val, (torch.SymInt, int)):
+                leaves.append(node)
+                continue
+            return f"reads the values of input {node.name}"
+        if node.op == "call_function" and node.target in SIZE_READS:
+            leaves.append(node)
+            continue
+        if node.op == "get_attr":
+            inside.add(node)
+            continue
+        if node.op != "call_function":
+            return f"reads {node.format_node()}"
+        if isinstance(node.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in node.target.tags:
+            return f"draws random numbers ({node.target})"
+        inside.add(node)
+        stack.extend(node.all_input_nodes)
+    hints = [_hint(leaf) for leaf in leaves]
+    if None in hints:
+        return "reads a size with no traced value"
+    graph, env = torch.fx.Graph(), {}
+    for leaf in leaves:
+        env[leaf] = graph.placeholder(leaf.name)
+    for node in gm.graph.nodes:
+        if node in inside:
+            env[node] = graph.node_copy(node, lambda n: env[n])
+    graph.output(env[mask])
+    evaluate = torch.fx.GraphModule(gm, graph)
+    try:
+        form = mask_form(_outside_trace(lambda: evaluate(*hints)))
+    except Exception as error:          # a device this process cannot run on, say: leave the mask be
+        return f"could not be evaluated at the traced sizes ({type(error).__name__}: {error})"
+    if form is None:
+        return "built from sizes alone, but neither causal nor empty at the traced sizes"
+    return SizeOnlyMask(evaluate, mask.name), leaves, form
+
+
+def _hint(node: torch.fx.Node) -> Optional[int]:
+    val = node.meta.get("val")
+    if isinstance(val, torch.SymInt):
+        return val.node.hint
+    return val if isinstance(val, int) else None
+
+
+def _outside_trace(run: Callable):
+    """Run on real tensors while a trace (fake tensors, a dispatch mode) may be active."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.utils._python_dispatch import _disable_current_modes
+    with unset_fake_temporarily(), _disable_current_modes():
+        return run()
+
+
+def _erase_unused(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
+    """Erase `node` and then its inputs, as long as nothing reads them."""
+    stack, erased = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in erased or n.users or n.op in ("placeholder", "output"):
+            continue
+        inputs = n.all_input_nodes
+        gm.graph.erase_node(n)
+        erased.add(n)
+        stack.extend(inputs)

@@ -1,0 +1,132 @@
+"""memfuse.attention: an attention mask built from sizes alone (as HuggingFace's mask code builds
+one under any trace) runs as the kernel's own causal mask, or as no mask, at every size where it is
+one, and as the mask itself elsewhere. Outputs and gradients match eager either way; the counters
+say which path each call took."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import memfuse
+from memfuse.attention import mask_form
+
+
+def causal(q, k, v):
+    i = torch.arange(q.shape[-2], device=q.device)[:, None]
+    j = torch.arange(k.shape[-2], device=q.device)[None, :]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=j <= i) * 2
+
+
+def window_of_6(q, k, v):
+    """Causal while the sequence is at most 6 long, a sliding window past that."""
+    i = torch.arange(q.shape[-2], device=q.device)[:, None]
+    j = torch.arange(k.shape[-2], device=q.device)[None, :]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=(j <= i) & (j > i - 6)) * 2
+
+
+def masks_nothing(q, k, v):
+    keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep) * 2
+
+
+def user_mask(q, k, v, mask):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask) * 2
+
+
+def _qkv(length: int, seed: int = 0) -> list:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(2, 3, length, 16, generator=generator, requires_grad=True) for _ in range(3)]
+
+
+def _against_eager(fused, fn, tensors: list, *rest) -> None:
+    out = fused(*tensors, *rest)
+    out.square().sum().backward()
+    grads = [t.grad for t in tensors]
+    for t in tensors:
+        t.grad = None
+    want = fn(*tensors, *rest)
+    want.square().sum().backward()
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    for got, t in zip(grads, tensors):
+        torch.testing.assert_close(got, t.grad, rtol=1e-5, atol=1e-6)
+
+
+def _counts() -> tuple:
+    s = memfuse.stats()
+    return s["attention_masks_checked"], s["attention_masks_dropped"]
+
+
+def test_a_causal_mask_built_from_sizes_runs_as_is_causal_at_every_size():
+    fused = memfuse.memory_efficient_fusion(causal)
+    checked, dropped = _counts()
+    _against_eager(fused, causal, _qkv(8))
+    assert _counts() == (checked + 1, dropped + 2)            # checked once; forward and backward without it
+    _against_eager(fused, causal, _qkv(8, seed=1))
+    assert _counts() == (checked + 1, dropped + 4)            # the same sizes: no new check
+    _against_eager(fused, causal, _qkv(5))
+    assert _counts() == (checked + 2, dropped + 6)            # a new length: checked again, one program still
+    report = str(memfuse.explain(fused, *_qkv(8)))
+    assert "attention masks" in report and "replaced: built from sizes alone, causal" in report
+
+
+def test_a_mask_causal_only_at_some_sizes_runs_as_the_mask_elsewhere():
+    """A sliding window of 6: causal at the traced length 4, not at 9. At 9 the call gets the mask
+    (evaluated from the sizes) and results stay eager's."""
+    fused = memfuse.memory_efficient_fusion(window_of_6)
+    checked, dropped = _counts()
+    _against_eager(fused, window_of_6, _qkv(4))
+    assert _counts() == (checked + 1, dropped + 2)
+    _against_eager(fused, window_of_6, _qkv(9))
+    assert _counts() == (checked + 2, dropped + 2)            # checked, and run with the mask
+
+
+def test_a_mask_that_masks_nothing_is_dropped():
+    fused = memfuse.memory_efficient_fusion(masks_nothing)
+    checked, dropped = _counts()
+    _against_eager(fused, masks_nothing, _qkv(6))
+    assert _counts() == (checked + 1, dropped + 2)
+
+
+def test_a_mask_passed_in_stays_a_mask_and_explain_says_why():
+    mask = torch.rand(6, 6) > 0.3
+    mask.fill_diagonal_(True)
+    fused = memfuse.memory_efficient_fusion(user_mask)
+    checked, dropped = _counts()
+    _against_eager(fused, user_mask, _qkv(6), mask)
+    assert _counts() == (checked, dropped)
+    assert "kept: reads the values of input" in str(memfuse.explain(fused, *_qkv(6), mask))
+
+
+def test_a_sliding_window_narrower_than_the_traced_sequence_is_not_replaced():
+    fused = memfuse.memory_efficient_fusion(window_of_6)
+    checked, dropped = _counts()
+    _against_eager(fused, window_of_6, _qkv(10))
+    assert _counts() == (checked, dropped)
+    assert "neither causal nor empty at the traced sizes" in str(memfuse.explain(fused, *_qkv(10)))
+
+
+def test_the_backend_replaces_it_too():
+    torch._dynamo.reset()
+    compiled = torch.compile(causal, backend="memfuse", dynamic=True)
+    checked, dropped = _counts()
+    _against_eager(compiled, causal, _qkv(8))
+    assert memfuse.stats()["attention_masks_dropped"] >= dropped + 2
+
+
+@pytest.mark.parametrize("mask, form", [
+    (torch.ones(2, 1, 4, 4, dtype=torch.bool).tril(), "causal"),
+    (torch.ones(4, 4, dtype=torch.bool), "none"),
+    (torch.zeros(4, 4).masked_fill(~torch.ones(4, 4, dtype=torch.bool).tril(), -math.inf), "causal"),
+    (torch.zeros(1, 1, 3, 3), "none"),
+    (torch.zeros(4, 4, dtype=torch.bfloat16).masked_fill(~torch.ones(4, 4, dtype=torch.bool).tril(),
+                                                         -65504.0), "causal"),       # torch's cuDNN path's bias
+    (torch.ones(4, 4, dtype=torch.bool).tril(-1), None),                    # the diagonal masked
+    (torch.ones(3, 5, dtype=torch.bool).tril(), None),                      # not square
+    (torch.zeros(4, 4).masked_fill(~torch.ones(4, 4, dtype=torch.bool).tril(), -1e4), None),   # not -inf
+    (torch.ones(4), None),
+])
+def test_mask_form(mask, form):
+    assert mask_form(mask) == form
