@@ -21,8 +21,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+import contextlib
+
 import torch
 import torch.fx
+from torch.overrides import TorchFunctionMode
 
 from .debug import STATS
 
@@ -42,6 +45,8 @@ MASK_ARGUMENTS = {
 # position's weight, exp(score - 65504 - row max), is 0 in fp32 unless the row's scores differ by
 # tens of thousands; `is_causal`, what eager runs for such a model, masks exactly.
 MASKED_BIAS = -65504.0
+# scaled_dot_product_attention(query, key, value, attn_mask, ...): where its mask sits
+MASK_AT = 3
 # ops that read a tensor's size, never its values: where a size-only subgraph starts
 SIZE_READS = (aten.sym_size.int, aten.sym_size.default, aten.sym_numel.default)
 
@@ -131,6 +136,39 @@ def _put(args: list, kwargs: dict, at: int, name: str, value) -> None:
         args[at] = value
     else:
         kwargs[name] = value
+
+
+class _DenseMasks(TorchFunctionMode):
+    """While memfuse traces: scaled_dot_product_attention gets its mask dense in its last dim.
+    HuggingFace's bidirectional mask (BERT) is a [1, 1, q, 1] compare broadcast to
+    [batch, 1, q, kv]: a mask whose last stride is 0, which neither cuDNN nor the efficient kernel
+    takes, so the trace decomposed the attention into fp32 matmuls and a softmax whose [batch x
+    heads, q, kv] weights the backward kept. Made contiguous, the trace keeps a fused attention op
+    (the same values), whose mask `size_only_masks` can then drop."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch._C._nn.scaled_dot_product_attention:
+            args, kwargs = dense_mask(args, kwargs)
+        return func(*args, **kwargs)
+
+
+def dense_mask(args: tuple, kwargs: dict) -> tuple:
+    """scaled_dot_product_attention's (args, kwargs), a mask broadcast along its last dim made
+    contiguous."""
+    mask = args[MASK_AT] if len(args) > MASK_AT else kwargs.get("attn_mask")
+    if not isinstance(mask, torch.Tensor) or mask.dim() == 0 or mask.stride(-1) != 0 or mask.shape[-1] == 1:
+        return args, kwargs
+    if len(args) > MASK_AT:
+        return (*args[:MASK_AT], mask.contiguous(), *args[MASK_AT + 1:]), kwargs
+    return args, {**kwargs, "attn_mask": mask.contiguous()}
+
+
+@contextlib.contextmanager
+def dense_masks():
+    """Inside: attention masks broadcast along their last dim reach the trace contiguous."""
+    with _DenseMasks():
+        yield
 
 
 def size_only_masks(gm: torch.fx.GraphModule) -> list:

@@ -28,6 +28,7 @@ import torch
 from torch._guards import CompileContext, detect_fake_mode
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from .attention import dense_masks
 from .capture import Captured, decomposition_table, lower_graph
 from .config import Config, config_with_options
 from .debug import STATS, on_compile, timed, topic_log
@@ -84,7 +85,8 @@ def memfuse_backend(gm: torch.fx.GraphModule, example_inputs, *, config: Optiona
                            inference_compiler=compilers.inference, partition_fn=compilers.partition,
                            decompositions=decomposition_table())
     try:
-        compiled = backend(gm, example_inputs)
+        with dense_masks():     # a broadcast mask would send the trace to SDPA's math path (memfuse.attention)
+            compiled = backend(gm, example_inputs)
     except (RestartAnalysis, SkipFrame, ShortenTraceback):
         raise                  # Dynamo's own signals (restart the trace, skip the frame), not failures
     except Exception as e:

@@ -130,3 +130,27 @@ def test_the_backend_replaces_it_too():
 ])
 def test_mask_form(mask, form):
     assert mask_form(mask) == form
+
+
+def bidirectional(q, k, v):
+    """HuggingFace's bidirectional mask (BERT): a [1, 1, q, 1] compare broadcast along kv."""
+    keep = (torch.arange(q.shape[-2], device=q.device)[None, None, :, None] >= 0)
+    keep = keep.expand(q.shape[0], 1, q.shape[-2], k.shape[-2])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep) * 2
+
+
+def test_a_mask_broadcast_along_its_last_dim_reaches_the_trace_dense_and_is_dropped():
+    """Broadcast along kv (last stride 0), SDPA on a GPU would take its math path (fp32 matmuls and
+    a softmax); memfuse's trace sees the mask contiguous, and the mask masks nothing: dropped."""
+    from memfuse.attention import dense_mask
+    mask = torch.ones(1, 1, 4, 1, dtype=torch.bool).expand(2, 1, 4, 4)
+    args, kwargs = dense_mask((1, 2, 3, mask), {})
+    assert args[3].is_contiguous() and torch.equal(args[3], mask)
+    args, kwargs = dense_mask((1, 2, 3), {"attn_mask": mask, "is_causal": False})
+    assert kwargs["attn_mask"].is_contiguous() and kwargs["is_causal"] is False
+    dense = torch.ones(4, 4, dtype=torch.bool)
+    assert dense_mask((1, 2, 3, dense), {})[0][3] is dense
+    fused = memfuse.memory_efficient_fusion(bidirectional)
+    checked, dropped = _counts()
+    _against_eager(fused, bidirectional, _qkv(6))
+    assert _counts() == (checked + 1, dropped + 2)

@@ -747,3 +747,31 @@ def test_a_causal_mask_built_from_sizes_runs_the_causal_kernel_on_gpu(path):
     want.float().square().sum().backward()
     for a, b in zip(got, [want.detach()] + [t.grad for t in (q, k, v)]):
         assert relative_error(a, b) < 1e-2
+
+
+def test_a_broadcast_bidirectional_mask_keeps_a_fused_attention_on_gpu():
+    """BERT's traced mask: a [1, 1, q, 1] compare broadcast along kv. Broadcast, it sends SDPA to
+    its math path (fp32 matmuls, a softmax whose weights the backward keeps); memfuse traces it
+    dense, so a fused attention op stays in the graph and its mask (masking nothing) is dropped."""
+    import torch.nn.functional as F
+
+    def attention(q, k, v):
+        keep = (torch.arange(q.shape[-2], device=q.device)[None, None, :, None] >= 0)
+        keep = keep.expand(q.shape[0], 1, q.shape[-2], k.shape[-2])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(4, 12, 512, 64, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+               for _ in range(3))
+    fused = memfuse.memory_efficient_fusion(attention)
+    before = memfuse.stats()["attention_masks_dropped"]
+    out = fused(q, k, v)
+    out.float().square().sum().backward()
+    got = [out.detach()] + [t.grad for t in (q, k, v)]
+    assert memfuse.stats()["attention_masks_dropped"] >= before + 2
+    for t in (q, k, v):
+        t.grad = None
+    want = attention(q, k, v)
+    want.float().square().sum().backward()
+    for a, b in zip(got, [want.detach()] + [t.grad for t in (q, k, v)]):
+        assert relative_error(a, b) < 1e-2
