@@ -21,8 +21,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-import contextlib
-
 import torch
 import torch.fx
 from torch.overrides import TorchFunctionMode
@@ -48,7 +46,7 @@ MASKED_BIAS = -65504.0
 # scaled_dot_product_attention(query, key, value, attn_mask, ...): where its mask sits
 MASK_AT = 3
 # ops that read a tensor's size, never its values: where a size-only subgraph starts
-SIZE_READS = (aten.sym_size.int, aten.sym_size.default, aten.sym_numel.default)
+SIZE_READS = (aten.sym_size.int,)
 
 
 @dataclass(frozen=True)
@@ -164,11 +162,10 @@ def dense_mask(args: tuple, kwargs: dict) -> tuple:
     return args, {**kwargs, "attn_mask": mask.contiguous()}
 
 
-@contextlib.contextmanager
-def dense_masks():
-    """Inside: attention masks broadcast along their last dim reach the trace contiguous."""
-    with _DenseMasks():
-        yield
+def dense_masks() -> TorchFunctionMode:
+    """A context: inside it, attention masks broadcast along their last dim reach the trace
+    contiguous."""
+    return _DenseMasks()
 
 
 def size_only_masks(gm: torch.fx.GraphModule) -> list:
