@@ -109,9 +109,8 @@ class AttentionCall:
         self.op = op
         self.mask = mask
         self.schema = op._schema           # what memfuse's buffer and schedule rules read of an aten call
-        names = [a.name for a in op._schema.arguments]
         mask_name, causal_name = MASK_ARGUMENTS[op]
-        self.mask_at, self.causal_at = names.index(mask_name), names.index(causal_name)
+        self.mask_at, self.causal_at = _position(op, mask_name), _position(op, causal_name)
         self.mask_name, self.causal_name = mask_name, causal_name
         # what torch.fx prints for a call of it (dumps of the aten graph, explain's)
         self.__name__ = f"sizes_mask_{op._schema.name.split('::')[-1]}"
@@ -127,6 +126,11 @@ class AttentionCall:
 
     def __str__(self) -> str:
         return f"{self.op} (mask {self.mask.name}: built from sizes, causal or none decided per size)"
+
+
+def _position(op: torch._ops.OpOverload, name: str) -> int:
+    """Where argument `name` sits in `op`'s schema."""
+    return [a.name for a in op._schema.arguments].index(name)
 
 
 def _put(args: list, kwargs: dict, at: int, name: str, value) -> None:
@@ -170,14 +174,15 @@ def dense_masks() -> TorchFunctionMode:
 
 def size_only_masks(gm: torch.fx.GraphModule) -> list:
     """Rewrites `gm` in place: each attention call whose mask is built from sizes alone, and is
-    causal or masks nothing at the traced sizes, becomes an AttentionCall reading those sizes; the
-    mask's nodes nothing else reads go. Returns a MaskDecision per attention call with a mask."""
+    causal or masks nothing at the traced sizes, becomes an AttentionCall reading those sizes (the
+    caller drops the mask's nodes nothing reads any more). Returns a MaskDecision per attention
+    call with a mask."""
     decisions, masks = [], {}
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in MASK_ARGUMENTS:
             continue
         mask_name, _ = MASK_ARGUMENTS[node.target]
-        at = [a.name for a in node.target._schema.arguments].index(mask_name)
+        at = _position(node.target, mask_name)
         mask = node.args[at] if at < len(node.args) else node.kwargs.get(mask_name)
         if not isinstance(mask, torch.fx.Node):
             continue
@@ -197,8 +202,6 @@ def size_only_masks(gm: torch.fx.GraphModule) -> list:
                                       f"built from sizes alone, {form} at the traced sizes: the call gets the sizes "
                                       f"and runs with is_causal={form == 'causal'} and no mask at every size where "
                                       f"the mask is {form} (checked once per size)"))
-    for mask in masks:
-        _erase_unused(gm, mask)
     return decisions
 
 
@@ -260,16 +263,3 @@ def _outside_trace(run: Callable):
     from torch.utils._python_dispatch import _disable_current_modes
     with unset_fake_temporarily(), _disable_current_modes():
         return run()
-
-
-def _erase_unused(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
-    """Erase `node` and then its inputs, as long as nothing reads them."""
-    stack, erased = [node], set()
-    while stack:
-        n = stack.pop()
-        if n in erased or n.users or n.op in ("placeholder", "output"):
-            continue
-        inputs = n.all_input_nodes
-        gm.graph.erase_node(n)
-        erased.add(n)
-        stack.extend(inputs)

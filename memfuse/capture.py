@@ -513,6 +513,8 @@ class _Lowering:
     def run(self, num_primals: int, trace_joint: bool) -> Captured:
         placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
         attention_masks = size_only_masks(self.gm)
+        if any(d.taken for d in attention_masks):
+            _without_unused(self.gm)          # the masks' nodes nothing reads now
         for position, node in enumerate(placeholders):
             self.env[node] = self.graph.add(Node(node.name, Op.INPUT, (), classify(node.meta["val"])))
             self.graph.inputs.append(node.name)
