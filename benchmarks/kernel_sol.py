@@ -66,17 +66,17 @@ def logged_launches(model, batch: dict, setup: Setup) -> list:
     return [(r, ms) for r, (_, ms) in zip(records, kernels)]
 
 
-def below_target(record, ms: float, bandwidth: float) -> bool:
-    return ms >= TARGET_MS and record.must_move / (ms * 1e-3) < TARGET_SOL * bandwidth
+def below_target(record, ms: float, bandwidth: float, min_ms: float = TARGET_MS) -> bool:
+    return ms >= min_ms and record.must_move / (ms * 1e-3) < TARGET_SOL * bandwidth
 
 
-def tune_slow(launches: list, model, batch: dict, setup: Setup, bandwidth: float) -> dict:
-    """Each kernel below the target (TARGET_MS or more, under TARGET_SOL) timed alone on its
+def tune_slow(launches: list, model, batch: dict, setup: Setup, bandwidth: float, min_ms: float = TARGET_MS) -> dict:
+    """Each kernel below the target (`min_ms` or more, under TARGET_SOL) timed alone on its
     arguments of one more step (benchmarks.tune: do_bench, L2 flushed), at its own configuration and
     at the best of tune.sweep's: whether a launch configuration is what holds it back.
     -> {KernelLaunch: {"alone_ms", "best_ms", "best_config"}}; each launch is left as it was."""
     from benchmarks.tune import best_of, sweep
-    slow = list({r.launch: None for r, ms in launches if below_target(r, ms, bandwidth)})
+    slow = list({r.launch: None for r, ms in launches if below_target(r, ms, bandwidth, min_ms)})
     for launch in slow:
         launch.record = True
     train_step(model, batch, setup)
@@ -110,7 +110,8 @@ def as_row(record, ms: float | None, bandwidth: float | None, tuned: dict) -> di
     return row
 
 
-def sol_model(model_name: str, mode: str, setup: Setup, bandwidth: float | None, tune: bool) -> dict:
+def sol_model(model_name: str, mode: str, setup: Setup, bandwidth: float | None, tune: bool,
+              tune_ms: float = TARGET_MS) -> dict:
     family = FAMILIES[model_name]
     size = family.tiny if setup.tiny else family.size
     templates = Templates.build(family, size, use_cache=False)
@@ -118,7 +119,7 @@ def sol_model(model_name: str, mode: str, setup: Setup, bandwidth: float | None,
     model = WRAPPERS[mode](fresh(templates.dropout, setup.device), family)
     batch = make_batch(size, setup.device)
     launches = logged_launches(model, batch, setup)
-    tuned = tune_slow(launches, model, batch, setup, bandwidth) if tune else {}
+    tuned = tune_slow(launches, model, batch, setup, bandwidth, tune_ms) if tune else {}
     rows = [as_row(r, ms, bandwidth, tuned) for r, ms in launches]
     rows.sort(key=lambda r: -(r["ms"] if r["ms"] is not None else r["must_move"]))
     return {"model": model_name, "mode": mode, "tiny": setup.tiny, "copy_gb_s": bandwidth / 1e9 if bandwidth else None,
@@ -173,6 +174,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tune", action="store_true",
                         help=f"time each kernel of {TARGET_MS} ms or more under {TARGET_SOL:.0%} alone at other launch "
                              "configurations (benchmarks.tune's sweep; GPU only)")
+    parser.add_argument("--tune-ms", type=float, default=TARGET_MS,
+                        help=f"with --tune: the GPU time a step from which a kernel under {TARGET_SOL:.0%} is tuned")
     parser.add_argument("--out", type=Path, help="directory for kernel-sol-MODEL.json and .md")
     args = parser.parse_args(argv)
     models = args.model.split(",")
@@ -187,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
         Setup(torch.device("cuda"), tiny=False, settings=GPU_SETTINGS)
     bandwidth = None if args.tiny else copy_bandwidth()
     for model_name in models:
-        result = sol_model(model_name, args.mode, setup, bandwidth, args.tune)
+        result = sol_model(model_name, args.mode, setup, bandwidth, args.tune, args.tune_ms)
         text = report(result)
         print(text + "\n", flush=True)
         if args.out:

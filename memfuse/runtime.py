@@ -151,9 +151,13 @@ class KernelLaunch:
         except OutOfResources:
             if config.num_stages == 1:
                 raise
-            # a deeper pipeline than this kernel's tiles fit in shared memory: run unpipelined
-            log.info("memfuse: %s: %s does not fit, launching with num_stages=1", self.kernel.source.name, config)
-            self.configs[device] = dataclasses.replace(config, num_stages=1)
+            # a deeper pipeline than this kernel's tiles fit in shared memory: run unpipelined, with as
+            # many programs an SM as the pipeline had tiles in flight (one program an SM, unpipelined,
+            # waits on each load: GPT-2's GELU backward ran at a third of the bandwidth so)
+            fallback = dataclasses.replace(config, num_stages=1,
+                                           programs_per_sm=config.programs_per_sm * config.num_stages)
+            log.info("memfuse: %s: %s does not fit, launching with %s", self.kernel.source.name, config, fallback)
+            self.configs[device] = fallback
             self.grids.pop(device)
             return self._launch(device, rows, aligned, values)
         STATS["kernels_launched"] += 1

@@ -31,7 +31,7 @@ import torch
 from .config import Config
 from .debug import timed
 from .ops import TRITON_DTYPES
-from .ir import (EXTERNAL, FUSIBLE, LEAF, MEMORY_VIEWS, REDUCTION, Extern, Graph, Kind, Node, Op, Reduce, Reshape,
+from .ir import (EXTERNAL, FUSIBLE, LEAF, MEMORY_VIEWS, POINTWISE, RANDOM, REDUCTION, Extern, Graph, Kind, Node, Op, Reduce, Reshape,
                  Value, aten_schema, column_padding, verify)
 from .padding import pad_matmuls
 from .reinplace import reinplace_fills
@@ -79,6 +79,7 @@ class KernelGroup:
     stage: int
     space: Space
     nodes: list = field(default_factory=list)          # fusible node names, topological
+    recomputed: list = field(default_factory=list)     # nodes of `nodes` another kernel owns: computed again here, never written
     inputs: list = field(default_factory=list)         # values read from memory or passed as scalars
     outputs: list = field(default_factory=list)        # values written for later steps
     column_sums: list = field(default_factory=list)    # reductions over M: partials per program
@@ -134,10 +135,12 @@ def schedule(graph: Graph, config: Config, kind: str) -> Schedule:
     _sink(graph, stage, group_of, groups, externs, placed, loads)
     _join_sharing(graph, groups, free, placed)
     steps = _order(graph, groups, externs, kind)
+    _recompute_in_readers(graph, groups, stage, free, loads, placed)
     _compute_free_in_readers(graph, groups, free, loads, placed)
+    computed_in = _computed_in(groups)
     for group in steps:
         if isinstance(group, KernelGroup):
-            _fill_io(graph, group, free | loads)
+            _fill_io(graph, group, free | loads, computed_in)
             group.aten_reason = _codegen_limit(graph, group, config)
     return Schedule(graph, steps, not_fused, paddings, in_place, placed)
 
@@ -250,6 +253,110 @@ def _compute_free_in_readers(graph: Graph, groups: list, free: set, loads: set, 
         what = "no input (constants, sizes, the seed): computed" if name in free else \
             f"a view of {graph[name].inputs[0]} ({graph[name].attr.describe}): loaded through its access map"
         placed.append((name, f"{what} in every kernel that reads it ({', '.join(readers[name])}), never written"))
+
+
+# -- values computed again where they are read -------------------------------------------------------
+RECOMPUTABLE = POINTWISE | RANDOM      # no reduction (a pass over a row or all rows), no read from memory
+MAX_RECOMPUTED = 32                    # nodes one value may bring into a reader's kernel
+
+
+def _recompute_in_readers(graph: Graph, groups: list, stage: dict, free: set, loads: set, placed: list) -> None:
+    """A value one kernel computes and a kernel of a later stage reads from memory is computed
+    again in the reader when the reader can rebuild it from what is in memory anyway for fewer
+    bytes a row than reading it: GPT-2's GELU backward read three fp32 [tokens, 3072]
+    intermediates its recompute kernel wrote before the matmul between them (600 MB written and
+    read a layer), where the bf16 pre-activation it also read gives all three. The owner then
+    writes it only if some other step still reads it from memory. Cheapest first, per reader."""
+    users = graph.users()
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    owner = {n: g for g in groups for n in g.nodes}
+    for group in sorted(groups, key=lambda g: g.stage):
+        members = set(group.nodes)
+        while True:
+            loaded = _loaded(graph, members, free)
+            best = None
+            for name in loaded:
+                home = owner.get(name)
+                if home is None or home is group or name in free or name in loads:
+                    continue
+                found = _rebuild(graph, name, group, members, owner, stage, free, loads, loaded, users, position)
+                if found is not None and found[1] < _row_bytes(graph[name].value) and \
+                        (best is None or found[1] < best[2]):
+                    best = (name, found[0], found[1])
+            if best is None:
+                break
+            name, nodes, cost = best
+            group.nodes.extend(nodes)
+            group.recomputed.extend(nodes)
+            members.update(nodes)
+            for n in nodes:
+                group.space = group.space.join(_node_space(graph, graph[n], owner))
+            sources = sorted(_loaded(graph, members, free) - loaded)
+            placed.append((name, f"computed again in {group.name} ({len(nodes)} ops) from "
+                                 f"{', '.join(sources) or 'what it loads already'} "
+                                 f"({cost} B a row) instead of read from memory "
+                                 f"({_row_bytes(graph[name].value)} B a row)"))
+
+
+def _loaded(graph: Graph, members: set, free: set) -> set:
+    """The values a group's nodes (`members`) read that it does not compute: what it loads."""
+    return {i for n in members for i in graph[n].inputs
+            if i not in members and i not in free and graph[i].op not in SOURCES}
+
+
+def _rebuild(graph, name, group, members, owner, stage, free, loads, loaded, users, position):
+    """(nodes, bytes a row): the nodes `group` must compute to have `name` in registers, in
+    graph order, and the bytes a row it must load for them beyond `loaded`; None where it
+    cannot (a reduction or a read from memory on the way not yet in memory, another space, too
+    many nodes, or a reader of `name` in `group` that reads it as a view's root in memory)."""
+    if any(u in members and _reads_from_memory(graph, u, name) for u in users[name]):
+        return None
+    node = graph[name]
+    if node.op not in RECOMPUTABLE or _barrier(graph, name) is not None:
+        return None
+    nodes: set = set()
+    leaves: set = set()
+    todo = [name]
+    while todo:
+        n = todo.pop()
+        if n in nodes or n in members or n in free or graph[n].op in SOURCES:
+            continue
+        node = graph[n]
+        home = owner.get(n)
+        if home is not None and n not in loads and node.op in RECOMPUTABLE and _barrier(graph, n) is None \
+                and column_padding(graph, node) is None and group.space.agrees(_node_space(graph, node, owner)):
+            nodes.add(n)
+            if len(nodes) > MAX_RECOMPUTED:
+                return None
+            todo.extend(node.inputs)
+            continue
+        if not _in_memory_before(graph, n, group, owner, stage, loads, users):
+            return None
+        leaves.add(n)
+    cost = sum(_row_bytes(graph[n].value) for n in leaves - loaded)
+    return sorted(nodes, key=position.__getitem__), cost
+
+
+def _in_memory_before(graph, name, group, owner, stage, loads, users) -> bool:
+    """Whether `name` is in memory when `group` runs, whatever `group` computes: a program input,
+    a view its readers load (whose root is), a step's result of an earlier stage that is written
+    for another reader anyway."""
+    node = graph[name]
+    if node.op is Op.INPUT:
+        return True
+    if name in loads:
+        return stage[name] <= group.stage
+    home = owner.get(name)
+    if home is None:
+        return stage[name] < group.stage
+    return home.stage < group.stage and (name in graph.outputs or any(
+        owner.get(u) is not home and owner.get(u) is not group for u in users[name]))
+
+
+def _row_bytes(value: Value) -> int:
+    """Bytes a row of the iteration space: D elements of a FULL value, one of a ROW value."""
+    size = value.dtype.itemsize if value.dtype is not None else 8
+    return size * (value.d if value.kind is Kind.FULL else 1 if value.kind is Kind.ROW else 0)
 
 
 # -- values computed where they are read ------------------------------------------------------------
@@ -569,7 +676,18 @@ def _order(graph: Graph, groups: list, externs: list, kind: str) -> list:
     return steps
 
 
-def _fill_io(graph: Graph, group: KernelGroup, free: set) -> None:
+def _computed_in(groups: list) -> dict:
+    """node -> the kernels that compute it (its own, and those that compute it again)."""
+    where: dict = {}
+    for group in groups:
+        for name in group.nodes:
+            where.setdefault(name, []).append(group)
+    return where
+
+
+def _fill_io(graph: Graph, group: KernelGroup, free: set, computed_in: dict) -> None:
+    """A group's inputs (what its nodes read that it does not compute) and outputs: what it owns
+    and a later step reads from memory (a kernel that computes the value again does not)."""
     members = set(group.nodes)
     users = graph.users()
     outputs = set(o for o in graph.outputs if o is not None)
@@ -579,11 +697,22 @@ def _fill_io(graph: Graph, group: KernelGroup, free: set) -> None:
             if inp not in members and inp not in inputs:
                 inputs.append(inp)
     group.inputs = inputs
+    local = free | set(group.recomputed)
     for name in group.nodes:
         if _barrier(graph, name) is not None:
             group.column_sums.append(name)
-        elif name not in free and (name in outputs or any(u not in members for u in users[name])):
+        elif name not in local and (name in outputs or any(
+                _reads_from(name, u, group, computed_in) for u in users[name])):
             group.outputs.append(name)
+
+
+def _reads_from(name: str, user: str, group: KernelGroup, computed_in: dict) -> bool:
+    """Whether `user` needs `name` from `group`'s memory: it is an extern step, or a kernel
+    other than `group` that does not compute `name` itself runs it."""
+    kernels = computed_in.get(user)
+    if kernels is None:
+        return True
+    return any(g is not group and name not in g.nodes for g in kernels)
 
 
 def _codegen_limit(graph: Graph, group: KernelGroup, config: Config) -> Optional[str]:

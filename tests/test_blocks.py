@@ -96,7 +96,8 @@ def test_many_tiles_and_a_persistent_backward(name):
 
 def test_a_pipeline_too_deep_for_shared_memory_runs_unpipelined():
     """A GPU compile that runs out of shared memory with NUM_STAGES > 1 (the launcher raises
-    OutOfResources) is retried with one stage, which the kernel keeps from then on."""
+    OutOfResources) is retried with one stage and as many programs an SM as tiles were in flight,
+    which the kernel keeps from then on."""
     from triton.runtime.errors import OutOfResources
 
     from memfuse.tuning import LaunchConfig
@@ -106,7 +107,7 @@ def test_a_pipeline_too_deep_for_shared_memory_runs_unpipelined():
     entry, = fused.cache.values()
     backward = entry.function.backward.steps[0]
     cpu = torch.device("cpu")
-    backward.configs[cpu] = LaunchConfig(2, 4, 0, num_stages=3)
+    backward.configs[cpu] = LaunchConfig(2, 4, 2, num_stages=3)
     launcher, stages = backward.launcher, []
 
     def launch(programs, args, device, config, aligned):
@@ -121,4 +122,4 @@ def test_a_pipeline_too_deep_for_shared_memory_runs_unpipelined():
     ref_out, ref_grads = forward_backward(BLOCKS["layer_norm_block"].fn, tensors, consts, grad_output)
     for grad, ref in zip(grads, ref_grads):
         assert rel_error(grad, ref) <= 1e-5
-    assert stages == [3, 1, 1] and backward.configs[cpu].num_stages == 1
+    assert stages == [3, 1, 1] and backward.configs[cpu] == LaunchConfig(2, 4, 6, num_stages=1)

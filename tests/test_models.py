@@ -54,6 +54,7 @@ def _assert_memfuse_compiled(style: str, family: str):
     compiles = memfuse.stats()["compiles"]
     if style == "memfuse_backend":
         assert compiles >= 1, memfuse.stats()  # one per Dynamo graph
+        assert memfuse.stats()["graph_fallbacks"] == 0, memfuse.stats()  # none ran through torch
     else:  # one program per wrapped module, no recompile
         expected = bench.FAMILIES[family].tiny.layers if style == "memfuse_per_layer" else 1
         assert compiles == expected, memfuse.stats()

@@ -292,3 +292,50 @@ def test_any_and_all_over_rows_and_columns_match_eager():
     _grads_match_eager(flags, fused, (x,), (x,))
     joint = fused.compiled_for(x).captured.joint
     assert not [n for n in joint.nodes.values() if n.op is Op.EXTERN], format_graph(joint)
+
+
+def gelu_new(h):
+    """GPT-2's activation as HuggingFace writes it (`NewGELUActivation`): autograd saves the tanh
+    and the products around it, so its backward reads values the forward's recompute also makes."""
+    return 0.5 * h * (1.0 + torch.tanh(0.7978845608 * (h + 0.044715 * torch.pow(h, 3.0))))
+
+
+def test_intermediates_are_computed_again_in_the_kernel_after_the_matmul():
+    """GPT-2's MLP: the backward recomputes the activation for the second matmul's weight
+    gradient, and the activation's gradient (after the matmul that makes grad @ w_out) reads the
+    tanh and the products around it. The kernel after the matmul computes them again from the
+    pre-activation it reads anyway: the kernel before it writes only the matmul's operand."""
+    rows, d, hidden = 12, 8, 32
+
+    def mlp(x, w_in, w_out):
+        return gelu_new(x @ w_in) @ w_out
+
+    x = torch.randn(rows, d, requires_grad=True)
+    w_in, w_out = (torch.randn(d, hidden) / 3).requires_grad_(), (torch.randn(hidden, d) / 3).requires_grad_()
+    fused = memfuse.memory_efficient_fusion(mlp)
+    _grads_match_eager(mlp, fused, (x, w_in, w_out), (x, w_in, w_out))
+    backward = fused.compiled_for(x, w_in, w_out).function.backward.schedule
+    wide = [k for k in backward.kernels if k.space.d == hidden]
+    before, after = sorted(wide, key=lambda k: k.stage)
+    assert len(before.outputs) == 1 and not before.recomputed, (before.outputs, before.nodes)
+    operand, = before.outputs
+    assert any(backward.graph[u].op is Op.EXTERN for u in backward.graph.users()[operand])
+    assert after.recomputed and not set(before.nodes) & set(after.inputs), (after.inputs, after.recomputed)
+    assert any(f"computed again in {after.name}" in reason for _, reason in backward.placed)
+
+
+def test_a_value_dearer_to_rebuild_than_to_read_is_read():
+    """v = a * b, written for a matmul, read again after it: rebuilding it would load a and b
+    (two rows of fp32) to save one load of v, so the later kernel reads it."""
+    def fn(a, b, w):
+        v = a * b
+        return (v @ w) * v
+
+    a, b, w = torch.randn(6, 8, requires_grad=True), torch.randn(6, 8, requires_grad=True), torch.randn(8, 8)
+    fused = memfuse.memory_efficient_fusion(fn)
+    _grads_match_eager(fn, fused, (a, b, w), (a, b))
+    forward = fused.compiled_for(a, b, w).function.forward.schedule
+    assert not [k for k in forward.kernels if k.recomputed], [(k.name, k.nodes) for k in forward.kernels]
+    first, second = sorted(forward.kernels, key=lambda k: k.stage)
+    shared, = first.outputs
+    assert shared in second.inputs
