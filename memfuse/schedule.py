@@ -5,7 +5,7 @@ kernel cannot read in the same pass (an extern result, a reduction over M, a val
 of another space, the root a STRIDED view reads from memory). A node joins the groups of its
 inputs at its own stage when their spaces agree (merging them), else starts a new one. Every edge
 between groups then runs from a lower stage to a higher one, so the steps, ordered by stage,
-never wait on a later step. Four rules then place values where they cost least memory:
+never wait on a later step. Five rules then place values where they cost least memory:
 - a value computed from constants, sizes and the seed alone (a fill, an iota, a dropout draw) is
   computed inside every kernel that reads it, never written (`input_free`);
 - a view read in place (a permute, slice or broadcast of a tensor in memory) that only kernels
@@ -14,7 +14,10 @@ never wait on a later step. Four rules then place values where they cost least m
   earliest reader's stage, into that reader's kernel (`_sink`), unless that would write one of
   its inputs to memory that was not written before;
 - two kernels of one stage join (horizontal fusion) only when they run one after the other and
-  read an input in common: one load, and no buffer allocated earlier than before.
+  read an input in common: one load, and no buffer allocated earlier than before;
+- a pointwise value a later kernel reads from memory is computed again in that kernel when it
+  can be rebuilt from values in memory anyway for fewer bytes than it costs to read
+  (`_recompute_in_readers`); its owner then writes it only for readers that still load it.
 A group of [M] values alone never joins one of [D] values alone (it would walk M x D elements),
 and a returned reshape of an aten result (the logits) is the runtime's `.reshape`, not a copy.
 Why two nodes did not share a kernel, and why a node was placed where it is, are recorded for
