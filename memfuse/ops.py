@@ -157,14 +157,27 @@ HELPERS = {
     near_zero = tl.where(u == 1.0, x, tl.log(u) * (x / (u - 1.0)))
     return tl.where(tl.abs(x) < 0.5, near_zero, tl.log(u))''', ()),
     "mf_tanh": ('''def mf_tanh(x):
-    # tanh(|x|) = expm1(2|x|) / (expm1(2|x|) + 2), signed: accurate near 0 (2 sigmoid(2x) - 1 is
-    # not), exactly 1 from |x| = 20 on, NaN kept; x itself below fp32's smallest normal (-0 included),
-    # where tanh(x) = x and e / (e + 2) would divide a subnormal
-    a = tl.abs(x)
-    a = tl.where(a > 20.0, 20.0, a)
-    e = mf_expm1(2.0 * a)
-    t = e / (e + 2.0)
-    return tl.where(a < 1.1754943508222875e-38, x, tl.where(x < 0, -t, t))''', ("mf_expm1",)),
+    if x.dtype == tl.float64:
+        # tanh(|x|) = expm1(2|x|) / (expm1(2|x|) + 2), signed: accurate near 0 (2 sigmoid(2x) - 1 is
+        # not), exactly 1 from |x| = 20 on, NaN kept; x itself below fp32's smallest normal (-0
+        # included), where tanh(x) = x and e / (e + 2) would divide a subnormal
+        a = tl.abs(x)
+        a = tl.where(a > 20.0, 20.0, a)
+        e = mf_expm1(2.0 * a)
+        t = e / (e + 2.0)
+        return tl.where(a < 1.1754943508222875e-38, x, tl.where(x < 0, -t, t))
+    else:
+        # Cephes' tanhf (a few fp32 ulps): below |x| = 0.625 an odd polynomial, x + x^3 P(x^2) (x
+        # itself for tiny and signed-zero x); above, 1 - 2 / (exp(2|x|) + 1), signed (1 once exp
+        # overflows; NaN kept). Half the instructions of the fp64 identity's: GELU kernels are
+        # bound by their arithmetic, not by memory, with that one.
+        a = tl.abs(x)
+        z = x * x
+        poly = (((-5.70498872745e-3 * z + 2.06390887954e-2) * z - 5.37397155531e-2) * z
+                + 1.33314422036e-1) * z - 3.33332819422e-1
+        small = tl.where(a < 1.1754943508222875e-38, x, poly * z * x + x)
+        large = 1.0 - 2.0 / (tl.exp(2.0 * a) + 1.0)
+        return tl.where(a < 0.625, small, tl.where(x < 0, -large, large))''', ("mf_expm1",)),
     # -- inverse trigonometric and hyperbolic functions ---------------------------------------
     # fp32 algorithms (Cephes' single-precision ones where named); the tl.where chains keep
     # torch's NaN, inf and signed-zero results: NaN fails every comparison, so it takes the last
