@@ -1,0 +1,187 @@
+"""Each memfuse kernel of a model's training step, compiled for an H100 (sm_90) on any machine:
+its SASS instructions against the bytes it moves, to tell a kernel bound by its arithmetic from one
+bound by memory without a GPU.
+
+    python -m benchmarks.instructions --model gpt2,llama,bert [--tokens 4] [--out DIR]
+
+The model of `make bench-models`, at its own width (hidden, FFN, vocabulary) but `--tokens` tokens,
+wrapped whole (`memory_efficient_fusion`), trains one step in fp32 on the CPU through Triton's
+interpreter (the GPU's bf16 kernels load and store bf16 and cast; their arithmetic is this). Each distinct
+kernel is then compiled by Triton for sm_90 (Triton's wheel brings ptxas and cuobjdump) at the
+launch configuration an H100 without a tuning cache uses (`memfuse.tuning.default_config`), and
+its SASS instructions are counted. A kernel of one tile per program runs each instruction once a
+tile and warp: **issue ns** is a tile's warp instructions at an H100's issue rate (`ISSUE_RATE`),
+**memory ns** its bytes at the copy bandwidth (`BANDWIDTH`, measured by benchmarks.kernel_sol), and
+**bound** the longer of the two. A persistent or looped kernel runs its loop body many times: its
+static count is listed, not judged. A count is not a time: it ranks kernels and says which side of
+the roofline a one-tile kernel is on; GPU time comes from benchmarks.kernel_sol.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+# The step's modules (benchmarks.models, memfuse) are imported by the functions of the first process
+# only: importing them turns the interpreter on where there is no GPU, and the second process, which
+# compiles for sm_90, must import Triton with it off.
+MODEL_NAMES = ("bert", "gpt2", "llama")
+
+ISSUE_RATE = 132 * 4 * 1.755e9     # warp instructions a second: an H100 SXM's SMs x schedulers x boost clock
+BANDWIDTH = 3.0e12                 # bytes a second: the H100's copy bandwidth (benchmarks.kernel_sol measured 3003 GB/s)
+TARGET = ("cuda", 90, 32)          # sm_90, warps of 32
+POINTER_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64",
+                 torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
+                 torch.bool: "i1"}
+CUDA = torch.device("cuda")        # the launch configuration's device: nothing runs there
+
+
+def step_kernels(model_name: str, tokens: int) -> list:
+    """(graph, KernelLaunch) of each kernel of one training step of the whole model wrapped
+    (`memory_efficient_fusion`), at the model's width and `tokens` tokens, in fp32 (the GPU runs
+    bf16 autocast: its kernels read and write bf16 and cast; the arithmetic is the same)."""
+    from benchmarks.models import FAMILIES, TINY_SETTINGS, WRAPPERS, Setup, Templates, fresh, make_batch
+    from memfuse.runtime import KernelLaunch
+    family = FAMILIES[model_name]
+    size = dataclasses.replace(family.size, batch=1, seq=tokens)
+    setup = Setup(torch.device("cpu"), tiny=True, settings=TINY_SETTINGS)
+    templates = Templates.build(family, size, use_cache=False)
+    torch._dynamo.reset()
+    fused = WRAPPERS["memfuse_whole"](fresh(templates.dropout, setup.device), family)
+    batch = make_batch(size, setup.device)
+    fused(**batch).loss.backward()
+    entry = fused.compiled_for(**batch)
+    return [(program.graph, step) for program in (entry.function.forward, entry.function.backward)
+            if program is not None for step in program.steps if isinstance(step, KernelLaunch)]
+
+
+def manifest_entry(graph, launch) -> dict:
+    """What compiling the kernel (a runtime.KernelLaunch) for sm_90 needs (its file, signature,
+    constexprs, an H100's default launch configuration) and what judging it needs (bytes a row,
+    tile, whether one tile a program)."""
+    from memfuse.config import Config
+    from memfuse.precompile import warmup_arguments
+    from memfuse.tuning import default_config
+    source = launch.kernel.source
+    chosen = default_config(source.constexprs["BLOCK_D"], source.persistent)
+    launch.configs[CUDA] = chosen
+    args, keywords = warmup_arguments(graph, launch, CUDA, Config())
+    num_warps = keywords.pop("num_warps")
+    names = [a.name for a in source.args]
+    signature = {name: "*" + POINTER_TYPES[arg] if isinstance(arg, torch.dtype) else
+                 "fp32" if isinstance(arg, float) else "i32" for name, arg in zip(names, args)}
+    return {"path": str(launch.kernel.path), "name": source.name, "signature": signature, "constexprs": keywords,
+            "num_warps": num_warps, "num_stages": chosen.num_stages, "config": _config(chosen),
+            "block_m": chosen.block_m, "block_d": source.constexprs["BLOCK_D"], "d": source.constexprs["D"],
+            "bytes_per_row": source.bytes_per_row, "summary": source.summary,
+            "one_tile": not source.persistent and source.passes is None}
+
+
+def compile_sm90(entry: dict):
+    """The kernel of a manifest entry compiled by Triton for sm_90 (a process not interpreting:
+    Triton's interpreter patches triton.language while it runs kernels)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    spec = importlib.util.spec_from_file_location(f"memfuse_sm90_{Path(entry['path']).stem}", entry["path"])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fn = getattr(module, entry["name"])
+    signature = {**entry["signature"], **{name: "constexpr" for name in entry["constexprs"]}}
+    return triton.compile(ASTSource(fn, signature, constexprs=entry["constexprs"]), target=GPUTarget(*TARGET),
+                          options={"num_warps": entry["num_warps"], "num_stages": entry["num_stages"]})
+
+
+def sass_instructions(kernel) -> int:
+    """Instructions in the kernel's SASS (cuobjdump of its cubin), NOPs left out."""
+    import triton
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(kernel.asm["cubin"])
+        cubin.flush()
+        listing = subprocess.run([str(tool), "-sass", cubin.name], capture_output=True, text=True, check=True).stdout
+    return sum(1 for line in listing.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", line) and "NOP" not in line)
+
+
+def kernel_row(entry: dict) -> dict:
+    sass = sass_instructions(compile_sm90(entry))
+    row = {k: entry[k] for k in ("name", "summary", "d", "config", "one_tile")}
+    row["sass"] = sass
+    if entry["one_tile"]:
+        elements = entry["block_m"] * entry["block_d"] / (32 * entry["num_warps"])    # a thread's, a tile
+        issue_ns = sass * entry["num_warps"] / ISSUE_RATE * 1e9                     # the GPU's time a tile, at full issue
+        memory_ns = entry["bytes_per_row"] * entry["block_m"] / BANDWIDTH * 1e9
+        row.update(per_element=sass / elements, issue_ns=issue_ns, memory_ns=memory_ns,
+                   bound="arithmetic" if issue_ns > memory_ns else "memory")
+    return row
+
+
+def _config(c) -> str:
+    return f"{c.block_m}x, {c.num_warps}w" + (f", {c.programs_per_sm}/SM, {c.num_stages}st" if c.programs_per_sm else "")
+
+
+def report(model_name: str, rows: list) -> str:
+    lines = [f"## {model_name}, the whole model wrapped: SASS of each kernel for sm_90 (static count, an H100's "
+             f"default launch configurations)", "",
+             "| kernel | D | config | SASS | per element | issue ns / tile | memory ns / tile | bound | what |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        judged = [f"{r['per_element']:.1f}", f"{r['issue_ns']:.2f}", f"{r['memory_ns']:.2f}", r["bound"]] \
+            if r["one_tile"] else ["-", "-", "-", "loop: not judged"]
+        lines.append(f"| `{r['name']}` | {r['d']} | {r['config']} | {r['sass']} | " + " | ".join(judged) +
+                     f" | {r['summary']} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help=f"comma-separated, from {', '.join(MODEL_NAMES)}")
+    parser.add_argument("--tokens", type=int, default=4, help="tokens of the step (the width is the model's)")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"),
+                        help="directory for instructions-MODEL.json and .md")
+    parser.add_argument("--compile", type=Path, metavar="MANIFEST", help=argparse.SUPPRESS)   # the second process
+    args = parser.parse_args(argv)
+    if args.compile:
+        os.environ["TRITON_INTERPRET"] = "0"       # compiled for sm_90, not interpreted
+        entries = json.loads(args.compile.read_text())
+        args.compile.with_suffix(".rows.json").write_text(json.dumps([kernel_row(e) for e in entries]))
+        return
+    if not args.model:
+        parser.error("--model is required")
+    models = args.model.split(",")
+    unknown = [m for m in models if m not in MODEL_NAMES]
+    if unknown:
+        parser.error(f"--model: unknown {unknown}; expected some of {', '.join(MODEL_NAMES)}")
+    os.environ["TRITON_INTERPRET"] = "1"           # the step runs through the interpreter
+    args.out.mkdir(parents=True, exist_ok=True)
+    for model_name in models:
+        entries = list({e["path"]: e for e in (manifest_entry(graph, launch)
+                                              for graph, launch in step_kernels(model_name, args.tokens))}.values())
+        manifest = args.out / f"instructions-{model_name}.manifest.json"
+        manifest.write_text(json.dumps(entries))
+        env = {**os.environ, "TRITON_INTERPRET": "0"}
+        subprocess.run([sys.executable, "-m", "benchmarks.instructions", "--compile", str(manifest)], check=True,
+                       env=env, cwd=Path(__file__).resolve().parent.parent)
+        rows = json.loads(manifest.with_suffix(".rows.json").read_text())
+        rows.sort(key=lambda r: -(r.get("issue_ns", 0) / max(r.get("memory_ns", 0), 1e-9)))
+        text = report(model_name, rows)
+        print(text + "\n", flush=True)
+        (args.out / f"instructions-{model_name}.json").write_text(json.dumps(rows, indent=1))
+        (args.out / f"instructions-{model_name}.md").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

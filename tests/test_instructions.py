@@ -1,0 +1,51 @@
+"""benchmarks/instructions.py: memfuse's kernels compiled for sm_90 on a machine without a GPU
+(Triton's own ptxas and cuobjdump), their SASS counted and set against the bytes they move."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+import memfuse
+from benchmarks import instructions
+from memfuse.runtime import KernelLaunch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _launches(fn, *tensors):
+    fused = memfuse.memory_efficient_fusion(fn)
+    fused(*tensors).sum().backward()
+    entry = fused.compiled_for(*tensors)
+    return [(program.graph, step) for program in (entry.function.forward, entry.function.backward)
+            for step in program.steps if isinstance(step, KernelLaunch)]
+
+
+def layer_norm(x, w):
+    return torch.nn.functional.layer_norm(x, (x.shape[-1],), w)
+
+
+def test_kernels_compile_for_sm90_and_are_judged(tmp_path):
+    """A tanh over one-tile rows and a layer norm's backward (column sums: a persistent loop):
+    both compile for sm_90 in a process that does not interpret; the one-tile kernel gets its
+    instructions a thread per element and a bound, the looped one only its static count."""
+    x = torch.randn(8, 256, requires_grad=True)
+    w = torch.randn(256, requires_grad=True)
+    launches = _launches(lambda x, w: torch.tanh(x) * 2 + layer_norm(x, w), x, w)
+    entries = [instructions.manifest_entry(graph, launch) for graph, launch in launches]
+    assert {e["one_tile"] for e in entries} == {True, False}, [(e["name"], e["summary"]) for e in entries]
+    manifest = tmp_path / "kernels.manifest.json"
+    manifest.write_text(json.dumps(entries))
+    subprocess.run([sys.executable, "-m", "benchmarks.instructions", "--compile", str(manifest)], check=True,
+                   cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "0"})
+    rows = json.loads(manifest.with_suffix(".rows.json").read_text())
+    assert [r["name"] for r in rows] == [e["name"] for e in entries]
+    for row, entry in zip(rows, entries):
+        assert row["sass"] > 10, row
+        if entry["one_tile"]:
+            assert row["bound"] in ("arithmetic", "memory") and row["per_element"] > 0 and row["memory_ns"] > 0
+        else:
+            assert "bound" not in row
+    assert "| `" in instructions.report("tiny", rows)
