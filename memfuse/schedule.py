@@ -268,8 +268,10 @@ def _recompute_in_readers(graph: Graph, groups: list, stage: dict, free: set, lo
     again in the reader when the reader can rebuild it from what is in memory anyway for fewer
     bytes a row than reading it: GPT-2's GELU backward read three fp32 [tokens, 3072]
     intermediates its recompute kernel wrote before the matmul between them (600 MB written and
-    read a layer), where the bf16 pre-activation it also read gives all three. The owner then
-    writes it only if some other step still reads it from memory. Cheapest first, per reader."""
+    read a layer), where the bf16 pre-activation it also read gives all three. Values that the
+    same new loads rebuild count together (in fp32 the pre-activation costs as much as one of
+    them, and rebuilds five). The owner then writes a value only if some other step still reads it
+    from memory. Most bytes saved first, per reader."""
     users = graph.users()
     position = {n: i for i, n in enumerate(graph.nodes)}
     owner = {n: g for g in groups for n in g.nodes}
@@ -277,28 +279,36 @@ def _recompute_in_readers(graph: Graph, groups: list, stage: dict, free: set, lo
         members = set(group.nodes)
         while True:
             loaded = _loaded(graph, members, free)
-            best = None
-            for name in loaded:
+            rebuilds = {}
+            for name in sorted(loaded, key=position.__getitem__):
                 home = owner.get(name)
                 if home is None or home is group or name in free or name in loads:
                     continue
-                found = _rebuild(graph, name, group, members, owner, stage, free, loads, loaded, users, position)
-                if found is not None and found[1] < _row_bytes(graph[name].value) and \
-                        (best is None or found[1] < best[2]):
-                    best = (name, found[0], found[1])
+                found = _rebuild(graph, name, group, members, owner, stage, free, loads, loaded, users)
+                if found is not None:
+                    rebuilds[name] = found
+            best = None
+            for name, (_, new_loads) in rebuilds.items():
+                together = [m for m, (_, theirs) in rebuilds.items() if theirs <= new_loads]
+                saved = sum(_row_bytes(graph[m].value) for m in together)
+                cost = sum(_row_bytes(graph[n].value) for n in new_loads)
+                if cost < saved and (best is None or saved - cost > best[0]):
+                    best = (saved - cost, together, cost)
             if best is None:
                 break
-            name, nodes, cost = best
+            _, together, cost = best
+            nodes = sorted(set().union(*(rebuilds[m][0] for m in together)), key=position.__getitem__)
             group.nodes.extend(nodes)
             group.recomputed.extend(nodes)
             members.update(nodes)
             for n in nodes:
                 group.space = group.space.join(_node_space(graph, graph[n], owner))
             sources = sorted(_loaded(graph, members, free) - loaded)
-            placed.append((name, f"computed again in {group.name} ({len(nodes)} ops) from "
-                                 f"{', '.join(sources) or 'what it loads already'} "
-                                 f"({cost} B a row) instead of read from memory "
-                                 f"({_row_bytes(graph[name].value)} B a row)"))
+            for name in together:
+                placed.append((name, f"computed again in {group.name} from "
+                                     f"{', '.join(sources) or 'what it loads already'} "
+                                     f"({cost} B a row for {len(together)} value(s), {len(nodes)} ops) instead of "
+                                     f"read from memory ({_row_bytes(graph[name].value)} B a row)"))
 
 
 def _loaded(graph: Graph, members: set, free: set) -> set:
@@ -307,15 +317,15 @@ def _loaded(graph: Graph, members: set, free: set) -> set:
             if i not in members and i not in free and graph[i].op not in SOURCES}
 
 
-def _rebuild(graph, name, group, members, owner, stage, free, loads, loaded, users, position):
-    """(nodes, bytes a row): the nodes `group` must compute to have `name` in registers, in
-    graph order, and the bytes a row it must load for them beyond `loaded`; None where it
-    cannot (a reduction or a read from memory on the way not yet in memory, another space, too
-    many nodes, or a reader of `name` in `group` that reads it as a view's root in memory)."""
-    if any(u in members and _reads_from_memory(graph, u, name) for u in users[name]):
-        return None
+def _rebuild(graph, name, group, members, owner, stage, free, loads, loaded, users):
+    """(nodes, new loads): the nodes `group` must compute to have `name` in registers, and the
+    values it must load for them that it does not load yet; None where it cannot (a reduction or
+    a read from memory on the way not yet in memory, another space, too many nodes, or a reader
+    of `name` in `group` that reads it as a view's root in memory)."""
     node = graph[name]
     if node.op not in RECOMPUTABLE or _barrier(graph, name) is not None:
+        return None
+    if any(u in members and _reads_from_memory(graph, u, name) for u in users[name]):
         return None
     nodes: set = set()
     leaves: set = set()
@@ -336,8 +346,7 @@ def _rebuild(graph, name, group, members, owner, stage, free, loads, loaded, use
         if not _in_memory_before(graph, n, group, owner, stage, loads, users):
             return None
         leaves.add(n)
-    cost = sum(_row_bytes(graph[n].value) for n in leaves - loaded)
-    return sorted(nodes, key=position.__getitem__), cost
+    return nodes, frozenset(leaves - loaded)
 
 
 def _in_memory_before(graph, name, group, owner, stage, loads, users) -> bool:

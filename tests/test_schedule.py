@@ -339,3 +339,21 @@ def test_a_value_dearer_to_rebuild_than_to_read_is_read():
     first, second = sorted(forward.kernels, key=lambda k: k.stage)
     shared, = first.outputs
     assert shared in second.inputs
+
+
+def test_values_one_new_load_rebuilds_count_together():
+    """fp32: three values of x that a kernel writes for the kernel after a matmul. Rebuilding any
+    one of them costs a load of x as large as reading it; the three together cost one load of x
+    for three reads saved: the later kernel loads x and computes them again."""
+    def fn(x, w):
+        a, b, c = x.tanh(), x.sigmoid(), x * x
+        y = (a + b + c) @ w
+        return y * a + y * b + y * c
+
+    x, w = torch.randn(6, 8), torch.randn(8, 8)
+    fused = memfuse.memory_efficient_fusion(fn)
+    assert rel_error(fused(x, w), fn(x, w)) <= 1e-5
+    forward = fused.compiled_for(x, w).function.forward.schedule
+    first, second = sorted(forward.kernels, key=lambda k: k.stage)
+    assert len(first.outputs) == 1 and first.outputs[0] not in second.inputs, (first.outputs, second.inputs)
+    assert len(second.recomputed) >= 3 and any(forward.graph[i].op is Op.INPUT for i in second.inputs)
