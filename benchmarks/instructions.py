@@ -10,11 +10,13 @@ interpreter (the GPU's bf16 kernels load and store bf16 and cast; their arithmet
 kernel is then compiled by Triton for sm_90 (Triton's wheel brings ptxas and cuobjdump) at the
 launch configuration an H100 without a tuning cache uses (`memfuse.tuning.default_config`), and
 its SASS instructions are counted. A kernel of one tile per program runs each instruction once a
-tile and warp: **issue ns** is a tile's warp instructions at an H100's issue rate (`ISSUE_RATE`),
-**memory ns** its bytes at the copy bandwidth (`BANDWIDTH`, measured by benchmarks.kernel_sol), and
-**bound** the longer of the two. A persistent or looped kernel runs its loop body many times: its
-static count is listed, not judged. A count is not a time: it ranks kernels and says which side of
-the roofline a one-tile kernel is on; GPU time comes from benchmarks.kernel_sol.
+tile and warp; a persistent kernel runs its loop over tiles (the widest span a backward branch
+closes) once a tile and warp. **issue ns** is a tile's warp instructions at an H100's issue rate
+(`ISSUE_RATE`), **memory ns** its bytes at the copy bandwidth (`BANDWIDTH`, measured by
+benchmarks.kernel_sol), and **bound** the longer of the two. A looped kernel (rows past the
+persistent limit: passes over chunks) gets its static count only. A count is not a time: it ranks
+kernels and says which side of the roofline a kernel is on; GPU time comes from
+benchmarks.kernel_sol.
 """
 from __future__ import annotations
 
@@ -86,7 +88,8 @@ def manifest_entry(graph, launch) -> dict:
             "num_warps": num_warps, "num_stages": chosen.num_stages, "config": _config(chosen),
             "block_m": chosen.block_m, "block_d": source.constexprs["BLOCK_D"], "d": source.constexprs["D"],
             "bytes_per_row": source.bytes_per_row, "summary": source.summary,
-            "one_tile": not source.persistent and source.passes is None}
+            "one_tile": not source.persistent and source.passes is None,
+            "persistent": source.persistent and source.passes is None}
 
 
 def compile_sm90(entry: dict):
@@ -105,26 +108,39 @@ def compile_sm90(entry: dict):
                           options={"num_warps": entry["num_warps"], "num_stages": entry["num_stages"]})
 
 
-def sass_instructions(kernel) -> int:
-    """Instructions in the kernel's SASS (cuobjdump of its cubin), NOPs left out."""
+def sass_listing(kernel) -> list:
+    """(address, instruction) of the kernel's SASS (cuobjdump of its cubin), NOPs left out."""
     import triton
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(kernel.asm["cubin"])
         cubin.flush()
         listing = subprocess.run([str(tool), "-sass", cubin.name], capture_output=True, text=True, check=True).stdout
-    return sum(1 for line in listing.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", line) and "NOP" not in line)
+    found = (re.search(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", line) for line in listing.splitlines())
+    return [(int(m.group(1), 16), m.group(2)) for m in found if m and "NOP" not in m.group(2)]
+
+
+def tile_loop(listing: list) -> int:
+    """Instructions in a persistent kernel's loop over tiles: the widest span that a branch back
+    to an earlier address closes (one tile's work; the code before and after runs once a program)."""
+    spans = [(int(m.group(1), 16), address) for address, text in listing
+             if (m := re.search(r"BRA\b.*?0x([0-9a-f]+)", text)) and int(m.group(1), 16) < address]
+    if not spans:
+        return 0
+    start, end = max(spans, key=lambda span: span[1] - span[0])
+    return sum(1 for address, _ in listing if start <= address <= end)
 
 
 def kernel_row(entry: dict) -> dict:
-    sass = sass_instructions(compile_sm90(entry))
+    listing = sass_listing(compile_sm90(entry))
     row = {k: entry[k] for k in ("name", "summary", "d", "config", "one_tile")}
-    row["sass"] = sass
-    if entry["one_tile"]:
-        elements = entry["block_m"] * entry["block_d"] / (32 * entry["num_warps"])    # a thread's, a tile
-        issue_ns = sass * entry["num_warps"] / ISSUE_RATE * 1e9                     # the GPU's time a tile, at full issue
+    row["sass"] = len(listing)
+    per_tile = len(listing) if entry["one_tile"] else tile_loop(listing) if entry["persistent"] else 0
+    if per_tile and entry["bytes_per_row"]:        # (a kernel over [D] alone moves no rows: one program, not judged)
+        elements = entry["block_m"] * entry["block_d"] / (32 * entry["num_warps"])   # a thread's, a tile
+        issue_ns = per_tile * entry["num_warps"] / ISSUE_RATE * 1e9                # the GPU's time a tile, at full issue
         memory_ns = entry["bytes_per_row"] * entry["block_m"] / BANDWIDTH * 1e9
-        row.update(per_element=sass / elements, issue_ns=issue_ns, memory_ns=memory_ns,
+        row.update(per_tile=per_tile, per_element=per_tile / elements, issue_ns=issue_ns, memory_ns=memory_ns,
                    bound="arithmetic" if issue_ns > memory_ns else "memory")
     return row
 
@@ -136,11 +152,11 @@ def _config(c) -> str:
 def report(model_name: str, rows: list) -> str:
     lines = [f"## {model_name}, the whole model wrapped: SASS of each kernel for sm_90 (static count, an H100's "
              f"default launch configurations)", "",
-             "| kernel | D | config | SASS | per element | issue ns / tile | memory ns / tile | bound | what |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| kernel | D | config | SASS | a tile | per element | issue ns / tile | memory ns / tile | bound | what |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
-        judged = [f"{r['per_element']:.1f}", f"{r['issue_ns']:.2f}", f"{r['memory_ns']:.2f}", r["bound"]] \
-            if r["one_tile"] else ["-", "-", "-", "loop: not judged"]
+        judged = [str(r["per_tile"]), f"{r['per_element']:.1f}", f"{r['issue_ns']:.2f}", f"{r['memory_ns']:.2f}",
+                  r["bound"]] if "bound" in r else ["-", "-", "-", "-", "looped: not judged"]
         lines.append(f"| `{r['name']}` | {r['d']} | {r['config']} | {r['sass']} | " + " | ".join(judged) +
                      f" | {r['summary']} |")
     return "\n".join(lines)
