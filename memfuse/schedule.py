@@ -34,8 +34,8 @@ import torch
 from .config import Config
 from .debug import timed
 from .ops import TRITON_DTYPES
-from .ir import (EXTERNAL, FUSIBLE, LEAF, MEMORY_VIEWS, POINTWISE, RANDOM, REDUCTION, Extern, Graph, Kind, Node, Op, Reduce, Reshape,
-                 Value, aten_schema, column_padding, verify)
+from .ir import (EXTERNAL, FUSIBLE, LEAF, MEMORY_VIEWS, POINTWISE, RANDOM, REDUCTION, Extern, Graph, Kind, Node, Op,
+                 Reduce, Reshape, Value, aten_schema, column_padding, verify)
 from .padding import pad_matmuls
 from .reinplace import reinplace_fills
 
@@ -82,7 +82,7 @@ class KernelGroup:
     stage: int
     space: Space
     nodes: list = field(default_factory=list)          # fusible node names, topological
-    recomputed: list = field(default_factory=list)     # nodes of `nodes` another kernel owns: computed again here, never written
+    recomputed: list = field(default_factory=list)     # nodes another kernel owns, computed again here: never written
     inputs: list = field(default_factory=list)         # values read from memory or passed as scalars
     outputs: list = field(default_factory=list)        # values written for later steps
     column_sums: list = field(default_factory=list)    # reductions over M: partials per program
