@@ -2,11 +2,11 @@
 its SASS instructions against the bytes it moves, to tell a kernel bound by its arithmetic from one
 bound by memory without a GPU.
 
-    python -m benchmarks.instructions --model gpt2,llama,bert [--tokens 4] [--out DIR]
+    python -m benchmarks.instructions --model gpt2,llama,bert [--tokens 4] [--fp32] [--out DIR]
 
 The model of `make bench-models`, at its own width (hidden, FFN, vocabulary) but `--tokens` tokens,
-wrapped whole (`memory_efficient_fusion`), trains one step in fp32 on the CPU through Triton's
-interpreter (the GPU's bf16 kernels load and store bf16 and cast; their arithmetic is this). Each distinct
+wrapped whole (`memory_efficient_fusion`), trains one step on the CPU through Triton's interpreter
+under the CPU's bf16 autocast (`--fp32`: without), as the GPU runs under CUDA's. Each distinct
 kernel is then compiled by Triton for sm_90 (Triton's wheel brings ptxas and cuobjdump) at the
 launch configuration an H100 without a tuning cache uses (`memfuse.tuning.default_config`), and
 its SASS instructions are counted. A kernel of one tile per program runs each instruction once a
@@ -50,10 +50,10 @@ POINTER_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "
 CUDA = torch.device("cuda")        # the launch configuration's device: nothing runs there
 
 
-def step_kernels(model_name: str, tokens: int) -> list:
+def step_kernels(model_name: str, tokens: int, autocast: bool) -> list:
     """(graph, KernelLaunch) of each kernel of one training step of the whole model wrapped
-    (`memory_efficient_fusion`), at the model's width and `tokens` tokens, in fp32 (the GPU runs
-    bf16 autocast: its kernels read and write bf16 and cast; the arithmetic is the same)."""
+    (`memory_efficient_fusion`), at the model's width and `tokens` tokens: under the CPU's bf16
+    autocast as the GPU runs under CUDA's (their op lists are close, not the same), or in fp32."""
     from benchmarks.models import FAMILIES, TINY_SETTINGS, WRAPPERS, Setup, Templates, fresh, make_batch
     from memfuse.runtime import KernelLaunch
     family = FAMILIES[model_name]
@@ -63,8 +63,12 @@ def step_kernels(model_name: str, tokens: int) -> list:
     torch._dynamo.reset()
     fused = WRAPPERS["memfuse_whole"](fresh(templates.dropout, setup.device), family)
     batch = make_batch(size, setup.device)
-    fused(**batch).loss.backward()
-    entry = fused.compiled_for(**batch)
+    precision = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
+    with precision:
+        loss = fused(**batch).loss
+    loss.backward()
+    with precision:             # the autocast state is part of the compile key: the step's own program
+        entry = fused.compiled_for(**batch)
     return [(program.graph, step) for program in (entry.function.forward, entry.function.backward)
             if program is not None for step in program.steps if isinstance(step, KernelLaunch)]
 
@@ -166,6 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help=f"comma-separated, from {', '.join(MODEL_NAMES)}")
     parser.add_argument("--tokens", type=int, default=4, help="tokens of the step (the width is the model's)")
+    parser.add_argument("--fp32", action="store_true", help="trace the step in fp32 (default: bf16 autocast)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"),
                         help="directory for instructions-MODEL.json and .md")
     parser.add_argument("--compile", type=Path, metavar="MANIFEST", help=argparse.SUPPRESS)   # the second process
@@ -185,7 +190,8 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     for model_name in models:
         entries = list({e["path"]: e for e in (manifest_entry(graph, launch)
-                                              for graph, launch in step_kernels(model_name, args.tokens))}.values())
+                                              for graph, launch in step_kernels(model_name, args.tokens,
+                                                                                not args.fp32))}.values())
         manifest = args.out / f"instructions-{model_name}.manifest.json"
         manifest.write_text(json.dumps(entries))
         env = {**os.environ, "TRITON_INTERPRET": "0"}
