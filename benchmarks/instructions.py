@@ -14,9 +14,9 @@ tile and warp; a persistent kernel runs its loop over tiles (the widest span a b
 closes) once a tile and warp. **issue ns** is a tile's warp instructions at an H100's issue rate
 (`ISSUE_RATE`), **memory ns** its bytes at the copy bandwidth (`BANDWIDTH`, measured by
 benchmarks.kernel_sol), and **bound** the longer of the two. A looped kernel (rows past the
-persistent limit: passes over chunks) gets its static count only. A count is not a time: it ranks
-kernels and says which side of the roofline a kernel is on; GPU time comes from
-benchmarks.kernel_sol.
+persistent limit: passes over chunks) and a kernel over [D] alone get their static count only. A
+count is not a time: it ranks kernels and says which side of the roofline a kernel is on; GPU time
+comes from benchmarks.kernel_sol.
 """
 from __future__ import annotations
 
@@ -77,6 +77,7 @@ def manifest_entry(graph, launch) -> dict:
     """What compiling the kernel (a runtime.KernelLaunch) for sm_90 needs (its file, signature,
     constexprs, an H100's default launch configuration) and what judging it needs (bytes a row,
     tile, whether one tile a program)."""
+    from benchmarks.kernel_sol import _config
     from memfuse.config import Config
     from memfuse.precompile import warmup_arguments
     from memfuse.tuning import default_config
@@ -89,7 +90,7 @@ def manifest_entry(graph, launch) -> dict:
     signature = {name: "*" + POINTER_TYPES[arg] if isinstance(arg, torch.dtype) else
                  "fp32" if isinstance(arg, float) else "i32" for name, arg in zip(names, args)}
     return {"path": str(launch.kernel.path), "name": source.name, "signature": signature, "constexprs": keywords,
-            "num_warps": num_warps, "num_stages": chosen.num_stages, "config": _config(chosen),
+            "num_warps": num_warps, "num_stages": chosen.num_stages, "config": _config(dataclasses.asdict(chosen)),
             "block_m": chosen.block_m, "block_d": source.constexprs["BLOCK_D"], "d": source.constexprs["D"],
             "bytes_per_row": source.bytes_per_row, "summary": source.summary,
             "one_tile": not source.persistent and source.passes is None,
@@ -149,10 +150,6 @@ def kernel_row(entry: dict) -> dict:
     return row
 
 
-def _config(c) -> str:
-    return f"{c.block_m}x, {c.num_warps}w" + (f", {c.programs_per_sm}/SM, {c.num_stages}st" if c.programs_per_sm else "")
-
-
 def report(model_name: str, rows: list) -> str:
     lines = [f"## {model_name}, the whole model wrapped: SASS of each kernel for sm_90 (static count, an H100's "
              f"default launch configurations)", "",
@@ -160,7 +157,7 @@ def report(model_name: str, rows: list) -> str:
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         judged = [str(r["per_tile"]), f"{r['per_element']:.1f}", f"{r['issue_ns']:.2f}", f"{r['memory_ns']:.2f}",
-                  r["bound"]] if "bound" in r else ["-", "-", "-", "-", "looped: not judged"]
+                  r["bound"]] if "bound" in r else ["-", "-", "-", "-", "not judged"]
         lines.append(f"| `{r['name']}` | {r['d']} | {r['config']} | {r['sass']} | " + " | ".join(judged) +
                      f" | {r['summary']} |")
     return "\n".join(lines)

@@ -23,6 +23,13 @@ def _launches(fn, *tensors):
             for step in program.steps if isinstance(step, KernelLaunch)]
 
 
+def test_its_model_names_are_the_benchmarks():
+    """The counter names the models without importing benchmarks.models (which turns the
+    interpreter on): the names must stay the benchmark's."""
+    from benchmarks.models import FAMILIES
+    assert set(instructions.MODEL_NAMES) == set(FAMILIES)
+
+
 def layer_norm(x, w):
     return torch.nn.functional.layer_norm(x, (x.shape[-1],), w)
 
