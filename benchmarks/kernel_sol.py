@@ -12,8 +12,9 @@ once (KernelSource.bytes_per_row x M + bytes_per_launch). A looped kernel re-rea
 a pass, and a kernel with column sums writes and reads back fp32 partials: that traffic is listed
 beside the must-move bytes, not counted in them. The profiler's memfuse_* kernels, in the order
 they started, are the log's launches in order (one stream). --tune times each kernel below the
-target alone at other launch configurations (benchmarks.tune's sweep): whether its configuration
-is what holds it back, or something the configuration cannot change. --tiny runs the tiny configs on the CPU
+target alone at other launch configurations (benchmarks.tune's sweep; alike kernels, a model's
+layers, once): whether its configuration is what holds it back, or something the configuration
+cannot change. --tiny runs the tiny configs on the CPU
 in fp32: the same table without GPU times (a test of the harness, not a measurement).
 """
 from __future__ import annotations
@@ -73,16 +74,23 @@ def below_target(record, ms: float, bandwidth: float, min_ms: float = TARGET_MS)
 def tune_slow(launches: list, model, batch: dict, setup: Setup, bandwidth: float, min_ms: float = TARGET_MS) -> dict:
     """Each kernel below the target (`min_ms` or more, under TARGET_SOL) timed alone on its
     arguments of one more step (benchmarks.tune: do_bench, L2 flushed), at its own configuration and
-    at the best of tune.sweep's: whether a launch configuration is what holds it back.
-    -> {KernelLaunch: {"alone_ms", "best_ms", "best_config"}}; each launch is left as it was."""
+    at the best of tune.sweep's: whether a launch configuration is what holds it back. Kernels of
+    one structure (a model's layers: the same summary, sizes and configuration) are swept once, at
+    the first of them, whose result stands for the others (`"as"`: its name): a sweep compiles
+    every configuration it times.
+    -> {KernelLaunch: {"alone_ms", "best_ms", "best_config"[, "as"]}}; each launch is left as it was."""
     from benchmarks.tune import best_of, sweep
-    slow = list({r.launch: None for r, ms in launches if below_target(r, ms, bandwidth, min_ms)})
-    for launch in slow:
+    slow = list({r.launch: r for r, ms in launches if below_target(r, ms, bandwidth, min_ms)}.items())
+    first_of: dict = {}
+    for launch, record in slow:
+        first_of.setdefault(structure(record), launch)
+    swept = set(first_of.values())
+    for launch in swept:
         launch.record = True
     train_step(model, batch, setup)
     setup.synchronize()
     tuned = {}
-    for launch in slow:
+    for launch in swept:
         launch.record = False
         device = launch.recorded[0]
         own = launch.configs[device]
@@ -93,7 +101,16 @@ def tune_slow(launches: list, model, batch: dict, setup: Setup, bandwidth: float
                          "best_config": dataclasses.asdict(best if best_us < own_us else own)}
         print(f"  tuned {launch.kernel.source.name}: alone {own_us:.0f} us at {own}, best {best_us:.0f} us at {best}",
               flush=True)
+    for launch, record in slow:
+        first = first_of[structure(record)]
+        if launch is not first:
+            tuned[launch] = {**tuned[first], "as": first.kernel.source.name}
     return tuned
+
+
+def structure(record) -> tuple:
+    """What makes two launches' sweeps alike: the kernel's summary, its sizes and configuration."""
+    return record.summary, record.rows, record.d, record.config
 
 
 def as_row(record, ms: float | None, bandwidth: float | None, tuned: dict) -> dict:
@@ -135,7 +152,8 @@ def _config(c: dict) -> str:
 def _tuned(row: dict) -> str:
     if "best_ms" not in row:
         return "-"
-    return f"{row['alone_ms']:.3f}, {row['best_ms']:.3f} ({row['best_sol']:.0%}): {_config(row['best_config'])}"
+    found = f"{row['alone_ms']:.3f}, {row['best_ms']:.3f} ({row['best_sol']:.0%}): {_config(row['best_config'])}"
+    return found + (f" (as `{row['as']}`)" if "as" in row else "")
 
 
 def report(result: dict) -> str:

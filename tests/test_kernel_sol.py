@@ -116,3 +116,22 @@ def test_timed_table_rates_and_tuning():
     assert f"{row['sol']:.0%} | 0.900, 0.500 ({row['best_sol']:.0%}): 2x, 8w |" in table
     assert "1 of 0.5 ms or more below 80%" in table
     json.dumps(row)
+
+
+def test_kernels_of_one_structure_are_swept_once():
+    """--tune sweeps the first of a model's alike kernels (summary, sizes, configuration) and
+    names it in the others' rows; a kernel of another size is its own structure."""
+    from benchmarks import kernel_sol
+    fused = memfuse.memory_efficient_fusion(scale_rows)
+    with launch_log() as records:
+        fused(torch.randn(64, 32), torch.randn(32))
+        fused(torch.randn(64, 32), torch.randn(32))
+        fused(torch.randn(64, 48), torch.randn(48))
+    first, again, wider = records
+    assert kernel_sol.structure(first) == kernel_sol.structure(again) != kernel_sol.structure(wider)
+    found = {"alone_ms": 0.9, "best_ms": 0.5, "best_config": {"block_m": 2, "num_warps": 8, "programs_per_sm": 0,
+                                                             "num_stages": 1}}
+    row = kernel_sol.as_row(again, 1.0, 1e12, {again.launch: {**found, "as": first.kernel}})
+    table = kernel_sol.report({"model": "m", "mode": "memfuse_backend", "copy_gb_s": 1e3, "device": "GPU",
+                               "launches": [row]})
+    assert f"0.900, 0.500 ({row['best_sol']:.0%}): 2x, 8w (as `{first.kernel}`) |" in table
