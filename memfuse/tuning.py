@@ -25,20 +25,24 @@ class LaunchConfig:
 # (BLOCK_D upper bound, persistent) -> elements per tile, warps, programs per SM, pipeline
 # stages. Measured on an H200 with benchmarks/tune.py (2026-11-21): one row per program with few
 # warps for forwards (many small programs hide latency best); 4-8 rows and 8-16 warps, 1-2
-# programs per SM for backwards, whose programs also carry the fp32 column partials. A tile loop
-# pipelined 3 deep (the next tiles' loads in flight during this one's math) made the backwards
-# of D=1024 fp32 and D=4096 bf16 3% and 26% faster; the other buckets were not measured with
-# stages and stay unpipelined. Rows are tried in order.
+# programs per SM for backwards, whose programs also carry the fp32 column partials. The
+# persistent rows of BLOCK_D 1024 and 4096 were measured again on an H100 on GPT-2's backwards
+# (bf16, `benchmarks.kernel_sol --tune`, 2026-11-25): a LayerNorm backward with a regenerated
+# dropout and column sums ([16384, 768]) took 94 us at 2 rows, 4 warps, 4 programs an SM and no
+# pipeline against 161 us at the H200's 4 rows, 8 warps, one program an SM 3 deep; the GELU
+# backward after the MLP's matmul ([16384, 3072], the bias gradient's column sum) 167 against
+# 253 us at 2 rows, 16 warps, 2 an SM. More programs an SM hide latency better than a pipeline,
+# which also held one program an SM by its shared memory. Rows are tried in order.
 TABLE = [
     # block_d <=, persistent, tile elements, warps, programs per SM, stages
     (512, False, 2048, 4, 0, 1),
     (512, True, 4096, 4, 4, 1),
     (1024, False, 1024, 2, 0, 1),
-    (1024, True, 4096, 8, 1, 3),
+    (1024, True, 2048, 4, 4, 1),
     (2048, False, 2048, 4, 0, 1),
     (2048, True, 8192, 8, 2, 1),
     (4096, False, 4096, 4, 0, 1),
-    (4096, True, 8192, 8, 1, 3),
+    (4096, True, 8192, 16, 2, 1),
     (1 << 30, False, 1, 16, 0, 1),       # one row per tile
     (1 << 30, True, 1, 16, 1, 1),
 ]
