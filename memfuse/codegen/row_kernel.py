@@ -17,8 +17,8 @@ from typing import Optional
 import torch
 
 from ..ir import Graph, Kind, Node, Op, ValueRef, column_padding
-from ..ops import (ARG_REDUCE, DIVIDE_BY_RECIPROCAL, HELPERS, OPS, REDUCE, REDUCERS, SCALED_RECIPROCAL, TRITON_DTYPES,
-                   accumulate_dtype, compute_dtype, helpers_for)
+from ..ops import (ARG_REDUCE, DIVIDE_BY_RECIPROCAL, HELPER_GLOBALS, HELPERS, OPS, REDUCE, REDUCERS, SCALED_RECIPROCAL,
+                   TRITON_DTYPES, accumulate_dtype, compute_dtype, helpers_for)
 from ..schedule import KernelGroup, stores_padded
 
 RESERVED = {"pid", "num_programs", "cols", "col_mask", "rows", "row_mask", "mask", "offsets",
@@ -235,7 +235,13 @@ class RowKernelWriter:
                             self.totals, self.bytes_per_row(), self.bytes_per_launch(), self.summary())
 
     def write_helpers(self, out: _Lines) -> None:
-        for name in helpers_for(self.helpers):
+        needed = helpers_for(self.helpers)
+        globals_needed = [line for name in needed for line in HELPER_GLOBALS.get(name, ())]
+        if globals_needed:
+            out()
+            for line in dict.fromkeys(globals_needed):
+                out(line)
+        for name in needed:
             out()
             out("@triton.jit")
             for line in HELPERS[name][0].splitlines():
