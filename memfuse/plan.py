@@ -186,7 +186,29 @@ def plan(captured: Captured, memory_budget: float = 1.0) -> Plan:
 
 def _backward(joint: Graph, captured: Captured, saved_names: list, tangents: list, grads: list) -> Graph:
     inputs = saved_names + (["seed"] if captured.has_seed else []) + tangents
-    return _subgraph(joint, inputs=inputs, outputs=list(grads))
+    return _recomputed_where_read(_subgraph(joint, inputs=inputs, outputs=list(grads)), tangents)
+
+
+def _recomputed_where_read(backward: Graph, tangents: list) -> Graph:
+    """The backward's nodes in the order autograd would run them: those the tangents reach keep
+    the joint graph's order, and each recomputation of the forward comes right before its first
+    reader, not at the program's start (where the joint graph has it), so that a layer's
+    recomputed values are not all alive at once while the layers after it run their backwards.
+    The steps follow this order (schedule._order)."""
+    reached = _descendants(backward, tangents)
+    order: dict = {name: None for name in backward.inputs}
+    for root in [n for n in backward.nodes if n in reached] + list(backward.nodes):
+        stack = [(root, False)]      # depth first, inputs before their reader, without recursion
+        while stack:
+            name, inputs_done = stack.pop()
+            if name in order:
+                continue
+            if inputs_done:
+                order[name] = None
+                continue
+            stack.append((name, True))
+            stack.extend((i, False) for i in reversed(backward[name].inputs) if i not in order)
+    return Graph({name: backward[name] for name in order}, backward.inputs, backward.outputs)
 
 
 def plan_inference(captured: Captured) -> Plan:

@@ -25,6 +25,7 @@ Why two nodes did not share a kernel, and why a node was placed where it is, are
 """
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -676,16 +677,55 @@ def _merge(joinable, groups, group_of) -> KernelGroup:
 
 
 def _order(graph: Graph, groups: list, externs: list, kind: str) -> list:
+    """The steps in the graph's order, each after the steps it reads: of the steps whose inputs
+    are computed, the one whose first node comes first in the graph runs next. The graph's order
+    is the plan's (recomputations of the forward right before their first reader in a backward),
+    which stages alone would not keep: a recomputation's inputs are all in memory at the start."""
     position = {name: i for i, name in enumerate(graph.nodes)}
     for g in groups:
         g.nodes.sort(key=position.__getitem__)
-    # At one stage, kernels run before externs (an extern of stage s reads kernels of stage s).
-    keyed = [((g.stage, 0, position[g.nodes[0]]), g) for g in groups] + \
-            [((e.stage, 1, position[e.name]), e) for e in externs]
-    steps = [step for _, step in sorted(keyed, key=lambda kv: kv[0])]
-    for i, g in enumerate(s for s in steps if isinstance(s, KernelGroup)):
+    steps = groups + externs
+    first = [position[s.nodes[0] if isinstance(s, KernelGroup) else s.name] for s in steps]
+    owner = {name: k for k, g in enumerate(groups) for name in g.nodes}
+    owner.update({e.name: len(groups) + k for k, e in enumerate(externs)})
+    readers: list = [set() for _ in steps]
+    waiting = [0] * len(steps)
+    for k, step in enumerate(steps):
+        for before in _steps_read(graph, step, owner) - {k}:
+            readers[before].add(k)
+            waiting[k] += 1
+    ready = [(first[k], k) for k in range(len(steps)) if waiting[k] == 0]
+    heapq.heapify(ready)
+    ordered = []
+    while ready:
+        _, k = heapq.heappop(ready)
+        ordered.append(steps[k])
+        for reader in readers[k]:
+            waiting[reader] -= 1
+            if waiting[reader] == 0:
+                heapq.heappush(ready, (first[reader], reader))
+    assert len(ordered) == len(steps), "schedule: the steps read each other in a cycle"
+    for i, g in enumerate(s for s in ordered if isinstance(s, KernelGroup)):
         g.name = f"memfuse_{kind}_{i}"
-    return steps
+    return ordered
+
+
+def _steps_read(graph: Graph, step, owner: dict) -> set:
+    """The steps (indices in `owner`) whose results `step` reads: through a value no step
+    computes (a view loaded in place, a value computed where it is read), its inputs'."""
+    names = step.nodes if isinstance(step, KernelGroup) else [step.name]
+    pending = [i for n in names for i in graph[n].inputs]
+    seen, found = set(), set()
+    while pending:
+        name = pending.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        if name in owner:
+            found.add(owner[name])
+        else:
+            pending.extend(graph[name].inputs)
+    return found
 
 
 def _computed_in(groups: list) -> dict:

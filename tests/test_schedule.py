@@ -10,7 +10,7 @@ from memfuse.buffers import memory_timeline, plan_buffers
 from memfuse.capture import capture
 from memfuse.config import Config
 from memfuse.ir import Op, format_graph
-from memfuse.plan import plan
+from memfuse.plan import Decision, plan
 from memfuse.schedule import ExternStep, schedule
 
 SHAPE = (2, 7, 48)
@@ -208,6 +208,34 @@ def test_recomputed_layers_are_computed_where_the_backward_reads_them():
     _, held, peak = _backward_memory(fused, (x, *weights))
     all_layers_activations = layers * rows * hidden * 4
     assert peak - held < all_layers_activations, (peak, held, all_layers_activations)
+
+
+def test_matmuls_a_budget_recomputes_run_where_the_backward_reads_them():
+    """Under a small memory budget the backward recomputes each branch's matmul from its saved
+    input. Run at the program's start (the joint graph's order, and the earliest stage their inputs
+    allow) every branch's product would be alive while the first branch's backward runs; run as
+    autograd would, right before the branch's own backward, one at a time."""
+    branches, rows, d, hidden = 4, 64, 4, 32
+
+    def branched(*args):
+        xs, weights = args[:branches], args[branches:]
+        return sum(torch.relu(x @ w_in) @ w_out for x, w_in, w_out in zip(xs, weights[::2], weights[1::2]))
+
+    xs = [torch.randn(rows, d, requires_grad=True) for _ in range(branches)]
+    weights = [(torch.randn(*shape) / 3).requires_grad_() for _ in range(branches) for shape in ((d, hidden), (hidden, d))]
+    args = (*xs, *weights)
+    fused = memfuse.memory_efficient_fusion(branched, memory_budget=0.1)
+    _grads_match_eager(branched, fused, args, args)
+    entry = fused.compiled_for(*args)
+    recomputed = [n for n, (decision, _) in entry.plan.decisions.items()
+                  if decision is Decision.RECOMPUTE and entry.plan.backward[n].op is Op.EXTERN]
+    assert len(recomputed) >= branches, recomputed          # the budget recomputed every branch's product
+    _, held, peak = _backward_memory(fused, args)
+    # one branch's backward holds four [rows, hidden] values: its product, the gradient coming in,
+    # the activation (for its weight's gradient) and the gradient going out; all four branches'
+    # products and activations at once would be ten
+    one_product = rows * hidden * 4
+    assert peak - held <= 4 * one_product, (peak - held, one_product)
 
 
 def rope(x, w, cos, sin):
