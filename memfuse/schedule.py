@@ -4,8 +4,9 @@ Each fusible node gets a stage: the largest stage of its inputs, plus one across
 kernel cannot read in the same pass (an extern result, a reduction over M, a value from a group
 of another space, the root a STRIDED view reads from memory). A node joins the groups of its
 inputs at its own stage when their spaces agree (merging them), else starts a new one. Every edge
-between groups then runs from a lower stage to a higher one, so the steps, ordered by stage,
-never wait on a later step. Five rules then place values where they cost least memory:
+between groups then runs from a lower stage to a higher one; the steps run in the graph's order
+(the plan's: a backward's recomputations right before their first reader), each after the
+steps it reads. Five rules then place values where they cost least memory:
 - a value computed from constants, sizes and the seed alone (a fill, an iota, a dropout draw) is
   computed inside every kernel that reads it, never written (`input_free`);
 - a view read in place (a permute, slice or broadcast of a tensor in memory) that only kernels
