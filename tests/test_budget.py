@@ -8,7 +8,7 @@ import torch.nn.functional as F
 import memfuse
 from helpers import BLOCKS, block_inputs, rel_error
 from memfuse.capture import capture
-from memfuse.plan import Decision, plan
+from memfuse.plan import MAX_MATMUL_CHAIN, Decision, matmul_chain, plan
 
 BUDGETS = (1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)
 P = 0.3
@@ -39,6 +39,17 @@ def dropout_inputs():
             torch.randn(32, 8, generator=generator) / 4]
 
 
+def residual_layers(x, *weights):
+    """Three pre-norm MLP layers on a residual stream, as a transformer's."""
+    for up, down in zip(weights[::2], weights[1::2]):
+        x = x + F.gelu(F.layer_norm(x, x.shape[-1:]) @ up) @ down
+    return (x,)
+
+
+def residual_inputs():
+    return [torch.randn(12, 16)] + [torch.randn(*shape) / 4 for _ in range(3) for shape in ((16, 32), (32, 16))]
+
+
 LAYER_NORM_TENSORS, LAYER_NORM_CONSTS, _ = block_inputs("layer_norm_block", (2, 5, 24))
 
 
@@ -48,6 +59,7 @@ def layer_norm_block(*tensors):
 
 FUNCTIONS = {"mlp": (mlp, mlp_inputs), "dropout_mlp": (dropout_mlp, dropout_inputs),
              "column_scale": (column_scale, lambda: [torch.randn(10, 24)]),
+             "residual_layers": (residual_layers, residual_inputs),
              "layer_norm_block": (layer_norm_block, lambda: LAYER_NORM_TENSORS)}
 
 
@@ -85,6 +97,18 @@ def test_budget_recomputes_a_matmul_in_the_backward():
     assert decision is Decision.RECOMPUTE and reason.startswith("recomputed for the memory budget 0.1: ")
     assert reason.endswith("matmul") and the_plan.backward["mm"].op.value == "extern"
     assert the_plan.budget.released == {"mm_1": "matmul", "mm": "matmul"}
+
+
+def test_a_budget_never_rebuilds_a_layer_from_the_layer_before():
+    """Releasing every matmul would keep only the input and rebuild each layer's output from the one
+    before (a chain of six matmuls): the budget stops at chains of MAX_MATMUL_CHAIN and says so."""
+    joint = captured("residual_layers")
+    the_plan = plan(joint, 0.1)
+    rebuilt = {n for n, (decision, _) in the_plan.decisions.items() if decision is Decision.RECOMPUTE}
+    assert any(joint.joint[n].op.value == "extern" for n in rebuilt)     # matmuls are recomputed,
+    assert matmul_chain(joint.joint, rebuilt) <= MAX_MATMUL_CHAIN      # in chains of two at most
+    assert the_plan.budget.refused_chain > MAX_MATMUL_CHAIN
+    assert "cuts that keep less were refused" in str(the_plan.budget)
 
 
 def test_budget_one_is_the_default_plan():
