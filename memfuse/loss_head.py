@@ -44,9 +44,13 @@ REDUCTIONS = ("mean", "sum", "none")
 def chunk_rows(tokens: int, vocab: int, dtype: torch.dtype, chunk_bytes: int) -> int:
     """Token rows per chunk: the chunk's logits and their gradient fit in `chunk_bytes`; a
     multiple of ALIGN (the chunk's matmuls stay aligned), at least ALIGN, at most `tokens`."""
-    per_row = 2 * _padded(vocab) * dtype.itemsize
-    rows = max(ALIGN, chunk_bytes // per_row // ALIGN * ALIGN)
+    rows = max(ALIGN, chunk_bytes // row_bytes(vocab, dtype) // ALIGN * ALIGN)
     return max(1, min(rows, tokens))
+
+
+def row_bytes(vocab: int, dtype: torch.dtype) -> int:
+    """What one token row of a chunk holds: its logits and their gradient."""
+    return 2 * _padded(vocab) * dtype.itemsize
 
 
 def _padded(vocab: int) -> int:

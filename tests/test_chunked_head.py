@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import memfuse
 from memfuse import loss_head
 from memfuse.config import Config
-from memfuse.head import chunk_bytes
+from memfuse.head import BUDGET_MIN_CHUNK_ROWS, chunk_bytes
 
 IGNORE = -100
 
@@ -142,7 +142,19 @@ def test_chunks_follow_the_byte_budget_and_the_memory_budget():
     assert loss_head.chunk_rows(16384, 32000, torch.bfloat16, 256 * 2**20) == 2096
     assert loss_head.chunk_rows(5, 32000, torch.bfloat16, 256 * 2**20) == 5
     assert loss_head.chunk_rows(16384, 32000, torch.bfloat16, 1) == 8
-    assert chunk_bytes(Config(memory_budget=0.5)) == chunk_bytes(Config()) // 2
+    llama = (32000, torch.bfloat16)
+    assert chunk_bytes(Config(), *llama) == 256 * 2**20
+    assert chunk_bytes(Config(memory_budget=0.8), *llama) == int(0.8 * 256 * 2**20)
+
+
+def test_a_budget_shrinks_the_chunks_down_to_a_floor_of_rows():
+    """Chunks of fewer rows make each weight-gradient addmm memory-bound: the budget stops there,
+    and never raises a chunk past the configured bytes."""
+    gpt2 = (50257, torch.bfloat16)
+    floor = BUDGET_MIN_CHUNK_ROWS * loss_head.row_bytes(*gpt2)
+    assert chunk_bytes(Config(memory_budget=0.2), *gpt2) == floor
+    assert loss_head.chunk_rows(16384, 50257, torch.bfloat16, floor) == BUDGET_MIN_CHUNK_ROWS
+    assert chunk_bytes(Config(memory_budget=0.2, loss_head_chunk_bytes=2**20), *gpt2) == 2**20
 
 
 # -- found in functions (memory_efficient_fusion) ------------------------------------------------
