@@ -44,6 +44,8 @@ MODEL_NAMES = ("bert", "gpt2", "llama")
 ISSUE_RATE = 132 * 4 * 1.755e9     # warp instructions a second: an H100 SXM's SMs x schedulers x boost clock
 BANDWIDTH = 3.0e12                 # bytes a second: the H100's copy bandwidth (benchmarks.kernel_sol measured 3003 GB/s)
 TARGET = ("cuda", 90, 32)          # sm_90, warps of 32
+SM_REGISTERS = 65536               # an H100 SM's register file, 32-bit registers
+SM_WARPS = 64                      # warps an H100 SM holds at once
 POINTER_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64",
                  torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
                  torch.bool: "i1"}
@@ -119,16 +121,30 @@ def compile_sm90(entry: dict):
                           options={"num_warps": entry["num_warps"], "num_stages": entry["num_stages"]})
 
 
-def sass_listing(kernel) -> list:
-    """(address, instruction) of the kernel's SASS (cuobjdump of its cubin), NOPs left out."""
+def cuobjdump(kernel, flag: str) -> str:
+    """cuobjdump's `flag` output for the kernel's cubin."""
     import triton
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(kernel.asm["cubin"])
         cubin.flush()
-        listing = subprocess.run([str(tool), "-sass", cubin.name], capture_output=True, text=True, check=True).stdout
-    found = (re.search(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", line) for line in listing.splitlines())
+        return subprocess.run([str(tool), flag, cubin.name], capture_output=True, text=True, check=True).stdout
+
+
+def sass_listing(kernel) -> list:
+    """(address, instruction) of the kernel's SASS (cuobjdump of its cubin), NOPs left out."""
+    found = (re.search(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", line) for line in cuobjdump(kernel, "-sass").splitlines())
     return [(int(m.group(1), 16), m.group(2)) for m in found if m and "NOP" not in m.group(2)]
+
+
+def resident_warps(kernel, num_warps: int) -> tuple[int, int, int]:
+    """(registers a thread, bytes spilled to local memory a thread, warps an SM can hold at that
+    register count): an SM has 64K registers, allocated 8 a thread at a time, and holds 64 warps."""
+    usage = cuobjdump(kernel, "-res-usage")
+    registers = int(re.search(r"REG:(\d+)", usage).group(1))
+    spilled = int(re.search(r"LOCAL:(\d+)", usage).group(1))
+    per_program = -(-registers // 8) * 8 * 32 * num_warps
+    return registers, spilled, min(SM_WARPS, SM_REGISTERS // per_program * num_warps)
 
 
 def tile_loop(listing: list) -> int:
@@ -143,9 +159,11 @@ def tile_loop(listing: list) -> int:
 
 
 def kernel_row(entry: dict) -> dict:
-    listing = sass_listing(compile_sm90(entry))
+    kernel = compile_sm90(entry)
+    listing = sass_listing(kernel)
     row = {k: entry[k] for k in ("name", "summary", "d", "config", "one_tile")}
     row["sass"] = len(listing)
+    row["registers"], row["spilled"], row["warps_per_sm"] = resident_warps(kernel, entry["num_warps"])
     per_tile = len(listing) if entry["one_tile"] else tile_loop(listing) if entry["persistent"] else 0
     if per_tile and entry["bytes_per_row"]:        # (a kernel over [D] alone moves no rows: one program, not judged)
         elements = entry["block_m"] * entry["block_d"] / (32 * entry["num_warps"])   # a thread's, a tile
@@ -159,12 +177,14 @@ def kernel_row(entry: dict) -> dict:
 def report(model_name: str, rows: list) -> str:
     lines = [f"## {model_name}, the whole model wrapped: SASS of each kernel for sm_90 (static count, an H100's "
              f"default launch configurations)", "",
-             "| kernel | D | config | SASS | a tile | per element | issue ns / tile | memory ns / tile | bound | what |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| kernel | D | config | SASS | registers (spilled B) | warps an SM | a tile | per element | "
+             "issue ns / tile | memory ns / tile | bound | what |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         judged = [str(r["per_tile"]), f"{r['per_element']:.1f}", f"{r['issue_ns']:.2f}", f"{r['memory_ns']:.2f}",
                   r["bound"]] if "bound" in r else ["-", "-", "-", "-", "not judged"]
-        lines.append(f"| `{r['name']}` | {r['d']} | {r['config']} | {r['sass']} | " + " | ".join(judged) +
+        lines.append(f"| `{r['name']}` | {r['d']} | {r['config']} | {r['sass']} | {r['registers']} ({r['spilled']}) | "
+                     f"{r['warps_per_sm']} | " + " | ".join(judged) +
                      f" | {r['summary']} |")
     return "\n".join(lines)
 

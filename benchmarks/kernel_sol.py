@@ -71,13 +71,14 @@ def below_target(record, ms: float, bandwidth: float, min_ms: float = TARGET_MS)
     return ms >= min_ms and record.must_move / (ms * 1e-3) < TARGET_SOL * bandwidth
 
 
-def tune_slow(launches: list, model, batch: dict, setup: Setup, bandwidth: float, min_ms: float = TARGET_MS) -> dict:
+def tune_slow(launches: list, model, batch: dict, setup: Setup, bandwidth: float, min_ms: float = TARGET_MS,
+              tiles: list | None = None) -> dict:
     """Each kernel below the target (`min_ms` or more, under TARGET_SOL) timed alone on its
     arguments of one more step (benchmarks.tune: do_bench, L2 flushed), at its own configuration and
     at the best of tune.sweep's: whether a launch configuration is what holds it back. Kernels of
     one structure (a model's layers: the same summary, sizes and configuration) are swept once, at
     the first of them, whose result stands for the others (`"as"`: its name): a sweep compiles
-    every configuration it times.
+    every configuration it times (`tiles`: only these (rows, warps), see tune.sweep).
     -> {KernelLaunch: {"alone_ms", "best_ms", "best_config"[, "as"]}}; each launch is left as it was."""
     from benchmarks.tune import best_of, sweep
     slow = list({r.launch: r for r, ms in launches if below_target(r, ms, bandwidth, min_ms)}.items())
@@ -95,7 +96,7 @@ def tune_slow(launches: list, model, batch: dict, setup: Setup, bandwidth: float
         device = launch.recorded[0]
         own = launch.configs[device]
         own_us = best_of(launch, [own], device)[0][0]
-        best_us, best = sweep(launch, device)
+        best_us, best = sweep(launch, device, tiles=tiles)
         launch.configs[device] = own
         tuned[launch] = {"alone_ms": own_us / 1e3, "best_ms": min(best_us, own_us) / 1e3,
                          "best_config": dataclasses.asdict(best if best_us < own_us else own)}
@@ -128,7 +129,7 @@ def as_row(record, ms: float | None, bandwidth: float | None, tuned: dict) -> di
 
 
 def sol_model(model_name: str, mode: str, setup: Setup, bandwidth: float | None, tune: bool,
-              tune_ms: float = TARGET_MS) -> dict:
+              tune_ms: float = TARGET_MS, tiles: list | None = None) -> dict:
     family = FAMILIES[model_name]
     size = family.tiny if setup.tiny else family.size
     templates = Templates.build(family, size, use_cache=False)
@@ -136,7 +137,7 @@ def sol_model(model_name: str, mode: str, setup: Setup, bandwidth: float | None,
     model = WRAPPERS[mode](fresh(templates.dropout, setup.device), family)
     batch = make_batch(size, setup.device)
     launches = logged_launches(model, batch, setup)
-    tuned = tune_slow(launches, model, batch, setup, bandwidth, tune_ms) if tune else {}
+    tuned = tune_slow(launches, model, batch, setup, bandwidth, tune_ms, tiles) if tune else {}
     rows = [as_row(r, ms, bandwidth, tuned) for r, ms in launches]
     rows.sort(key=lambda r: -(r["ms"] if r["ms"] is not None else r["must_move"]))
     return {"model": model_name, "mode": mode, "tiny": setup.tiny, "copy_gb_s": bandwidth / 1e9 if bandwidth else None,
@@ -194,8 +195,18 @@ def main(argv: list[str] | None = None) -> None:
                              "configurations (benchmarks.tune's sweep; GPU only)")
     parser.add_argument("--tune-ms", type=float, default=TARGET_MS,
                         help=f"with --tune: the GPU time a step from which a kernel under {TARGET_SOL:.0%} is tuned")
+    parser.add_argument("--tune-tiles", metavar="RxW,..",
+                        help="with --tune: only these tiles, rows x warps (e.g. 1x2,2x4,4x8), not the whole sweep")
     parser.add_argument("--out", type=Path, help="directory for kernel-sol-MODEL.json and .md")
     args = parser.parse_args(argv)
+    tiles = None
+    if args.tune_tiles:
+        try:
+            tiles = [tuple(int(n) for n in tile.split("x")) for tile in args.tune_tiles.split(",")]
+        except ValueError:
+            parser.error(f"--tune-tiles: expected rows x warps pairs such as 1x2,2x4, got {args.tune_tiles!r}")
+        if any(len(t) != 2 or min(t) < 1 for t in tiles):
+            parser.error(f"--tune-tiles: expected rows x warps pairs such as 1x2,2x4, got {args.tune_tiles!r}")
     models = args.model.split(",")
     unknown = [m for m in models if m not in FAMILIES]
     if unknown:
@@ -208,7 +219,7 @@ def main(argv: list[str] | None = None) -> None:
         Setup(torch.device("cuda"), tiny=False, settings=GPU_SETTINGS)
     bandwidth = None if args.tiny else copy_bandwidth()
     for model_name in models:
-        result = sol_model(model_name, args.mode, setup, bandwidth, args.tune, args.tune_ms)
+        result = sol_model(model_name, args.mode, setup, bandwidth, args.tune, args.tune_ms, tiles)
         text = report(result)
         print(text + "\n", flush=True)
         if args.out:

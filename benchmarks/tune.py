@@ -44,18 +44,22 @@ def best_of(launch: KernelLaunch, configs: list, device) -> list:
     return sorted(timed, key=lambda tc: tc[0])
 
 
-def sweep(launch: KernelLaunch, device, exhaustive: bool = False) -> tuple:
+def sweep(launch: KernelLaunch, device, exhaustive: bool = False, tiles: list | None = None) -> tuple:
     """(microseconds, LaunchConfig) of the fastest configuration found for `launch` on its recorded
     call: rows x warps (at 2 programs per SM if persistent), then programs per SM and pipeline stages
-    at the best of those; `exhaustive`: rows x warps x programs per SM jointly. Leaves the launch's
+    at the best of those; `exhaustive`: rows x warps x programs per SM jointly; `tiles`: only these
+    (rows, warps), each a compile fewer where a kernel takes long to compile. Leaves the launch's
     configuration at the last one timed."""
     source = launch.kernel.source
     block_d = source.constexprs["BLOCK_D"]
+    per_sm = 2 if source.persistent else 0
+    candidates = tile_candidates(block_d, per_sm) if tiles is None else \
+        [LaunchConfig(rows, warps, per_sm) for rows, warps in tiles]
     if source.persistent and exhaustive:
         ranked = best_of(launch, [LaunchConfig(c.block_m, c.num_warps, per_sm)
-                                  for c in tile_candidates(block_d, 0) for per_sm in (1, 2, 4, 8)], device)
+                                  for c in candidates for per_sm in (1, 2, 4, 8)], device)
     else:
-        ranked = best_of(launch, tile_candidates(block_d, 2 if source.persistent else 0), device)
+        ranked = best_of(launch, candidates, device)
     if source.persistent and not exhaustive:
         tile = ranked[0][1]
         ranked = best_of(launch, [LaunchConfig(tile.block_m, tile.num_warps, per_sm) for per_sm in (1, 2, 4, 8)],

@@ -51,6 +51,8 @@ def test_kernels_compile_for_sm90_and_are_judged(tmp_path):
     assert [r["name"] for r in rows] == [e["name"] for e in entries]
     for row, entry in zip(rows, entries):
         assert row["sass"] > 10, row
+        assert 16 <= row["registers"] <= 255 and row["spilled"] >= 0, row
+        assert 0 < row["warps_per_sm"] <= instructions.SM_WARPS and row["warps_per_sm"] % entry["num_warps"] == 0, row
         assert row["bound"] in ("arithmetic", "memory") and row["per_element"] > 0 and row["memory_ns"] > 0, row
         if entry["persistent"]:
             assert 0 < row["per_tile"] < row["sass"], row

@@ -135,3 +135,26 @@ def test_kernels_of_one_structure_are_swept_once():
     table = kernel_sol.report({"model": "m", "mode": "memfuse_backend", "copy_gb_s": 1e3, "device": "GPU",
                                "launches": [row]})
     assert f"0.900, 0.500 ({row['best_sol']:.0%}): 2x, 8w (as `{first.kernel}`) |" in table
+
+
+def test_a_sweep_of_given_tiles_times_only_those(monkeypatch):
+    """--tune-tiles: a kernel slow to compile is timed at the tiles named (rows x warps), the
+    fastest returned; without them, every candidate tile of its row length."""
+    from types import SimpleNamespace
+
+    from benchmarks import tune
+    launch = SimpleNamespace(kernel=SimpleNamespace(source=SimpleNamespace(constexprs={"BLOCK_D": 1024},
+                                                                         persistent=False)), configs={})
+    timed = []
+
+    def kernel_time(launch):
+        config = launch.configs["gpu"]
+        timed.append((config.block_m, config.num_warps))
+        return 10.0 / (config.block_m * config.num_warps)
+
+    monkeypatch.setattr(tune, "kernel_time", kernel_time)
+    us, best = tune.sweep(launch, "gpu", tiles=[(1, 2), (4, 8), (2, 4)])
+    assert timed == [(1, 2), (4, 8), (2, 4)] and (best.block_m, best.num_warps, us) == (4, 8, 10.0 / 32)
+    timed.clear()
+    tune.sweep(launch, "gpu")
+    assert len(timed) == len(tune.tile_candidates(1024, 0)) > 3
