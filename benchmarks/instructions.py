@@ -13,7 +13,9 @@ its SASS instructions are counted. A kernel of one tile per program runs each in
 tile and warp; a persistent kernel runs its loop over tiles (the widest span a backward branch
 closes) once a tile and warp. **issue ns** is a tile's warp instructions at an H100's issue rate
 (`ISSUE_RATE`), **memory ns** its bytes at the copy bandwidth (`BANDWIDTH`, measured by
-benchmarks.kernel_sol), and **bound** the longer of the two. A looped kernel (rows past the
+benchmarks.kernel_sol), and **bound** the longer of the two. **registers** a thread (and bytes
+spilled) and the **warps an SM** can hold at that count come from cuobjdump's resource usage: few
+resident warps leave memory latency unhidden whatever the count says. A looped kernel (rows past the
 persistent limit: passes over chunks) and a kernel over [D] alone get their static count only. A
 count is not a time: it ranks kernels and says which side of the roofline a kernel is on; GPU time
 comes from benchmarks.kernel_sol.
