@@ -301,8 +301,7 @@ class Budget:
     reached_bytes: int
     released: dict
     short_of_target: str | None = None
-    refused_chain: int = 0     # the longest matmul chain of a cut refused for keeping fewer bytes
-
+    refused_chain: int = 0     # the longest matmul chain of the refused cuts that keep fewer bytes
 
     def __str__(self) -> str:
         head = (f"memory budget {self.fraction:g}: the default plan saves {human_bytes(self.default_bytes)}, "
@@ -353,7 +352,7 @@ def _within_budget(flow, pins, default_cut, fraction, captured, index_bytes, bac
     default_bytes = _saved_bytes(default_cut, joint, hints)
     target = int(fraction * default_bytes)
     position = {name: i for i, name in enumerate(joint.nodes)}
-    cut, released, refused_chain = default_cut, {}, 0
+    cut, released, refused = default_cut, {}, []
     best = (default_bytes, cut, dict(released))
     while best[0] > target:
         held = {n: b for n, b in _held_bytes(cut, pins, joint, hints).items()
@@ -370,11 +369,12 @@ def _within_budget(flow, pins, default_cut, fraction, captured, index_bytes, bac
             continue
         chain = matmul_chain(joint, _recomputed(joint, cut, grads, backward_only))
         if chain > MAX_MATMUL_CHAIN:
-            refused_chain = max(refused_chain, chain)
+            refused.append((_saved_bytes(cut, joint, hints), chain))
         else:
             best = (_saved_bytes(cut, joint, hints), cut, dict(released))
     reached, cut, released = best
     short = None if reached <= target else _short_of_target(cut, pins, index_bytes, joint, hints)
+    refused_chain = max((chain for kept, chain in refused if kept < reached), default=0)
     return cut, Budget(fraction, default_bytes, target, reached, released, short, refused_chain)
 
 
