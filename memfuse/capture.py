@@ -468,7 +468,8 @@ EXTERN_REASONS = {
 
 
 def lowering_table() -> dict:
-    """Every aten/prims target capture lowers to IR nodes -> what it becomes."""
+    """Every aten/prims target capture lowers to IR nodes -> what it becomes, ordered by name (the
+    same in every process: several of the tables are sets)."""
     table = {t: op.value for t, op in POINTWISE_ATEN.items()}
     table.update({t: "div, trunc_divide, floor_divide or fmod" for t in DIVIDE_ATEN})
     table.update({t: "view" for t in VIEW_ATEN})
@@ -479,7 +480,7 @@ def lowering_table() -> dict:
     table.update({t: op.value for t, op in REDUCE_ATEN.items()})
     table.update({t: f"{a.value} and {b.value}" for t, (a, b) in EXTREME_ATEN.items()})
     table.update(SPECIAL_ATEN)
-    return table
+    return dict(sorted(table.items(), key=lambda row: str(row[0])))
 
 
 class NotFusible(Exception):
