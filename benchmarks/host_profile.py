@@ -97,6 +97,8 @@ def _profile(step, steps: int) -> None:
     stats = pstats.Stats(profiler)
     print(f"Python function calls per step: {stats.total_calls / steps:.0f}")
     stats.sort_stats("tottime").print_stats(25)
+    print("memfuse's own functions (every one, however little time it took):")
+    stats.print_stats(r"memfuse[/\\]")
 
 
 @dataclasses.dataclass(frozen=True)
