@@ -41,7 +41,7 @@ def tile_divisions(body: str) -> list:
     return re.findall(r".* / [\w.()]+\[(?::, None|None, :)\].*", body)
 
 
-def near_powers_of_two(exponents, steps: int = 24) -> torch.Tensor:
+def near_powers_of_two(exponents, steps: int = 6) -> torch.Tensor:
     """The fp32 values within `steps` ulps of 2^e for each e, both signs."""
     values = []
     for e in exponents:
@@ -60,10 +60,11 @@ def random_bits(n: int, seed: int) -> torch.Tensor:
 
 
 def adversarial() -> torch.Tensor:
-    """Subnormals, 2^-127..2^-125, 1, 2^125..2^127, fp32's extremes, random exponents, the specials."""
+    """Subnormals, 2^-127..2^-125, 1, 2^125..2^127, fp32's extremes, random exponents, the specials.
+    About 500 values: the tests divide every one by every other (a quarter million quotients)."""
     return torch.cat([near_powers_of_two([-149, -140, -128, -127, -126, -125, -64, 0, 1, 64, 125, 126, 127]),
                       torch.tensor([1.1754942e-38, 3.4028235e38, -3.4028235e38, 0.1, 3.0, -7.0, 1e-45]),
-                      random_bits(300, seed=1), torch.tensor(SPECIAL)])
+                      random_bits(200, seed=1), torch.tensor(SPECIAL)])
 
 
 def ordered(values: torch.Tensor) -> torch.Tensor:
