@@ -19,7 +19,7 @@ endif
 BENCH_PY := $(or $(BENCH_PY),$(VENV)/bin/python)
 BENCH_SETUP = $(if $(filter $(VENV)/bin/python,$(BENCH_PY)),$(VENV)/.installed)
 
-.PHONY: test bench bench-models bench-budget bench-loss-head install clean
+.PHONY: test test-all bench bench-models bench-budget bench-loss-head install clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,8 +30,14 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
+# One pytest worker per core (pytest-xdist); a module whose tests share an expensive fixture keeps
+# them on one worker (xdist_group). make test leaves out the slow tier (tests/conftest.py,
+# SLOW_TESTS): about 20 minutes on two cores. make test-all runs every test: about an hour there.
 test: $(VENV)/.installed
-	TRITON_INTERPRET=1 $(PY) -m pytest -q tests
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -n auto --dist loadgroup -m "not slow" tests
+
+test-all: $(VENV)/.installed
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -n auto --dist loadgroup tests
 
 # ARGS: e.g. --workloads rms --quick (bench), --models gpt2 --modes eager,memfuse_whole (bench-models)
 bench: $(BENCH_SETUP)

@@ -5,6 +5,7 @@ anything imports triton or memfuse. On a machine with CUDA the kernels run for r
 """
 import logging
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -63,8 +64,48 @@ def _fresh_state(request):
         pytest.fail("a compile failed and the call ran through torch: " + "; ".join(failed), pytrace=False)
 
 
+# -- the slow tier: `make test-all` runs it, `make test` (CI: two cores, 30 minutes) leaves it out ------
+# Node-id patterns, each group with why it can wait: every test function of the fast tier still runs
+# at least once there (fp32 for the per-op matrices, one model family per mode), so what the slow
+# tier adds is a second dtype, a second family, or a run of a whole harness or of a fresh process.
+SLOW_TESTS = {
+    "a benchmark harness's tiny run (the harness around memfuse; memfuse's paths are tested in the fast tier)": [
+        r"test_bench_models\.py::test_tiny_run", r"test_bench_budget\.py::test_tiny_budget_run",
+        r"test_bench_loss_head\.py::test_tiny_run", r"test_bench_loss_head_kernels\.py::test_tiny_run",
+        r"test_kernel_sol\.py::test_tiny_table", r"test_launch\.py::test_host_profile",
+        r"test_instructions\.py::test_kernels_compile_for_sm90"],
+    "a fresh Python process (torch, triton and memfuse imported again: half a minute each)": [
+        r"test_first_call\.py::test_torch_compile_by_name_in_a_fresh_process",
+        r"test_first_call\.py::test_triton_key_comes_from_a_subprocess",
+        r"test_debug\.py::test_memfuse_log_is_read_at_import",
+        r"test_backend\.py::test_backend_found_without_importing_memfuse",
+        r"test_dropout\.py::test_philox_seeds_are_the_same_in_every_process"],
+    "two gloo ranks launched by benchmarks/distributed.py (minutes; the one-rank FSDP2 tests stay fast)": [
+        r"test_distributed\.py::test_(losses|ddp|fsdp2_frees|dropout_follows|table|hf_)"],
+    "training runs of examples/gpt.py over several steps (test_cli_runs stays fast)": [
+        r"test_example\.py::test_loss"],
+    "the bf16 half of a per-op or per-view matrix whose fp32 half runs every case": [
+        r"test_ops\.py::test_(lowered_op|composite)\[.*bfloat16\]",
+        r"test_views\.py::test_view_matches_eager_and_fuses\[.*bfloat16\]",
+        r"test_long_rows\.py::test_looped_equals_persistent_with_dropout\[bfloat16\]"],
+    "a second HuggingFace family or mode of a check that runs once per family and once per mode": [
+        r"test_models\.py::test_matches_eager_without_dropout\[(gpt2-memfuse_(per_layer|whole)"
+        r"|llama-memfuse_(backend|whole)|bert-memfuse_(backend|per_layer))\]",
+        r"test_chunked_head\.py::test_huggingface_heads_are_found_and_match_eager\[(gpt2|bert)\]",
+        r"test_hf_layers\.py::test_layers_compile_and_match_eager\[(gpt2|bert)\]",
+        r"test_loss_head\.py::test_hf_causal_lm_loss_behind_torch_compile_writes_no_vocab_row"],
+    "the GPU's flushing arithmetic over every adversarial quotient (IEEE arithmetic stays fast)": [
+        r"test_division\.py::test_(row|column)_divisor_within_two_ulps_of_division\[flushing\]"],
+}
+_SLOW = re.compile("|".join(f"(?:{pattern})" for patterns in SLOW_TESTS.values() for pattern in patterns))
+
+
 def pytest_collection_modifyitems(config, items):
-    """`gpu`-marked tests (pyproject.toml) need CUDA and real kernels, not the interpreter."""
+    """`slow` on the tests SLOW_TESTS names. `gpu`-marked tests (pyproject.toml) need CUDA and real
+    kernels, not the interpreter."""
+    for item in items:
+        if _SLOW.search(item.nodeid):
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (and TRITON_INTERPRET unset)")
