@@ -32,7 +32,7 @@ install: $(VENV)/.installed
 
 # One pytest worker per core (pytest-xdist); a module whose tests share an expensive fixture keeps
 # them on one worker (xdist_group). make test leaves out the slow tier (tests/conftest.py,
-# SLOW_TESTS): about 20 minutes on two cores. make test-all runs every test: about an hour there.
+# SLOW_TESTS): about half an hour on two cores. make test-all runs every test: about an hour more.
 test: $(VENV)/.installed
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -n auto --dist loadgroup -m "not slow" tests
 
