@@ -64,7 +64,7 @@ def _fresh_state(request):
         pytest.fail("a compile failed and the call ran through torch: " + "; ".join(failed), pytrace=False)
 
 
-# -- the slow tier: `make test-all` runs it, `make test` (CI: two cores, 30 minutes) leaves it out ------
+# -- the slow tier: `make test-all` runs it, `make test` (what CI runs on two cores) leaves it out -----
 # Node-id patterns, each group with why it can wait: every test function of the fast tier still runs
 # at least once there (fp32 for the per-op matrices, one model family per mode), so what the slow
 # tier adds is a second dtype, a second family, or a run of a whole harness or of a fresh process.

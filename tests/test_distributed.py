@@ -11,8 +11,8 @@ not on `.original`).
 
 Then the tiny HuggingFace families of benchmarks/models.py (bert, gpt2, llama; one launch each,
 one row per rank, 2 steps, no timing; GPT-2 under DDP and FSDP2, BERT under FSDP2, Llama under
-DDP) in memfuse_per_layer, memfuse_backend and memfuse_whole: losses and parameters match single-process eager made here, and every case ran
-memfuse's programs (no call or graph left to torch). FSDP2 with memfuse_whole shards the whole
+DDP) in memfuse_per_layer, memfuse_backend and memfuse_whole: losses and parameters match
+single-process eager made here, and every case ran memfuse's programs (no call or graph left to torch). FSDP2 with memfuse_whole shards the whole
 model as one group (memfuse traces the layers' forward, per-layer hooks would never run).
 """
 from __future__ import annotations
