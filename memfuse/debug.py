@@ -30,6 +30,8 @@ COUNTERS = {
                     "list and dict arguments, checking the tensors in one C++ call) did not serve: bound, "
                     "flattened and keyed on the slower Python path (first calls, autocast on, deeper pytrees)",
     "kernels_generated": "Triton kernels generated and loaded (runtime.Program, once per compile)",
+    "kernels_shared": "of those, kernels whose code an earlier kernel of the process has, up to its value names "
+                      "(a model's layers): they launch its function, compiled once (codegen.generate)",
     "kernels_loaded": "kernels whose binary precompile loaded from Triton's cache through memfuse's index, "
                       "without Triton's compile (precompile.BinaryIndex)",
     "kernels_launched": "Triton kernel launches (runtime.Program._launch, every call)",

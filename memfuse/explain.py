@@ -90,6 +90,7 @@ class KernelRow:
     passes: Optional[int] = None       # looped kernels: walks over each row (None: the row in registers)
     online: tuple = ()                 # looped kernels: sums of exp carried with their row max (one pass fewer each)
     not_online: tuple = ()             # looped kernels: (sum, why) for the sums of exp that keep their own pass
+    twin_of: Optional[str] = None      # the earlier kernel of the same code whose function it launches (codegen)
 
     @property
     def is_kernel(self) -> bool:
@@ -256,7 +257,8 @@ def _kernel_row(program_name: str, graph: Graph, group: KernelGroup, kernel, hin
                      (config.block_m if config is not None else None, source.constexprs["BLOCK_D"])
                      if source is not None else None,
                      source.persistent if source is not None else False,
-                     *((source.passes, source.online, source.not_online) if source is not None else ()))
+                     *((source.passes, source.online, source.not_online) if source is not None else ()),
+                     twin_of=kernel.twin_of if kernel is not None else None)
 
 
 def _extern_target(graph: Graph, name: str) -> str:
@@ -398,7 +400,8 @@ def _one_kernel(k: KernelRow) -> list:
             lines.append(f"      not online: {name}: {why}")
         partials = " (+ fp32 column partials per program)" if k.column_sums else ""
         lines.append(f"      moves {k.bytes_per_row} B per row, {human_bytes(k.bytes)} at the example sizes{partials}")
-        lines.append(f"      source: {k.path}")
+        twin = f" (shared with {k.twin_of}: the same code over other values, one binary)" if k.twin_of else ""
+        lines.append(f"      source: {k.path}{twin}")
     return lines
 
 

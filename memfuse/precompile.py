@@ -78,22 +78,31 @@ def start_driver(device: torch.device) -> Future:
 @timed("precompile")
 def precompile(programs: list, device: torch.device, config: Config, *, force: bool = False) -> int:
     """Compile every generated kernel of `programs` (runtime.Program, None skipped) for `device`
-    in parallel threads and wait for them; returns how many kernels were handed to Triton."""
+    in parallel threads and wait for them, twins (codegen) once for all; returns how many
+    binaries were handed to Triton."""
     if not (force or enabled(device, config)):
         return 0
-    launches = [(program.graph, step) for program in programs if program is not None
-                for step in program.steps if isinstance(step, KernelLaunch)]
-    if not launches:
+    by_binary: dict = {}           # (function, launch config) -> its launches: twins share one binary
+    for program in programs:
+        for step in (program.steps if program is not None else []):
+            if isinstance(step, KernelLaunch):
+                key = (step.kernel.fn, step.launch_config(device, config))
+                by_binary.setdefault(key, []).append((program.graph, step))
+    if not by_binary:
         return 0
     if device.type == "cuda":
         start_driver(device).result()      # one driver set-up, never two racing ones
-    futures = [_executor().submit(_warm_up, graph, launch, device, config) for graph, launch in launches]
-    for (_, launch), future in zip(launches, futures):
+    futures = {key: _executor().submit(_warm_up, *launches[0], device, config) for key, launches in by_binary.items()}
+    for key, future in futures.items():
+        (_, first), *twins = by_binary[key]
         error = future.exception()
         if error is not None:
             log.info("memfuse: precompiling %s failed (%s: %s); it compiles at its first launch",
-                     launch.group.name, type(error).__name__, error)
-    return len(launches)
+                     first.group.name, type(error).__name__, error)
+        elif device.type == "cuda":
+            for _, twin in twins:
+                twin.launcher.compiled[(device.index, key[1])] = future.result()
+    return len(by_binary)
 
 
 def warmup_arguments(graph, launch: KernelLaunch, device: torch.device, config: Config) -> tuple[list, dict]:
@@ -118,11 +127,12 @@ def warmup_arguments(graph, launch: KernelLaunch, device: torch.device, config: 
     return args, {**launch.launcher.keywords(chosen), "num_warps": chosen.num_warps}
 
 
-def _warm_up(graph, launch: KernelLaunch, device: torch.device, config: Config) -> None:
+def _warm_up(graph, launch: KernelLaunch, device: torch.device, config: Config):
+    """The kernel compiled (or loaded) for `launch`'s configuration, handed to its launcher."""
     args, keywords = warmup_arguments(graph, launch, device, config)
     if device.type != "cuda":
         launch.kernel.fn.warmup(*args, grid=(1,), **keywords)   # the interpreter: returns at once
-        return
+        return None
     chosen = launch.launch_config(device, config)
     index = BinaryIndex(config.cache_dir)
     with torch.cuda.device(device):
@@ -137,6 +147,7 @@ def _warm_up(graph, launch: KernelLaunch, device: torch.device, config: Config) 
             STATS["kernels_loaded"] += 1
         compiled._init_handles()   # load the binary and build the launcher now, not at the first launch
     launch.launcher.compiled[(device.index, chosen)] = compiled
+    return compiled
 
 
 @contextlib.contextmanager

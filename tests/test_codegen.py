@@ -3,14 +3,17 @@ hand-built groups launched directly on CPU tensors through the interpreter."""
 import re
 from pathlib import Path
 
+import pytest
 import sympy
 import torch
+import torch.nn.functional as F
 
 from helpers import BLOCKS, block_inputs, forward_backward, rel_error
 
 import memfuse
 from memfuse.capture import capture
 from memfuse.codegen import generate
+from memfuse.codegen.cache import structure
 from memfuse.config import Config
 from memfuse.ir import Graph, Kind, Node, Op, Reduce, Value, verify
 from memfuse.plan import plan
@@ -340,3 +343,82 @@ def test_programs_call_views_and_matmuls_as_tensor_methods():
     source = entry.function.forward.source + entry.function.backward.source
     assert ".mm(" in source and ".bmm(" in source and ".permute(" in source
     assert "mf_aten_" not in source               # every aten call here has a method form
+
+
+# -- twins: kernels of the same code launch one function, compiled once -----------------------------
+def four_layers(x, *weights):
+    """Four layers of one code (matmul, then ReLU, residual add and LayerNorm), other values each: the
+    middle ones' kernels are the same code (the first reads the input, the last writes the output)."""
+    for w, g in zip(weights[0::2], weights[1::2]):
+        x = F.layer_norm(torch.relu(F.linear(x, w)) + x, (x.shape[-1],), g)
+    return x
+
+
+def four_layer_inputs(d=24):
+    weights = [t for _ in range(4) for t in ((torch.randn(d, d) / d ** 0.5), torch.randn(d))]
+    return [torch.randn(3, 5, d, requires_grad=True)] + [w.requires_grad_() for w in weights]
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_layers_of_one_code_share_their_kernels_and_match_eager(tmp_path, autocast):
+    """The weight gradients come out of kernels that read the matmul's output through a transpose,
+    its stride an argument: one function for the four of them too."""
+    tensors = four_layer_inputs()
+    fused = memfuse.memory_efficient_fusion(four_layers, config=Config(cache_dir=tmp_path))
+    grad_output = torch.randn(3, 5, 24)
+    precision = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
+    with precision:
+        out, grads = forward_backward(fused, tensors, {}, grad_output)
+        expected, expected_grads = forward_backward(four_layers, tensors, {}, grad_output)
+        function = fused.compiled_for(*tensors).function
+    tolerance = 1e-2 if autocast else 1e-5
+    assert rel_error(out, expected) <= tolerance
+    for grad, expected_grad in zip(grads, expected_grads):
+        assert rel_error(grad, expected_grad) <= tolerance
+    kernels = [step.kernel for program in (function.forward, function.backward) for step in program.steps
+               if hasattr(step, "kernel")]
+    twins = [k for k in kernels if k.twin_of is not None]
+    assert twins and memfuse.stats()["kernels_shared"] == len(twins)
+    by_name = {k.source.name: k for k in kernels}
+    for twin in twins:
+        first = by_name[twin.twin_of]
+        assert first.twin_of is None and twin.fn is first.fn and twin.path == first.path
+        assert twin.source.source != first.source.source              # its own names, for dumps and explain
+        assert structure(twin.source.source, twin.source.name) == structure(first.source.source, first.source.name)
+    assert len({id(k.fn) for k in kernels}) == len(kernels) - len(twins)
+    files = list((tmp_path / "kernels").glob("*.py"))
+    assert len(files) == len(kernels) - len(twins)                     # a twin writes and imports no file
+    strided = [k for k in kernels if "through access maps" in k.source.summary]
+    assert len(strided) == 4 and len({id(k.fn) for k in strided}) == 1
+
+
+def test_structure_renames_locals_and_keeps_what_changes_meaning():
+    def kernel(name, *, a="x", b="y", literal="0.5", keyword="mask", dns="x"):
+        return (f"import triton\nimport triton.language as tl\n\n"
+                f"@triton.jit(do_not_specialize=['{dns}'])\n"
+                f"def {name}({a}, {b}_ptr, M):\n"
+                f"    {b} = tl.load({b}_ptr + tl.arange(0, 16), {keyword}=tl.arange(0, 16) < M)  # a comment\n"
+                f"    tl.store({b}_ptr, {b} * {literal} + {a})\n")
+    first = structure(kernel("memfuse_forward_3"), "memfuse_forward_3")
+    assert structure(kernel("memfuse_forward_9", a="seed_v", b="add_7", dns="seed_v"), "memfuse_forward_9") == first
+    assert "comment" not in first and "memfuse_forward" not in first
+    assert structure(kernel("k", literal="0.25"), "k") != first           # a literal: another dropout site, scale
+    assert structure(kernel("k", keyword="other"), "k") != first          # keyword names are not renamed
+    assert structure(kernel("k", dns="M"), "k") != first                  # nor is what do_not_specialize means
+    assert structure(kernel("k", a="y", b="x", dns="y"), "k") == first    # names swapped: the same function
+
+
+def test_kernels_of_other_types_or_sizes_are_not_twins(tmp_path):
+    """The same code over bf16 or over rows of another length is another binary (Triton specializes
+    on pointer dtypes and constexprs; the binary index and tuning cache are keyed by the file)."""
+    config = Config(cache_dir=tmp_path)
+    kernels = []
+    for dtype, d in [(torch.float32, 40), (torch.bfloat16, 40), (torch.float32, 48), (torch.float32, 40)]:
+        graph = build([Node("a", Op.INPUT, (), Value(dtype, Kind.FULL, (M, d), m=M, d=d)),
+                       Node("b", Op.INPUT, (), Value(dtype, Kind.FULL, (M, d), m=M, d=d)),
+                       Node(f"sum_{len(kernels)}", Op.ADD, ("a", "b"), Value(dtype, Kind.FULL, (M, d), m=M, d=d))],
+                      ["a", "b"], [f"sum_{len(kernels)}"])
+        group = schedule(graph, config, "forward").kernels[0]
+        kernels.append(generate(graph, group, config))
+    assert [k.twin_of for k in kernels] == [None, None, None, kernels[0].source.name]
+    assert len({id(k.fn) for k in kernels}) == 3

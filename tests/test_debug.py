@@ -41,9 +41,10 @@ def test_stats_lists_every_counter():
     assert all(v == 0 for v in memfuse.stats().values())
 
 
-def test_compiles_hits_and_kernel_counters():
+def test_compiles_hits_and_kernel_counters(tmp_path):
     inputs = layer_norm_inputs()
-    fused = memfuse.memory_efficient_fusion(layer_norm_block)
+    # a cache directory of its own: no kernel an earlier test generated is shared (kernels_shared)
+    fused = memfuse.memory_efficient_fusion(layer_norm_block, config=memfuse.Config(cache_dir=tmp_path))
     fused(*inputs.tensors, **inputs.consts).backward(inputs.grad_output)
     assert memfuse.stats() == {**dict.fromkeys(COUNTERS, 0), "compiles": 1, "kernels_generated": 2,
                                "kernels_launched": 2, "front_misses": 1}

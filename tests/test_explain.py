@@ -248,3 +248,17 @@ def test_draw_memory_of_one_training_step(tmp_path):
 def test_draw_memory_of_a_call_that_runs_through_torch_says_why():
     with pytest.raises(ValueError, match="no programs to draw: memfuse: NormGate runs through torch"):
         memfuse.draw_memory(NormGate(), torch.randn(4, 16), cache=object())
+
+
+def test_twins_say_whose_binary_they_launch(tmp_path):
+    from test_codegen import four_layer_inputs, four_layers
+    tensors = four_layer_inputs()
+    # a cache directory of its own: every twin's first kernel is one of this compile's
+    fused = memfuse.memory_efficient_fusion(four_layers, config=memfuse.Config(cache_dir=tmp_path))
+    report, printed = quiet_explain(fused, *tensors)
+    twins = [k for k in report.kernels if k.twin_of is not None]
+    assert twins
+    names = {k.name for k in report.kernels}
+    for twin in twins:
+        assert twin.twin_of in names and twin.twin_of != twin.name
+        assert f"(shared with {twin.twin_of}: the same code over other values, one binary)" in printed

@@ -96,6 +96,24 @@ def test_precompile_walks_every_kernel_without_a_gpu():
     fused(*tensors, **consts).backward(grad)       # and the program still runs
 
 
+def test_precompile_builds_one_binary_for_twins(tmp_path, monkeypatch):
+    """Layers of one code share their function (codegen): precompile hands each function and launch
+    configuration to Triton once, whatever the number of launches."""
+    from test_codegen import four_layer_inputs, four_layers
+    tensors = four_layer_inputs()
+    fused = memfuse.memory_efficient_fusion(four_layers, config=memfuse.Config(cache_dir=tmp_path))
+    fused(*tensors).sum().backward()
+    function = fused.compiled_for(*tensors).function
+    launches = _launches(function)
+    functions = {launch.kernel.fn for _, launch in launches}
+    assert len(functions) < len(launches)
+    warmed = []
+    monkeypatch.setattr(precompile, "_warm_up", lambda graph, launch, *rest: warmed.append(launch.kernel.fn))
+    count = precompile.precompile([function.forward, function.backward], torch.device("cpu"),
+                                  function.forward.config, force=True)
+    assert count == len(warmed) == len(functions) and set(warmed) == functions
+
+
 def test_precompile_is_a_config_switch(monkeypatch):
     monkeypatch.setenv("MEMFUSE_PRECOMPILE", "0")
     assert not memfuse.Config().precompile
