@@ -90,10 +90,11 @@ def manifest_entry(graph, launch) -> dict:
     launch.configs[CUDA] = chosen
     args, keywords = warmup_arguments(graph, launch, CUDA, Config())
     num_warps = keywords.pop("num_warps")
-    names = [a.name for a in source.args]
+    names = launch.kernel.fn.arg_names       # the launched function's (a twin's own names are other)
     signature = {name: "*" + POINTER_TYPES[arg] if isinstance(arg, torch.dtype) else
                  "fp32" if isinstance(arg, float) else "i32" for name, arg in zip(names, args)}
-    return {"path": str(launch.kernel.path), "name": launch.kernel.function_name, "signature": signature, "constexprs": keywords,
+    return {"path": str(launch.kernel.path), "name": launch.kernel.function_name, "signature": signature,
+            "constexprs": keywords,
             "num_warps": num_warps, "num_stages": chosen.num_stages, "config": _config(dataclasses.asdict(chosen)),
             "block_m": chosen.block_m, "block_d": source.constexprs["BLOCK_D"], "d": source.constexprs["D"],
             "bytes_per_row": source.bytes_per_row, "summary": source.summary,

@@ -57,3 +57,22 @@ def test_kernels_compile_for_sm90_and_are_judged(tmp_path):
         if entry["persistent"]:
             assert 0 < row["per_tile"] < row["sass"], row
     assert "| `" in instructions.report("tiny", rows)
+
+
+def test_a_twins_entry_names_the_function_it_launches(tmp_path):
+    """A kernel sharing an earlier one's function (codegen's twins) is compiled from that file, under
+    that function's name and parameter names."""
+    from test_codegen import four_layer_inputs, four_layers
+    tensors = four_layer_inputs()
+    fused = memfuse.memory_efficient_fusion(four_layers, config=memfuse.Config(cache_dir=tmp_path))
+    fused(*tensors).sum().backward()
+    entry = fused.compiled_for(*tensors)
+    launches = [(program.graph, step) for program in (entry.function.forward, entry.function.backward)
+                for step in program.steps if isinstance(step, KernelLaunch)]
+    twins = [(graph, launch) for graph, launch in launches if launch.kernel.twin_of is not None]
+    assert twins
+    for graph, launch in twins:
+        e = instructions.manifest_entry(graph, launch)
+        assert e["name"] == launch.kernel.twin_of and f"def {e['name']}(" in Path(e["path"]).read_text()
+        assert list(e["signature"]) == launch.kernel.fn.arg_names[:len(e["signature"])]
+        assert list(e["signature"]) != [a.name for a in launch.kernel.source.args]
