@@ -121,7 +121,7 @@ def warmup_arguments(graph, launch: KernelLaunch, device: torch.device, config: 
             args.append(torch.int32)
         elif a.role == "scalar":
             args.append(1.5 if graph[a.value].value.dtype.is_floating_point else MOCK_INT)
-        else:                               # strides, rows, tiles per program
+        else:                               # the stream base, strides, rows, tiles per program
             args.append(MOCK_INT)
     chosen = launch.launch_config(device, config)
     return args, {**launch.launcher.keywords(chosen), "num_warps": chosen.num_warps}

@@ -543,6 +543,9 @@ class _ProgramWriter:
             elif arg.role == "scalar":
                 values.append(arg.value)
                 pointers.append(arg.value)
+            elif arg.role == "stream_base":
+                values.append(str(arg.constant))
+                pointers.append(str(arg.constant))
             elif arg.role == "totals":
                 values.append(totals[arg.value])
                 pointers.append(f"{totals[arg.value]}.data_ptr()")

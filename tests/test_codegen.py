@@ -63,6 +63,8 @@ def launch(kernel, env: dict, rows: int, programs: int = None, tile_elements: in
             args.append(buffers["counter"])
         elif arg.role == "rows":
             args.append(rows)
+        elif arg.role == "stream_base":
+            args.append(arg.constant)
         else:
             assert arg.role == "tiles", arg
             args.append(cdiv(tiles, programs))
@@ -390,6 +392,42 @@ def test_layers_of_one_code_share_their_kernels_and_match_eager(tmp_path, autoca
     assert len(files) == len(kernels) - len(twins)                     # a twin writes and imports no file
     strided = [k for k in kernels if "through access maps" in k.source.summary]
     assert len(strided) == 4 and len({id(k.fn) for k in strided}) == 1
+
+
+def dropout_layers(x, *weights, masks=None):
+    """Layers of one code drawing dropout masks: each output's zeros are its dropped elements (the
+    value before dropout is at least 1). With `masks`, eager applies those instead of drawing."""
+    outputs = []
+    for i, w in enumerate(weights):
+        before = torch.relu(x @ w) + 1.0
+        x = F.dropout(before, 0.5, training=True) if masks is None else before * masks[i] * 2.0
+        outputs.append(x)
+    return tuple(outputs)
+
+
+def test_twins_draw_their_own_dropout_streams_in_both_directions(tmp_path):
+    """A twin launches the first kernel's binary with its own stream base: each layer's mask is its
+    own (not the first layer's), and the backward regenerates the forward's mask in every layer."""
+    x = torch.randn(6, 16, requires_grad=True)
+    weights = [(torch.randn(16, 16) / 4).requires_grad_() for _ in range(4)]
+    fused = memfuse.memory_efficient_fusion(dropout_layers, config=Config(cache_dir=tmp_path))
+    outputs = fused(x, *weights)
+    function = fused.compiled_for(x, *weights).function
+    drawing = [step.kernel for program in (function.forward, function.backward) for step in program.steps
+               if hasattr(step, "kernel") and "tl.rand" in step.kernel.source.source]
+    bases = [a.constant for k in drawing for a in k.source.args if a.role == "stream_base"]
+    assert any(k.twin_of for k in drawing) and len(bases) == len(drawing)
+    masks = [(o != 0).float() for o in outputs]
+    assert all(0.2 < m.mean() < 0.8 for m in masks)
+    assert all(not torch.equal(masks[i], masks[j]) for i in range(4) for j in range(i))
+    upstream = [torch.randn_like(o) for o in outputs]
+    grads = torch.autograd.grad(sum((o * u).sum() for o, u in zip(outputs, upstream)), [x, *weights])
+    expected_outputs = dropout_layers(x, *weights, masks=masks)
+    expected = torch.autograd.grad(sum((o * u).sum() for o, u in zip(expected_outputs, upstream)), [x, *weights])
+    for output, expected_output in zip(outputs, expected_outputs):
+        assert rel_error(output.detach(), expected_output.detach()) <= 1e-5
+    for grad, expected_grad in zip(grads, expected):
+        assert rel_error(grad, expected_grad) <= 1e-5
 
 
 def test_structure_renames_locals_and_keeps_what_changes_meaning():

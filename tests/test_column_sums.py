@@ -234,21 +234,23 @@ def kernel_ptx(launch: KernelLaunch, graph) -> str:
     Triton compiles to PTX without a GPU."""
     source = launch.kernel.source
     signature = {}
-    for arg in source.args:
+    # the launched function's parameter names: a twin (codegen) launches an earlier kernel's function
+    for name, arg in zip(launch.kernel.fn.arg_names, source.args):
         if arg.role in ("read", "write"):
-            signature[arg.name] = POINTER_TYPES[graph[arg.value].value.dtype]
+            signature[name] = POINTER_TYPES[graph[arg.value].value.dtype]
         elif arg.role == "totals":
-            signature[arg.name] = POINTER_TYPES[getattr(torch, arg.value)]
+            signature[name] = POINTER_TYPES[getattr(torch, arg.value)]
         elif arg.role == "partials":
-            signature[arg.name] = POINTER_TYPES[launch.partials_dtypes[Op(arg.value)]]
+            signature[name] = POINTER_TYPES[launch.partials_dtypes[Op(arg.value)]]
         elif arg.role == "counter":
-            signature[arg.name] = "*i32"
+            signature[name] = "*i32"
         else:
             assert arg.role in ("rows", "tiles"), arg
-            signature[arg.name] = "i32"
+            signature[name] = "i32"
     constexprs = {**source.constexprs, "BLOCK_M": 4, "NUM_STAGES": 1}
     signature.update({name: "constexpr" for name in ("D", "BLOCK_M", "BLOCK_D", "NUM_STAGES")})
-    spec = {"path": launch.kernel.path, "name": source.name, "signature": signature, "constexprs": constexprs}
+    spec = {"path": launch.kernel.path, "name": launch.kernel.function_name, "signature": signature,
+            "constexprs": constexprs}
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     child = subprocess.run([sys.executable, "-c", PTX_OF, json.dumps(spec)], env=env, capture_output=True,
                            text=True, timeout=300, check=False)

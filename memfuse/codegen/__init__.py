@@ -68,7 +68,7 @@ def _argument_type(graph: Graph, source: KernelSource, arg: Arg) -> str:
         return f"partials:{source.partials_dtypes[Op(arg.value)]}"
     if arg.role == "totals":
         return f"totals:{arg.value}"      # the dtype's name
-    return arg.role                       # strides, rows, tiles, the counter: ints
+    return arg.role                       # the stream base, strides, rows, tiles, the counter: ints
 
 
 __all__ = ["Arg", "CompiledKernel", "KernelSource", "dtype_name", "generate"]

@@ -24,17 +24,18 @@ from ..schedule import KernelGroup, stores_padded
 RESERVED = {"pid", "num_programs", "cols", "col_mask", "rows", "row_mask", "mask", "offsets",
             "tile", "step", "tl", "triton", "M", "D", "BLOCK_M", "BLOCK_D", "seed", "tiles_per_program",
             "float", "range", "int", "partials", "partials_max", "partials_min",
-            "ticket", "first", "programs", "partials_mask", "done"}
+            "ticket", "first", "programs", "partials_mask", "done", "stream_base"}
 
 
 @dataclass(frozen=True)
 class Arg:
     """One kernel argument, in launch order."""
     name: str                 # parameter name in the kernel
-    role: str                 # "read", "in_place", "stride", "write", "scalar", "totals", "partials",
-    #                           "counter", "rows", "tiles"
+    role: str                 # "read", "in_place", "stride", "write", "scalar", "stream_base", "totals",
+    #                           "partials", "counter", "rows", "tiles"
     value: Optional[str] = None   # the graph value it carries (tensor or scalar args)
     dim: Optional[int] = None     # "stride": which dim of the value
+    constant: Optional[int] = None   # "stream_base": the int every launch passes
 
 
 @dataclass
@@ -118,6 +119,9 @@ class RowKernelWriter:
         self.roots_only = set(self.roots) - plain - set(group.outputs)   # never loaded as [M, D]
         self.divisors = self.scaled_divisors()   # value -> (kind, dtype) it divides: each gets a scaled reciprocal
         self.reciprocals: dict = {}   # divisor -> the fp32 expression its reciprocal registers were computed from
+        # the first random stream the kernel draws from, passed at launch (an argument, not a literal: a
+        # model's layers draw from other streams with the same code, and share one binary)
+        self.stream_base = min((graph[n].attr.stream for n in group.nodes if graph[n].op is Op.RAND), default=None)
 
     def use(self, helper: Optional[str]) -> None:
         if helper is not None and helper not in self.helpers:
@@ -219,7 +223,7 @@ class RowKernelWriter:
         self.write_helpers(out)
         out()
         self.header(out)
-        scalars = [a.name for a in args if a.role in ("scalar", "stride", "rows", "tiles")]
+        scalars = [a.name for a in args if a.role in ("scalar", "stream_base", "stride", "rows", "tiles")]
         out(f"@triton.jit(do_not_specialize={scalars!r})")
         out(f"def {g.name}(")
         out.indent()
@@ -261,6 +265,8 @@ class RowKernelWriter:
             else:
                 in_place = name in self.roots and not self.roots[name].contiguous_root
                 args.append(Arg(f"{name}_ptr", "in_place" if in_place else "read", name))
+            if node.op is Op.SEED and self.stream_base is not None:
+                args.append(Arg("stream_base", "stream_base", constant=self.stream_base))
         for root, layout in self.roots.items():   # strides of the tensors read in place
             dims = len(self.graph[root].value.shape) - layout.last_stride_one   # (a last stride of 1 is no argument)
             args.extend(Arg(f"{root}_stride{j}", "stride", root, j) for j in range(dims))
@@ -304,6 +310,8 @@ class RowKernelWriter:
             return "  # int32 tickets: [0] groups finished, [1 + g] programs of group g done; reset to 0"
         if arg.role == "scalar":
             return "  # per-call scalar"
+        if arg.role == "stream_base":
+            return f"  # the first random stream drawn here ({arg.constant}): streams are seed + stream_base + k"
         if arg.role == "rows":
             return "  # rows: a runtime value, so one kernel serves every batch size"
         return "  # tiles each program walks"
@@ -719,7 +727,8 @@ class RowKernelWriter:
         regenerates exactly the forward's values. Philox yields four numbers per call, so each
         call serves four neighbouring columns when D allows (a quarter of the arithmetic)."""
         target = self.reg(node.name)
-        seed = f"{self.reg(node.inputs[0])} + {node.attr.stream}"
+        past_base = node.attr.stream - self.stream_base
+        seed = f"{self.reg(node.inputs[0])} + stream_base" + (f" + {past_base}" if past_base else "")
         if self.d % 4 or self.block_d < 4:
             out(f"{target} = tl.rand({seed}, offsets)")
             return
