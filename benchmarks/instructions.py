@@ -18,7 +18,11 @@ spilled) and the **warps an SM** can hold at that count come from cuobjdump's re
 resident warps leave memory latency unhidden whatever the count says. A looped kernel (rows past the
 persistent limit: passes over chunks) and a kernel over [D] alone get their static count only. A
 count is not a time: it ranks kernels and says which side of the roofline a kernel is on; GPU time
-comes from benchmarks.kernel_sol.
+comes from benchmarks.kernel_sol. The report's header also says how many launches a step makes, how
+many functions they launch (codegen's twins: a model's layers share theirs) and the seconds Triton's
+compiles of those took on this machine's CPU from an empty cache, one after another (a proxy for the
+compile share of the first step: `precompile` on a GPU host runs them in threads, which Triton's
+compiler holds the GIL in).
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -162,9 +167,12 @@ def tile_loop(listing: list) -> int:
 
 
 def kernel_row(entry: dict) -> dict:
+    start = time.perf_counter()
     kernel = compile_sm90(entry)
+    compile_s = time.perf_counter() - start     # Triton's compile on this machine's CPU (a cold cache: a fresh one)
     listing = sass_listing(kernel)
     row = {k: entry[k] for k in ("name", "summary", "d", "config", "one_tile")}
+    row["compile_s"] = compile_s
     row["sass"] = len(listing)
     row["registers"], row["spilled"], row["warps_per_sm"] = resident_warps(kernel, entry["num_warps"])
     per_tile = len(listing) if entry["one_tile"] else tile_loop(listing) if entry["persistent"] else 0
@@ -177,9 +185,12 @@ def kernel_row(entry: dict) -> dict:
     return row
 
 
-def report(model_name: str, rows: list) -> str:
+def report(model_name: str, rows: list, launches: int = 0) -> str:
+    compiled = (f"{launches} kernel launches a step, {len(rows)} functions (codegen's twins share one), "
+                f"compiled by Triton for sm_90 in {sum(r.get('compile_s', 0) for r in rows):.1f} s on this CPU, "
+                f"one after another" if launches else "")
     lines = [f"## {model_name}, the whole model wrapped: SASS of each kernel for sm_90 (static count, an H100's "
-             f"default launch configurations)", "",
+             f"default launch configurations)", "", *([compiled, ""] if compiled else []),
              "| kernel | D | config | SASS | registers (spilled B) | warps an SM | a tile | per element | "
              "issue ns / tile | memory ns / tile | bound | what |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -215,17 +226,16 @@ def main(argv: list[str] | None = None) -> None:
     os.environ["TRITON_INTERPRET"] = "1"           # the step runs through the interpreter
     args.out.mkdir(parents=True, exist_ok=True)
     for model_name in models:
-        entries = list({e["path"]: e for e in (manifest_entry(graph, launch)
-                                              for graph, launch in step_kernels(model_name, args.tokens,
-                                                                                not args.fp32))}.values())
+        launches = step_kernels(model_name, args.tokens, not args.fp32)
+        entries = list({e["path"]: e for e in (manifest_entry(graph, launch) for graph, launch in launches)}.values())
         manifest = args.out / f"instructions-{model_name}.manifest.json"
         manifest.write_text(json.dumps(entries))
-        env = {**os.environ, "TRITON_INTERPRET": "0"}
+        env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": tempfile.mkdtemp(prefix="triton-")}
         subprocess.run([sys.executable, "-m", "benchmarks.instructions", "--compile", str(manifest)], check=True,
                        env=env, cwd=Path(__file__).resolve().parent.parent)
         rows = json.loads(manifest.with_suffix(".rows.json").read_text())
         rows.sort(key=lambda r: -(r.get("issue_ns", 0) / max(r.get("memory_ns", 0), 1e-9)))
-        text = report(model_name, rows)
+        text = report(model_name, rows, len(launches))
         print(text + "\n", flush=True)
         (args.out / f"instructions-{model_name}.json").write_text(json.dumps(rows, indent=1))
         (args.out / f"instructions-{model_name}.md").write_text(text + "\n")

@@ -57,6 +57,8 @@ def test_kernels_compile_for_sm90_and_are_judged(tmp_path):
         if entry["persistent"]:
             assert 0 < row["per_tile"] < row["sass"], row
     assert "| `" in instructions.report("tiny", rows)
+    assert all(r["compile_s"] > 0 for r in rows)
+    assert f"7 kernel launches a step, {len(rows)} functions" in instructions.report("tiny", rows, launches=7)
 
 
 def test_a_twins_entry_names_the_function_it_launches(tmp_path):
