@@ -31,7 +31,7 @@ import torch
 
 from .capture import TensorConstant
 from .debug import timed
-from .ir import Extern, Graph, Op, Value, aten_schema
+from .ir import Extern, Graph, Op, Value, ValueRef, aten_schema
 from .schedule import ALIASING_CALLS, ExternStep, KernelGroup, Schedule
 
 ENTRY = "entry"      # the plan's first step: the inputs, unpacked from the caller's list
@@ -220,18 +220,32 @@ def _extern(graph: Graph, name: str, k: int, rows: dict, storage: dict) -> tuple
     if name in rows:
         return [rows[name].totals], [_row(graph, name, rows[name], k)]
     reads = [n for n in node.inputs if n in storage]
-    if node.op is Op.GETITEM:                  # an element: new like its tuple's call, or a view of its inputs
-        fresh, aliases = _extern_storage(graph[node.inputs[0]])
-        held = _held(graph[node.inputs[0]].inputs, storage) if aliases else frozenset()
-        return reads, [_buffer(graph, name, Origin.ATEN, held | ({name} if fresh else set()), k, fresh)]
+    if node.op is Op.GETITEM:                  # an element: part of its tuple's new storage, or a view of inputs
+        call = graph[node.inputs[0]]
+        fresh, aliases = _extern_storage(call, node.attr.index)
+        held = _held(_aliased_inputs(call, node.attr.index), storage) if aliases else frozenset()
+        return reads, [_buffer(graph, name, Origin.ATEN, held | ({call.name} if fresh else set()), k, False)]
     if node.op in (Op.VIEW, Op.CAST):          # `.reshape`, and `.to(dtype)` when the dtype changes
         fresh = graph[node.inputs[0]].value.dtype != node.value.dtype
         return reads, [_buffer(graph, name, Origin.ATEN, {name} if fresh else _held(reads, storage), k, fresh)]
+    if node.value.dtype is None:               # a tuple: made with the call, the new storage of its elements
+        return reads, [_tuple(graph, node, k, _held(reads, storage))]
     fresh, aliases = _extern_storage(node)
     own = {name} if fresh else set()
-    if node.value.dtype is None:               # a tuple: it holds the elements its getitems take
-        own = {u for u in graph.users()[name] if graph[u].op is Op.GETITEM} if fresh else set()
     return reads, [_buffer(graph, name, Origin.ATEN, own | (_held(reads, storage) if aliases else set()), k, fresh)]
+
+
+def _tuple(graph: Graph, node, k: int, inputs_held: frozenset) -> Buffer:
+    """An aten call's tuple: it brings the bytes of its elements that alias nothing (allocated by
+    the call, while its inputs are still held: counted at its step, not at the getitems' after it)
+    and holds its inputs' storage where an element may alias one. Its fresh elements hold its
+    storage, which goes when the tuple and all of them have."""
+    elements = [u for u in graph.users()[node.name] if graph[u].op is Op.GETITEM]
+    fresh = [u for u in elements if _extern_storage(node, graph[u].attr.index)[0]]
+    aliases = len(fresh) < len(elements) or _extern_storage(node)[1] and not elements
+    nbytes = sum((_nbytes(graph[u].value.dtype, graph[u].value.shape) for u in fresh), sympy.Integer(0))
+    storage = ({node.name} if fresh else set()) | (inputs_held if aliases else set())
+    return Buffer(node.name, Origin.ATEN, None, (), nbytes, frozenset(storage), k)
 
 
 def _held(names, storage: dict) -> frozenset:
@@ -239,8 +253,9 @@ def _held(names, storage: dict) -> frozenset:
     return frozenset().union(*(storage[n] for n in names if n in storage))
 
 
-def _extern_storage(node) -> tuple:
-    """(whether an aten call's result brings new storage, whether it may hold its inputs')."""
+def _extern_storage(node, element: Optional[int] = None) -> tuple:
+    """(whether an aten call's result, or its tuple's `element`, brings new storage, whether it may
+    hold its inputs')."""
     if not isinstance(node.attr, Extern):
         return True, True
     target = node.attr.target
@@ -250,9 +265,23 @@ def _extern_storage(node) -> tuple:
         return False, True
     schema = aten_schema(target)
     if schema is not None:
-        aliases = any(r.alias_info is not None for r in schema.returns)
+        returns = schema.returns if element is None else schema.returns[element:element + 1]
+        aliases = any(r.alias_info is not None for r in returns)
         return not aliases, aliases
     return True, True                          # any other callable: either
+
+
+def _aliased_inputs(call, element: int) -> list:
+    """The inputs of an aten call that its tuple's `element` may hold: those of the arguments its
+    schema gives the element's alias set (an in-place op's written argument), else all of them."""
+    schema = aten_schema(call.attr.target) if isinstance(call.attr, Extern) else None
+    alias = schema.returns[element].alias_info if schema is not None else None
+    if alias is None or not isinstance(call.attr.args, tuple):
+        return list(call.inputs)
+    sets = alias.before_set
+    named = [a.name for argument, a in zip(schema.arguments, call.attr.args)
+             if isinstance(a, ValueRef) and argument.alias_info is not None and argument.alias_info.before_set & sets]
+    return named or list(call.inputs)
 
 
 def _buffer(graph: Graph, name: str, origin: Origin, storage, k: int, fresh: bool = True) -> Buffer:

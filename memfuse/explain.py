@@ -417,13 +417,13 @@ def padding_lines(r: Report) -> list:
 
 
 def in_place_lines(r: Report) -> list:
-    """The aten scatters that write into their fresh fill in place (memfuse.reinplace)."""
+    """The aten calls that write in place into memory nobody else reads (memfuse.reinplace)."""
     rows = [(name, s) for name, program in (("forward", r.entry.function.forward),
                                             ("backward", r.entry.function.backward))
             if program is not None for s in program.schedule.in_place]
     if not rows:
         return []
-    return ["", "scatters written in place (no clone of their base)"] + [f"  {name} {s}" for name, s in rows]
+    return ["", "aten calls written in place (no clone, no second buffer)"] + [f"  {name} {s}" for name, s in rows]
 
 
 def buffer_lines(r: Report) -> list:

@@ -333,13 +333,49 @@ def linear_cross_entropy_backward(loss_gradient: torch.Tensor, logits_gradient: 
     the graph, or None."""
     with _no_autocast(hidden.device):
         if weight_unit.numel():    # the forward formed them
-            scale = loss_gradient.to(torch.float32)
-            hidden_gradient, weight_gradient, bias_gradient = (u * scale for u in (hidden_unit, weight_unit, bias_unit))
-            if logits_gradient is not None:
-                _add_incoming(hidden_gradient, weight_gradient, bias_gradient, logits_gradient, hidden, weight, dtype)
-            return hidden_gradient, weight_gradient, bias_gradient
+            return _scaled(loss_gradient, logits_gradient, hidden, weight, (hidden_unit, weight_unit, bias_unit),
+                           dtype, in_place=False)
         return _recomputed_backward(loss_gradient, logits_gradient, hidden, weight, bias, target, log_sum_exp,
                                     ignore_index, reduction, label_smoothing, dtype, chunk_bytes)
+
+
+def _scaled(loss_gradient, logits_gradient, hidden, weight, units: tuple, dtype, in_place: bool) -> tuple:
+    """The gradients the forward formed for an upstream gradient of 1, times the loss's gradient
+    (the weight's and the bias's in their units themselves `in_place`), plus what the returned
+    logits received."""
+    scale = loss_gradient.to(torch.float32)
+    hidden_unit, *parameter_units = units
+    gradients = (hidden_unit * scale, *(u.mul_(scale) if in_place else u * scale for u in parameter_units))
+    if logits_gradient is not None:
+        _add_incoming(*gradients, logits_gradient, hidden, weight, dtype)
+    return gradients
+
+
+# The same backward where the forward formed the gradients, scaling the weight's and the bias's in
+# place: memfuse's backward program calls it (memfuse.reinplace) where the formed gradients are saved
+# values only that call reads, so the backward allocates no second [vocab, H] weight gradient. Those two
+# results alias their units, as the schema says (the hidden states' gradient, [tokens, H], is a new
+# tensor: a returned view of it is no alias of a saved value); a backward run that keeps its graph for
+# another (retain_graph, create_graph) needs the units again and gets scaled copies instead.
+torch.library.define(
+    "memfuse::linear_cross_entropy_backward_",
+    "(Tensor loss_gradient, Tensor? logits_gradient, Tensor hidden, Tensor weight, Tensor? bias, Tensor target, "
+    "Tensor log_sum_exp, Tensor hidden_unit, Tensor(a!) weight_unit, Tensor(b!) bias_unit, int ignore_index, "
+    "str reduction, float label_smoothing, ScalarType dtype, int chunk_bytes) -> (Tensor, Tensor(a!), Tensor(b!))")
+
+
+@torch.library.impl("memfuse::linear_cross_entropy_backward_", "CompositeExplicitAutograd")
+def _scaled_in_place(loss_gradient, logits_gradient, hidden, weight, bias, target, log_sum_exp, hidden_unit,
+                     weight_unit, bias_unit, ignore_index, reduction, label_smoothing, dtype, chunk_bytes):
+    with _no_autocast(hidden.device):
+        return _scaled(loss_gradient, logits_gradient, hidden, weight, (hidden_unit, weight_unit, bias_unit), dtype,
+                       in_place=not _graph_kept())
+
+
+def _graph_kept() -> bool:
+    """Whether the running backward keeps its graph (and its saved tensors) for another; True outside
+    a backward run."""
+    return torch._C._autograd._get_current_graph_task_keep_graph()
 
 
 def _add_incoming(hidden_gradient, weight_gradient, bias_gradient, logits_gradient, hidden, weight, dtype) -> None:

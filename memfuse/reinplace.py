@@ -1,20 +1,29 @@
-"""reinplace: an aten scatter into a fresh fill writes into it in place, not into a copy of it.
+"""reinplace: an aten call writes into memory nobody else reads, in place, not into a copy.
 
-A functional graph writes `index_put(zeros, indices, values, accumulate)` (an embedding's backward)
-or `scatter(full, dim, index, value)` (the one-hot of a cross-entropy's backward): aten's
-out-of-place op first clones its base, a copy of the whole tensor (a device-to-device memcpy on a
-GPU: for a vocabulary of 50257 that is the size of the logits, or of the embedding table). When the
-base is a fill the graph itself makes (a constant written by a kernel, or an aten full/zeros: fresh
-memory nobody else holds) and the scatter is its only reader, the in-place op writes into it:
-the same values, no copy. The result aliases the base, as the in-place op's schema says, which
-memfuse.buffers reads. `schedule.schedule` runs it on each program's graph.
+- A functional graph writes `index_put(zeros, indices, values, accumulate)` (an embedding's backward)
+  or `scatter(full, dim, index, value)` (the one-hot of a cross-entropy's backward): aten's
+  out-of-place op first clones its base, a copy of the whole tensor (a device-to-device memcpy on a
+  GPU: for a vocabulary of 50257 that is the size of the logits, or of the embedding table). When
+  the base is a fill the graph itself makes (a constant written by a kernel, or an aten full/zeros:
+  fresh memory nobody else holds) and the scatter is its only reader, the in-place op writes into
+  it: the same values, no copy.
+- The chunked loss head's backward (memfuse.loss_head) scales the gradients its forward formed by
+  the loss's gradient: out of place, a second [vocab, H] weight gradient is allocated while the
+  first is alive (1 GB for a vocabulary of 128256 at H = 4096 in bf16). When those formed gradients
+  are saved values the backward reads only there, the in-place op scales them where they lie; a
+  backward run that keeps its graph for another gets scaled copies (the op checks at run time).
+
+The result aliases what it was written into, as the in-place op's schema says, which memfuse.buffers
+reads. `schedule.schedule` runs it on each program's graph.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
+from . import loss_head  # noqa: F401  (registers the loss head's ops, named below)
 from .ir import Extern, Graph, Node, Op, ValueRef, value_refs
 
 aten = torch.ops.aten
@@ -31,11 +40,15 @@ IN_PLACE = {
 # aten calls that return a new tensor of one value
 FRESH_FILLS = {aten.full.default, aten.zeros.default, aten.full_like.default, aten.zeros_like.default,
                aten.new_zeros.default, aten.new_full.default}
+# the loss head's backward -> the form that scales the formed gradients in place (same arguments)
+LOSS_HEAD_BACKWARD = torch.ops.memfuse.linear_cross_entropy_backward.default
+LOSS_HEAD_BACKWARD_IN_PLACE = torch.ops.memfuse.linear_cross_entropy_backward_.default
+FORMED_GRADIENTS = slice(7, 10)     # its arguments hidden_unit, weight_unit, bias_unit
 
 
 @dataclass(frozen=True)
 class InPlace:
-    """A scatter that writes into its base in place, and why that is safe."""
+    """An aten call that writes into memory nobody else reads, in place, and why that is safe."""
     name: str
     target: str
     base: str
@@ -45,33 +58,62 @@ class InPlace:
         return f"{self.name} ({self.target} -> in place into {self.base}): {self.reason}"
 
 
-def reinplace_fills(graph: Graph) -> tuple:
-    """(graph, [InPlace]): the graph with every scatter into a fresh fill that nothing else reads
-    made in place (the graph itself when there is none)."""
+def reinplace(graph: Graph) -> tuple:
+    """(graph, [InPlace]): the graph with every scatter into a fresh fill that nothing else reads,
+    and every loss-head backward whose formed gradients nothing else reads, made in place (the graph
+    itself when there is none)."""
     users = graph.users()
     outputs = {o for o in graph.outputs if o is not None}
     changed, records = {}, []
     for name, node in graph.nodes.items():
-        if node.op is not Op.EXTERN or node.attr.target not in IN_PLACE:
+        if node.op is not Op.EXTERN:
             continue
-        base = node.attr.args[0]
-        refs = value_refs(node.attr.args) + value_refs(tuple(v for _, v in node.attr.kwargs))
-        if not isinstance(base, ValueRef) or base.name in outputs or users[base.name] != [name] \
-                or refs.count(base.name) != 1:
-            continue      # the base is read elsewhere too (or returned): its values must stay
-        fill = _fill(graph, base.name)
-        if fill is None:
-            continue      # it may be memory the caller holds (an input, a view of one)
-        target = IN_PLACE[node.attr.target]
-        changed[name] = Node(name, node.op, node.inputs, node.value, Extern(target, node.attr.args, node.attr.kwargs))
-        records.append(InPlace(name, str(node.attr.target), base.name,
-                               f"{base.name} is {fill} that only {name} reads: written in place, not cloned"))
+        if node.attr.target in IN_PLACE:
+            record = _scatter_into_fill(graph, node, users, outputs)
+        elif node.attr.target is LOSS_HEAD_BACKWARD:
+            record = _formed_gradients_scaled(graph, node, users, outputs)
+        else:
+            continue
+        if record is not None:
+            target = IN_PLACE.get(node.attr.target, LOSS_HEAD_BACKWARD_IN_PLACE)
+            changed[name] = Node(name, node.op, node.inputs, node.value, Extern(target, node.attr.args, node.attr.kwargs))
+            records.append(record)
     if not changed:
         return graph, records
     rewritten = Graph(inputs=list(graph.inputs), outputs=list(graph.outputs))
     for name, node in graph.nodes.items():
         rewritten.add(changed.get(name, node))
     return rewritten, records
+
+
+def _scatter_into_fill(graph: Graph, node: Node, users: dict, outputs: set) -> Optional[InPlace]:
+    base = node.attr.args[0]
+    if not isinstance(base, ValueRef) or not _only_reader(node, base.name, users, outputs):
+        return None       # the base is read elsewhere too (or returned): its values must stay
+    fill = _fill(graph, base.name)
+    if fill is None:
+        return None       # it may be memory the caller holds (an input, a view of one)
+    return InPlace(node.name, str(node.attr.target), base.name,
+                   f"{base.name} is {fill} that only {node.name} reads: written in place, not cloned")
+
+
+def _formed_gradients_scaled(graph: Graph, node: Node, users: dict, outputs: set) -> Optional[InPlace]:
+    formed = node.attr.args[FORMED_GRADIENTS]
+    if not all(isinstance(f, ValueRef) for f in formed):
+        return None
+    names = [f.name for f in formed]
+    if not all(n in graph.inputs and _only_reader(node, n, users, outputs) for n in names):
+        return None       # computed here, or read by another step: the copies stay
+    if not graph[names[1]].value.shape or 0 in graph[names[1]].value.shape:
+        return None       # the forward formed none: the backward recomputes them, nothing to scale
+    return InPlace(node.name, str(node.attr.target), ", ".join(names),
+                   "the gradients the forward formed are saved values only it reads: scaled in place (copies "
+                   "where a backward keeps its graph), no second weight gradient")
+
+
+def _only_reader(node: Node, name: str, users: dict, outputs: set) -> bool:
+    refs = value_refs(node.attr.args) + value_refs(tuple(v for _, v in node.attr.kwargs))
+    return name not in outputs and users[name] == [node.name] and refs.count(name) == 1
 
 
 def _fill(graph: Graph, name: str):
@@ -82,5 +124,3 @@ def _fill(graph: Graph, name: str):
     if node.op is Op.EXTERN and node.attr.target in FRESH_FILLS:
         return f"a fresh aten fill ({node.attr.target})"
     return None
-
-

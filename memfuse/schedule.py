@@ -39,7 +39,7 @@ from .ops import TRITON_DTYPES
 from .ir import (EXTERNAL, FUSIBLE, LEAF, MEMORY_VIEWS, POINTWISE, RANDOM, REDUCTION, Extern, Graph, Kind, Node, Op,
                  Reduce, Reshape, Value, aten_schema, column_padding, verify)
 from .padding import pad_matmuls
-from .reinplace import reinplace_fills
+from .reinplace import reinplace
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ class Schedule:
     steps: list                                        # KernelGroup | ExternStep, in run order
     not_fused: list = field(default_factory=list)      # (node, input, reason)
     paddings: list = field(default_factory=list)       # padding.MatmulPadding per extern matmul
-    in_place: list = field(default_factory=list)       # reinplace.InPlace: scatters written into their fill
+    in_place: list = field(default_factory=list)       # reinplace.InPlace: aten calls written in place
     placed: list = field(default_factory=list)         # (node, reason): moved, duplicated or joined, and why
 
     @property
@@ -123,10 +123,10 @@ class Schedule:
 def schedule(graph: Graph, config: Config, kind: str) -> Schedule:
     """`kind` names the graph ("forward", "backward") in kernel names. Three rewrites come first:
     matmuls whose operands are better aligned (memfuse.padding, Config.pad_matmuls), scatters into a
-    fresh fill made in place (memfuse.reinplace), returned reshapes of aten results read from the
+    fresh fill and the loss head's backward made in place (memfuse.reinplace), returned reshapes of aten results read from the
     result itself (`returned_reshapes`)."""
     graph, paddings = pad_matmuls(graph, config)
-    graph, in_place = reinplace_fills(graph)
+    graph, in_place = reinplace(graph)
     reshaped = reshapes_for_aten(returned_reshapes(graph))
     if config.check and (in_place or any(p.padded for p in paddings) or reshaped is not graph):
         verify(reshaped)
@@ -618,10 +618,16 @@ def _same_size(graph: Graph, node) -> bool:
 def _made_by_aten(graph: Graph, name: str) -> bool:
     """Whether `name` is an aten call's result in storage of its own, or an aliasing view of one
     (never of a program input: a reshape of it returned would alias what the caller passed in).
-    An element of an aten call's tuple (the chunked loss head's logits) counts as its result."""
+    An element of an aten call's tuple (the chunked loss head's logits) counts as its result: its
+    own where the schema says that element aliases nothing."""
     node = graph[name]
     if node.op is Op.GETITEM and graph[node.inputs[0]].op is Op.EXTERN:
-        node = graph[node.inputs[0]]
+        call = graph[node.inputs[0]]
+        schema = aten_schema(call.attr.target)
+        if schema is not None and call.attr.target not in ALIASING_CALLS \
+                and schema.returns[node.attr.index].alias_info is None:
+            return True
+        node = call
     while node.op is Op.EXTERN and aten_schema(node.attr.target) is not None:
         aliases = node.attr.target in ALIASING_CALLS or \
             any(r.alias_info is not None for r in aten_schema(node.attr.target).returns)

@@ -417,3 +417,60 @@ def test_backend_head_takes_every_batch_size_after_dynamo_goes_dynamic():
         assert relative(loss, expected) < 1e-6
         assert relative(torch.autograd.grad(loss, x)[0], torch.autograd.grad(expected, x)[0]) < 1e-5
     assert memfuse.stats()["compiles"] == 2 and memfuse.stats()["loss_heads_chunked"] == 2
+
+
+def _wrapped(compile_with: str, fn):
+    if compile_with == "memory_efficient_fusion":
+        return memfuse.memory_efficient_fusion(fn)
+    torch._dynamo.reset()      # AOTAutograd's backward compiled here, not one an earlier test ran
+    return torch.compile(fn, backend="memfuse", dynamic=False)
+
+
+@pytest.mark.parametrize("compile_with", ["memory_efficient_fusion", "backend"])
+def test_the_backward_scales_the_gradients_its_forward_formed_in_place(compile_with):
+    """The formed gradients are saved values only the head's backward reads (memfuse.reinplace): the
+    weight's gradient it returns is that tensor, scaled where it lies, no second [vocab, H] one."""
+    x, weight, _, target = head_inputs(40, 16, 37, dtype=torch.float32)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        loss = _wrapped(compile_with, linear_head)(x, weight, target)
+    grads = torch.autograd.grad(loss, (x, weight), torch.tensor(3.0))
+    formed = {t.data_ptr() for t in saved if t.shape == weight.shape}
+    assert grads[1].data_ptr() in formed, "the weight's gradient is the one the forward formed"
+    expected = torch.autograd.grad(linear_head(x, weight, target), (x, weight), torch.tensor(3.0))
+    for ours, theirs in zip(grads, expected):
+        assert relative(ours, theirs) < 1e-5
+
+
+@pytest.mark.parametrize("compile_with", ["memory_efficient_fusion", "backend"])
+def test_a_retained_graph_keeps_the_formed_gradients_for_its_next_backward(compile_with):
+    """With retain_graph the saved gradients serve the next backward: the first gets scaled copies,
+    so a loss gradient of 3 scales them once in each backward, never 9 times in the second."""
+    x, weight, _, target = head_inputs(40, 16, 37, dtype=torch.float32)
+    loss = _wrapped(compile_with, linear_head)(x, weight, target)
+    first = torch.autograd.grad(loss, (x, weight), torch.tensor(3.0), retain_graph=True)
+    second = torch.autograd.grad(loss, (x, weight), torch.tensor(3.0))
+    expected = torch.autograd.grad(linear_head(x, weight, target), (x, weight), torch.tensor(3.0))
+    for a, b, theirs in zip(first, second, expected):
+        assert torch.equal(a, b) and relative(a, theirs) < 1e-5
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_the_backward_plan_counts_the_gradients_it_allocates_at_the_call(in_place, monkeypatch):
+    """memfuse.buffers counts an aten call's new tuple elements at the call's step, while its inputs
+    are held: out of place the head's backward holds two weight gradients there (the formed one and
+    its scaled copy), in place one, and the hidden states' new gradient either way."""
+    from memfuse import reinplace
+    from memfuse.buffers import memory_timeline
+    if not in_place:
+        monkeypatch.setattr(reinplace, "_formed_gradients_scaled", lambda *args: None)
+    x, weight, _, target = head_inputs(40, 16, 37, dtype=torch.float32)
+    fused = memfuse.memory_efficient_fusion(linear_head)
+    torch.autograd.grad(fused(x, weight, target), (x, weight))
+    entry = fused.compiled_for(x, weight, target)
+    backward = entry.function.backward
+    [call] = [s.name for s in backward.buffers.steps if s.name.startswith("linear_cross_entropy_backward")]
+    points = {p.step: p for p in memory_timeline(backward.buffers, entry.captured.hints)}
+    entry_bytes = points["entry"].during
+    x_bytes, weight_bytes = 40 * 16 * 4, 37 * 16 * 4
+    assert points[call].during == entry_bytes + x_bytes + (0 if in_place else weight_bytes)

@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import memfuse
 from memfuse.explain import build_report
 from memfuse.ir import Constant, Extern, Graph, Kind, Node, Op, Reshape, Value, ValueRef, format_graph
-from memfuse.reinplace import reinplace_fills
+from memfuse.reinplace import reinplace
 
 aten = torch.ops.aten
 
@@ -127,12 +127,12 @@ def _scatter_graph(base_op: str, base_is_output=False, base_read_again=False) ->
 
 
 def test_reinplace_rules():
-    graph, records = reinplace_fills(_scatter_graph("fill"))
+    graph, records = reinplace(_scatter_graph("fill"))
     assert graph["put"].attr.target is aten.index_put_.default
     assert [r.base for r in records] == ["base"] and "constant written by a kernel" in records[0].reason
     for unsafe in (_scatter_graph("input"), _scatter_graph("fill", base_is_output=True),
                    _scatter_graph("fill", base_read_again=True)):
-        graph, records = reinplace_fills(unsafe)
+        graph, records = reinplace(unsafe)
         assert graph is unsafe and records == []
         assert graph["put"].attr.target is aten.index_put.default
 
