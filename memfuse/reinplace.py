@@ -58,10 +58,13 @@ class InPlace:
         return f"{self.name} ({self.target} -> in place into {self.base}): {self.reason}"
 
 
-def reinplace(graph: Graph) -> tuple:
+def reinplace(graph: Graph, *, replayed: bool = False) -> tuple:
     """(graph, [InPlace]): the graph with every scatter into a fresh fill that nothing else reads,
     and every loss-head backward whose formed gradients nothing else reads, made in place (the graph
-    itself when there is none)."""
+    itself when there is none). `replayed`: the program runs as CUDA-graph replays
+    (Config.seed_from_memory): its saved values are static buffers that a retained graph's next
+    replay reads again, and the op asks autograd whether the graph is kept only at the capture, so
+    the loss head's backward keeps its copies."""
     users = graph.users()
     outputs = {o for o in graph.outputs if o is not None}
     changed, records = {}, []
@@ -70,7 +73,7 @@ def reinplace(graph: Graph) -> tuple:
             continue
         if node.attr.target in IN_PLACE:
             record = _scatter_into_fill(graph, node, users, outputs)
-        elif node.attr.target is LOSS_HEAD_BACKWARD:
+        elif node.attr.target is LOSS_HEAD_BACKWARD and not replayed:
             record = _formed_gradients_scaled(graph, node, users, outputs)
         else:
             continue

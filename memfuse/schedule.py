@@ -126,7 +126,7 @@ def schedule(graph: Graph, config: Config, kind: str) -> Schedule:
     fresh fill and the loss head's backward made in place (memfuse.reinplace), returned reshapes of aten results read from the
     result itself (`returned_reshapes`)."""
     graph, paddings = pad_matmuls(graph, config)
-    graph, in_place = reinplace(graph)
+    graph, in_place = reinplace(graph, replayed=config.seed_from_memory)
     reshaped = reshapes_for_aten(returned_reshapes(graph))
     if config.check and (in_place or any(p.padded for p in paddings) or reshaped is not graph):
         verify(reshaped)

@@ -474,3 +474,14 @@ def test_the_backward_plan_counts_the_gradients_it_allocates_at_the_call(in_plac
     entry_bytes = points["entry"].during
     x_bytes, weight_bytes = 40 * 16 * 4, 37 * 16 * 4
     assert points[call].during == entry_bytes + x_bytes + (0 if in_place else weight_bytes)
+
+
+def test_cuda_graph_programs_keep_the_formed_gradients():
+    """Under CUDA graphs (Config.seed_from_memory) the backward is replayed over the same saved
+    buffers, and a retained graph's next replay reads them again: no in-place scaling there."""
+    x, weight, _, target = head_inputs(40, 16, 37, dtype=torch.float32)
+    for replayed, expected in ((False, 1), (True, 0)):
+        fused = memfuse.memory_efficient_fusion(linear_head, config=Config(seed_from_memory=replayed))
+        torch.autograd.grad(fused(x, weight, target), (x, weight))
+        backward = fused.compiled_for(x, weight, target).function.backward
+        assert sum("linear_cross_entropy_backward" in s.name for s in backward.schedule.in_place) == expected
