@@ -242,7 +242,7 @@ def _tuple(graph: Graph, node, k: int, inputs_held: frozenset) -> Buffer:
     storage, which goes when the tuple and all of them have."""
     elements = [u for u in graph.users()[node.name] if graph[u].op is Op.GETITEM]
     fresh = [u for u in elements if _extern_storage(node, graph[u].attr.index)[0]]
-    aliases = len(fresh) < len(elements) or _extern_storage(node)[1] and not elements
+    aliases = len(fresh) < len(elements) if elements else _extern_storage(node)[1]
     nbytes = sum((_nbytes(graph[u].value.dtype, graph[u].value.shape) for u in fresh), sympy.Integer(0))
     storage = ({node.name} if fresh else set()) | (inputs_held if aliases else set())
     return Buffer(node.name, Origin.ATEN, None, (), nbytes, frozenset(storage), k)
