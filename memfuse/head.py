@@ -13,8 +13,9 @@ gradient for them at every step.
 
 Two ways in, one rule: `with_chunked_loss_heads(gm)` rewrites a Dynamo graph (the torch.compile
 backend), `LossHeadMode` swaps the calls while memfuse traces a function or module
-(memory_efficient_fusion, `capture_chunked`), where returned logits are only known after a trace:
-it traces again with those heads writing them.
+(memory_efficient_fusion, `capture_chunked`), where returned logits are only known once the
+function has returned: every head is traced writing its logits, and those nothing reads are not
+written after all (`unread_logits_unwritten`), so one trace serves either way.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from torch.overrides import TorchFunctionMode
 from . import loss_head  # noqa: F401  (registers torch.ops.memfuse.linear_cross_entropy)
 from .config import Config
 from .debug import STATS, topic_log
+from .ir import Op
 
 log = topic_log("graphs")
 fallback_log = logging.getLogger("memfuse.fallbacks")
@@ -318,14 +320,14 @@ class LogitsReturned(Exception):
 
 class LossHeadMode(TorchFunctionMode):
     """Follows each linear's output through casts and flattens; a cross_entropy of one becomes the
-    chunked op. A followed tensor read by anything else marks its head as returning logits, which
-    this path does not chunk (`LogitsReturned` after the trace)."""
+    chunked op, called as though the function returned the logits: whether it does is known only
+    once it has (`settle`). A followed tensor read by anything else marks its head as read past
+    the loss, which this path does not chunk (`LogitsReturned` after the trace)."""
 
-    def __init__(self, config: Config, returning: frozenset = frozenset()):
+    def __init__(self, config: Config):
         super().__init__()
         self.config = config
-        self.returning = returning                # heads whose logits the function returns (a retrace)
-        self.logits: dict[str, torch.Tensor] = {}  # by name: the op's logits of a returning head
+        self.logits: dict[str, torch.Tensor] = {}  # by name: the op's logits of each chunked head
         self.followed: dict[int, _Logits] = {}
         self.transposed: dict[int, torch.Tensor] = {}   # id(w.T) -> w, for x @ w.T
         self.chunked: dict[str, _Logits] = {}     # by the decision's name
@@ -369,27 +371,30 @@ class LossHeadMode(TorchFunctionMode):
         hidden = origin.hidden.reshape(-1, origin.hidden.shape[-1])
         in_forward = _gradients_in_forward(arguments.get("reduction", "mean"),
                                            [origin.hidden, origin.weight, origin.bias])
-        returning = name in self.returning
         chunk = chunk_bytes(self.config, int(origin.weight.shape[0]), origin.linear_output.dtype)
         loss, _, logits, *_ = torch.ops.memfuse.linear_cross_entropy(
             hidden, origin.weight, origin.bias, arguments["target"], arguments.get("ignore_index", -100),
             arguments.get("reduction", "mean"), float(arguments.get("label_smoothing", 0.0)),
-            origin.linear_output.dtype, returning, in_forward, chunk, not returning)
+            origin.linear_output.dtype, True, in_forward, chunk, False)
         self.chunked[name] = origin
-        if returning:
-            self.logits[name] = logits
-        reason = "a linear layer's output feeds only the loss" + (" and the outputs" if returning else "")
-        self.decisions.append(HeadDecision(name, True, reason, int(origin.weight.shape[0]), returning,
-                                           chunk, in_forward))
+        self.logits[name] = logits
+        self.decisions.append(HeadDecision(name, True, "a linear layer's output feeds only the loss",
+                                           int(origin.weight.shape[0]), False, chunk, in_forward))
         return loss
 
-    def with_returned_logits(self, outputs: tuple, inputs: tuple) -> tuple:
-        """(outputs with each returning head's linear output replaced by the op's logits, then the
+    def settle(self, outputs: tuple, inputs: tuple) -> tuple:
+        """(outputs with each returned head's linear output replaced by the op's logits, then the
         heads' hidden states that are not inputs; their LogitsReturns), or LogitsReturned when a
         head's logits leave in another form (cast, reshaped, read past the loss) or its weight is
-        not an input."""
+        not an input. The decisions of the returned heads say so; the others' logits, written by
+        no one, are left to `unread_logits_unwritten` after the trace."""
+        returned = set(self.returned_logits(outputs))
+        self.decisions = [dataclasses.replace(d, returns_logits=True, reason=d.reason + " and the outputs")
+                          if d.loss in returned else d for d in self.decisions]
         outputs, returns, extras = list(outputs), [], []
         for name, logits in self.logits.items():
+            if name not in returned:
+                continue
             origin = self.chunked[name]
             positions = tuple(i for i, t in enumerate(outputs) if t is origin.linear_output)
             weight, bias = _input_index(origin.weight, inputs), _input_index(origin.bias, inputs)
@@ -463,36 +468,31 @@ def _input_index(tensor: Optional[torch.Tensor], inputs: tuple) -> Optional[int]
 
 
 def capture_chunked(trace: Callable, fn: Callable, config: Config, returned_logits: bool = True):
-    """(`trace(fn)` with each loss head of fn chunked, the decisions, the LogitsReturns). A head
-    whose logits fn also returns is only known after a trace (the linear ran before the loss):
-    fn is traced again with those heads writing their logits, which replace the linear's in fn's
-    outputs; the traced function also returns the heads' hidden states, for the runtime to give
-    the logits their own backward (loss_head.attach_returned_logits). Where that cannot be (the
-    logits leave cast or reshaped, are read past the loss, or the caller cannot take them:
-    `returned_logits` False, CUDA graphs), fn is traced unchunked, and that is the decision."""
+    """(`trace(fn)` with each loss head of fn chunked, the decisions, the LogitsReturns). Whether fn
+    also returns a head's logits is only known once it has (the linear ran before the loss), so
+    every head is traced writing its logits: those fn returns replace the linear's in fn's outputs,
+    and the traced function also returns their hidden states, for the runtime to give the logits
+    their own backward (loss_head.attach_returned_logits); those it does not return, nothing reads,
+    and after the trace their op writes none (`unread_logits_unwritten`): one trace either way.
+    Where a head cannot be chunked so (its logits leave cast or reshaped, are read past the loss, or
+    the caller cannot take them: `returned_logits` False, CUDA graphs), fn is traced unchunked, and
+    that is the decision."""
     if not config.chunk_loss_head:
         return trace(fn), [], []
-    modes, returns = [], []      # one mode per trace of fn: AOTAutograd runs it more than once
+    modes, returns = [], []      # one mode per run of fn: AOTAutograd runs it more than once
 
-    def chunked_returning(returning: frozenset):
-        def chunked(*args):     # eager.USER_CODE_WRAPPERS: a failure in fn below is the trace's
-            modes.append(LossHeadMode(config, returning))
-            with modes[-1] as mode:
-                outputs = fn(*args)
-            returned = set(mode.returned_logits(outputs))
-            if returned - returning:
-                raise LogitsReturned(sorted(returned - returning))
-            outputs, returns[:] = mode.with_returned_logits(outputs, args)
-            return outputs
-        return chunked
+    def chunked(*args):          # eager.USER_CODE_WRAPPERS: a failure in fn below is the trace's
+        modes.append(LossHeadMode(config))
+        with modes[-1] as mode:
+            outputs = fn(*args)
+        returned = mode.returned_logits(outputs)
+        if returned and not returned_logits:
+            raise LogitsReturned(sorted(returned), "CUDA graphs (cuda_graphs=True) replay the outputs as "
+                                                   "compiled, and returned chunked logits need their own backward")
+        outputs, returns[:] = mode.settle(outputs, args)
+        return outputs
     try:
-        try:
-            traced = trace(chunked_returning(frozenset()))
-        except LogitsReturned as e:
-            if not returned_logits:
-                raise LogitsReturned(e.args[0], "CUDA graphs (cuda_graphs=True) replay the outputs as "
-                                                "compiled, and returned chunked logits need their own backward")
-            traced = trace(chunked_returning(frozenset(e.args[0])))
+        traced = trace(chunked)
     except LogitsReturned as e:
         why = e.args[1] if len(e.args) > 1 else "its logits are also read past the loss"
         decisions = [HeadDecision(name, False, f"memory_efficient_fusion cannot chunk it: {why}; "
@@ -500,7 +500,38 @@ def capture_chunked(trace: Callable, fn: Callable, config: Config, returned_logi
         for decision in decisions:
             _record(decision)
         return trace(fn), decisions, []
+    unread_logits_unwritten(traced)
     decisions = modes[-1].decisions if modes else []
     for decision in decisions:
         _record(decision)
     return traced, decisions, list(returns)
+
+
+LOGITS = 2             # linear_cross_entropy's outputs: loss, log_sum_exp, logits, the formed gradients
+RETURN_LOGITS = 8      # its arguments: ..., dtype, return_logits, with_gradients, chunk_bytes,
+DIFFERENTIABLE = 11    # differentiable_logits
+
+
+def unread_logits_unwritten(captured) -> None:
+    """Each chunked head whose logits nothing in the traced graph reads (fn did not return them)
+    calls the op with `return_logits` off and its default `differentiable_logits`, as a head traced
+    without them: no [tokens, vocab] logits written. The backward is the same either way (logits
+    nobody differentiates hand it no gradient). In the lowered joint graph and in the aten graph
+    kept for dumps alike."""
+    op = torch.ops.memfuse.linear_cross_entropy.default
+    graph = captured.joint
+    users = graph.users()
+    for name, node in list(graph.nodes.items()):
+        if node.op is not Op.EXTERN or node.attr.target is not op or not node.attr.args[RETURN_LOGITS]:
+            continue
+        if any(graph[u].op is Op.GETITEM and graph[u].attr.index == LOGITS for u in users[name]):
+            continue
+        graph.nodes[name] = dataclasses.replace(node, attr=dataclasses.replace(node.attr, args=_unwritten(node.attr.args)))
+    for fx_node in captured.aten_graph.graph.nodes if captured.aten_graph is not None else ():
+        if fx_node.target is op and fx_node.args[RETURN_LOGITS] and not any(
+                u.target is operator.getitem and u.args[1] == LOGITS for u in fx_node.users):
+            fx_node.args = _unwritten(fx_node.args)
+
+
+def _unwritten(args: tuple) -> tuple:
+    return (*args[:RETURN_LOGITS], False, *args[RETURN_LOGITS + 1:DIFFERENTIABLE])

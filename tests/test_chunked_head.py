@@ -485,3 +485,24 @@ def test_cuda_graph_programs_keep_the_formed_gradients():
         torch.autograd.grad(fused(x, weight, target), (x, weight))
         backward = fused.compiled_for(x, weight, target).function.backward
         assert sum("linear_cross_entropy_backward" in s.name for s in backward.schedule.in_place) == expected
+
+
+@pytest.mark.parametrize("fn, returns_logits", [(linear_head, False), (returning_head, True)])
+def test_one_trace_whether_or_not_the_logits_are_returned(fn, returns_logits, monkeypatch):
+    """memory_efficient_fusion traces each head writing its logits; a head whose logits nothing reads
+    (the function returned only the loss) then writes none: one trace of the function either way."""
+    from memfuse import capture, head
+    exports = []
+    real_export = capture._export
+    monkeypatch.setattr(capture, "_export", lambda *args: exports.append(1) or real_export(*args))
+    x, weight, _, target = head_inputs(40, 16, 37, dtype=torch.float32)
+    fused = memfuse.memory_efficient_fusion(fn)
+    out = fused(x, weight, target)
+    assert len(exports) == 1
+    joint = fused.compiled_for(x, weight, target).captured.joint
+    [call] = [n for n in joint.nodes.values() if n.op.value == "extern"
+              and n.attr.target is torch.ops.memfuse.linear_cross_entropy.default]
+    assert call.attr.args[head.RETURN_LOGITS] is returns_logits
+    expected = fn(x, weight, target)
+    for ours, theirs in zip(out if returns_logits else (out,), expected if returns_logits else (expected,)):
+        assert relative(ours, theirs) < 1e-6
