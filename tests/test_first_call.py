@@ -114,6 +114,35 @@ def test_precompile_builds_one_binary_for_twins(tmp_path, monkeypatch):
     assert count == len(warmed) == len(functions) and set(warmed) == functions
 
 
+def test_on_a_gpu_every_twin_launches_the_binary_its_function_was_compiled_to(tmp_path, monkeypatch):
+    """The GPU path's hand-over, the GPU stood in for: each function is compiled once (a stand-in
+    binary per function here) and every launch of it, twins included, gets that binary for the
+    device and launch configuration."""
+    from concurrent.futures import Future
+    from test_codegen import four_layer_inputs, four_layers
+    tensors = four_layer_inputs()
+    fused = memfuse.memory_efficient_fusion(four_layers, config=memfuse.Config(cache_dir=tmp_path))
+    fused(*tensors).sum().backward()
+    function = fused.compiled_for(*tensors).function
+    gpu, chosen = torch.device("cuda", 0), LaunchConfig(2, 4, 1)
+    driver = Future()
+    driver.set_result(None)
+    binaries = {}
+    monkeypatch.setattr(precompile, "start_driver", lambda device: driver)
+    monkeypatch.setattr(KernelLaunch, "launch_config", lambda launch, device, config: chosen)
+
+    def compiled(graph, launch, device, config):
+        binary = binaries[launch.kernel.fn] = object()
+        launch.launcher.compiled[(device.index, chosen)] = binary
+        return binary
+    monkeypatch.setattr(precompile, "_warm_up", compiled)
+    precompile.precompile([function.forward, function.backward], gpu, function.forward.config, force=True)
+    launches = _launches(function)
+    assert len(binaries) < len(launches)
+    for _, launch in launches:
+        assert launch.launcher.compiled[(0, chosen)] is binaries[launch.kernel.fn]
+
+
 def test_precompile_is_a_config_switch(monkeypatch):
     monkeypatch.setenv("MEMFUSE_PRECOMPILE", "0")
     assert not memfuse.Config().precompile
