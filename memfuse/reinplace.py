@@ -43,7 +43,7 @@ FRESH_FILLS = {aten.full.default, aten.zeros.default, aten.full_like.default, at
 # the loss head's backward -> the form that scales the formed gradients in place (same arguments)
 LOSS_HEAD_BACKWARD = torch.ops.memfuse.linear_cross_entropy_backward.default
 LOSS_HEAD_BACKWARD_IN_PLACE = torch.ops.memfuse.linear_cross_entropy_backward_.default
-FORMED_GRADIENTS = slice(7, 10)     # its arguments hidden_unit, weight_unit, bias_unit
+WRITTEN_GRADIENTS = slice(8, 10)    # the arguments its in-place form writes: weight_unit, bias_unit
 
 
 @dataclass(frozen=True)
@@ -101,13 +101,13 @@ def _scatter_into_fill(graph: Graph, node: Node, users: dict, outputs: set) -> O
 
 
 def _formed_gradients_scaled(graph: Graph, node: Node, users: dict, outputs: set) -> Optional[InPlace]:
-    formed = node.attr.args[FORMED_GRADIENTS]
+    formed = node.attr.args[WRITTEN_GRADIENTS]
     if not all(isinstance(f, ValueRef) for f in formed):
         return None
     names = [f.name for f in formed]
     if not all(n in graph.inputs and _only_reader(node, n, users, outputs) for n in names):
         return None       # computed here, or read by another step: the copies stay
-    if not graph[names[1]].value.shape or 0 in graph[names[1]].value.shape:
+    if not graph[names[0]].value.shape or 0 in graph[names[0]].value.shape:
         return None       # the forward formed none: the backward recomputes them, nothing to scale
     return InPlace(node.name, str(node.attr.target), ", ".join(names),
                    "the gradients the forward formed are saved values only it reads: scaled in place (copies "
