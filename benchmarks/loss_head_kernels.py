@@ -29,11 +29,11 @@ if "--tiny" in sys.argv:   # before triton loads (memfuse imports it)
 
 import torch
 
-# [rows, vocab] chunks: Llama's and GPT-2's at 256 MiB of logits and gradient, the head alone's
-CHUNKS = ((2096, 32000), (1328, 50257), (512, 128256))
+# [rows, vocab] chunks: Llama's and GPT-2's at 256 MiB of logits, the head alone's
+CHUNKS = ((4192, 32000), (2664, 50257), (1040, 128256))
 TINY_CHUNKS = ((16, 101),)
 # weight gradients: [vocab, hidden] from a chunk of rows
-WEIGHTS = ((32000, 1024, 2096), (50264, 768, 1328))
+WEIGHTS = ((32000, 1024, 4192), (50264, 768, 2664))
 TINY_WEIGHTS = ((104, 64, 16),)
 BLOCK_SIZES = (1024, 2048, 4096, 8192)
 WARPS = (4, 8, 16)

@@ -77,7 +77,8 @@ class Config:
     # turns it off; options={"chunk_loss_head": False} under torch.compile.
     chunk_loss_head: bool = field(default_factory=lambda: os.environ.get("MEMFUSE_CHUNK_LOSS_HEAD", "1").strip()
                                   .lower() not in ("0", "false", "no", "off"))
-    # Bytes of a chunk's logits and their gradient at memory_budget 1.0; the budget scales it.
+    # Bytes of a chunk's logits (their gradient is written over them) at memory_budget 1.0; the budget
+    # scales it.
     loss_head_chunk_bytes: int = 256 * 2**20
 
     def __post_init__(self):

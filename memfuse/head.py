@@ -63,7 +63,7 @@ class HeadDecision:
         gradients = ("; gradients formed in the forward, scaled in the backward" if self.gradients_in_forward
                      else "; the backward forms each chunk's logits again")
         return (f"loss head {self.loss}: chunked linear + cross-entropy over vocab {self.vocab}, chunks of "
-                f"{self.chunk_bytes / 2**20:.0f} MiB of logits and gradient{logits}{gradients}: {self.reason}")
+                f"{self.chunk_bytes / 2**20:.0f} MiB of logits{logits}{gradients}: {self.reason}")
 
 
 # Where the memory budget shrinks the head's chunks it stops at this many token rows. Each chunk's

@@ -16,7 +16,7 @@ computes the same loss a chunk of tokens at a time:
   gradient (in place in memfuse's programs: `linear_cross_entropy_backward_`, memfuse.reinplace).
 
 A chunk's rows follow a byte budget (`chunk_rows`), so the head's transient is the same at any
-token count. Where the logits are also read elsewhere, the op writes them whole in the forward
+token count: one [rows, vocab] buffer, the gradient written over the logits. Where the logits are also read elsewhere, the op writes them whole in the forward
 and adds their incoming gradient to its gradients; they are still not kept for the backward.
 Logits that only leave the graph (a model that returns them) go out detached and get their
 gradient path back outside it (`ReturnedLogits`), so that autograd does not hand the backward a
@@ -45,15 +45,17 @@ REDUCTIONS = ("mean", "sum", "none")
 
 
 def chunk_rows(tokens: int, vocab: int, dtype: torch.dtype, chunk_bytes: int) -> int:
-    """Token rows per chunk: the chunk's logits and their gradient fit in `chunk_bytes`; a
-    multiple of ALIGN (the chunk's matmuls stay aligned), at least ALIGN, at most `tokens`."""
+    """Token rows per chunk: the chunk's logits fit in `chunk_bytes`; a multiple of ALIGN (the
+    chunk's matmuls stay aligned), at least ALIGN, at most `tokens`."""
     rows = max(ALIGN, chunk_bytes // row_bytes(vocab, dtype) // ALIGN * ALIGN)
     return max(1, min(rows, tokens))
 
 
 def row_bytes(vocab: int, dtype: torch.dtype) -> int:
-    """What one token row of a chunk holds: its logits and their gradient."""
-    return 2 * _padded(vocab) * dtype.itemsize
+    """What one token row of a chunk holds: its logits, which their gradient overwrites (the one
+    buffer a chunk allocates; returned logits are written into the output and their gradient into
+    the chunk's buffer)."""
+    return _padded(vocab) * dtype.itemsize
 
 
 def _padded(vocab: int) -> int:

@@ -139,7 +139,7 @@ def test_bad_shapes_name_the_argument(shapes, message):
 
 
 def test_chunks_follow_the_byte_budget_and_the_memory_budget():
-    assert loss_head.chunk_rows(16384, 32000, torch.bfloat16, 256 * 2**20) == 2096
+    assert loss_head.chunk_rows(16384, 32000, torch.bfloat16, 256 * 2**20) == 4192
     assert loss_head.chunk_rows(5, 32000, torch.bfloat16, 256 * 2**20) == 5
     assert loss_head.chunk_rows(16384, 32000, torch.bfloat16, 1) == 8
     llama = (32000, torch.bfloat16)
