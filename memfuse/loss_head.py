@@ -36,6 +36,10 @@ import triton.language as tl
 
 # A matmul dimension that is a multiple of this many elements runs cuBLAS's aligned kernels.
 ALIGN = 8
+# Chunks of at least this many token rows hold a multiple of it: the widest tile cuBLAS's kernels
+# take along a chunk's rows (its logits' M, its weight gradient's K), so no tile runs part empty
+# (520 rows, the head alone's chunk before: 5 tiles of 128 rows for 4 rows' worth of work).
+ROW_TILE = 256
 # Columns one program reads per step of its loop over the vocabulary, and its warps: the fastest
 # of BLOCK 1024-8192 x 4-16 warps on an H100 for [2096, 32000], [1328, 50257] and [512, 128256]
 # chunks (docs/benchmarks.md, 2026-11-24).
@@ -45,9 +49,12 @@ REDUCTIONS = ("mean", "sum", "none")
 
 
 def chunk_rows(tokens: int, vocab: int, dtype: torch.dtype, chunk_bytes: int) -> int:
-    """Token rows per chunk: the chunk's logits fit in `chunk_bytes`; a multiple of ALIGN (the
-    chunk's matmuls stay aligned), at least ALIGN, at most `tokens`."""
-    rows = max(ALIGN, chunk_bytes // row_bytes(vocab, dtype) // ALIGN * ALIGN)
+    """Token rows per chunk: the chunk's logits fit in `chunk_bytes`; a multiple of ROW_TILE where
+    that many fit (no matmul tile of a chunk half empty), else of ALIGN (the chunk's matmuls stay
+    aligned); at least ALIGN, at most `tokens`."""
+    fitting = chunk_bytes // row_bytes(vocab, dtype)
+    multiple = ROW_TILE if fitting >= ROW_TILE else ALIGN
+    rows = max(ALIGN, fitting // multiple * multiple)
     return max(1, min(rows, tokens))
 
 
@@ -220,16 +227,24 @@ class _Gradients:
     bias: torch.Tensor
 
     @staticmethod
-    def zeros(hidden, aligned, weight, bias) -> "_Gradients":
-        return _Gradients(hidden.new_empty(hidden.shape),
-                          torch.zeros(aligned.shape, dtype=weight.dtype, device=weight.device),
+    def empty(hidden, aligned, weight, bias) -> "_Gradients":
+        """The weight's gradient is written by the first chunk's matmul (no [vocab, H] memset, nor
+        its read); zeros where no chunk will write it (no tokens)."""
+        weight_gradient = (torch.empty if hidden.shape[0] else torch.zeros)(
+            aligned.shape, dtype=weight.dtype, device=weight.device)
+        return _Gradients(hidden.new_empty(hidden.shape), weight_gradient,
                           torch.zeros(aligned.shape[:1] if bias is not None else (0,), dtype=torch.float32,
                                       device=weight.device))
 
     def add_chunk(self, start: int, end: int, gradient, chunk_hidden, aligned, has_bias: bool) -> None:
-        """The two matmuls that take a chunk's logits gradient into hidden's and the weight's."""
-        self.hidden[start:end] = torch.mm(gradient, aligned)
-        _accumulate(self.weight, gradient.t(), chunk_hidden)
+        """The two matmuls that take a chunk's logits gradient into hidden's rows (written in place)
+        and the weight's (the first chunk's product overwrites it, the others add to it)."""
+        rows = self.hidden[start:end]
+        if rows.dtype == gradient.dtype:
+            torch.mm(gradient, aligned, out=rows)
+        else:                                       # e.g. fp32 hidden states under autocast
+            rows.copy_(torch.mm(gradient, aligned))
+        _accumulate(self.weight, gradient.t(), chunk_hidden, overwrite=start == 0)
         if has_bias:
             self.bias += gradient.sum(0, dtype=torch.float32)
 
@@ -276,7 +291,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: Optio
         # as aten's nll_loss: a target outside the vocabulary that is not ignored is an error
         torch._assert_async(((target >= 0) & (target < vocab) | ~valid).all(),
                             "memfuse.linear_cross_entropy: a target is outside [0, vocab)")
-        gradients = _Gradients.zeros(hidden, aligned, weight, bias) if with_gradients else None
+        gradients = _Gradients.empty(hidden, aligned, weight, bias) if with_gradients else None
         scales = _row_scales(torch.ones((), device=hidden.device), target, ignore_index, reduction)
         rows = chunk_rows(tokens, vocab, dtype, chunk_bytes)
         for start in range(0, tokens, rows):
@@ -399,7 +414,7 @@ def _recomputed_backward(loss_gradient, logits_gradient, hidden, weight, bias, t
     compute_hidden = hidden.to(dtype)
     aligned, aligned_bias = _aligned_weight(weight, bias, dtype)
     scales = _row_scales(loss_gradient, target, ignore_index, reduction)
-    gradients = _Gradients.zeros(hidden, aligned, weight, bias)
+    gradients = _Gradients.empty(hidden, aligned, weight, bias)
     incoming = None if logits_gradient is None else _unit_stride(logits_gradient)
     rows = chunk_rows(tokens, vocab, dtype, chunk_bytes)
     for start in range(0, tokens, rows):
@@ -415,15 +430,19 @@ def _unit_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _accumulate(total: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
-    """total += left @ right, in place in the matmul's epilogue: in total's dtype where the operands
-    share it (cuBLAS adds in fp32 and rounds once); an fp32 total of bf16/fp16 operands through
-    aten's addmm with out_dtype on CUDA (no [vocab, H] product written and read again per chunk),
-    else the chunk's product added to total."""
+def _accumulate(total: torch.Tensor, left: torch.Tensor, right: torch.Tensor, overwrite: bool = False) -> None:
+    """total += left @ right (total = left @ right where `overwrite`: its old values, even NaN, are
+    not read), in place in the matmul's epilogue: in total's dtype where the operands share it
+    (cuBLAS adds in fp32 and rounds once); an fp32 total of bf16/fp16 operands through aten's addmm
+    with out_dtype on CUDA (no [vocab, H] product written and read again per chunk), else the
+    chunk's product added to total."""
+    beta = 0 if overwrite else 1
     if total.dtype == left.dtype:
-        total.addmm_(left, right)
+        total.addmm_(left, right, beta=beta)
     elif total.dtype == torch.float32 and _fp32_epilogue(total.device, left.dtype):
-        torch.ops.aten.addmm.dtype_out(total, left, right, torch.float32, out=total)
+        torch.ops.aten.addmm.dtype_out(total, left, right, torch.float32, beta=beta, out=total)
+    elif overwrite:
+        total.copy_(torch.mm(left, right))
     else:
         total += torch.mm(left, right)
 

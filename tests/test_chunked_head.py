@@ -139,12 +139,34 @@ def test_bad_shapes_name_the_argument(shapes, message):
 
 
 def test_chunks_follow_the_byte_budget_and_the_memory_budget():
-    assert loss_head.chunk_rows(16384, 32000, torch.bfloat16, 256 * 2**20) == 4192
+    assert loss_head.chunk_rows(16384, 32000, torch.bfloat16, 256 * 2**20) == 4096
     assert loss_head.chunk_rows(5, 32000, torch.bfloat16, 256 * 2**20) == 5
     assert loss_head.chunk_rows(16384, 32000, torch.bfloat16, 1) == 8
     llama = (32000, torch.bfloat16)
     assert chunk_bytes(Config(), *llama) == 256 * 2**20
     assert chunk_bytes(Config(memory_budget=0.8), *llama) == int(0.8 * 256 * 2**20)
+
+
+def test_chunks_of_many_rows_hold_whole_row_tiles():
+    """A chunk that fits ROW_TILE rows or more holds a multiple of it; fewer, a multiple of ALIGN."""
+    head_alone = (128256, torch.bfloat16, 256 * 2**20)
+    assert loss_head.chunk_rows(8192, *head_alone) == 1024      # 1046 rows fit
+    row = loss_head.row_bytes(128256, torch.bfloat16)
+    assert loss_head.chunk_rows(8192, 128256, torch.bfloat16, 300 * row) == 256
+    assert loss_head.chunk_rows(8192, 128256, torch.bfloat16, 203 * row) == 200
+    assert loss_head.chunk_rows(100, *head_alone) == 100
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_first_chunk_overwrites_the_weight_gradient_without_reading_it(dtype):
+    """The weight's gradient starts as empty memory: the first chunk's product must not add to it
+    (a NaN there would spread), the next ones must."""
+    left, right = torch.randn(6, 5, dtype=dtype), torch.randn(5, 3, dtype=dtype)
+    total = torch.full((6, 3), float("nan"), dtype=dtype)
+    loss_head._accumulate(total, left, right, overwrite=True)
+    torch.testing.assert_close(total, left @ right)
+    loss_head._accumulate(total, left, right)
+    torch.testing.assert_close(total, 2 * (left @ right))
 
 
 def test_a_budget_shrinks_the_chunks_down_to_a_floor_of_rows():
