@@ -302,12 +302,14 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: Optio
             if gradients is None:
                 _row_statistics[(end - start,)](chunk, chunk.stride(0), *statistics, vocab, BLOCK=BLOCK_COLUMNS,
                                                 num_warps=NUM_WARPS)
-                continue
-            gradient = torch.empty_like(chunk) if return_logits else chunk   # in place unless returned
-            _row_statistics_and_gradient[(end - start,)](
-                chunk, chunk.stride(0), *statistics, scales[start:end], gradient, gradient.stride(0), vocab,
-                gradient.shape[1], label_smoothing, BLOCK=BLOCK_COLUMNS, num_warps=NUM_WARPS)
-            gradients.add_chunk(start, end, gradient, compute_hidden[start:end], aligned, bias is not None)
+            else:
+                gradient = torch.empty_like(chunk) if return_logits else chunk   # in place unless returned
+                _row_statistics_and_gradient[(end - start,)](
+                    chunk, chunk.stride(0), *statistics, scales[start:end], gradient, gradient.stride(0), vocab,
+                    gradient.shape[1], label_smoothing, BLOCK=BLOCK_COLUMNS, num_warps=NUM_WARPS)
+                gradients.add_chunk(start, end, gradient, compute_hidden[start:end], aligned, bias is not None)
+                del gradient
+            del chunk       # before the next chunk's matmul allocates: one chunk alive at a time, not two
         losses = _row_losses(log_sum_exp, target_logit, logit_sum, valid, vocab, label_smoothing)
         loss = _reduced(losses, valid, reduction)
         precomputed = gradients.finished(vocab, bias) if gradients is not None else _no_gradients(hidden)
@@ -423,6 +425,7 @@ def _recomputed_backward(loss_gradient, logits_gradient, hidden, weight, bias, t
         _launch_gradient(chunk, chunk, log_sum_exp[start:end], target[start:end], scales[start:end],
                          None if incoming is None else incoming[start:end], vocab, label_smoothing)
         gradients.add_chunk(start, end, chunk, compute_hidden[start:end], aligned, bias is not None)
+        del chunk       # before the next chunk's matmul allocates: one chunk alive at a time, not two
     return gradients.finished(vocab, bias)
 
 

@@ -4,6 +4,7 @@ in torch.compile graphs and in HuggingFace's GPT-2, BERT-MLM and Llama heads, or
 import functools
 import logging
 import sys
+import weakref
 
 import pytest
 import torch
@@ -167,6 +168,30 @@ def test_the_first_chunk_overwrites_the_weight_gradient_without_reading_it(dtype
     torch.testing.assert_close(total, left @ right)
     loss_head._accumulate(total, left, right)
     torch.testing.assert_close(total, 2 * (left @ right))
+
+
+@pytest.mark.parametrize("with_gradients", [True, False])
+def test_one_chunk_buffer_is_alive_at_a_time(monkeypatch, with_gradients):
+    """Each chunk's buffer is released before the next chunk's matmul makes another, in the forward
+    and in the backward that recomputes the logits: a chunk's bytes are the head's transient, once."""
+    made = []
+    make = loss_head._chunk_logits
+
+    def recording(*args, **kwargs):
+        assert all(ref() is None for ref in made), "an earlier chunk's buffer is still alive"
+        chunk = make(*args, **kwargs)
+        made.append(weakref.ref(chunk))
+        return chunk
+
+    monkeypatch.setattr(loss_head, "_chunk_logits", recording)
+    hidden = torch.randn(40, 16, requires_grad=True)
+    weight = torch.randn(101, 16, requires_grad=True)
+    target = torch.randint(0, 101, (40,))
+    chunk = loss_head.row_bytes(101, torch.float32) * 8
+    loss, *_ = torch.ops.memfuse.linear_cross_entropy(hidden, weight, None, target, -100, "mean", 0.0,
+                                                      torch.float32, False, with_gradients, chunk)
+    loss.backward()
+    assert len(made) == (5 if with_gradients else 10)     # 40 rows in chunks of 8, again in the backward
 
 
 def test_a_budget_shrinks_the_chunks_down_to_a_floor_of_rows():
