@@ -145,6 +145,7 @@ class CaseResult:
     loss_rel_err: Optional[float] = None           # max over steps of |loss - eager| / |eager|
     update_rel_err: Optional[float] = None         # see update_error()
     update_bar: Optional[float] = None             # the update error that passes (see NOISE_FLOOR_FACTOR)
+    noise_reference: bool = False                  # bf16: a NOISE_FLOOR_MODES case, whose update error sets the bar
     param_max_abs_err: Optional[float] = None
     ok: Optional[bool] = None
     grad_strides_match: Optional[bool] = None      # DDP: every .grad has its parameter's strides (first step)
@@ -448,9 +449,19 @@ def _compare(r: Rank, ref: Reference, model, result: CaseResult) -> None:
         raise RuntimeError(f"{result.wrapper}/{result.mode}: parameter shapes differ from the plain model's")
     result.update_rel_err = update_error(final, ref)
     result.param_max_abs_err = max((p - want).abs().max().item() for p, want in zip(final, ref.final))
-    result.ok = result.loss_rel_err <= r.loss_tol and result.update_rel_err <= result.update_bar
+    judge(result, r.loss_tol, r.work.autocast)
     if r.args.dump_params is not None and r.rank == 0:
         r.dumped[f"{result.wrapper}/{result.mode}"] = final
+
+
+def judge(result: CaseResult, loss_tol: float, autocast: bool) -> None:
+    """Whether the case passes: its loss within `loss_tol` of single-process eager's and its update
+    error within its bar. Under bf16 autocast eager's and torch.compile's update errors are the noise
+    the bar is made of (splitting the batch alone moves eager's parameters 0.1-0.2 of an update at
+    GPT-2's and BERT's sizes): they are judged on the loss alone."""
+    result.noise_reference = autocast and result.mode in NOISE_FLOOR_MODES
+    result.ok = result.loss_rel_err <= loss_tol and (result.noise_reference
+                                                      or result.update_rel_err <= result.update_bar)
 
 
 def _measure_saved(r: Rank, parallel, model, optimizer, result: CaseResult) -> None:
@@ -801,22 +812,30 @@ def table(results: dict) -> str:
              f"{m['batch_per_rank']}, {m['device']} ({m['backend']}), torch {m['torch']}, triton {m['triton']}",
              "loss err: max over steps vs single-process eager; update err: max ||p - p_eager|| / ||p_eager - p0|| "
              f"(floor: {UPDATE_SCALE_FLOOR:g} x the largest ||p_eager - p0||); bar: the update err that passes "
-             f"(under bf16 autocast at least {NOISE_FLOOR_FACTOR:g} x eager's or torch.compile's in the wrapper);",
+             f"(under bf16 autocast at least {NOISE_FLOOR_FACTOR:g} x eager's or torch.compile's in the wrapper; "
+             "those two, marked ref, are then judged on the loss alone);",
              "peak/fwd MB: the largest rank; saved MB: kept for backward after forward and loss "
              "(activations | layer params)",
              "",
              f"{'wrapper':<16}{'mode':<17}{'loss err':>9}{'upd err':>9}{'bar':>8}{'':>4}{'it/s':>8}{'vs eager':>9}"
-             f"{'peak MB':>9}{'fwd MB':>8}{'saved act':>10}{'params':>8}{'compiles':>9}"]
+             f"{'vs compile':>11}{'peak MB':>9}{'vs compile':>11}{'fwd MB':>8}{'saved act':>10}{'params':>8}"
+             f"{'compiles':>9}"]
     eager = {c.wrapper: c.it_s for c in results["cases"] if c.mode == "eager"}
+    compiled = {c.wrapper: c for c in results["cases"] if c.mode == "torch_compile"}
     for c in results["cases"]:
         if c.ok is None:
             lines.append(f"{c.wrapper:<16}{c.mode:<17}  {c.error}")
             continue
         vs = f"{c.it_s / eager[c.wrapper]:.2f}x" if c.it_s and eager.get(c.wrapper) else "-"
+        peer = compiled.get(c.wrapper)
+        vs_compile = f"{c.it_s / peer.it_s:.2f}x" if c.it_s and peer and peer.it_s else "-"
+        peak_vs_compile = (f"{max(c.peak_bytes) / max(peer.peak_bytes):.2f}x"
+                           if c.peak_bytes and peer and peer.peak_bytes else "-")
         lines.append(
             f"{c.wrapper:<16}{c.mode:<17}{c.loss_rel_err:>9.1e}{c.update_rel_err:>9.1e}{c.update_bar:>8.1e}"
-            f"{'ok' if c.ok else 'BAD':>4}"
-            f"{(f'{c.it_s:.1f}' if c.it_s else '-'):>8}{vs:>9}{_mb(c.peak_bytes):>9}{_mb(c.forward_bytes):>8}"
+            f"{('ref' if c.noise_reference else 'ok') if c.ok else 'BAD':>4}"
+            f"{(f'{c.it_s:.1f}' if c.it_s else '-'):>8}{vs:>9}{vs_compile:>11}{_mb(c.peak_bytes):>9}"
+            f"{peak_vs_compile:>11}{_mb(c.forward_bytes):>8}"
             f"{_mb(c.saved_activation_bytes):>10}{_mb(c.saved_block_param_bytes):>8}"
             f"{(c.memfuse_compiles if c.mode.startswith('memfuse') else '-'):>9}")
     remarks = [f"  {c.wrapper:<16}{c.mode:<17}{text}" for c in results["cases"]
