@@ -171,7 +171,8 @@ class KernelLaunch:
 
     def launch_record(self, rows: Optional[int], programs: int, tiles: int, config: LaunchConfig) -> "LaunchRecord":
         source = self.kernel.source
-        return LaunchRecord(source.name, self.kernel.path, source.summary, rows, self.d, programs, config,
+        return LaunchRecord(source.name, self.kernel.function_name, self.kernel.path, source.summary, rows, self.d,
+                            programs, config,
                             (rows or 0) * source.bytes_per_row + source.bytes_per_launch,
                             self.partials_bytes(programs, tiles), self)
 
@@ -232,7 +233,8 @@ class KernelLaunch:
 class LaunchRecord:
     """One kernel launch as `launch_log` records it: what the kernel is and what it must move at
     the launch's sizes (benchmarks/kernel_sol.py sets it against the launch's GPU time)."""
-    kernel: str               # the Triton function's name: what a profiler calls the kernel
+    kernel: str               # the kernel's own name (explain's)
+    function: str             # the launched Triton function's: what a profiler calls it (a twin's is its first's)
     path: str                 # its generated source (content-addressed: same-named kernels of two graphs differ)
     summary: str              # KernelSource.summary: its walk, reductions, reads, writes, ops
     rows: Optional[int]       # M of this launch (None: a kernel over [D] alone)

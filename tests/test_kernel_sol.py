@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import memfuse
+from memfuse.config import Config
 from benchmarks.workloads import layer_norm_block, smoke_registry
 from memfuse.runtime import launch_log
 
@@ -158,3 +159,18 @@ def test_a_sweep_of_given_tiles_times_only_those(monkeypatch):
     timed.clear()
     tune.sweep(launch, "gpu")
     assert len(timed) == len(tune.tile_candidates(1024, 0)) > 3
+
+
+def test_a_twins_launch_is_recorded_under_the_function_the_profiler_sees(tmp_path):
+    """kernel_sol matches a step's profile to its launch log by name: a twin runs its first kernel's
+    Triton function, so that is the name its record gives the profiler's row, beside its own."""
+    from tests.test_codegen import four_layer_inputs, four_layers
+    tensors = four_layer_inputs()
+    fused = memfuse.memory_efficient_fusion(four_layers, config=Config(cache_dir=tmp_path))
+    fused(*tensors).sum().backward()
+    with launch_log() as records:
+        fused(*tensors).sum().backward()
+    twins = [r for r in records if r.function != r.kernel]
+    assert twins
+    own_names = {r.kernel for r in records}
+    assert all(r.function in own_names for r in twins), twins          # the first kernel's, launched before
