@@ -45,6 +45,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import memfuse  # noqa: E402
+from memfuse.config import Config  # noqa: E402
 
 MB = models.MB
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -84,10 +85,16 @@ class Workload:
     dtype: str  # of the hidden states, and of the weight unless autocast
     ignore_fraction: float  # share of targets set to IGNORE_INDEX
     autocast: bool  # fp32 weight under torch.autocast(bfloat16)
+    chunk_mib: int | None = None  # memfuse peers: Config.loss_head_chunk_bytes in MiB (None: the default)
 
     @property
     def variant(self) -> str:
-        return "autocast" if self.autocast else self.dtype
+        name = "autocast" if self.autocast else self.dtype
+        return name if self.chunk_mib is None else f"{name}-chunk{self.chunk_mib}mib"
+
+    def memfuse_options(self) -> dict:
+        """The Config fields (torch.compile options) the memfuse peers run with."""
+        return {} if self.chunk_mib is None else {"loss_head_chunk_bytes": self.chunk_mib * 2**20}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,13 +172,14 @@ def liger_rewrite(fn: Callable) -> Callable:
     return lambda hidden, weight, target: fused(weight, hidden, target)
 
 
-WRAPPERS: dict[str, Callable[[Callable], Callable]] = {
-    "eager": lambda fn: fn,
-    "torch_compile": lambda fn: torch.compile(fn),
-    "torch_compile_chunker": lambda fn: torch.compile(fn),  # under peer_context(): the auto-chunker on
-    "liger": liger_rewrite,
-    "memfuse": memfuse.memory_efficient_fusion,
-    "memfuse_backend": lambda fn: torch.compile(fn, backend="memfuse"),
+# peer -> (the head's function, the memfuse options of --chunk-mib) -> what the peer runs
+WRAPPERS: dict[str, Callable[[Callable, dict], Callable]] = {
+    "eager": lambda fn, options: fn,
+    "torch_compile": lambda fn, options: torch.compile(fn),
+    "torch_compile_chunker": lambda fn, options: torch.compile(fn),  # under peer_context(): the auto-chunker on
+    "liger": lambda fn, options: liger_rewrite(fn),
+    "memfuse": lambda fn, options: memfuse.memory_efficient_fusion(fn, config=Config(**options)),
+    "memfuse_backend": lambda fn, options: torch.compile(fn, backend="memfuse", options=options),
 }
 PEERS = tuple(WRAPPERS)
 MEMFUSE_PEERS = ("memfuse", "memfuse_backend")
@@ -263,7 +271,7 @@ def measure(case: Case, peer: str) -> Row:
     with peer_context(peer):
         setup.synchronize()
         start = time.perf_counter()
-        fn = WRAPPERS[peer](head.fn)
+        fn = WRAPPERS[peer](head.fn, case.workload.memfuse_options())
         loss = train_step(fn, head, case.workload, setup.device)
         setup.synchronize()
         first_call_s = time.perf_counter() - start
@@ -463,12 +471,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--forms", help=f"comma-separated, from {', '.join(FORMS)} (default: both)")
     parser.add_argument("--peers", help=f"comma-separated, from {', '.join(PEERS)} (default: all; --tiny: all but "
                                         f"{', '.join(COMPILE_PEERS)}, which are reported missing)")
+    parser.add_argument("--chunk-mib", type=int,
+                        help="memfuse's loss-head chunk (Config.loss_head_chunk_bytes) in MiB (default: its default, "
+                             "256); the other peers are unchanged")
     parser.add_argument("--timed-steps", type=int,
                         help=f"timed steps per peer (GPU default {GPU_SETTINGS.timed_steps})")
     parser.add_argument("--tiny", action="store_true", help="a tiny head on CPU through the Triton interpreter")
     parser.add_argument("--out", type=Path, default=models.DEFAULT_OUT, help="output directory")
     args = parser.parse_args(argv)
-    for name in ("tokens", "hidden", "vocab", "timed_steps"):
+    for name in ("tokens", "hidden", "vocab", "timed_steps", "chunk_mib"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
     if not 0 <= args.ignore_fraction < 1:
@@ -479,7 +490,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def workload_of(args: argparse.Namespace, tiny: bool) -> Workload:
     size = TINY_SIZE if tiny else GPU_SIZE
     return Workload(args.tokens or size["tokens"], args.hidden or size["hidden"], args.vocab or size["vocab"],
-                    args.dtype or size["dtype"], args.ignore_fraction, args.autocast)
+                    args.dtype or size["dtype"], args.ignore_fraction, args.autocast, args.chunk_mib)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -37,6 +37,21 @@ def test_tiny_run(tmp_path, capsys):
     assert "TINY RUN" in capsys.readouterr().out
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the tiny run needs Triton's interpreter")
+def test_chunk_mib_reaches_the_memfuse_peers_only(tmp_path):
+    """--chunk-mib sets memfuse's loss-head chunk (explain says the size it chunked with), is
+    recorded with the workload and names the result's files apart from a default run's."""
+    bench.main(["--tiny", "--forms", "function", "--peers", "eager,memfuse,memfuse_backend", "--chunk-mib", "3",
+                "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "loss-head-tiny-float32-chunk3mib.json").read_text())
+    assert result["metadata"]["workload"]["chunk_mib"] == 3
+    rows = {r["peer"]: r for r in result["rows"]}
+    for peer in bench.MEMFUSE_PEERS:
+        assert rows[peer]["error"] is None and rows[peer]["chunked_loss_head"], rows[peer]
+        assert any("chunks of 3 MiB" in line for line in rows[peer]["explain"]), rows[peer]["explain"]
+    assert rows["eager"]["error"] is None and not rows["eager"]["explain"]
+
+
 def _row(peer, ms, mb):
     return Row("function", peer, step_s=ms * 1e-3, peak_bytes=int(mb * bench.MB))
 
