@@ -18,7 +18,9 @@ Llama's (cos, sin) tuple, masks, keyword constants), against the floor: an autog
 the same tensors (the layer's parameters and tensor arguments) that launches nothing. On a GPU the
 family's benchmark size at leading dims [2, 4] under bf16 autocast; with --stub-launches its tiny
 size in fp32. The eager layer is timed beside them; its matmuls and attention, like memfuse's
-externs, run for real (the floor runs none).
+externs, run for real (the floor runs none). So is the layer under torch.compile's memfuse backend
+(one Dynamo graph, as FSDP2's hooks cut a model into a graph per layer): its time less the
+wrapper's is what Dynamo's frame and AOTAutograd's runtime add around a graph's programs.
 
     python -m benchmarks.host_profile [--workload layer_norm_block] [--steps 2000] [--tiny] [--stub-launches]
     python -m benchmarks.host_profile --layer llama [--steps 2000] [--stub-launches]
@@ -66,7 +68,7 @@ def _stub_launches(entry) -> None:
     runtime._SEED_DRAWS[cpu] = runtime.philox_seed_draw(StandInGenerator())
     nothing = types.SimpleNamespace(run=lambda *args: None, function=None, packed_metadata=None)
     for program in (entry.function.forward, entry.function.backward):
-        for launch in program.steps:
+        for launch in program.steps if program is not None else ():    # an inference graph has no backward
             if isinstance(launch, runtime.KernelLaunch):
                 config, most = launch.grids[cpu]
                 launch.direct[cpu] = runtime.DirectLaunch(launch, cpu, config, most, nothing)
@@ -142,9 +144,12 @@ def _first_tensor(output) -> torch.Tensor:
     return output if isinstance(output, torch.Tensor) else output[0]
 
 
-def _layer_steps(call: LayerCall, fused, device: torch.device) -> dict:
+def _layer_steps(call: LayerCall, fused, compiled, device: torch.device) -> dict:
     """Mode -> a fwd+bwd step of the layer: the floor over the same tensors, the layer in eager,
-    memfuse's wrapper. Each step sets the gradients it made back to None, as run_step does."""
+    memfuse's wrapper, the layer under torch.compile's memfuse backend (Dynamo's frame and
+    AOTAutograd's runtime around the same kind of programs: the cost of a graph piece, as FSDP2's
+    hooks cut a model into one per layer). Each step sets the gradients it made back to None, as
+    run_step does."""
     from benchmarks.modes import FACTORIES
     tensors = call.tensors()
     floor = FACTORIES["floor"](None, {})
@@ -160,7 +165,8 @@ def _layer_steps(call: LayerCall, fused, device: torch.device) -> dict:
         return step
     return {"floor": step_of(lambda: floor(*tensors)),
             "eager": step_of(lambda: call.layer(*call.args, **call.kwargs)),
-            "memfuse": step_of(lambda: fused(*call.args, **call.kwargs))}
+            "memfuse": step_of(lambda: fused(*call.args, **call.kwargs)),
+            "memfuse_backend": step_of(lambda: compiled(*call.args, **call.kwargs))}
 
 
 def _interleaved_calls(steps: dict, count: int, repeats: int, device: torch.device) -> dict:
@@ -186,15 +192,23 @@ def profile_layer(family_name: str, steps: int, stubbed: bool) -> None:
     device = torch.device("cpu" if stubbed else "cuda")
     if stubbed:
         torch.set_num_threads(1)
+    from memfuse.backend import watch
     call = record_layer_call(family_name, device, stubbed)
     fused = memfuse.memory_efficient_fusion(call.layer)
-    modes = _layer_steps(call, fused, device)
+    compiled = torch.compile(call.layer, backend="memfuse", fullgraph=True)
+    modes = _layer_steps(call, fused, compiled, device)
     modes["memfuse"]()                                   # compiles (and, stubbed, runs the kernels once)
+    with watch() as graphs:
+        modes["memfuse_backend"]()
     if stubbed:
         _stub_launches(fused.compiled_for(*call.args, **call.kwargs))
+        for graph in graphs:
+            _stub_launches(graph)
     _interleaved_calls(modes, 20, 1, device)             # warm-up
     best = _interleaved_calls(modes, max(1, steps // 10), 10, device)
     _report(f"{family_name} layer", best, stubbed)
+    print(f"{family_name} layer: memfuse_backend - memfuse = {best['memfuse_backend'] - best['memfuse']:.1f} us "
+          f"(Dynamo's frame and AOTAutograd's runtime around one graph)")
     _profile(modes["memfuse"], steps // 4)
 
 

@@ -214,7 +214,8 @@ def test_host_profile_times_a_huggingface_layer_on_the_cpu_proxy():
     result = subprocess.run([sys.executable, "-m", "benchmarks.host_profile", "--layer", "llama", "--stub-launches",
                              "--steps", "40"], cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    for line in ("llama layer floor: ", "llama layer eager: ", "memfuse - floor = ", "Python function calls per step"):
+    for line in ("llama layer floor: ", "llama layer eager: ", "llama layer memfuse_backend: ", "memfuse - floor = ",
+                 "memfuse_backend - memfuse = ", "Python function calls per step"):
         assert line in result.stdout, result.stdout[-3000:]
 
 
