@@ -546,8 +546,9 @@ def host_costs(r: Rank, step, name: str, top: int = 15) -> dict:
     """The host's side of a step: how long it takes to enqueue one (`host_ms`, the step returns
     before the GPU is done unless something waits for it; `wall_ms` after synchronizing), the
     operations that made the host wait for the GPU (torch.cuda's sync debug mode: each warning's
-    Python line), and under cProfile the functions with the most time of their own. Rank 0 writes
-    the whole cProfile listing to --trace-dir."""
+    Python line), and under cProfile the functions with the most time of their own and the most
+    time under them (where a mode's extra host time sits, without --trace-dir). Rank 0 writes the
+    whole cProfile listing to --trace-dir."""
     import cProfile
     import io
     import pstats
@@ -578,14 +579,20 @@ def host_costs(r: Rank, step, name: str, top: int = 15) -> dict:
             syncs[where] = syncs.get(where, 0) + 1
     stats = pstats.Stats(profiler)
     own = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]
+    cumulative = sorted(stats.stats.items(), key=lambda kv: -kv[1][3])[:2 * top]
     if r.args.trace_dir is not None and r.rank == 0:
         listing = io.StringIO()
         pstats.Stats(profiler, stream=listing).sort_stats("cumulative").print_stats(80)
         (r.args.trace_dir / name).write_text(listing.getvalue())
     return {"host_ms": host_ms, "wall_ms": wall_ms, "syncs": syncs,
-            "top_own": [{"function": f"{Path(file).name}:{line}:{func}", "calls": calls, "own_ms": own_s * 1e3,
-                         "cumulative_ms": cum_s * 1e3}
-                        for (file, line, func), (_, calls, own_s, cum_s, _) in own]}
+            "top_own": _function_rows(own), "top_cumulative": _function_rows(cumulative)}
+
+
+def _function_rows(entries: list) -> list:
+    """cProfile's (function, stats) entries as JSON rows: where, calls, own and cumulative ms."""
+    return [{"function": f"{Path(file).name}:{line}:{func}", "calls": calls, "own_ms": own_s * 1e3,
+             "cumulative_ms": cum_s * 1e3}
+            for (file, line, func), (_, calls, own_s, cum_s, _) in entries]
 
 
 def merged_intervals(intervals) -> list:
