@@ -16,8 +16,9 @@ computes the same loss a chunk of tokens at a time:
   gradient (in place in memfuse's programs: `linear_cross_entropy_backward_`, memfuse.reinplace).
 
 A chunk's rows follow a byte budget (`chunk_rows`), so the head's transient is the same at any
-token count: one [rows, vocab] buffer, the gradient written over the logits. Where the logits are also read elsewhere, the op writes them whole in the forward
-and adds their incoming gradient to its gradients; they are still not kept for the backward.
+token count: one [rows, vocab] buffer, the gradient written over the logits. Where the logits are
+also read elsewhere, the op writes them whole in the forward and adds their incoming gradient to
+its gradients; they are still not kept for the backward.
 Logits that only leave the graph (a model that returns them) go out detached and get their
 gradient path back outside it (`ReturnedLogits`), so that autograd does not hand the backward a
 [tokens, vocab] zero gradient at every step. memfuse.head finds the pattern in traced graphs and
