@@ -20,6 +20,9 @@ Three rules for whole models (a language-model head and its cross-entropy):
   the narrow dtype and the cast recomputed: the cut is the cheaper of the two by construction,
   and the plan says so. A downcast is never moved across: the narrow value does not give the
   wide one back.
+Row statistics: where the backward would recompute a chain of row reductions one from another
+(norms in a row along a residual stream it rebuilds), those reductions are kept too ([rows] values
+each), so the rebuild is pointwise (MAX_ROW_REDUCTION_CHAIN).
 Ties go to values already in memory (an extern's result, a forward output) over values a
 kernel would write only to be saved (WRITE_TIE).
 
@@ -170,6 +173,11 @@ def plan(captured: Captured, memory_budget: float = 1.0) -> Plan:
         cut, budget = _within_budget(flow, pins, default_cut, memory_budget, captured, index_bytes,
                                      backward_only)
 
+    grad_names = [g for g in grads if g is not None]
+    statistics = row_statistics(joint, cut, grad_names, backward_only)
+    default_statistics = statistics if cut == default_cut else \
+        row_statistics(joint, default_cut, grad_names, backward_only)
+    cut, default_cut = cut | frozenset(statistics), default_cut | frozenset(default_statistics)
     saved_names = [n for n in joint.nodes if n in cut]
     forward = _subgraph(joint, inputs=primals + (["seed"] if captured.has_seed else []),
                         outputs=list(fwd_outputs) + saved_names)
@@ -177,7 +185,7 @@ def plan(captured: Captured, memory_budget: float = 1.0) -> Plan:
     default_backward = backward if cut == default_cut else \
         _backward(joint, captured, [n for n in joint.nodes if n in default_cut], tangents, grads)
     context = _Context(joint, joint.users(), backward, index_bytes, captured.hints, budget,
-                       frozenset(default_backward.nodes) - set(default_backward.inputs))
+                       frozenset(default_backward.nodes) - set(default_backward.inputs), statistics)
     saved = [SavedValue(n, value_bytes(joint[n].value, captured.hints), joint[n].op is Op.INPUT,
                         _save_reason(joint[n], context))
              for n in saved_names]
@@ -288,6 +296,12 @@ BUDGET_FLOW = boykov_kolmogorov
 # budget 0.2, H100: 31.5 ms and 3366 MB a step, against 26.0 ms and 2199 MB at 0.5, which keeps
 # more). A cut with a longer chain is never chosen, even where it keeps fewer bytes.
 MAX_MATMUL_CHAIN = 2
+# The longest chain of row reductions the backward recomputes one from another's result: one
+# normalization (its mean, then its variance). A longer chain runs through several norms in a row
+# (BERT's post-norm residual stream rebuilt from saved matmul outputs: 9 LayerNorms, 18 row sums
+# each waiting on the one before, one kernel at 38% of bandwidth on an H200, 2026-11-27); the
+# reductions on it are kept ([rows] values each: `row_statistics`), so that the rebuild is pointwise.
+MAX_ROW_REDUCTION_CHAIN = 2
 
 
 @dataclass(frozen=True)
@@ -383,6 +397,27 @@ def _recomputed(joint: Graph, cut, grads: list, backward_only: set) -> set:
     the saved values and the inputs."""
     needed = _ancestors(joint, grads, stop=cut)
     return {n for n in needed - backward_only - cut if joint[n].op not in LEAF}
+
+
+def row_statistics(joint: Graph, cut, grads: list, backward_only: set) -> dict:
+    """The row reductions the backward of `cut` recomputes on a chain of more than
+    MAX_ROW_REDUCTION_CHAIN of them (each reads, through recomputed nodes, the one before's result)
+    -> that chain's length: kept as well, so that the rebuild is pointwise."""
+    recomputed = _recomputed(joint, cut, grads, backward_only)
+    users = joint.users()
+    order = [name for name in joint.nodes if name in recomputed]
+    depth: dict = {}      # the most row reductions on a recomputed path ending at the node
+    for name in order:
+        depth[name] = _is_row_reduction(joint[name]) + max((depth.get(i, 0) for i in joint[name].inputs), default=0)
+    height: dict = {}     # ... starting at the node
+    for name in reversed(order):
+        height[name] = _is_row_reduction(joint[name]) + max((height.get(u, 0) for u in users[name]), default=0)
+    return {name: depth[name] + height[name] - 1 for name in order
+            if _is_row_reduction(joint[name]) and depth[name] + height[name] - 1 > MAX_ROW_REDUCTION_CHAIN}
+
+
+def _is_row_reduction(node: Node) -> bool:
+    return node.op in REDUCTION and isinstance(node.attr, Reduce) and node.attr.axis is Kind.ROW
 
 
 def matmul_chain(graph: Graph, nodes) -> int:
@@ -500,6 +535,7 @@ class _Context:
     hints: dict
     budget: Budget | None
     default_recomputed: frozenset
+    statistics: dict               # row_statistics: saved row reduction -> its chain's length
 
 
 def _save_reason(node: Node, context: _Context) -> str:
@@ -516,6 +552,9 @@ def _save_reason(node: Node, context: _Context) -> str:
                 f"than another aten launch{narrow}")
     if pinned is not None:
         return f"{pinned}: cheaper to keep than to redo{narrow}"
+    if node.name in context.statistics:
+        return (f"a row statistic on a chain of {context.statistics[node.name]} row reductions the backward "
+                f"would rebuild one after another: kept ([rows] values), the rebuild reads it instead")
     return f"cheaper to keep than to recompute from the inputs (min-cut){narrow}"
 
 

@@ -163,6 +163,54 @@ def test_reduction_over_rows_is_saved_not_recomputed():
     assert the_plan.saved_bytes == 24 * 4
 
 
+def post_norm_layers(h, *weights):
+    """A post-norm residual stream (BERT's): each layer's matmul reads the last LayerNorm's output,
+    whose gradient needs it again; the matmuls' bf16 outputs are the cheapest to keep."""
+    for weight in weights:
+        h = F.layer_norm(h + (h.to(torch.bfloat16) @ weight).float(), h.shape[-1:])
+    return (h.sum(),)
+
+
+def post_norm_inputs(layers: int):
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randn(6, 32, generator=generator).requires_grad_()] + \
+        [(torch.randn(32, 32, generator=generator) / 6).bfloat16().requires_grad_() for _ in range(layers)]
+
+
+def recomputed_row_reductions(the_plan, joint) -> list:
+    return [n for n, (decision, _) in the_plan.decisions.items()
+            if decision is Decision.RECOMPUTE and joint[n].op is Op.SUM and joint[n].attr.axis is Kind.ROW]
+
+
+def test_a_chain_of_norms_keeps_their_row_statistics():
+    """Three LayerNorms rebuilt one from another: their row sums are kept ([rows] values), so the
+    backward's rebuild reduces no row; one LayerNorm (mean, then variance) is recomputed as before."""
+    captured = capture(post_norm_layers, post_norm_inputs(3), trace_joint=True)
+    the_plan = plan(captured)
+    statistics = [n for n, (decision, reason) in the_plan.decisions.items()
+                  if decision is Decision.SAVE and "row statistic on a chain of 6" in reason]
+    assert len(statistics) == 6
+    assert all(captured.joint[n].op is Op.SUM and captured.joint[n].attr.axis is Kind.ROW for n in statistics)
+    assert not recomputed_row_reductions(the_plan, captured.joint)
+
+    single = capture(post_norm_layers, post_norm_inputs(1), trace_joint=True)
+    single_plan = plan(single)
+    assert not any("row statistic" in reason for _, reason in single_plan.decisions.values())
+    assert len(recomputed_row_reductions(single_plan, single.joint)) == 2
+
+
+def test_a_chain_of_norms_with_kept_statistics_matches_eager():
+    inputs = post_norm_inputs(3)
+    expected_loss, = post_norm_layers(*inputs)
+    expected = torch.autograd.grad(expected_loss, inputs)
+    fused_inputs = [t.detach().clone().requires_grad_() for t in inputs]
+    loss, = memory_efficient_fusion(post_norm_layers)(*fused_inputs)
+    loss.backward()
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-4)
+    for tensor, gradient in zip(fused_inputs, expected):
+        torch.testing.assert_close(tensor.grad, gradient, rtol=2e-2, atol=2e-2)
+
+
 def gelu_bias(x, b):
     return (F.gelu(x + b),)
 
