@@ -201,7 +201,8 @@ class KernelLaunch:
             if device.type == "cuda":
                 name = torch.cuda.get_device_name(device)
                 chosen = TuningCache(config.cache_dir).get(name, Path(self.kernel.path).stem) or \
-                    default_config(block_d, self.kernel.source.persistent)
+                    default_config(block_d, self.kernel.source.persistent, self.kernel.source.bytes_per_row,
+                                   self.kernel.source.constexprs["D"])
             else:
                 chosen = cpu_config(block_d, config.tile_elements)
             self.configs[device] = chosen

@@ -48,11 +48,36 @@ TABLE = [
 ]
 
 
-def default_config(block_d: int, persistent: bool) -> LaunchConfig:
+# A program of one tile holds its rows' values in registers. Past about this many 32-bit words a
+# thread, Triton's code takes every register and an SM holds few warps: BERT's backward rebuild of
+# its residual stream (26 [M, 768] values a row, 1 row and 2 warps a program: 255 registers, 8 warps
+# an SM) moved 24% of bandwidth on an H200 (2026-11-27). Such a kernel gets the warps that bring it
+# under this, up to MAX_WARPS; the table's warps are a floor. At 128 it is the backward's first
+# kernel of each model of `make bench-models` (the rebuild of what the layers need), and no other.
+WORDS_PER_THREAD = 128
+MAX_WARPS = 16
+
+
+def default_config(block_d: int, persistent: bool, bytes_per_row: int = 0, d: int = 0) -> LaunchConfig:
+    """The table's configuration for rows of `block_d` (`d` columns of them, `bytes_per_row` moved a
+    row: a tile of one pass gets the warps its values need, `warps_for`)."""
     for bound, is_persistent, tile, warps, per_sm, stages in TABLE:
         if block_d <= bound and persistent == is_persistent:
-            return LaunchConfig(max(1, tile // block_d), warps, per_sm, stages)
+            block_m = max(1, tile // block_d)
+            if not persistent:
+                warps = max(warps, warps_for(block_m * bytes_per_row * block_d // max(d, 1)))
+            return LaunchConfig(block_m, warps, per_sm, stages)
     raise AssertionError("the table's last rows cover every block_d")
+
+
+def warps_for(tile_bytes: int) -> int:
+    """Warps that hold a tile's values (at least 4 bytes each) within WORDS_PER_THREAD a thread: a
+    power of two, at most MAX_WARPS."""
+    needed = -(-tile_bytes // (4 * 32 * WORDS_PER_THREAD))
+    warps = 1
+    while warps < min(needed, MAX_WARPS):
+        warps *= 2
+    return warps
 
 
 def cpu_config(block_d: int, tile_elements: int) -> LaunchConfig:

@@ -460,3 +460,15 @@ def test_kernels_of_other_types_or_sizes_are_not_twins(tmp_path):
         kernels.append(generate(graph, group, config))
     assert [k.twin_of for k in kernels] == [None, None, None, kernels[0].source.name]
     assert len({id(k.fn) for k in kernels}) == 3
+
+
+def test_a_tile_of_many_values_gets_the_warps_that_hold_them():
+    """The table's warps for a LayerNorm's row; more for a row of 26 [M, 768] values (BERT's rebuild:
+    2 warps took 255 registers), never past MAX_WARPS; persistent kernels keep the table's."""
+    from memfuse.tuning import MAX_WARPS, default_config
+    table = default_config(1024, False)
+    assert default_config(1024, False, bytes_per_row=4 * 768 * 2, d=768) == table
+    heavy = default_config(1024, False, bytes_per_row=66192, d=768)
+    assert heavy.block_m == table.block_m and heavy.num_warps == 8 > table.num_warps
+    assert default_config(1024, False, bytes_per_row=10**8, d=768).num_warps == MAX_WARPS
+    assert default_config(1024, True, bytes_per_row=10**8, d=768) == default_config(1024, True)
