@@ -91,7 +91,8 @@ def manifest_entry(graph, launch) -> dict:
     from memfuse.precompile import warmup_arguments
     from memfuse.tuning import default_config
     source = launch.kernel.source
-    chosen = default_config(source.constexprs["BLOCK_D"], source.persistent)
+    chosen = default_config(source.constexprs["BLOCK_D"], source.persistent, source.bytes_per_row,
+                            source.constexprs["D"])
     launch.configs[CUDA] = chosen
     args, keywords = warmup_arguments(graph, launch, CUDA, Config())
     num_warps = keywords.pop("num_warps")

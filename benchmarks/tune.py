@@ -94,7 +94,7 @@ def tune_workload(workload, results: list, cache: TuningCache, device_name: str,
     for launch in launches:
         source = launch.kernel.source
         block_d = source.constexprs["BLOCK_D"]
-        default = default_config(block_d, source.persistent)
+        default = default_config(block_d, source.persistent, source.bytes_per_row, source.constexprs["D"])
         default_us = best_of(launch, [default], device)[0][0]
         best_us, best = sweep(launch, device, exhaustive)
         if default_us <= best_us:
