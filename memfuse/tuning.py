@@ -1,7 +1,8 @@
 """Launch configurations: rows per tile, warps, and programs per SM for persistent kernels.
 
-A choice depends on the row length bucket (BLOCK_D), the element size and whether the kernel is
-persistent (it carries column partial sums) — never on M, so it holds for every batch size.
+A choice depends on the row length bucket (BLOCK_D), the element size, whether the kernel is
+persistent (it carries column partial sums) and, for a tile of one pass, the bytes its rows move
+(the warps that hold them: `warps_for`) — never on M, so it holds for every batch size.
 `default_config` is a table measured on an H200 (benchmarks/tune.py); a sweep's results are
 cached on disk per device and kernel, and win over the table when present.
 """
