@@ -116,9 +116,9 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
                         help="default: benchmarks/results/distributed.json (gpt), distributed-MODEL.json (the others)")
     parser.add_argument("--dump-params", type=Path, default=None, help="rank 0 saves every case's final parameters here")
     parser.add_argument("--profile", default="",
-                        help="cases to profile after timing, as WRAPPER/MODE, comma-separated, or 'all' (CUDA): one "
-                             "step per rank under torch.profiler, its GPU time split into compute, communication "
-                             "and idle")
+                        help="cases to profile once every case is timed (each built again), as WRAPPER/MODE, "
+                             "comma-separated, or 'all' (CUDA): one step per rank under torch.profiler, its GPU "
+                             "time split into compute, communication and idle")
     parser.add_argument("--trace-dir", type=Path, default=None,
                         help="rank 0 writes each profiled case's Chrome trace here")
     args = parser.parse_args(argv)
@@ -421,8 +421,6 @@ def run_case(r: Rank, ref: Reference, wrapper: str, mode: str, result: CaseResul
         result.error = "timing skipped: --budget-s spent"
         return
     _time_steps(r, parallel, optimizer, result)
-    if r.device.type == "cuda" and _profiled(r.args.profile, wrapper, mode):
-        _profile_step(r, parallel, optimizer, result)
 
 
 def _inspect_grads(model, result: CaseResult) -> None:
@@ -518,6 +516,27 @@ def _time_steps(r: Rank, parallel, optimizer, result: CaseResult) -> None:
 def _profiled(chosen: str, wrapper: str, mode: str) -> bool:
     cases = {c.strip() for c in chosen.split(",") if c.strip()}
     return "all" in cases or f"{wrapper}/{mode}" in cases
+
+
+def cases_to_profile(cases: list, chosen: str) -> list:
+    """The cases --profile names that were timed, in the order they ran."""
+    return [c for c in cases if c.it_s is not None and _profiled(chosen, c.wrapper, c.mode)]
+
+
+def profile_case(r: Rank, result: CaseResult) -> None:
+    """The timed case built again and warmed up, then one step profiled (`_profile_step`). This runs
+    after every case is timed: a profiled step (torch.profiler, cProfile, torch.cuda's sync debug
+    mode; which of them was not isolated) left the process slower for the rest of its life, and
+    the cases timed after one ran up to 1.6x slower (BERT's backend under DDP on two H200s,
+    2026-11-27: 31.8 it/s timed after profiled cases, 50.3 and 51.6 it/s in a run that profiled
+    none; torch.compile under FSDP2 on GPT-2: 23.0 against 41.6)."""
+    model = r.build()
+    parallel, _ = parallelize(r, model, r.work.wrap(model, result.mode), result.wrapper, result.mode)
+    optimizer = r.optimizer(parallel.parameters())
+    batch = r.shard(r.batches[0])
+    for _ in range(max(r.args.warmup, 1)):
+        train_step(r, parallel, optimizer, batch)
+    _profile_step(r, parallel, optimizer, result)
 
 
 def _profile_step(r: Rank, parallel, optimizer, result: CaseResult) -> None:
@@ -745,6 +764,17 @@ def run_all(r: Rank) -> dict:
             _release(r)
             say(r, f"{'':>15} {'':<16} {summary(result)}")
             write(r, results)
+    profiled = cases_to_profile(results["cases"], r.args.profile) if r.device.type == "cuda" else []
+    for result in profiled:       # after every case is timed: profiling slows what runs after it
+        if over_budget(r):
+            break
+        say(r, f"{result.wrapper:>15} {result.mode:<16} profiling ...")
+        try:
+            profile_case(r, result)
+        except Exception as error:
+            result.error = _error(error)
+        _release(r)
+        write(r, results)
     if r.args.dropout > 0:
         for wrapper in (w for w in r.args.wrappers if w != "ddp_bucket_view"):
             for mode in (m for m in r.work.modes if m in r.work.dropout_modes):

@@ -415,3 +415,14 @@ def test_eager_and_torch_compile_set_the_bf16_bar_and_are_judged_on_the_loss():
     assert judged("eager", 0.5, 0.01, autocast=True) == (False, True)          # the loss is still checked
     assert judged("memfuse_backend", 1e-5, 0.17, autocast=True) == (False, False)
     assert judged("eager", 1e-5, 0.17, autocast=False) == (False, False)
+
+
+def test_profiled_cases_are_the_named_ones_that_were_timed_in_their_order():
+    """--profile runs after every case is timed (a profiled step slows what runs after it): the
+    cases it takes again are those it names that have a time, 'all' every timed one."""
+    from benchmarks.distributed import CaseResult, cases_to_profile
+    cases = [CaseResult("ddp", "eager"), CaseResult("ddp", "memfuse_backend"), CaseResult("fsdp2", "memfuse_backend")]
+    cases[0].it_s, cases[2].it_s = 10.0, 12.0          # the second was skipped or failed
+    assert cases_to_profile(cases, "all") == [cases[0], cases[2]]
+    assert cases_to_profile(cases, "ddp/memfuse_backend, fsdp2/memfuse_backend") == [cases[2]]
+    assert cases_to_profile(cases, "") == []
