@@ -397,11 +397,16 @@ def reference(r: Rank) -> Reference:
     return Reference(losses, initial, [p.detach().cpu().clone() for p in model.parameters()])
 
 
+def build_case(r: Rank, wrapper: str, mode: str) -> tuple:
+    """(model, the model wrapped in `mode` and `wrapper`, the wrapping's note, its optimizer)."""
+    model = r.build()
+    parallel, note = parallelize(r, model, r.work.wrap(model, mode), wrapper, mode)
+    return model, parallel, note, r.optimizer(parallel.parameters())
+
+
 def run_case(r: Rank, ref: Reference, wrapper: str, mode: str, result: CaseResult) -> None:
     import memfuse
-    model = r.build()
-    parallel, result.note = parallelize(r, model, r.work.wrap(model, mode), wrapper, mode)
-    optimizer = r.optimizer(parallel.parameters())
+    model, parallel, result.note, optimizer = build_case(r, wrapper, mode)
     before, told = memfuse.stats(), set(memfuse.eager.TOLD)
     start = time.perf_counter()
     for step, batch in enumerate(r.batches[:r.args.steps]):
@@ -530,9 +535,7 @@ def profile_case(r: Rank, result: CaseResult) -> None:
     the cases timed after one ran up to 1.6x slower (BERT's backend under DDP on two H200s,
     2026-11-27: 31.8 it/s timed after profiled cases, 50.3 and 51.6 it/s in a run that profiled
     none; torch.compile under FSDP2 on GPT-2: 23.0 against 41.6)."""
-    model = r.build()
-    parallel, _ = parallelize(r, model, r.work.wrap(model, result.mode), result.wrapper, result.mode)
-    optimizer = r.optimizer(parallel.parameters())
+    _, parallel, _, optimizer = build_case(r, result.wrapper, result.mode)
     batch = r.shard(r.batches[0])
     for _ in range(max(r.args.warmup, 1)):
         train_step(r, parallel, optimizer, batch)

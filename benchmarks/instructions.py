@@ -8,7 +8,7 @@ The model of `make bench-models`, at its own width (hidden, FFN, vocabulary) but
 wrapped whole (`memory_efficient_fusion`), trains one step on the CPU through Triton's interpreter
 under the CPU's bf16 autocast (`--fp32`: without), as the GPU runs under CUDA's. Each distinct
 kernel is then compiled by Triton for sm_90 (Triton's wheel brings ptxas and cuobjdump) at the
-launch configuration an H100 without a tuning cache uses (`memfuse.tuning.default_config`), and
+launch configuration an H100 without a tuning cache uses (`memfuse.tuning.source_config`), and
 its SASS instructions are counted. A kernel of one tile per program runs each instruction once a
 tile and warp; a persistent kernel runs its loop over tiles (the widest span a backward branch
 closes) once a tile and warp. **issue ns** is a tile's warp instructions at an H100's issue rate
@@ -89,10 +89,9 @@ def manifest_entry(graph, launch) -> dict:
     from benchmarks.kernel_sol import _config
     from memfuse.config import Config
     from memfuse.precompile import warmup_arguments
-    from memfuse.tuning import default_config
+    from memfuse.tuning import source_config
     source = launch.kernel.source
-    chosen = default_config(source.constexprs["BLOCK_D"], source.persistent, source.bytes_per_row,
-                            source.constexprs["D"])
+    chosen = source_config(source)
     launch.configs[CUDA] = chosen
     args, keywords = warmup_arguments(graph, launch, CUDA, Config())
     num_warps = keywords.pop("num_warps")

@@ -21,7 +21,7 @@ from triton.testing import do_bench
 import memfuse
 from benchmarks.workloads import registry
 from memfuse.runtime import KernelLaunch
-from memfuse.tuning import LaunchConfig, TuningCache, default_config
+from memfuse.tuning import LaunchConfig, TuningCache, source_config
 
 
 def kernel_time(launch: KernelLaunch) -> float:
@@ -94,7 +94,7 @@ def tune_workload(workload, results: list, cache: TuningCache, device_name: str,
     for launch in launches:
         source = launch.kernel.source
         block_d = source.constexprs["BLOCK_D"]
-        default = default_config(block_d, source.persistent, source.bytes_per_row, source.constexprs["D"])
+        default = source_config(source)
         default_us = best_of(launch, [default], device)[0][0]
         best_us, best = sweep(launch, device, exhaustive)
         if default_us <= best_us:

@@ -30,7 +30,7 @@ from .ir import Graph, Kind, Op, ValueRef
 from .loss_head import attach_returned_logits
 from .ops import OPS, REDUCERS, accumulate_dtype, compute_dtype
 from .schedule import ExternStep, KernelGroup, Schedule
-from .tuning import LaunchConfig, TuningCache, cpu_config, default_config
+from .tuning import LaunchConfig, TuningCache, cpu_config, source_config
 
 log = logging.getLogger("memfuse")
 
@@ -201,8 +201,7 @@ class KernelLaunch:
             if device.type == "cuda":
                 name = torch.cuda.get_device_name(device)
                 chosen = TuningCache(config.cache_dir).get(name, Path(self.kernel.path).stem) or \
-                    default_config(block_d, self.kernel.source.persistent, self.kernel.source.bytes_per_row,
-                                   self.kernel.source.constexprs["D"])
+                    source_config(self.kernel.source)
             else:
                 chosen = cpu_config(block_d, config.tile_elements)
             self.configs[device] = chosen

@@ -71,6 +71,13 @@ def default_config(block_d: int, persistent: bool, bytes_per_row: int = 0, d: in
     raise AssertionError("the table's last rows cover every block_d")
 
 
+def source_config(source) -> LaunchConfig:
+    """default_config for a generated kernel (codegen's KernelSource: its BLOCK_D, D, persistence
+    and bytes a row)."""
+    return default_config(source.constexprs["BLOCK_D"], source.persistent, source.bytes_per_row,
+                          source.constexprs["D"])
+
+
 def warps_for(tile_bytes: int) -> int:
     """Warps that hold a tile's values (at least 4 bytes each) within WORDS_PER_THREAD a thread: a
     power of two, at most MAX_WARPS."""
