@@ -399,6 +399,19 @@ ANY_STRIDES_ATEN = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.
 LOSS_HEAD_ATEN = {torch.ops.memfuse.linear_cross_entropy.default,
                   torch.ops.memfuse.linear_cross_entropy_backward.default}
 ANY_STRIDES_ATEN |= LOSS_HEAD_ATEN
+# Attention reads query, key, value, its output and their gradients in any strides whose last is 1:
+# eager hands it `linear(x).view(b, s, h, d).transpose(1, 2)` as it lies, and its backward returns
+# gradients laid out as those inputs.
+ATTENTION_ATEN = {aten._scaled_dot_product_cudnn_attention.default,
+                  aten._scaled_dot_product_cudnn_attention_backward.default,
+                  aten._scaled_dot_product_efficient_attention.default,
+                  aten._scaled_dot_product_efficient_attention_backward.default,
+                  aten._scaled_dot_product_flash_attention.default,
+                  aten._scaled_dot_product_flash_attention_backward.default,
+                  aten._scaled_dot_product_flash_attention_for_cpu.default,
+                  aten._scaled_dot_product_flash_attention_for_cpu_backward.default}
+# aten views of a view kept in its strides, made reshapes (a view of them may need a copy)
+RESHAPED_ATEN = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 # Matmuls: extern (cuBLAS) calls whose operands memfuse.padding may align (ir.Matmul).
 MATMUL_ATEN = {aten.mm.default, aten.bmm.default, aten.addmm.default}
 REDUCE_ATEN = {aten.sum.dim_IntList: Op.SUM, aten.amax.default: Op.MAX, aten.amin.default: Op.MIN,
@@ -489,6 +502,16 @@ class NotFusible(Exception):
 
 # How many pointwise ops deep a cat's part is rebuilt in registers (columns_in_registers).
 COLUMN_DEPTH = 6
+
+
+@dataclass(frozen=True)
+class AtenView:
+    """An aten view no fx node names (a split's part as `aten.slice`), as keep_aten_views reads
+    one: its target, fx arguments and fake value."""
+    target: object
+    args: tuple
+    meta: dict
+    kwargs: dict = field(default_factory=dict)
 
 
 class _Lowering:
@@ -831,7 +854,11 @@ class _Lowering:
             value = classify(part)
             length = value.shape[dim]
             step = views.slice_(source.shape, dim, start, 1, length)
-            parts.append(self.strided(f"{node.name}_{k}", source.then(*step), value, f"split part {k} (dim={dim})"))
+            name = self.strided(f"{node.name}_{k}", source.then(*step), value, f"split part {k} (dim={dim})")
+            if start.is_Integer and sympy.sympify(length).is_Integer:   # aten's own view of the part: a slice
+                self.aten_views[name] = AtenView(aten.slice.Tensor, (node.args[0], dim, int(start), int(start + length)),
+                                                 {"val": part})
+            parts.append(name)
             start = start + length
         return tuple(parts)
 
@@ -1382,23 +1409,43 @@ class _Lowering:
         return None
 
     def keep_aten_views(self) -> None:
-        """A view that only aten calls read, and read in any strides (a transposed weight for mm),
-        stays an aten view: a strided read is a kernel that copies it, aten reads it where it
-        lies. Not a fallback. A reshape (VIEW) stays one only for the chunked loss head: a matmul
-        operand's reshape is the producing kernel's to write (padding.py)."""
+        """A view that only aten calls read, and read in any strides (a transposed weight for mm;
+        attention's query, key, value and gradients, whose last dim stays in place), stays an
+        aten view: a strided read is a kernel that copies it, aten reads it where it lies. An
+        `aten.view` of it becomes `aten.reshape`, which copies only where the strides need it
+        (attention's output, laid out as its query, needs none). Not a fallback. A reshape (VIEW)
+        stays one only for the chunked loss head: a matmul operand's reshape is the producing
+        kernel's to write (padding.py)."""
         users = self.graph.users()
         outputs = set(self.graph.outputs)
         for name in reversed([n for n in self.aten_views if n in self.graph.nodes]):   # a view of such a view first
             readers = [self.graph[u] for u in users[name]]
-            in_any_strides = ANY_STRIDES_ATEN if self.graph[name].op is Op.STRIDED else LOSS_HEAD_ATEN
+            strided = self.graph[name].op is Op.STRIDED
+            in_any_strides = ANY_STRIDES_ATEN if strided else LOSS_HEAD_ATEN
+            if self.last_dim_in_place(name if strided else self.graph[name].inputs[0]):
+                in_any_strides = in_any_strides | ATTENTION_ATEN | (RESHAPED_ATEN if strided else set())
             if not readers or name in outputs or any(
                     r.op is not Op.EXTERN or r.attr.target not in in_any_strides for r in readers):
                 continue
+            for r in readers:
+                if r.attr.target in RESHAPED_ATEN:
+                    self.graph.nodes[r.name] = Node(r.name, r.op, r.inputs, r.value,
+                                                    dataclasses.replace(r.attr, target=aten.reshape.default))
             node = self.aten_views[name]
             inputs, value, attr = self.extern_call(node, node.meta["val"])
+            if not strided and any(r.attr.target in ATTENTION_ATEN for r in readers):
+                attr = dataclasses.replace(attr, target=aten.reshape.default)   # of a view kept in its strides
             self.graph.nodes[name] = Node(name, Op.EXTERN, tuple(inputs), value, attr)
             for inp in inputs:
                 users[inp].append(name)
+
+    def last_dim_in_place(self, name: str) -> bool:
+        """Whether view `name` keeps its root's last dim last, stride 1 (attention reads it so)."""
+        m = self.maps.get(name)
+        if m is None or not m.last_stride_one or not m.shape or not m.coeffs:
+            return False
+        last = len(m.shape) - 1       # the view's last index moves the root's last by 1, no other
+        return m.coeffs[-1][last] == 1 and all(row[last] == 0 for row in m.coeffs[:-1])
 
     def lower_extern(self, node, val, reason: str) -> str:
         self.fallbacks.append((node.name, str(node.target), reason))

@@ -7,6 +7,7 @@ import torch
 
 import memfuse
 from benchmarks.workloads import layer_norm_block, primitive_layer_norm_block, rms_norm_block
+from test_views import attention_block, fused_qkv_block, token_copy_kernels
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -771,3 +772,28 @@ def test_a_broadcast_bidirectional_mask_keeps_a_fused_attention_on_gpu():
                for _ in range(3))
     fused = memfuse.memory_efficient_fusion(attention)
     _drops_its_mask_as_eager(fused, attention, (q, k, v))
+
+
+@pytest.mark.parametrize("block", ["separate projections", "split projection"])
+def test_attention_reads_heads_in_place_on_gpu(block):
+    """bf16 attention blocks (BERT's, GPT-2's) whose query, key, value, output and gradients stay
+    views of the matmuls' outputs: GPU's attention (cuDNN or flash) takes them in those strides and
+    lays its output out as the query. Output and gradients as eager's, no kernel copies heads."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    d = 768
+    weights = [torch.randn(d, d) for _ in range(4)] if block == "separate projections" else \
+        [torch.randn(3 * d, d), torch.randn(d, d)]
+    fn = attention_block if block == "separate projections" else fused_qkv_block
+    x = torch.randn(4, 512, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    params = [torch.nn.Parameter((w / d ** 0.5).to("cuda", torch.bfloat16)) for w in weights]
+    fused = memfuse.memory_efficient_fusion(lambda *a: fn(*a, heads=12))
+    grads = []
+    for call in (fused, lambda *a: fn(*a, heads=12)):
+        inputs = [x.clone().requires_grad_()] + [torch.nn.Parameter(p.detach().clone()) for p in params]
+        out = call(*inputs)
+        out.float().square().sum().backward()
+        grads.append([out] + [t.grad for t in inputs])
+    for got, want in zip(*grads):
+        assert relative_error(got, want) < 2e-2
+    copies = token_copy_kernels(fused)
+    assert all("3x strided" in summary for _, summary in copies) and len(copies) <= 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+import sympy
 import torch
 import torch.nn.functional as F
 
@@ -414,3 +415,55 @@ def test_generated_view_reads_are_readable():
     source = entry.function.forward.steps[0].kernel.source.source
     assert "read in place through slice(dim=1)" in source
     assert "_stride0" in source and "tl.load(" in source
+
+
+def attention_block(x, w_q, w_k, w_v, w_o, heads=2):
+    """BERT's attention around scaled_dot_product_attention: each projection viewed as heads and
+    transposed, the output transposed back and merged."""
+    b, t, d = x.shape
+    q, k, v = ((x @ w.t()).view(b, t, heads, d // heads).transpose(1, 2) for w in (w_q, w_k, w_v))
+    o = F.scaled_dot_product_attention(q, k, v)
+    return (o.transpose(1, 2).reshape(b, t, d) @ w_o.t()).tanh()
+
+
+def fused_qkv_block(x, w_qkv, w_o, heads=2):
+    """GPT-2's: one projection split in three, causal."""
+    b, t, d = x.shape
+    q, k, v = ((z.view(b, t, heads, d // heads).transpose(1, 2)) for z in (x @ w_qkv.t()).split(d, -1))
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return (o.transpose(1, 2).reshape(b, t, d) @ w_o.t()).tanh()
+
+
+def token_copy_kernels(fused) -> list:
+    """(program, kernel summary) of each generated kernel over the tokens (rows that grow with the
+    batch; a weight gradient's transpose is not one) that reads through an access map."""
+    entry = next(iter(fused.cache.values()))
+    return [(which, step.kernel.source.summary) for which in ("forward", "backward")
+            for step in getattr(entry.function, which).steps
+            if hasattr(step, "kernel") and "strided" in step.kernel.source.summary
+            and sympy.sympify(step.group.space.m).free_symbols]
+
+
+@pytest.mark.parametrize("block", ["separate projections", "split projection"])
+def test_attention_reads_heads_where_the_matmuls_wrote_them(block):
+    """Query, key and value reach attention as views of the projections' outputs, its output
+    reaches the next matmul as a view, and their gradients come back the same way: no kernel
+    copies heads into place (eager makes no such copy either). Outputs and gradients as eager's."""
+    torch.manual_seed(0)
+    d = 16
+    x = torch.randn(2, 5, d, requires_grad=True)
+    if block == "separate projections":
+        fn, weights = attention_block, [torch.randn(d, d) / 4 for _ in range(4)]
+    else:
+        fn, weights = fused_qkv_block, [torch.randn(3 * d, d) / 4, torch.randn(d, d) / 4]
+    args = [x] + [torch.nn.Parameter(w) for w in weights]     # weights of static sizes
+    both = run_both(fn, args)
+    assert_same(both.fused, both.eager)
+    assert_same(both.fused_grads, both.eager_grads, scale=2.0, what="gradient")
+    fused = memfuse.memory_efficient_fusion(fn)
+    fused(*args).sum().backward()
+    copies = token_copy_kernels(fused)
+    if block == "separate projections":
+        assert copies == []
+    else:   # the split projection's input gradient gathers the three gradients (eager: a cat)
+        assert [which for which, _ in copies] == ["backward"] and "3x strided" in copies[0][1]
