@@ -551,16 +551,18 @@ def _runtime_reshape(graph: Graph, node) -> bool:
 
 def reshapes_for_aten(graph: Graph) -> Graph:
     """The graph with each reshape (VIEW) of a tensor already in memory (a program input, an aten
-    result, or such a reshape) that only aten calls read marked `Reshape`: the runtime's
+    result, or such a reshape) that an aten call reads marked `Reshape`: the runtime's
     `.reshape`, an alias, where a kernel would copy it. BERT's backward reads each layer's saved
     attention probabilities as a [batch x heads, seq, seq] bmm operand: four 384 MB fp32 copies,
-    alive together, otherwise. A returned one stays a copy (it would alias the caller's input)."""
+    alive together, otherwise; and each projection's bias gradient sums the rows of the matmul
+    operand that attention's gradient already is. Kernels that read one too read it in memory, as
+    they would its source. A returned one stays a copy (it would alias the caller's input)."""
     users = graph.users()
     outputs = set(graph.outputs)
-    for_aten: set = set()        # VIEW nodes read by aten calls alone, directly or through such VIEWs
+    for_aten: set = set()        # VIEW nodes an aten call reads, directly or through such VIEWs
     for name in reversed(graph.nodes):
         node = graph[name]
-        if node.op is Op.VIEW and name not in outputs and users[name] and all(
+        if node.op is Op.VIEW and name not in outputs and any(
                 graph[u].op in EXTERNAL or u in for_aten for u in users[name]):
             for_aten.add(name)
     marked: set = set()

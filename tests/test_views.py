@@ -417,11 +417,12 @@ def test_generated_view_reads_are_readable():
     assert "_stride0" in source and "tl.load(" in source
 
 
-def attention_block(x, w_q, w_k, w_v, w_o, heads=2):
-    """BERT's attention around scaled_dot_product_attention: each projection viewed as heads and
-    transposed, the output transposed back and merged."""
+def attention_block(x, w_q, b_q, w_k, b_k, w_v, b_v, w_o, heads=2):
+    """BERT's attention around scaled_dot_product_attention: each projection (with its bias)
+    viewed as heads and transposed, the output transposed back and merged."""
     b, t, d = x.shape
-    q, k, v = ((x @ w.t()).view(b, t, heads, d // heads).transpose(1, 2) for w in (w_q, w_k, w_v))
+    q, k, v = (F.linear(x, w, bias).view(b, t, heads, d // heads).transpose(1, 2)
+               for w, bias in ((w_q, b_q), (w_k, b_k), (w_v, b_v)))
     o = F.scaled_dot_product_attention(q, k, v)
     return (o.transpose(1, 2).reshape(b, t, d) @ w_o.t()).tanh()
 
@@ -448,12 +449,13 @@ def token_copy_kernels(fused) -> list:
 def test_attention_reads_heads_where_the_matmuls_wrote_them(block):
     """Query, key and value reach attention as views of the projections' outputs, its output
     reaches the next matmul as a view, and their gradients come back the same way: no kernel
-    copies heads into place (eager makes no such copy either). Outputs and gradients as eager's."""
+    copies heads into place (eager makes no such copy either), and the biases' gradients are sums
+    that write nothing else. Outputs and gradients as eager's."""
     torch.manual_seed(0)
     d = 16
     x = torch.randn(2, 5, d, requires_grad=True)
     if block == "separate projections":
-        fn, weights = attention_block, [torch.randn(d, d) / 4 for _ in range(4)]
+        fn, weights = attention_block, [torch.randn(d, d) / 4, torch.randn(d)] * 3 + [torch.randn(d, d) / 4]
     else:
         fn, weights = fused_qkv_block, [torch.randn(3 * d, d) / 4, torch.randn(d, d) / 4]
     args = [x] + [torch.nn.Parameter(w) for w in weights]     # weights of static sizes
@@ -465,5 +467,9 @@ def test_attention_reads_heads_where_the_matmuls_wrote_them(block):
     copies = token_copy_kernels(fused)
     if block == "separate projections":
         assert copies == []
+        bias_sums = [step.kernel.source.summary for step in next(iter(fused.cache.values())).function.backward.steps
+                     if hasattr(step, "kernel") and "sum over M" in step.kernel.source.summary]
+        # each bias gradient sums attention's gradient where it lies: the matmul reads it there too
+        assert len(bias_sums) == 3 and not any("writes" in summary for summary in bias_sums)
     else:   # the split projection's input gradient gathers the three gradients (eager: a cat)
         assert [which for which, _ in copies] == ["backward"] and "3x strided" in copies[0][1]
