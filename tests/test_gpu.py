@@ -781,7 +781,8 @@ def test_attention_reads_heads_in_place_on_gpu(block):
     lays its output out as the query. Output and gradients as eager's, no kernel copies heads."""
     g = torch.Generator(device="cuda").manual_seed(0)
     d = 768
-    weights = [torch.randn(d, d), torch.randn(d) * d ** 0.5] * 3 + [torch.randn(d, d)] \
+    bias = torch.randn(d) * d ** 0.5            # a weight's scale, as the weights are scaled below
+    weights = [torch.randn(d, d), bias, torch.randn(d, d), torch.randn(d, d), -bias, torch.randn(d, d)] \
         if block == "separate projections" else [torch.randn(3 * d, d), torch.randn(d, d)]
     fn = attention_block if block == "separate projections" else fused_qkv_block
     x = torch.randn(4, 512, d, device="cuda", dtype=torch.bfloat16, generator=g)
