@@ -393,8 +393,8 @@ FILL_ATEN = {aten.full.default, aten.full_like.default, aten.empty_permuted.defa
 NOOP_ATEN = {aten._assert_tensor_metadata.default}   # checks the trace already made; no value
 # aten calls that read a tensor of any strides where it lies (aten.view does not: it may need a copy)
 ANY_STRIDES_ATEN = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.permute.default,
-                    aten.slice.Tensor, aten.select.int, aten.expand.default, aten.unsqueeze.default,
-                    aten.squeeze.dims, aten.alias.default}
+                    aten.slice.Tensor, aten.narrow.default, aten.select.int, aten.expand.default,
+                    aten.unsqueeze.default, aten.squeeze.dims, aten.alias.default}
 # The chunked loss head (memfuse.loss_head) reads every operand through its strides.
 LOSS_HEAD_ATEN = {torch.ops.memfuse.linear_cross_entropy.default,
                   torch.ops.memfuse.linear_cross_entropy_backward.default}
@@ -506,7 +506,7 @@ COLUMN_DEPTH = 6
 
 @dataclass(frozen=True)
 class AtenView:
-    """An aten view no fx node names (a split's part as `aten.slice`), as keep_aten_views reads
+    """An aten view no fx node names (a split's part as `aten.narrow`), as keep_aten_views reads
     one: its target, fx arguments and fake value."""
     target: object
     args: tuple
@@ -855,8 +855,8 @@ class _Lowering:
             length = value.shape[dim]
             step = views.slice_(source.shape, dim, start, 1, length)
             name = self.strided(f"{node.name}_{k}", source.then(*step), value, f"split part {k} (dim={dim})")
-            if start.is_Integer and sympy.sympify(length).is_Integer:   # aten's own view of the part: a slice
-                self.aten_views[name] = AtenView(aten.slice.Tensor, (node.args[0], dim, int(start), int(start + length)),
+            if start.is_Integer and sympy.sympify(length).is_Integer:   # aten's own view of the part
+                self.aten_views[name] = AtenView(aten.narrow.default, (node.args[0], dim, int(start), int(length)),
                                                  {"val": part})
             parts.append(name)
             start = start + length

@@ -655,6 +655,7 @@ TENSOR_METHODS = {
     torch.ops.aten.permute.default: "permute",
     torch.ops.aten.view.default: "view",
     torch.ops.aten.reshape.default: "reshape",
+    torch.ops.aten.narrow.default: "narrow",
     torch.ops.aten.t.default: "t",
     torch.ops.aten.unsqueeze.default: "unsqueeze",
     torch.ops.aten.expand.default: "expand",

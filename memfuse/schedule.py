@@ -134,7 +134,7 @@ def schedule(graph: Graph, config: Config, kind: str) -> Schedule:
     free = input_free(graph)
     loads = read_by_readers(graph, free)
     stage, group_of, groups, externs, not_fused = _group(graph, free, loads)
-    placed: list = [(name, f"a reshape of {node.inputs[0]}, in memory, that only aten calls read: the runtime's "
+    placed: list = [(name, f"a reshape of {node.inputs[0]}, in memory, that an aten call reads: the runtime's "
                            f"`.reshape` (an alias), not a kernel copy")
                     for name, node in graph.nodes.items() if isinstance(node.attr, Reshape)]
     _sink(graph, stage, group_of, groups, externs, placed, loads)
