@@ -27,6 +27,7 @@ Why two nodes did not share a kernel, and why a node was placed where it is, are
 from __future__ import annotations
 
 import heapq
+import re
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -139,9 +140,12 @@ def schedule(graph: Graph, config: Config, kind: str) -> Schedule:
                     for name, node in graph.nodes.items() if isinstance(node.attr, Reshape)]
     _sink(graph, stage, group_of, groups, externs, placed, loads)
     _join_sharing(graph, groups, free, placed)
-    steps = _order(graph, groups, externs, kind)
+    steps = _order(graph, groups, externs)
     _recompute_in_readers(graph, groups, stage, free, loads, placed)
     _compute_free_in_readers(graph, groups, free, loads, placed)
+    steps, joined = _join_later(graph, steps, free | loads, placed)
+    groups = [s for s in steps if isinstance(s, KernelGroup)]
+    _name_kernels(groups, joined, kind, placed)
     computed_in = _computed_in(groups)
     for group in steps:
         if isinstance(group, KernelGroup):
@@ -685,7 +689,7 @@ def _merge(joinable, groups, group_of) -> KernelGroup:
     return target
 
 
-def _order(graph: Graph, groups: list, externs: list, kind: str) -> list:
+def _order(graph: Graph, groups: list, externs: list) -> list:
     """The steps in the graph's order, each after the steps it reads: of the steps whose inputs
     are computed, the one whose first node comes first in the graph runs next. The graph's order
     is the plan's (recomputations of the forward right before their first reader in a backward),
@@ -715,15 +719,17 @@ def _order(graph: Graph, groups: list, externs: list, kind: str) -> list:
                 heapq.heappush(ready, (first[reader], reader))
     assert len(ordered) == len(steps), "schedule: the steps read each other in a cycle"
     for i, g in enumerate(s for s in ordered if isinstance(s, KernelGroup)):
-        g.name = f"memfuse_{kind}_{i}"
+        g.name = f"<kernel {i}>"       # until the final order: `_name_kernels`
     return ordered
 
 
-def _steps_read(graph: Graph, step, owner: dict) -> set:
+def _steps_read(graph: Graph, step, owner: dict, skip: frozenset = frozenset()) -> set:
     """The steps (indices in `owner`) whose results `step` reads: through a value no step
-    computes (a view loaded in place, a value computed where it is read), its inputs'."""
+    computes (a view loaded in place, a value computed where it is read), its inputs'. `skip`:
+    inputs left out."""
     names = step.nodes if isinstance(step, KernelGroup) else [step.name]
-    pending = [i for n in names for i in graph[n].inputs]
+    members = set(names) | set(skip)      # what a kernel computes, itself or again
+    pending = [i for n in names for i in graph[n].inputs if i not in members]
     seen, found = set(), set()
     while pending:
         name = pending.pop()
@@ -735,6 +741,102 @@ def _steps_read(graph: Graph, step, owner: dict) -> set:
         else:
             pending.extend(graph[name].inputs)
     return found
+
+
+def _join_later(graph: Graph, steps: list, in_readers: set, placed: list) -> tuple:
+    """(steps, joined): a kernel joins the next kernel of its space that loads an input it loads or
+    reads its values, where only aten calls between read its results: those run after the joint
+    kernel. BERT's backward computes GELU(h) again for the down projection's weight gradient, then
+    the GELU backward after the matmul that gives its input gradient: both load h, and joined they
+    load it once, compute erf once, and launch once (in the whole model the GELU backward read a
+    value the first kernel wrote for it: now in registers). Not where a kernel between reads the
+    first one's results: it would wait for the joint kernel, and what the later kernel writes would
+    be written that much earlier and held (the backward's first kernel would take on the cast of
+    the layer's input that the weight gradients of the query, key and value read last). Nor where
+    the first loads more a row than the later one: the joint kernel runs at the later one's launch
+    configuration, chosen for its rows, and BERT's rebuild of the residual stream (nine loads, 16
+    fp32 values written a row) would bring into the last LayerNorm backward more registers than
+    that holds. `joined`: (the kernel that joined, the kernel it joined)."""
+    joined: list = []
+    k = 0
+    while k < len(steps):
+        first = steps[k]
+        later = _joinable_after(graph, steps, k, in_readers) if isinstance(first, KernelGroup) else None
+        if later is None:
+            k += 1
+            continue
+        j, shared, direct, after = later
+        second = steps[j]
+        owned = set(first.nodes) - set(first.recomputed)
+        theirs = set(second.nodes) - set(second.recomputed)
+        position = {name: i for i, name in enumerate(graph.nodes)}
+        second.nodes = sorted(set(first.nodes) | set(second.nodes), key=position.__getitem__)
+        second.recomputed = sorted((set(first.recomputed) | set(second.recomputed)) - owned - theirs,
+                                   key=position.__getitem__)
+        second.space = second.space.join(first.space)
+        placed.append((min(owned, key=position.__getitem__),
+                       f"computed in {second.name} with the values its own kernel computed, which ran before: " +
+                       ", and ".join(([f"both load {shared}"] if shared else []) +
+                                     ([f"{second.name} reads {', '.join(sorted(direct))} in registers now"]
+                                      if direct else [])) +
+                       (f"; the {len(after)} aten call(s) reading its results run after it" if after else "")))
+        joined.append((first, second))
+        between = [s for i, s in enumerate(steps[k + 1:j], k + 1) if i not in after]
+        steps = steps[:k] + between + [second] + [steps[i] for i in sorted(after)] + steps[j + 1:]
+    return steps, joined
+
+
+def _joinable_after(graph: Graph, steps: list, k: int, in_readers: set):
+    """(index, an input both load or None, the values of the kernel at `k` it reads in registers once
+    joined, indices of the steps between that read the kernel at `k`) of the first later kernel
+    `steps[k]` can join, or None."""
+    first = steps[k]
+    owner = {}
+    for i, step in enumerate(steps):
+        if isinstance(step, KernelGroup):
+            owner.update((n, i) for n in step.nodes if n not in step.recomputed and n not in in_readers)
+        else:
+            owner[step.name] = i
+    in_registers = {n for n in first.nodes if n not in first.recomputed and n not in in_readers
+                    and _barrier(graph, n) is None}
+    after: set = set()                       # the steps from k on that read what the kernel at k computes
+    for j in range(k + 1, len(steps)):
+        second = steps[j]
+        reads = _steps_read(graph, second, owner) - {j}
+        joinable = isinstance(second, KernelGroup) and not reads & after and first.space.agrees(second.space) \
+            and first.space.m is not None and first.space.m == second.space.m \
+            and _load_bytes(graph, first, in_readers) <= _load_bytes(graph, second, in_readers)
+        # joined, a kernel reads the first one's values in registers, except through a view in memory
+        direct = {n for n in in_registers if any(
+            n in graph[r].inputs and not _reads_from_memory(graph, r, n) for r in second.nodes)} if joinable else set()
+        if joinable and k in reads and k in _steps_read(graph, second, owner, skip=direct):
+            joinable = False                 # it reads the first one's results from memory too
+        shared = _shared_input(graph, first, second, in_readers) if joinable else None
+        if joinable and (shared is not None or direct):
+            return j, shared, direct, after
+        if k in reads or reads & after:
+            if isinstance(second, KernelGroup):
+                return None                  # it would wait for the joint kernel, whose results would wait longer
+            after.add(j)
+    return None
+
+
+def _load_bytes(graph: Graph, group: KernelGroup, in_readers: set) -> int:
+    """Bytes a row a kernel loads from memory."""
+    return sum(_row_bytes(graph[i].value) for i in _loaded(graph, set(group.nodes), in_readers))
+
+
+def _name_kernels(groups: list, joined: list, kind: str, placed: list) -> None:
+    """Each kernel's name in run order; reasons recorded before name it so (one that joined a later
+    one, by that one's name)."""
+    final = {}
+    for i, group in enumerate(groups):
+        final[group.name] = f"memfuse_{kind}_{i}"
+    for first, second in reversed(joined):
+        final[first.name] = final[second.name]
+    for group in groups:
+        group.name = final[group.name]
+    placed[:] = [(name, re.sub(r"<kernel \d+>", lambda m: final[m.group(0)], reason)) for name, reason in placed]
 
 
 def _computed_in(groups: list) -> dict:

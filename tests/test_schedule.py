@@ -9,7 +9,7 @@ from helpers import BLOCKS, block_inputs, counters, delta, forward_backward, rel
 from memfuse.buffers import memory_timeline, plan_buffers
 from memfuse.capture import capture
 from memfuse.config import Config
-from memfuse.ir import Op, format_graph
+from memfuse.ir import Kind, Op, format_graph
 from memfuse.plan import Decision, plan
 from memfuse.schedule import ExternStep, schedule
 
@@ -332,7 +332,9 @@ def test_intermediates_are_computed_again_in_the_kernel_after_the_matmul():
     """GPT-2's MLP: the backward recomputes the activation for the second matmul's weight
     gradient, and the activation's gradient (after the matmul that makes grad @ w_out) reads the
     tanh and the products around it. The kernel after the matmul computes them again from the
-    pre-activation it reads anyway: the kernel before it writes only the matmul's operand."""
+    pre-activation it reads anyway, and the kernel before it, which then only writes the matmul's
+    operand from the same load, joins it: one kernel, reading nothing but the pre-activation and
+    the matmul's result."""
     rows, d, hidden = 12, 8, 32
 
     def mlp(x, w_in, w_out):
@@ -343,13 +345,14 @@ def test_intermediates_are_computed_again_in_the_kernel_after_the_matmul():
     fused = memfuse.memory_efficient_fusion(mlp)
     _grads_match_eager(mlp, fused, (x, w_in, w_out), (x, w_in, w_out))
     backward = fused.compiled_for(x, w_in, w_out).function.backward.schedule
-    wide = [k for k in backward.kernels if k.space.d == hidden]
-    before, after = sorted(wide, key=lambda k: k.stage)
-    assert len(before.outputs) == 1 and not before.recomputed, (before.outputs, before.nodes)
-    operand, = before.outputs
-    assert any(backward.graph[u].op is Op.EXTERN for u in backward.graph.users()[operand])
-    assert after.recomputed and not set(before.nodes) & set(after.inputs), (after.inputs, after.recomputed)
-    assert any(f"computed again in {after.name}" in reason for _, reason in backward.placed)
+    joint, = [k for k in backward.kernels if k.space.d == hidden]
+    graph = backward.graph
+    wide_inputs = [i for i in joint.inputs if graph[i].value.kind is Kind.FULL]
+    assert sorted(graph[i].op.name for i in wide_inputs) == ["EXTERN", "INPUT"], [(i, graph[i].op) for i in wide_inputs]
+    operand = [o for o in joint.outputs if any(graph[u].op is Op.EXTERN for u in graph.users()[o])]
+    assert len(joint.outputs) == 2 and operand, joint.outputs
+    assert any(f"computed again in {joint.name}" in reason for _, reason in backward.placed)
+    assert any(f"computed in {joint.name} with the values" in reason for _, reason in backward.placed)
 
 
 def test_a_value_dearer_to_rebuild_than_to_read_is_read():
@@ -385,3 +388,34 @@ def test_values_one_new_load_rebuilds_count_together():
     first, second = sorted(forward.kernels, key=lambda k: k.stage)
     assert len(first.outputs) == 1 and first.outputs[0] not in second.inputs, (first.outputs, second.inputs)
     assert len(second.recomputed) >= 3 and any(forward.graph[i].op is Op.INPUT for i in second.inputs)
+
+
+def test_a_kernel_joins_a_later_one_that_loads_its_input():
+    """A GELU MLP's backward: GELU(h) is computed again for the down projection's weight gradient,
+    and the GELU backward runs after the matmul that gives its input gradient. Both load h. The
+    first kernel joins the second (h loaded once, one launch); the weight gradient's matmul, which
+    reads the first one's result, runs after the joint kernel. Gradients as eager's."""
+    def mlp(x, w1, b1, w2):
+        return F.gelu(x @ w1.t() + b1) @ w2.t()
+
+    torch.manual_seed(0)
+    tensors = [t.requires_grad_() for t in (torch.randn(2, 7, 48), torch.randn(96, 48), torch.randn(96),
+                                            torch.randn(48, 96))]
+    grad_output = torch.randn(2, 7, 48)
+    fused = memfuse.memory_efficient_fusion(mlp)
+    out, grads = forward_backward(fused, tensors, {}, grad_output)
+    expected_out, expected_grads = forward_backward(mlp, tensors, {}, grad_output)
+    assert rel_error(out, expected_out) <= 1e-5
+    for got, want in zip(grads, expected_grads):
+        assert rel_error(got, want) <= 1e-5
+    backward = fused.compiled_for(*tensors).function.backward.schedule
+    wide = [k for k in backward.kernels if k.space.d == 96 and k.space.m == backward.kernels[0].space.m]
+    joint, = wide                          # GELU(h) for the weight gradient and the GELU backward: one kernel
+    assert joint.column_sums and len(joint.outputs) == 2, (joint.column_sums, joint.outputs)
+    h, = [i for i in joint.inputs if backward.graph[i].op is Op.INPUT and backward.graph[i].value.d == 96]
+    order = [s.nodes[0] if not isinstance(s, ExternStep) else s.name for s in backward.steps]
+    readers = [k for k, s in enumerate(backward.steps) if isinstance(s, ExternStep)
+               and set(backward.graph[s.name].inputs) & set(joint.outputs)]
+    assert readers and min(readers) > backward.steps.index(joint), order
+    assert any(f"both load {h}" in reason and joint.name in reason for _, reason in backward.placed), \
+        backward.placed
