@@ -58,17 +58,40 @@ TABLE = [
 WORDS_PER_THREAD = 128
 MAX_WARPS = 16
 
+# A persistent program walks its tiles one after another: load, compute, store, then the next load.
+# The bytes an SM has in flight are about its programs' tiles, and below this many they do not
+# cover the memory's latency: BERT's bias gradients (a column sum that only reads [M, 768] bf16,
+# 2 rows a tile and 4 programs an SM: 12 KB an SM) moved about 30% of an H200's bandwidth
+# (2026-11-27). Such a kernel gets the rows (a power of two) that bring its tiles to this; the
+# table's rows are a floor, and its warps grow with the tile as a one-pass tile's do.
+PERSISTENT_BYTES_PER_SM = 32 * 1024
+
 
 def default_config(block_d: int, persistent: bool, bytes_per_row: int = 0, d: int = 0) -> LaunchConfig:
     """The table's configuration for rows of `block_d` (`d` columns of them, `bytes_per_row` moved a
-    row: a tile of one pass gets the warps its values need, `warps_for`)."""
+    row: a tile of one pass gets the warps its values need, `warps_for`; a persistent tile the rows
+    that keep PERSISTENT_BYTES_PER_SM in flight, `rows_in_flight`, and the warps for those)."""
     for bound, is_persistent, tile, warps, per_sm, stages in TABLE:
         if block_d <= bound and persistent == is_persistent:
             block_m = max(1, tile // block_d)
-            if not persistent:
+            if persistent:
+                block_m = max(block_m, rows_in_flight(bytes_per_row, per_sm))
+            if not persistent or block_m * block_d > tile:
                 warps = max(warps, warps_for(block_m * bytes_per_row * block_d // max(d, 1)))
             return LaunchConfig(block_m, warps, per_sm, stages)
     raise AssertionError("the table's last rows cover every block_d")
+
+
+def rows_in_flight(bytes_per_row: int, programs_per_sm: int) -> int:
+    """Rows a tile (a power of two) that keep PERSISTENT_BYTES_PER_SM in flight across an SM's
+    programs; 1 where the row is unknown (0 bytes)."""
+    if bytes_per_row <= 0:
+        return 1
+    needed = -(-PERSISTENT_BYTES_PER_SM // (bytes_per_row * max(programs_per_sm, 1)))
+    rows = 1
+    while rows < needed:
+        rows *= 2
+    return rows
 
 
 def source_config(source) -> LaunchConfig:

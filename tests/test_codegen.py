@@ -472,3 +472,17 @@ def test_a_tile_of_many_values_gets_the_warps_that_hold_them():
     assert heavy.block_m == table.block_m and heavy.num_warps == 8 > table.num_warps
     assert default_config(1024, False, bytes_per_row=10**8, d=768).num_warps == MAX_WARPS
     assert default_config(1024, True, bytes_per_row=10**8, d=768) == default_config(1024, True)
+
+
+def test_a_persistent_tile_of_a_light_row_gets_the_rows_that_keep_loads_in_flight():
+    """A bias gradient (a column sum that only reads one bf16 [M, 768] value) at the table's 2 rows
+    and 4 programs an SM keeps 12 KB an SM in flight; it gets rows (a power of two) that reach
+    PERSISTENT_BYTES_PER_SM. A LayerNorm backward's row already does at the table's rows."""
+    from memfuse.tuning import PERSISTENT_BYTES_PER_SM, default_config
+    table = default_config(1024, True)
+    light = default_config(1024, True, bytes_per_row=768 * 2, d=768)
+    assert light.block_m > table.block_m and light.block_m & (light.block_m - 1) == 0
+    assert light.block_m * 768 * 2 * light.programs_per_sm >= PERSISTENT_BYTES_PER_SM
+    assert (light.block_m // 2) * 768 * 2 * light.programs_per_sm < PERSISTENT_BYTES_PER_SM
+    assert light.num_warps >= table.num_warps
+    assert default_config(1024, True, bytes_per_row=768 * 16, d=768) == table
