@@ -20,8 +20,9 @@ order torchtitan uses:
 
 `--model bert|gpt2|llama` is a family of benchmarks/models.py (built from its config with random
 weights, use_cache=False, bf16 autocast on a GPU, fp32 at `--size tiny`), in that script's modes:
-models.WRAPPERS[mode] wraps the model (memfuse_per_layer: each transformer layer; torch_compile,
-memfuse_backend, memfuse_whole: the whole model), then DDP wraps the result, or FSDP2 shards every
+models.WRAPPERS[mode] wraps the model (memfuse_per_layer and, when --modes names it,
+torch_compile_per_layer: each transformer layer, as torchtitan compiles its blocks before sharding
+them; torch_compile, memfuse_backend, memfuse_whole: the whole model), then DDP wraps the result, or FSDP2 shards every
 transformer layer and then the root. memfuse_whole traces the layers' forward inside one
 program, where FSDP2's per-layer hooks would never run: FSDP2 then shards the whole model as one
 group (the case's note says so). Every step trains on the same tokens (models.make_batch).
@@ -84,7 +85,7 @@ BF16_TOLERANCES = (1e-2, 1e-1)
 # the sign of a tiny gradient into a whole step), torch.compile's 0.3. A memfuse case passes when
 # its update error is within this factor of the larger of the two in the same wrapper.
 NOISE_FLOOR_FACTOR = 1.25
-NOISE_FLOOR_MODES = ("eager", "torch_compile")
+NOISE_FLOOR_MODES = ("eager", "torch_compile", "torch_compile_per_layer")
 
 
 def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
@@ -238,7 +239,7 @@ class HfWorkload:
         self.models, self.name = models, args.model
         self.family = models.FAMILIES[args.model]
         size = self.family.tiny if args.size == "tiny" else self.family.size
-        self.modes = _choose(args.modes or ",".join(models.MODES), models.MODES, "--modes")
+        self.modes = _choose(args.modes or ",".join(models.MODES), tuple(models.WRAPPERS), "--modes")
         self.dropout_modes = ()                                   # the dropout check is the GPT's
         self.size = dataclasses.replace(size, batch=args.batch or size.batch * world)
         self.batch, self.lr = self.size.batch, HF_LR
@@ -858,6 +859,14 @@ def _mb(value) -> str:
     return f"{max(value) / 2**20:.0f}" if isinstance(value, list) else f"{value / 2**20:.1f}"
 
 
+def _per_layer_ratio(case, peer) -> str:
+    """A per-layer memfuse case's it/s and peak against torch.compile's per layer, "-" otherwise."""
+    if case.mode != "memfuse_per_layer" or peer is None or not (case.it_s and peer.it_s):
+        return "-"
+    peak = f" {max(case.peak_bytes) / max(peer.peak_bytes):.2f}x" if case.peak_bytes and peer.peak_bytes else ""
+    return f"{case.it_s / peer.it_s:.2f}x{peak}"
+
+
 def table(results: dict) -> str:
     m = results["metadata"]
     lines = [f"memfuse under torch.distributed: {m['model']} size={m['size']}, {m['world_size']} ranks x batch "
@@ -867,13 +876,16 @@ def table(results: dict) -> str:
              f"(under bf16 autocast at least {NOISE_FLOOR_FACTOR:g} x eager's or torch.compile's in the wrapper; "
              "those two, marked ref, are then judged on the loss alone);",
              "peak/fwd MB: the largest rank; saved MB: kept for backward after forward and loss "
-             "(activations | layer params)",
+             "(activations | layer params); vs cmp/layer: memfuse_per_layer's it/s and peak against "
+             "torch_compile_per_layer's",
              "",
              f"{'wrapper':<16}{'mode':<17}{'loss err':>9}{'upd err':>9}{'bar':>8}{'':>4}{'it/s':>8}{'vs eager':>9}"
              f"{'vs compile':>11}{'peak MB':>9}{'vs compile':>11}{'fwd MB':>8}{'saved act':>10}{'params':>8}"
-             f"{'compiles':>9}"]
+             f"{'compiles':>9}{'vs cmp/layer':>13}"]
     eager = {c.wrapper: c.it_s for c in results["cases"] if c.mode == "eager"}
     compiled = {c.wrapper: c for c in results["cases"] if c.mode == "torch_compile"}
+    # a mode that wraps each layer, against torch.compile wrapping each layer (when it ran)
+    compiled_per_layer = {c.wrapper: c for c in results["cases"] if c.mode == "torch_compile_per_layer"}
     for c in results["cases"]:
         if c.ok is None:
             lines.append(f"{c.wrapper:<16}{c.mode:<17}  {c.error}")
@@ -889,7 +901,8 @@ def table(results: dict) -> str:
             f"{(f'{c.it_s:.1f}' if c.it_s else '-'):>8}{vs:>9}{vs_compile:>11}{_mb(c.peak_bytes):>9}"
             f"{peak_vs_compile:>11}{_mb(c.forward_bytes):>8}"
             f"{_mb(c.saved_activation_bytes):>10}{_mb(c.saved_block_param_bytes):>8}"
-            f"{(c.memfuse_compiles if c.mode.startswith('memfuse') else '-'):>9}")
+            f"{(c.memfuse_compiles if c.mode.startswith('memfuse') else '-'):>9}"
+            f"{_per_layer_ratio(c, compiled_per_layer.get(c.wrapper)):>13}")
     remarks = [f"  {c.wrapper:<16}{c.mode:<17}{text}" for c in results["cases"]
                for text in ([c.note] if c.note else []) + [f"ran through torch: {why}" for why in c.fallback_reasons]]
     if remarks:

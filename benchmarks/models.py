@@ -13,7 +13,8 @@ copy of the model, compared with eager on the same weights and tokens.
 
 Without CUDA, or with --tiny, tiny configs run on CPU in fp32 through the Triton interpreter: a
 smoke run of the harness, not a measurement (models-tiny-*.json, models-tiny.md; torch_compile only
-when --modes names it). docs/benchmarks.md defines every column.
+when --modes names it). torch_compile_per_layer (each layer compiled, the rest eager, as torchtitan
+compiles its blocks) runs only when --modes names it. docs/benchmarks.md defines every column.
 """
 
 from __future__ import annotations
@@ -177,11 +178,14 @@ def make_batch(size: Size, device: torch.device) -> dict:
 
 
 # -- the modes ------------------------------------------------------------------------------------
-def _per_layer(model: nn.Module, family: Family) -> nn.Module:
-    layers = layer_list(model, family)
-    for index in range(len(layers)):
-        layers[index] = memfuse.memory_efficient_fusion(layers[index])
-    return model
+def _each_layer(wrap: Callable[[nn.Module], nn.Module]) -> Callable[[nn.Module, Family], nn.Module]:
+    """A mode that wraps every transformer layer in place and leaves the rest of the model eager."""
+    def wrapper(model: nn.Module, family: Family) -> nn.Module:
+        layers = layer_list(model, family)
+        for index in range(len(layers)):
+            layers[index] = wrap(layers[index])
+        return model
+    return wrapper
 
 
 WRAPPERS: dict[str, Callable[[nn.Module, Family], Callable]] = {
@@ -189,11 +193,15 @@ WRAPPERS: dict[str, Callable[[nn.Module, Family], Callable]] = {
     "torch_compile": lambda model, family: torch.compile(model),
     "memfuse_backend": lambda model, family: torch.compile(model, backend="memfuse"),
     "memfuse_whole": lambda model, family: memfuse.memory_efficient_fusion(model),
-    "memfuse_per_layer": _per_layer,  # the embeddings, final norm, head and loss stay eager
+    # the embeddings, final norm, head and loss stay eager
+    "memfuse_per_layer": _each_layer(memfuse.memory_efficient_fusion),
+    # torchtitan's way under FSDP2: each block compiled, then sharded (`--modes` adds it)
+    "torch_compile_per_layer": _each_layer(torch.compile),
 }
-MODES = tuple(WRAPPERS)
 # Without a GPU, torch.compile's first step builds C++ kernels for a minute or more: --modes adds it.
-TINY_MODES = tuple(m for m in MODES if m != "torch_compile")
+COMPILING_MODES = ("torch_compile", "torch_compile_per_layer")
+MODES = tuple(m for m in WRAPPERS if m != "torch_compile_per_layer")
+TINY_MODES = tuple(m for m in MODES if m not in COMPILING_MODES)
 DYNAMO_MODES = ("torch_compile", "memfuse_backend")
 BASELINE_MODE = "torch_compile"  # "vs compile" divides by this mode's it/s; its errors are the noise floor
 
@@ -667,7 +675,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("benchmarks.models needs transformers: pip install -e '.[models]'")
     transformers.logging.set_verbosity_error()
     families = [FAMILIES[name] for name in _names(args.models, tuple(FAMILIES), "models")]
-    modes = _names(args.modes, MODES, "modes") if args.modes else TINY_MODES if tiny else MODES
+    modes = _names(args.modes, tuple(WRAPPERS), "modes") if args.modes else TINY_MODES if tiny else MODES
     setup = Setup(torch.device("cpu" if tiny else "cuda"), tiny, TINY_SETTINGS if tiny else GPU_SETTINGS,
                   args.use_cache)
     if tiny:
