@@ -366,7 +366,13 @@ def measure_speed(case: Case, mode: str) -> Row:
 
 
 def gradients(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+    """Each parameter's gradient by its name in the plain model (a layer torch.compile wrapped in
+    place names its parameters through `_orig_mod`)."""
+    return {_plain_name(name): p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def _plain_name(name: str) -> str:
+    return ".".join(part for part in name.split(".") if part != "_orig_mod")
 
 
 def grad_error(grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> tuple[float, str]:
@@ -595,8 +601,8 @@ def write_chart(results: list[dict], path: Path) -> str:
         rows = [r for r in result["rows"] if r["it_s"]]
         if rows and all(r["peak_bytes"] is not None for r in rows):
             for row in rows:
-                index = MODES.index(row["mode"])
-                axis.scatter(row["peak_bytes"] / MB, row["it_s"], marker="osD^v"[index], color=f"C{index}", s=60,
+                index = tuple(WRAPPERS).index(row["mode"])
+                axis.scatter(row["peak_bytes"] / MB, row["it_s"], marker="osD^vP"[index], color=f"C{index}", s=60,
                              label=row["mode"])
             axis.set_xlabel("peak MB above the model's own (one step)")
         else:
