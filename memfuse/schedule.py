@@ -799,13 +799,14 @@ def _joinable_after(graph: Graph, steps: list, k: int, in_readers: set):
             owner[step.name] = i
     in_registers = {n for n in first.nodes if n not in first.recomputed and n not in in_readers
                     and _barrier(graph, n) is None}
+    first_loads = _load_bytes(graph, first, in_readers)
     after: set = set()                       # the steps from k on that read what the kernel at k computes
     for j in range(k + 1, len(steps)):
         second = steps[j]
         reads = _steps_read(graph, second, owner) - {j}
         joinable = isinstance(second, KernelGroup) and not reads & after and first.space.agrees(second.space) \
             and first.space.m is not None and first.space.m == second.space.m \
-            and _load_bytes(graph, first, in_readers) <= _load_bytes(graph, second, in_readers)
+            and first_loads <= _load_bytes(graph, second, in_readers)
         # joined, a kernel reads the first one's values in registers, except through a view in memory
         direct = {n for n in in_registers if any(
             n in graph[r].inputs and not _reads_from_memory(graph, r, n) for r in second.nodes)} if joinable else set()
