@@ -22,8 +22,8 @@ order torchtitan uses:
 weights, use_cache=False, bf16 autocast on a GPU, fp32 at `--size tiny`), in that script's modes:
 models.WRAPPERS[mode] wraps the model (memfuse_per_layer and, when --modes names it,
 torch_compile_per_layer: each transformer layer, as torchtitan compiles its blocks before sharding
-them; torch_compile, memfuse_backend, memfuse_whole: the whole model), then DDP wraps the result, or FSDP2 shards every
-transformer layer and then the root. memfuse_whole traces the layers' forward inside one
+them; torch_compile, memfuse_backend, memfuse_whole: the whole model), then DDP wraps the result,
+or FSDP2 shards every transformer layer and then the root. memfuse_whole traces the layers' forward inside one
 program, where FSDP2's per-layer hooks would never run: FSDP2 then shards the whole model as one
 group (the case's note says so). Every step trains on the same tokens (models.make_batch).
 
@@ -873,8 +873,8 @@ def table(results: dict) -> str:
              f"{m['batch_per_rank']}, {m['device']} ({m['backend']}), torch {m['torch']}, triton {m['triton']}",
              "loss err: max over steps vs single-process eager; update err: max ||p - p_eager|| / ||p_eager - p0|| "
              f"(floor: {UPDATE_SCALE_FLOOR:g} x the largest ||p_eager - p0||); bar: the update err that passes "
-             f"(under bf16 autocast at least {NOISE_FLOOR_FACTOR:g} x eager's or torch.compile's in the wrapper; "
-             "those two, marked ref, are then judged on the loss alone);",
+             f"(under bf16 autocast at least {NOISE_FLOOR_FACTOR:g} x eager's or torch.compile's, whole or per "
+             "layer, in the wrapper; those, marked ref, are then judged on the loss alone);",
              "peak/fwd MB: the largest rank; saved MB: kept for backward after forward and loss "
              "(activations | layer params); vs cmp/layer: memfuse_per_layer's it/s and peak against "
              "torch_compile_per_layer's",
