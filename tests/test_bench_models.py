@@ -5,6 +5,7 @@ import json
 import os
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -50,3 +51,17 @@ def test_peak_replay_finds_the_blocks_alive_at_the_peak():
     sources = {"<memfuse program 1>": ["def run(mf_inputs):", "    buf = mf_empty((4,), (1,), f32)"]}
     assert where(program, sources) == "memfuse program: buf = mf_empty((4,), (1,), f32)"
     assert where(library, sources) == "transformers/models/llama.py:7 (forward)"
+
+
+def test_gradients_of_layers_compiled_in_place_keep_the_plain_names():
+    """torch_compile_per_layer puts each layer in torch.compile's wrapper, which names its parameters
+    through `_orig_mod`: the gradients are still keyed as the plain model's (the check against eager
+    compares them by name; no compile happens here, nothing is called)."""
+    family = bench.FAMILIES[MODEL]
+    plain = bench.build(family, family.tiny, 0.0, use_cache=False)
+    names = [name for name, _ in plain.named_parameters()]
+    wrapped = bench.WRAPPERS["torch_compile_per_layer"](bench.build(family, family.tiny, 0.0, use_cache=False), family)
+    assert any("_orig_mod" in name for name, _ in wrapped.named_parameters())
+    for p in wrapped.parameters():
+        p.grad = torch.ones_like(p)
+    assert list(bench.gradients(wrapped)) == names
