@@ -775,11 +775,12 @@ def _join_later(graph: Graph, steps: list, in_readers: set, placed: list) -> tup
                                    key=position.__getitem__)
         second.space = second.space.join(first.space)
         placed.append((min(owned, key=position.__getitem__),
-                       f"computed in {second.name} with the values its own kernel computed, which ran before: " +
+                       f"its kernel joined {second.name}, a later kernel of its space: " +
                        ", and ".join(([f"both load {shared}"] if shared else []) +
                                      ([f"{second.name} reads {', '.join(sorted(direct))} in registers now"]
                                       if direct else [])) +
-                       (f"; the {len(after)} aten call(s) reading its results run after it" if after else "")))
+                       (f"; the {len(after)} aten call(s) reading its results run after the joint kernel"
+                        if after else "")))
         joined.append((first, second))
         between = [s for i, s in enumerate(steps[k + 1:j], k + 1) if i not in after]
         steps = steps[:k] + between + [second] + [steps[i] for i in sorted(after)] + steps[j + 1:]
