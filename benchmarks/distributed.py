@@ -239,7 +239,7 @@ class HfWorkload:
         self.models, self.name = models, args.model
         self.family = models.FAMILIES[args.model]
         size = self.family.tiny if args.size == "tiny" else self.family.size
-        self.modes = _choose(args.modes or ",".join(models.MODES), tuple(models.WRAPPERS), "--modes")
+        self.modes = _choose(args.modes or ",".join(models.MODES), models.ALL_MODES, "--modes")
         self.dropout_modes = ()                                   # the dropout check is the GPT's
         self.size = dataclasses.replace(size, batch=args.batch or size.batch * world)
         self.batch, self.lr = self.size.batch, HF_LR

@@ -200,7 +200,8 @@ WRAPPERS: dict[str, Callable[[nn.Module, Family], Callable]] = {
 }
 # Without a GPU, torch.compile's first step builds C++ kernels for a minute or more: --modes adds it.
 COMPILING_MODES = ("torch_compile", "torch_compile_per_layer")
-MODES = tuple(m for m in WRAPPERS if m != "torch_compile_per_layer")
+ALL_MODES = tuple(WRAPPERS)                      # what --modes may name
+MODES = tuple(m for m in ALL_MODES if m != "torch_compile_per_layer")   # the default run
 TINY_MODES = tuple(m for m in MODES if m not in COMPILING_MODES)
 DYNAMO_MODES = ("torch_compile", "memfuse_backend")
 BASELINE_MODE = "torch_compile"  # "vs compile" divides by this mode's it/s; its errors are the noise floor
@@ -601,7 +602,7 @@ def write_chart(results: list[dict], path: Path) -> str:
         rows = [r for r in result["rows"] if r["it_s"]]
         if rows and all(r["peak_bytes"] is not None for r in rows):
             for row in rows:
-                index = tuple(WRAPPERS).index(row["mode"])
+                index = ALL_MODES.index(row["mode"])
                 axis.scatter(row["peak_bytes"] / MB, row["it_s"], marker="osD^vP"[index], color=f"C{index}", s=60,
                              label=row["mode"])
             axis.set_xlabel("peak MB above the model's own (one step)")
@@ -681,7 +682,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("benchmarks.models needs transformers: pip install -e '.[models]'")
     transformers.logging.set_verbosity_error()
     families = [FAMILIES[name] for name in _names(args.models, tuple(FAMILIES), "models")]
-    modes = _names(args.modes, tuple(WRAPPERS), "modes") if args.modes else TINY_MODES if tiny else MODES
+    modes = _names(args.modes, ALL_MODES, "modes") if args.modes else TINY_MODES if tiny else MODES
     setup = Setup(torch.device("cpu" if tiny else "cuda"), tiny, TINY_SETTINGS if tiny else GPU_SETTINGS,
                   args.use_cache)
     if tiny:
