@@ -86,6 +86,7 @@ BF16_TOLERANCES = (1e-2, 1e-1)
 # its update error is within this factor of the larger of the two in the same wrapper.
 NOISE_FLOOR_FACTOR = 1.25
 NOISE_FLOOR_MODES = ("eager", "torch_compile", "torch_compile_per_layer")
+PER_LAYER_MODES = ("memfuse_per_layer", "memfuse_per_layer_backend")   # set against torch_compile_per_layer
 
 
 def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
@@ -861,7 +862,7 @@ def _mb(value) -> str:
 
 def _per_layer_ratio(case, peer) -> str:
     """A per-layer memfuse case's it/s and peak against torch.compile's per layer, "-" otherwise."""
-    if case.mode != "memfuse_per_layer" or peer is None or not (case.it_s and peer.it_s):
+    if case.mode not in PER_LAYER_MODES or peer is None or not (case.it_s and peer.it_s):
         return "-"
     peak = f" {max(case.peak_bytes) / max(peer.peak_bytes):.2f}x" if case.peak_bytes and peer.peak_bytes else ""
     return f"{case.it_s / peer.it_s:.2f}x{peak}"
@@ -876,10 +877,10 @@ def table(results: dict) -> str:
              f"(under bf16 autocast at least {NOISE_FLOOR_FACTOR:g} x eager's or torch.compile's, whole or per "
              "layer, in the wrapper; those, marked ref, are then judged on the loss alone);",
              "peak/fwd MB: the largest rank; saved MB: kept for backward after forward and loss "
-             "(activations | layer params); vs cmp/layer: memfuse_per_layer's it/s and peak against "
+             "(activations | layer params); vs cmp/layer: a memfuse per-layer mode's it/s and peak against "
              "torch_compile_per_layer's",
              "",
-             f"{'wrapper':<16}{'mode':<17}{'loss err':>9}{'upd err':>9}{'bar':>8}{'':>4}{'it/s':>8}{'vs eager':>9}"
+             f"{'wrapper':<16}{'mode':<27}{'loss err':>9}{'upd err':>9}{'bar':>8}{'':>4}{'it/s':>8}{'vs eager':>9}"
              f"{'vs compile':>11}{'peak MB':>9}{'vs compile':>11}{'fwd MB':>8}{'saved act':>10}{'params':>8}"
              f"{'compiles':>9}{'vs cmp/layer':>13}"]
     eager = {c.wrapper: c.it_s for c in results["cases"] if c.mode == "eager"}
@@ -888,7 +889,7 @@ def table(results: dict) -> str:
     compiled_per_layer = {c.wrapper: c for c in results["cases"] if c.mode == "torch_compile_per_layer"}
     for c in results["cases"]:
         if c.ok is None:
-            lines.append(f"{c.wrapper:<16}{c.mode:<17}  {c.error}")
+            lines.append(f"{c.wrapper:<16}{c.mode:<27}  {c.error}")
             continue
         vs = f"{c.it_s / eager[c.wrapper]:.2f}x" if c.it_s and eager.get(c.wrapper) else "-"
         peer = compiled.get(c.wrapper)
@@ -896,14 +897,14 @@ def table(results: dict) -> str:
         peak_vs_compile = (f"{max(c.peak_bytes) / max(peer.peak_bytes):.2f}x"
                            if c.peak_bytes and peer and peer.peak_bytes else "-")
         lines.append(
-            f"{c.wrapper:<16}{c.mode:<17}{c.loss_rel_err:>9.1e}{c.update_rel_err:>9.1e}{c.update_bar:>8.1e}"
+            f"{c.wrapper:<16}{c.mode:<27}{c.loss_rel_err:>9.1e}{c.update_rel_err:>9.1e}{c.update_bar:>8.1e}"
             f"{('ref' if c.noise_reference else 'ok') if c.ok else 'BAD':>4}"
             f"{(f'{c.it_s:.1f}' if c.it_s else '-'):>8}{vs:>9}{vs_compile:>11}{_mb(c.peak_bytes):>9}"
             f"{peak_vs_compile:>11}{_mb(c.forward_bytes):>8}"
             f"{_mb(c.saved_activation_bytes):>10}{_mb(c.saved_block_param_bytes):>8}"
             f"{(c.memfuse_compiles if c.mode.startswith('memfuse') else '-'):>9}"
             f"{_per_layer_ratio(c, compiled_per_layer.get(c.wrapper)):>13}")
-    remarks = [f"  {c.wrapper:<16}{c.mode:<17}{text}" for c in results["cases"]
+    remarks = [f"  {c.wrapper:<16}{c.mode:<27}{text}" for c in results["cases"]
                for text in ([c.note] if c.note else []) + [f"ran through torch: {why}" for why in c.fallback_reasons]]
     if remarks:
         lines += ["", "notes:", *remarks]
@@ -911,29 +912,29 @@ def table(results: dict) -> str:
     if profiled:
         lines += ["", "one profiled step per rank, ms: wall clock; GPU busy; computing; communicating; communicating "
                       "with nothing computing beside it (exposed); GPU idle (wall - busy); launches",
-                  f"{'wrapper':<16}{'mode':<17}{'rank':>5}{'wall':>8}{'busy':>8}{'compute':>9}{'comm':>8}"
+                  f"{'wrapper':<16}{'mode':<27}{'rank':>5}{'wall':>8}{'busy':>8}{'compute':>9}{'comm':>8}"
                   f"{'exposed':>9}{'idle':>8}{'launches':>9}"]
         for c in profiled:
             for rank, p in enumerate(c.profile):
-                lines.append(f"{c.wrapper:<16}{c.mode:<17}{rank:>5}{p['wall_ms']:>8.1f}{p['busy_ms']:>8.1f}"
+                lines.append(f"{c.wrapper:<16}{c.mode:<27}{rank:>5}{p['wall_ms']:>8.1f}{p['busy_ms']:>8.1f}"
                              f"{p['compute_ms']:>9.1f}{p['comm_ms']:>8.1f}{p['exposed_comm_ms']:>9.1f}"
                              f"{p['idle_ms']:>8.1f}{p['launches']:>9}")
     hosted = [c for c in results["cases"] if c.host]
     if hosted:
         lines += ["", "the host's side of one step per rank, ms: time to enqueue it (host); wall clock after "
                       "synchronizing; operations that waited for the GPU (where, count)",
-                  f"{'wrapper':<16}{'mode':<17}{'rank':>5}{'host':>8}{'wall':>8}  waits"]
+                  f"{'wrapper':<16}{'mode':<27}{'rank':>5}{'host':>8}{'wall':>8}  waits"]
         for c in hosted:
             for rank, h in enumerate(c.host):
                 waits = ", ".join(f"{where} x{n}" for where, n in sorted(h["syncs"].items())) or "none"
-                lines.append(f"{c.wrapper:<16}{c.mode:<17}{rank:>5}{h['host_ms']:>8.1f}{h['wall_ms']:>8.1f}  {waits}")
+                lines.append(f"{c.wrapper:<16}{c.mode:<27}{rank:>5}{h['host_ms']:>8.1f}{h['wall_ms']:>8.1f}  {waits}")
     if results["dropout"]:
         lines += ["", "dropout across ranks (same seed: equal masks on every rank; per-rank seeds: different; "
                       "DDP grads == each rank's own):"]
         for d in results["dropout"]:
             flags = d.error or "  ".join(f"{k}={getattr(d, k)}" for k in
                                          ("same_seed_same_masks", "rank_seeds_differ", "repeatable", "grads_match_local"))
-            lines.append(f"  {d.wrapper:<16}{d.mode:<17}{flags}")
+            lines.append(f"  {d.wrapper:<16}{d.mode:<27}{flags}")
     return "\n".join(lines)
 
 

@@ -188,6 +188,12 @@ def _each_layer(wrap: Callable[[nn.Module], nn.Module]) -> Callable[[nn.Module, 
     return wrapper
 
 
+def _fused_layers_then_backend(model: nn.Module, family: Family) -> Callable:
+    """Each layer fused in place, then the model through the backend: Dynamo runs a FusedModule as
+    it is (a graph break at each layer), and the backend compiles the rest, its loss head chunked."""
+    return torch.compile(_each_layer(memfuse.memory_efficient_fusion)(model, family), backend="memfuse")
+
+
 WRAPPERS: dict[str, Callable[[nn.Module, Family], Callable]] = {
     "eager": lambda model, family: model,
     "torch_compile": lambda model, family: torch.compile(model),
@@ -195,6 +201,8 @@ WRAPPERS: dict[str, Callable[[nn.Module, Family], Callable]] = {
     "memfuse_whole": lambda model, family: memfuse.memory_efficient_fusion(model),
     # the embeddings, final norm, head and loss stay eager
     "memfuse_per_layer": _each_layer(memfuse.memory_efficient_fusion),
+    # the same layers; the embeddings, final norm, head and loss through the backend
+    "memfuse_per_layer_backend": _fused_layers_then_backend,
     # torchtitan's way under FSDP2: each block compiled, then sharded (`--modes` adds it)
     "torch_compile_per_layer": _each_layer(torch.compile),
 }
@@ -203,7 +211,7 @@ COMPILING_MODES = ("torch_compile", "torch_compile_per_layer")
 ALL_MODES = tuple(WRAPPERS)                      # what --modes may name
 MODES = tuple(m for m in ALL_MODES if m != "torch_compile_per_layer")   # the default run
 TINY_MODES = tuple(m for m in MODES if m not in COMPILING_MODES)
-DYNAMO_MODES = ("torch_compile", "memfuse_backend")
+DYNAMO_MODES = ("torch_compile", "memfuse_backend", "memfuse_per_layer_backend")
 BASELINE_MODE = "torch_compile"  # "vs compile" divides by this mode's it/s; its errors are the noise floor
 
 
