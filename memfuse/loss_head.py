@@ -5,7 +5,8 @@ the logits are the largest activation (Llama of `make bench-models`: [16384, 320
 2 GB in fp32, and as much again for their gradient). `torch.ops.memfuse.linear_cross_entropy`
 computes the same loss a chunk of tokens at a time:
 
-- forward, per chunk: the chunk's logits (one matmul, in the linear's dtype), then one kernel
+- forward, per chunk: the chunk's rows cast to the linear's dtype (never the whole [tokens, H]: Llama's
+  fp32 hidden states under autocast would hold 34 MB more), the chunk's logits (one matmul), then one kernel
   that reads each row once and keeps its log-sum-exp and its target's logit (`_row_statistics`).
   Only the [tokens] log-sum-exps are kept for the backward.
 - backward, per chunk: the chunk's logits again, one kernel that writes their gradient
@@ -284,7 +285,6 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: Optio
     tokens, vocab = hidden.shape[0], weight.shape[0]
     target = target.contiguous()       # the kernels read one target per row
     with _no_autocast(hidden.device):
-        compute_hidden = hidden.to(dtype)
         aligned, aligned_bias = _aligned_weight(weight, bias, dtype)
         logits = _logits_buffer(hidden, vocab, dtype, return_logits)
         log_sum_exp, target_logit, logit_sum = (hidden.new_empty(tokens, dtype=torch.float32) for _ in range(3))
@@ -297,8 +297,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: Optio
         rows = chunk_rows(tokens, vocab, dtype, chunk_bytes)
         for start in range(0, tokens, rows):
             end = min(start + rows, tokens)
-            chunk = _chunk_logits(compute_hidden[start:end], aligned, aligned_bias,
-                                  out=logits[start:end] if return_logits else None)
+            chunk_hidden = hidden[start:end].to(dtype)     # a chunk's rows cast, not the whole [tokens, H]
+            chunk = _chunk_logits(chunk_hidden, aligned, aligned_bias, out=logits[start:end] if return_logits else None)
             statistics = (target[start:end], log_sum_exp[start:end], target_logit[start:end], logit_sum[start:end])
             if gradients is None:
                 _row_statistics[(end - start,)](chunk, chunk.stride(0), *statistics, vocab, BLOCK=BLOCK_COLUMNS,
@@ -308,7 +308,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: Optio
                 _row_statistics_and_gradient[(end - start,)](
                     chunk, chunk.stride(0), *statistics, scales[start:end], gradient, gradient.stride(0), vocab,
                     gradient.shape[1], label_smoothing, BLOCK=BLOCK_COLUMNS, num_warps=NUM_WARPS)
-                gradients.add_chunk(start, end, gradient, compute_hidden[start:end], aligned, bias is not None)
+                gradients.add_chunk(start, end, gradient, chunk_hidden, aligned, bias is not None)
                 del gradient
             del chunk       # before the next chunk's matmul allocates: one chunk alive at a time, not two
         losses = _row_losses(log_sum_exp, target_logit, logit_sum, valid, vocab, label_smoothing)
@@ -414,7 +414,6 @@ def _recomputed_backward(loss_gradient, logits_gradient, hidden, weight, bias, t
                          reduction, label_smoothing, dtype, chunk_bytes) -> tuple:
     tokens, vocab = hidden.shape[0], weight.shape[0]
     target = target.contiguous()
-    compute_hidden = hidden.to(dtype)
     aligned, aligned_bias = _aligned_weight(weight, bias, dtype)
     scales = _row_scales(loss_gradient, target, ignore_index, reduction)
     gradients = _Gradients.empty(hidden, aligned, weight, bias)
@@ -422,10 +421,11 @@ def _recomputed_backward(loss_gradient, logits_gradient, hidden, weight, bias, t
     rows = chunk_rows(tokens, vocab, dtype, chunk_bytes)
     for start in range(0, tokens, rows):
         end = min(start + rows, tokens)
-        chunk = _chunk_logits(compute_hidden[start:end], aligned, aligned_bias)
+        chunk_hidden = hidden[start:end].to(dtype)
+        chunk = _chunk_logits(chunk_hidden, aligned, aligned_bias)
         _launch_gradient(chunk, chunk, log_sum_exp[start:end], target[start:end], scales[start:end],
                          None if incoming is None else incoming[start:end], vocab, label_smoothing)
-        gradients.add_chunk(start, end, chunk, compute_hidden[start:end], aligned, bias is not None)
+        gradients.add_chunk(start, end, chunk, chunk_hidden, aligned, bias is not None)
         del chunk       # before the next chunk's matmul allocates: one chunk alive at a time, not two
     return gradients.finished(vocab, bias)
 

@@ -194,6 +194,30 @@ def test_one_chunk_buffer_is_alive_at_a_time(monkeypatch, with_gradients):
     assert len(made) == (5 if with_gradients else 10)     # 40 rows in chunks of 8, again in the backward
 
 
+@pytest.mark.parametrize("with_gradients", [True, False])
+def test_the_hidden_states_are_cast_a_chunk_at_a_time(monkeypatch, with_gradients):
+    """fp32 hidden states under a bf16 head (autocast's): each chunk's matmuls read that chunk's rows
+    cast, in memory of their own, never a view of a [tokens, H] cast copy held through the loop."""
+    storage_bytes = []
+    make = loss_head._chunk_logits
+
+    def recording(chunk_hidden, *args, **kwargs):
+        assert chunk_hidden.dtype == torch.bfloat16
+        storage_bytes.append(chunk_hidden.untyped_storage().nbytes())
+        return make(chunk_hidden, *args, **kwargs)
+
+    monkeypatch.setattr(loss_head, "_chunk_logits", recording)
+    hidden = torch.randn(40, 16, requires_grad=True)
+    weight = torch.randn(101, 16, requires_grad=True)
+    target = torch.randint(0, 101, (40,))
+    chunk = loss_head.row_bytes(101, torch.bfloat16) * 8
+    loss, *_ = torch.ops.memfuse.linear_cross_entropy(hidden, weight, None, target, -100, "mean", 0.0,
+                                                      torch.bfloat16, False, with_gradients, chunk)
+    loss.backward()
+    assert len(storage_bytes) == (5 if with_gradients else 10)
+    assert max(storage_bytes) == 8 * 16 * 2            # one chunk's rows in bf16
+
+
 def test_a_budget_shrinks_the_chunks_down_to_a_floor_of_rows():
     """Chunks of fewer rows make each weight-gradient addmm memory-bound: the budget stops there,
     and never raises a chunk past the configured bytes."""
