@@ -22,7 +22,9 @@ order torchtitan uses:
 weights, use_cache=False, bf16 autocast on a GPU, fp32 at `--size tiny`), in that script's modes:
 models.WRAPPERS[mode] wraps the model (memfuse_per_layer and, when --modes names it,
 torch_compile_per_layer: each transformer layer, as torchtitan compiles its blocks before sharding
-them; torch_compile, memfuse_backend, memfuse_whole: the whole model), then DDP wraps the result,
+them; memfuse_per_layer_backend: each layer, then the model through the backend, which runs the
+fused layers as they are and compiles the rest, its loss head chunked; torch_compile,
+memfuse_backend, memfuse_whole: the whole model), then DDP wraps the result,
 or FSDP2 shards every transformer layer and then the root. memfuse_whole traces the layers' forward inside one
 program, where FSDP2's per-layer hooks would never run: FSDP2 then shards the whole model as one
 group (the case's note says so). Every step trains on the same tokens (models.make_batch).

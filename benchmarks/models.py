@@ -1,4 +1,4 @@
-"""Whole HuggingFace models side by side: a training step (forward, loss, backward) in five modes.
+"""Whole HuggingFace models side by side: a training step (forward, loss, backward) in six modes.
 
     python -m benchmarks.models [--models bert,gpt2,llama] [--modes NAME,..] [--tiny] [--use-cache] [--out DIR]
     python -m benchmarks.models --report [--tiny] [--out DIR]

@@ -90,7 +90,7 @@ SLOW_TESTS = {
         r"test_long_rows\.py::test_looped_equals_persistent_with_dropout\[bfloat16\]"],
     "a second HuggingFace family or mode of a check that runs once per family and once per mode": [
         r"test_models\.py::test_matches_eager_without_dropout\[(gpt2-memfuse_(per_layer|whole)"
-        r"|llama-memfuse_(backend|whole)|bert-memfuse_(backend|per_layer))\]",
+        r"|llama-memfuse_(backend|whole|per_layer_backend)|bert-memfuse_(backend|per_layer|per_layer_backend))\]",
         r"test_chunked_head\.py::test_huggingface_heads_are_found_and_match_eager\[(gpt2|bert)\]",
         r"test_hf_layers\.py::test_layers_compile_and_match_eager\[(gpt2|bert)\]",
         r"test_loss_head\.py::test_hf_causal_lm_loss_behind_torch_compile_writes_no_vocab_row"],

@@ -11,7 +11,7 @@ not on `.original`).
 
 Then the tiny HuggingFace families of benchmarks/models.py (bert, gpt2, llama; one launch each,
 one row per rank, 2 steps, no timing; GPT-2 under DDP and FSDP2, BERT under FSDP2, Llama under
-DDP) in memfuse_per_layer, memfuse_backend and memfuse_whole: losses and parameters match
+DDP) in memfuse_per_layer, memfuse_backend, memfuse_whole and memfuse_per_layer_backend: losses and parameters match
 single-process eager made here, and every case ran memfuse's programs (no call or graph left to torch). FSDP2 with memfuse_whole shards the whole
 model as one group (memfuse traces the layers' forward, per-layer hooks would never run).
 """
@@ -290,7 +290,7 @@ def test_what_memfuse_saves_from_parameters_alone_are_views_of_them():
 
 
 # -- HuggingFace models (benchmarks/models.py), two ranks --------------------------------------------------
-HF_MODES = ("memfuse_per_layer", "memfuse_backend", "memfuse_whole")
+HF_MODES = ("memfuse_per_layer", "memfuse_backend", "memfuse_whole", "memfuse_per_layer_backend")
 # Each launch costs minutes of interpreter time on CI's two cores: GPT-2 runs both wrappers, BERT
 # (post-norm, padding mask) FSDP2 and Llama (RMSNorm, rotary, gated MLP) DDP, so that every layer
 # kind and every wrapper x mode pair runs once.

@@ -1,6 +1,7 @@
 """Whole HuggingFace models, tiny configs (2 layers, width 64), fp32 on CPU through the Triton
-interpreter, in the three wrapping styles: torch.compile(backend="memfuse"), memfuse on the whole
-model, memfuse on each layer (the rest eager). Dropout off, one step matches eager: the loss and
+interpreter, in the four wrapping styles: torch.compile(backend="memfuse"), memfuse on the whole
+model, memfuse on each layer (the rest eager), and memfuse on each layer with the rest through the
+backend (its loss head chunked). Dropout off, one step matches eager: the loss and
 every gradient. Dropout on, the model trains: finite losses and gradients over a few optimizer
 steps, and the dropout is live (another seed gives another loss, the same seed the same loss).
 
@@ -20,7 +21,7 @@ import torch._dynamo  # noqa: E402
 import memfuse  # noqa: E402
 from benchmarks import models as bench  # noqa: E402
 
-STYLES = ("memfuse_backend", "memfuse_whole", "memfuse_per_layer")
+STYLES = ("memfuse_backend", "memfuse_whole", "memfuse_per_layer", "memfuse_per_layer_backend")
 CASES = [(family, style) for family in bench.FAMILIES for style in STYLES]
 LOSS_RTOL = 1e-5
 GRAD_RTOL = 1e-4  # bench.grad_error: relative to the gradient's norm, floored at 1e-3 x the largest
@@ -55,6 +56,10 @@ def _assert_memfuse_compiled(style: str, family: str):
     if style == "memfuse_backend":
         assert compiles >= 1, memfuse.stats()  # one per Dynamo graph
         assert memfuse.stats()["graph_fallbacks"] == 0, memfuse.stats()  # none ran through torch
+    elif style == "memfuse_per_layer_backend":  # a program per layer, then the backend's graphs around them
+        assert compiles > bench.FAMILIES[family].tiny.layers, memfuse.stats()
+        assert memfuse.stats()["graph_fallbacks"] == 0, memfuse.stats()
+        assert memfuse.stats()["loss_heads_chunked"] >= 1, memfuse.stats()   # the head, in the backend's graph
     else:  # one program per wrapped module, no recompile
         expected = bench.FAMILIES[family].tiny.layers if style == "memfuse_per_layer" else 1
         assert compiles == expected, memfuse.stats()
