@@ -32,6 +32,7 @@ import sympy
 import torch
 from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
+from .attention import mask_like, marked_form
 from .capture import capture
 from .config import Config
 from .debug import STATS, describe_key_change, on_compile, timed, topic_log
@@ -128,6 +129,8 @@ class FusedFunction:
         pattern = _pattern(values)
         if _any_autocast() or pattern is None:   # the front serves calls with autocast off
             return
+        if any(marked_form(t) for t in _flatten(values).leaves if isinstance(t, torch.Tensor)):
+            return       # its guards do not read masks' marks (memfuse.attention): the key does
         shape = (len(args), *kwargs) if kwargs else len(args)
         front = self.fronts.get(shape)
         if front is None:
@@ -167,8 +170,8 @@ class FusedFunction:
         """Exact shapes and types (and the strides of a non-contiguous tensor) of a call's leaves,
         and their tree: a front cache before the compile key, which costs more to build
         (equality classes of sizes, parameter checks). Same exact key, same compile key."""
-        parts = [(v.shape, v.dtype, v.device, v.requires_grad, v.is_contiguous() or v.stride(), type(v))
-                 if isinstance(v, torch.Tensor) else (type(v), v) for v in leaves]
+        parts = [(v.shape, v.dtype, v.device, v.requires_grad, v.is_contiguous() or v.stride(), type(v),
+                  marked_form(v)) if isinstance(v, torch.Tensor) else (type(v), v) for v in leaves]
         return (torch.is_grad_enabled(), _autocast_now(), tree, *parts)
 
     def _lookup_key(self, flat: "_Flat", tensors: list):
@@ -295,7 +298,7 @@ class FusedFunction:
                 tensor_index += 1
                 needs_grad = needs_grad or v.requires_grad
                 parts.append(("T", v.dtype, device, rank, shape[-1] if rank else None, lead, v.requires_grad,
-                              _layout(v), isinstance(v, torch.nn.Parameter)))
+                              _layout(v), isinstance(v, torch.nn.Parameter), marked_form(v)))
             else:
                 parts.append(("C", type(v), v))
         if device is not None:
@@ -349,10 +352,13 @@ class FusedFunction:
             start_driver(device)       # Triton's driver set-up runs beside the trace
         rebuilds = []                  # how the trace's output is rebuilt from its tensors
 
+        # a mask the backend's graph built from sizes and marked (memfuse.attention): built here again
+        marks = {i: marked_form(flat.leaves[i]) for i in positions}
+
         def traced(*tensor_args):
             leaves = list(flat.leaves)
             for i, t in zip(positions, tensor_args):
-                leaves[i] = t
+                leaves[i] = mask_like(t, marks[i]) if marks[i] else t
             outputs, rebuild = _output_tensors(self._call(flat.values(leaves)), self._name())
             rebuilds.append(rebuild)
             return outputs

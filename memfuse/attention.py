@@ -250,6 +250,78 @@ def _size_only(gm: torch.fx.GraphModule, mask: torch.fx.Node):
     return SizeOnlyMask(evaluate, mask.name), leaves, form
 
 
+# -- masks that leave one compiled graph for another: marked by the first, rebuilt by the second ----
+# Under torch.compile, HuggingFace's model code (transformers 5.17 on torch 2.11) builds the causal
+# mask in a graph before the first layer and hands it to every layer call. Where those layers are
+# FusedModules (each layer fused, the rest through the backend) a layer receives the mask as a
+# tensor argument, and a tensor argument is a mask: Llama's attention took 7.5 ms a step against
+# 2.9 with is_causal (H200, 2026-11-27). The backend marks such an output (a [batch, 1, q, kv]
+# boolean mask the graph computes) with its form and the tensor's version counter: looked at once
+# per set of sizes where the graph builds it from sizes alone, else at every call (one wait for the
+# GPU a call: HuggingFace's mask also reads the position ids, passed in from an earlier graph, to
+# find packed sequences). A FusedFunction that receives a tensor whose mark still holds (same
+# version: not written since) traces the call with a mask built from its sizes in its place, which
+# `size_only_masks` then runs as is_causal. The mark joins the compile key: an unmarked mask of the
+# same shape gets a program that reads it.
+MARK = "_memfuse_mask_form"
+
+
+def returned_masks(gm: torch.fx.GraphModule, count: int) -> list:
+    """(position, built from sizes alone) of each of the first `count` outputs of `gm` that is a
+    [batch, 1, q, q] boolean mask the graph computes (not an input passed through)."""
+    outputs = gm.graph.find_nodes(op="output")[0].args[0]
+    found = []
+    for position, node in enumerate(outputs[:count]):
+        val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+        if not (isinstance(val, torch.Tensor) and val.dtype == torch.bool and val.dim() == 4
+                and val.shape[1] == 1 and val.shape[2] == val.shape[3]) or _passes_an_input(node):
+            continue
+        found.append((position, not isinstance(_size_only(gm, node), str)))
+    return found
+
+
+def _passes_an_input(node: torch.fx.Node) -> bool:
+    """Whether `node` is an input or a chain of views of one."""
+    while node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.target.is_view:
+        node = node.args[0]
+    return node.op == "placeholder"
+
+
+class OutputMasks:
+    """Marks a compiled graph's returned masks (`returned_masks`) with their form: "causal", "none"
+    (masks nothing) or no mark (anything else)."""
+
+    def __init__(self, masks: list):
+        self.masks = masks
+        self.forms: dict = {}      # (position, the call's size symbols) -> form, for masks built from sizes
+
+    def mark(self, outputs, sizes: tuple) -> None:
+        for position, from_sizes in self.masks:
+            mask = outputs[position]
+            form = self.forms.get((position, sizes), False) if from_sizes else False
+            if form is False:
+                form = mask_form(mask)
+                STATS["attention_masks_checked"] += 1
+                if from_sizes:
+                    self.forms[(position, sizes)] = form
+            if form is not None:
+                setattr(mask, MARK, (form, mask._version))
+
+
+def marked_form(tensor: torch.Tensor) -> Optional[str]:
+    """The form an OutputMasks marked `tensor` with, or None: never marked, or written since."""
+    mark = getattr(tensor, MARK, None)
+    return mark[0] if mark is not None and mark[1] == tensor._version else None
+
+
+def mask_like(mask: torch.Tensor, form: str) -> torch.Tensor:
+    """A boolean mask of `mask`'s shape built from its sizes alone: the lower triangle of each
+    [q, kv] block ("causal") or every position ("none")."""
+    q, kv = mask.shape[-2:]
+    kept = torch.ones(q, kv, dtype=torch.bool, device=mask.device)
+    return (kept.tril() if form == "causal" else kept).expand(mask.shape)
+
+
 def _hint(node: torch.fx.Node) -> Optional[int]:
     val = node.meta.get("val")
     if isinstance(val, torch.SymInt):

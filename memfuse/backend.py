@@ -28,7 +28,7 @@ import torch
 from torch._guards import CompileContext, detect_fake_mode
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from .attention import dense_masks
+from .attention import OutputMasks, dense_masks, returned_masks
 from .capture import Captured, decomposition_table, lower_graph
 from .config import Config, config_with_options
 from .debug import STATS, on_compile, timed, topic_log
@@ -249,7 +249,8 @@ class _Compilers:
         self._compiled(captured, the_plan, Programs(forward, backward))
         saved = [s.name for s in the_plan.saved]
         saved_ints = [captured.joint[n].value.dtype is None for n in saved]
-        forward_step = ForwardStep(forward, captured, the_plan.num_fwd_outputs, saved_ints, device)
+        masks = _returned_masks(joint, the_plan.num_fwd_outputs, self.record)
+        forward_step = ForwardStep(forward, captured, the_plan.num_fwd_outputs, saved_ints, device, masks=masks)
         backward_step = BackwardStep(backward, captured, saved_ints, device)
         fw_module = _forward_module(joint, placeholders[:num_primals], the_plan, saved_ints, forward_step, fakes)
         bw_module = _backward_module(joint, placeholders[num_primals:], the_plan, saved_ints, backward_step, fakes)
@@ -279,8 +280,9 @@ class _Compilers:
         self._compiled(captured, the_plan, Programs(forward, None))
         log.info("memfuse: compiled %s (torch.compile, inference) in %.3f s", self.record.name,
                  time.perf_counter() - start)
+        masks = _returned_masks(gm, the_plan.num_fwd_outputs, self.record)
         return _boxed(ForwardStep(forward, captured, the_plan.num_fwd_outputs, [], _device(placeholders),
-                                  inference=True), self.record)
+                                  inference=True, masks=masks), self.record)
 
     def _program(self, graph: Graph, captured: Captured, kind: str) -> Program:
         if self.config.check:
@@ -299,6 +301,16 @@ class _Compilers:
     def _compiled(self, captured: Captured, the_plan: Plan, programs: Programs) -> None:
         captured.loss_heads = self.record.loss_heads
         self.record.captured, self.record.plan, self.record.function = captured, the_plan, programs
+
+
+def _returned_masks(gm: torch.fx.GraphModule, count: int, record: "GraphRecord") -> Optional[OutputMasks]:
+    """The marks for the graph's returned masks built from sizes (memfuse.attention), or None."""
+    positions = returned_masks(gm, count)
+    if not positions:
+        return None
+    log.info("memfuse: %s returns masks built from sizes alone (outputs %s): marked with their form per call, "
+             "for the FusedModules that receive them", record.name, positions)
+    return OutputMasks(positions)
 
 
 # -- lowering with Dynamo's size symbols ---------------------------------------------------------
@@ -366,11 +378,13 @@ def _boxed(step, record: Optional[GraphRecord] = None):
 
 
 class ForwardStep(torch.nn.Module):
-    """primals -> (*outputs, *saved tensors, context); context = [seed, *symbols, *saved ints]."""
+    """primals -> (*outputs, *saved tensors, context); context = [seed, *symbols, *saved ints].
+    Returned masks built from sizes leave marked with their form (`masks`, memfuse.attention)."""
 
     def __init__(self, program: Program, captured: Captured, num_outputs: int, saved_ints: list,
-                 device: torch.device, inference: bool = False):
+                 device: torch.device, inference: bool = False, masks: Optional[OutputMasks] = None):
         super().__init__()
+        self.masks = masks
         self.program = program
         self.sources = list(captured.symbols.values())
         self.has_seed = captured.has_seed
@@ -390,6 +404,8 @@ class ForwardStep(torch.nn.Module):
         if self.has_seed:
             args.append(seed)
         outs = self.program.run(args, symbol_values, self.device)
+        if self.masks is not None:
+            self.masks.mark(outs, symbol_values)
         if self.inference:
             return outs[:self.num_outputs]
         saved = outs[self.num_outputs:]

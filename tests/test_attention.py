@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import memfuse
-from memfuse.attention import mask_form
+from memfuse.attention import OutputMasks, mask_form, marked_form
 
 
 def causal(q, k, v):
@@ -154,3 +154,55 @@ def test_a_mask_broadcast_along_its_last_dim_reaches_the_trace_dense_and_is_drop
     checked, dropped = _counts()
     _against_eager(fused, bidirectional, _qkv(6))
     assert _counts() == (checked + 1, dropped + 2)
+
+
+# -- a mask one compiled graph returns and a fused layer receives (memfuse.attention.OutputMasks) --
+def causal_mask_of(x, positions):
+    """HuggingFace's way under torch.compile: causal by position ids (a sequence's own past), as a
+    [batch, 1, q, q] boolean mask the layers receive; causal when the positions count up."""
+    keep = positions[None, :] <= positions[:, None]
+    return keep.expand(x.shape[0], 1, *keep.shape)
+
+
+def _layer_inputs(length: int) -> tuple:
+    x = torch.randn(2, length, 16)
+    return x, torch.arange(length)
+
+
+def test_a_causal_mask_the_backend_returns_reaches_a_fused_layer_as_is_causal():
+    torch._dynamo.reset()
+    build = torch.compile(causal_mask_of, backend="memfuse", dynamic=True)
+    layer = memfuse.memory_efficient_fusion(user_mask)
+    x, positions = _layer_inputs(8)
+    mask = build(x, positions)
+    assert marked_form(mask) == "causal"
+    checked, dropped = _counts()
+    _against_eager(layer, user_mask, _qkv(8), mask)
+    assert _counts()[1] == dropped + 2                  # forward and backward without the mask
+    _against_eager(layer, user_mask, _qkv(8, seed=1), build(x, positions))
+    assert _counts()[1] == dropped + 4
+    assert memfuse.stats()["compiles"] >= 1
+
+
+def test_a_mask_the_backend_returns_stays_a_mask_where_it_is_not_causal_or_was_written():
+    torch._dynamo.reset()
+    build = torch.compile(causal_mask_of, backend="memfuse", dynamic=True)
+    layer = memfuse.memory_efficient_fusion(user_mask)
+    x, positions = _layer_inputs(8)
+    _against_eager(layer, user_mask, _qkv(8), build(x, positions))          # the marked program exists
+    checked, dropped = _counts()
+    shuffled = build(x, positions.flip(0))              # reads the positions' values: not causal now
+    assert marked_form(shuffled) is None
+    _against_eager(layer, user_mask, _qkv(8), shuffled)
+    assert marked_form(build(x, positions).clone()) is None                # a copy carries no mark
+    unmarked_causal = torch.ones(8, 8, dtype=torch.bool).tril().expand(2, 1, 8, 8)
+    _against_eager(layer, user_mask, _qkv(8), unmarked_causal)             # same shape, no mark: a mask
+    assert _counts()[1] == dropped
+
+
+def test_a_marked_mask_written_in_place_loses_its_mark():
+    mask = torch.ones(2, 1, 4, 4, dtype=torch.bool).tril()
+    OutputMasks([(0, False)]).mark([mask], ())
+    assert marked_form(mask) == "causal"
+    mask[0, 0, 0, 1] = True
+    assert marked_form(mask) is None
