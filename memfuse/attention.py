@@ -255,29 +255,40 @@ def _size_only(gm: torch.fx.GraphModule, mask: torch.fx.Node):
 # mask in a graph before the first layer and hands it to every layer call. Where those layers are
 # FusedModules (each layer fused, the rest through the backend) a layer receives the mask as a
 # tensor argument, and a tensor argument is a mask: Llama's attention took 7.5 ms a step against
-# 2.9 with is_causal (H200, 2026-11-27). The backend marks such an output (a [batch, 1, q, kv]
-# boolean mask the graph computes) with its form and the tensor's version counter: looked at once
-# per set of sizes where the graph builds it from sizes alone, else at every call (one wait for the
-# GPU a call: HuggingFace's mask also reads the position ids, passed in from an earlier graph, to
-# find packed sequences). A FusedFunction that receives a tensor whose mark still holds (same
-# version: not written since) traces the call with a mask built from its sizes in its place, which
-# `size_only_masks` then runs as is_causal. The mark joins the compile key: an unmarked mask of the
-# same shape gets a program that reads it.
+# 2.9 with is_causal (H200, 2026-11-27). The backend marks such an output (a [batch, 1, q, q]
+# boolean mask the graph computes) with its form ("causal", "none") and the tensor's version
+# counter. It looks at the mask once per key: the call's sizes and, for each tensor the mask reads
+# (HuggingFace's reads the position ids, to find packed sequences), that tensor's SIZES_MARK, which
+# the graph that built it from sizes alone left on it (the graph, the output, the sizes: the same
+# values every time); a mask that reads an unmarked tensor is looked at every call (one wait for
+# the GPU). A FusedFunction that receives a tensor whose mark still holds (same version: not written
+# since) traces the call with a mask built from its sizes in its place, which `size_only_masks`
+# then runs as is_causal. The mark joins the compile key: an unmarked mask of the same shape gets a
+# program that reads it.
 MARK = "_memfuse_mask_form"
+SIZES_MARK = "_memfuse_built_from_sizes"
 
 
-def returned_masks(gm: torch.fx.GraphModule, count: int) -> list:
-    """(position, built from sizes alone) of each of the first `count` outputs of `gm` that is a
-    [batch, 1, q, q] boolean mask the graph computes (not an input passed through)."""
+def returned_masks(gm: torch.fx.GraphModule, count: int) -> tuple[list, list]:
+    """What OutputMasks marks among the first `count` outputs of `gm`, the values it computes
+    (not an input passed through): (masks, sized). masks: (position, the placeholder positions its
+    subgraph reads) of each [batch, 1, q, q] boolean mask that reads nothing else (no randomness);
+    sized: the positions of the other outputs built from sizes alone."""
     outputs = gm.graph.find_nodes(op="output")[0].args[0]
-    found = []
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    masks, sized = [], []
     for position, node in enumerate(outputs[:count]):
         val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-        if not (isinstance(val, torch.Tensor) and val.dtype == torch.bool and val.dim() == 4
-                and val.shape[1] == 1 and val.shape[2] == val.shape[3]) or _passes_an_input(node):
+        if not isinstance(val, torch.Tensor) or _passes_an_input(node):
             continue
-        found.append((position, not isinstance(_size_only(gm, node), str)))
-    return found
+        reads = _tensors_read(node)
+        if reads is None:
+            continue
+        if val.dtype == torch.bool and val.dim() == 4 and val.shape[1] == 1 and val.shape[2] == val.shape[3]:
+            masks.append((position, tuple(placeholders.index(p) for p in reads)))
+        elif not reads:
+            sized.append(position)
+    return masks, sized
 
 
 def _passes_an_input(node: torch.fx.Node) -> bool:
@@ -287,25 +298,64 @@ def _passes_an_input(node: torch.fx.Node) -> bool:
     return node.op == "placeholder"
 
 
+def _tensors_read(value: torch.fx.Node) -> Optional[list]:
+    """The tensor inputs whose values `value`'s subgraph reads, or None where it also draws random
+    numbers or reads anything but calls, sizes and constants."""
+    tensors, seen, stack = [], set(), [value]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op == "placeholder":
+            if not isinstance(node.meta.get("val"), (torch.SymInt, int)):
+                tensors.append(node)
+            continue
+        if node.op == "get_attr" or (node.op == "call_function" and node.target in SIZE_READS):
+            continue
+        if node.op != "call_function" or (isinstance(node.target, torch._ops.OpOverload)
+                                          and torch.Tag.nondeterministic_seeded in node.target.tags):
+            return None
+        stack.extend(node.all_input_nodes)
+    return tensors
+
+
 class OutputMasks:
-    """Marks a compiled graph's returned masks (`returned_masks`) with their form: "causal", "none"
-    (masks nothing) or no mark (anything else)."""
+    """Marks a compiled graph's returned masks and values built from sizes (`returned_masks`)."""
 
-    def __init__(self, masks: list):
+    def __init__(self, masks: list, sized: list):
         self.masks = masks
-        self.forms: dict = {}      # (position, the call's size symbols) -> form, for masks built from sizes
+        self.sized = sized
+        self.reads = sorted({i for _, reads in masks for i in reads})
+        self.forms: dict = {}      # (position, sizes, marks of what it reads) -> "causal", "none" or None
 
-    def mark(self, outputs, sizes: tuple) -> None:
-        for position, from_sizes in self.masks:
+    def read_marks(self, inputs: list) -> dict:
+        """The SIZES_MARK of each input a mask reads (None where it has none): before the call,
+        which empties its input list."""
+        return {i: sizes_mark(inputs[i]) for i in self.reads}
+
+    def mark(self, outputs, sizes: tuple, input_marks: dict) -> None:
+        for position in self.sized:
+            setattr(outputs[position], SIZES_MARK, ((self, position, sizes), outputs[position]._version))
+        for position, reads in self.masks:
             mask = outputs[position]
-            form = self.forms.get((position, sizes), False) if from_sizes else False
+            marks = tuple(input_marks[i] for i in reads)
+            key = (position, sizes, marks) if None not in marks else None
+            form = self.forms.get(key, False)
             if form is False:
                 form = mask_form(mask)
                 STATS["attention_masks_checked"] += 1
-                if from_sizes:
-                    self.forms[(position, sizes)] = form
+                if key is not None:
+                    self.forms[key] = form
             if form is not None:
                 setattr(mask, MARK, (form, mask._version))
+
+
+def sizes_mark(tensor) -> Optional[tuple]:
+    """Which graph, output and sizes built `tensor` from sizes alone, or None: never marked, or
+    written since."""
+    mark = getattr(tensor, SIZES_MARK, None) if isinstance(tensor, torch.Tensor) else None
+    return mark[0] if mark is not None and mark[1] == tensor._version else None
 
 
 def marked_form(tensor: torch.Tensor) -> Optional[str]:

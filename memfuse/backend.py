@@ -304,13 +304,14 @@ class _Compilers:
 
 
 def _returned_masks(gm: torch.fx.GraphModule, count: int, record: "GraphRecord") -> Optional[OutputMasks]:
-    """The marks for the graph's returned masks built from sizes (memfuse.attention), or None."""
-    positions = returned_masks(gm, count)
-    if not positions:
+    """The marks for the graph's returned attention masks and values built from sizes
+    (memfuse.attention), or None."""
+    masks, sized = returned_masks(gm, count)
+    if not masks and not sized:
         return None
-    log.info("memfuse: %s returns masks built from sizes alone (outputs %s): marked with their form per call, "
-             "for the FusedModules that receive them", record.name, positions)
-    return OutputMasks(positions)
+    log.info("memfuse: %s returns attention masks (outputs %s) and values built from sizes alone (outputs %s): "
+             "marked for the FusedModules and graphs that receive them", record.name, [m[0] for m in masks], sized)
+    return OutputMasks(masks, sized)
 
 
 # -- lowering with Dynamo's size symbols ---------------------------------------------------------
@@ -403,9 +404,10 @@ class ForwardStep(torch.nn.Module):
         seed = _draw_seed(self.device) if self.has_seed else 0
         if self.has_seed:
             args.append(seed)
+        input_marks = self.masks.read_marks(args) if self.masks is not None else None
         outs = self.program.run(args, symbol_values, self.device)
         if self.masks is not None:
-            self.masks.mark(outs, symbol_values)
+            self.masks.mark(outs, symbol_values, input_marks)
         if self.inference:
             return outs[:self.num_outputs]
         saved = outs[self.num_outputs:]

@@ -202,7 +202,7 @@ def test_a_mask_the_backend_returns_stays_a_mask_where_it_is_not_causal_or_was_w
 
 def test_a_marked_mask_written_in_place_loses_its_mark():
     mask = torch.ones(2, 1, 4, 4, dtype=torch.bool).tril()
-    OutputMasks([(0, False)]).mark([mask], ())
+    OutputMasks([(0, ())], []).mark([mask], (), {})
     assert marked_form(mask) == "causal"
     mask[0, 0, 0, 1] = True
     assert marked_form(mask) is None
