@@ -260,8 +260,9 @@ def _size_only(gm: torch.fx.GraphModule, mask: torch.fx.Node):
 # counter. It looks at the mask once per key: the call's sizes and, for each tensor the mask reads
 # (HuggingFace's reads the position ids, to find packed sequences), that tensor's SIZES_MARK, which
 # the graph that built it from sizes alone left on it (the graph, the output, the sizes: the same
-# values every time); a mask that reads an unmarked tensor is looked at every call (one wait for
-# the GPU). A FusedFunction that receives a tensor whose mark still holds (same version: not written
+# values every time). A mask that reads an unmarked tensor (HuggingFace's position ids come from
+# eager code where Dynamo breaks the model at each fused layer) is left unmarked, unless
+# Config.check_returned_masks has it looked at every call (one wait for the GPU). A FusedFunction that receives a tensor whose mark still holds (same version: not written
 # since) traces the call with a mask built from its sizes in its place, which `size_only_masks`
 # then runs as is_causal. The mark joins the compile key: an unmarked mask of the same shape gets a
 # program that reads it.
@@ -323,9 +324,10 @@ def _tensors_read(value: torch.fx.Node) -> Optional[list]:
 class OutputMasks:
     """Marks a compiled graph's returned masks and values built from sizes (`returned_masks`)."""
 
-    def __init__(self, masks: list, sized: list):
+    def __init__(self, masks: list, sized: list, every_call: bool = False):
         self.masks = masks
         self.sized = sized
+        self.every_call = every_call     # Config.check_returned_masks
         self.reads = sorted({i for _, reads in masks for i in reads})
         self.forms: dict = {}      # (position, sizes, marks of what it reads) -> "causal", "none" or None
 
@@ -341,6 +343,8 @@ class OutputMasks:
             mask = outputs[position]
             marks = tuple(input_marks[i] for i in reads)
             key = (position, sizes, marks) if None not in marks else None
+            if key is None and not self.every_call:
+                continue
             form = self.forms.get(key, False)
             if form is False:
                 form = mask_form(mask)

@@ -249,7 +249,7 @@ class _Compilers:
         self._compiled(captured, the_plan, Programs(forward, backward))
         saved = [s.name for s in the_plan.saved]
         saved_ints = [captured.joint[n].value.dtype is None for n in saved]
-        masks = _returned_masks(joint, the_plan.num_fwd_outputs, self.record)
+        masks = _returned_masks(joint, the_plan.num_fwd_outputs, self.record, self.config)
         forward_step = ForwardStep(forward, captured, the_plan.num_fwd_outputs, saved_ints, device, masks=masks)
         backward_step = BackwardStep(backward, captured, saved_ints, device)
         fw_module = _forward_module(joint, placeholders[:num_primals], the_plan, saved_ints, forward_step, fakes)
@@ -280,7 +280,7 @@ class _Compilers:
         self._compiled(captured, the_plan, Programs(forward, None))
         log.info("memfuse: compiled %s (torch.compile, inference) in %.3f s", self.record.name,
                  time.perf_counter() - start)
-        masks = _returned_masks(gm, the_plan.num_fwd_outputs, self.record)
+        masks = _returned_masks(gm, the_plan.num_fwd_outputs, self.record, self.config)
         return _boxed(ForwardStep(forward, captured, the_plan.num_fwd_outputs, [], _device(placeholders),
                                   inference=True, masks=masks), self.record)
 
@@ -303,7 +303,8 @@ class _Compilers:
         self.record.captured, self.record.plan, self.record.function = captured, the_plan, programs
 
 
-def _returned_masks(gm: torch.fx.GraphModule, count: int, record: "GraphRecord") -> Optional[OutputMasks]:
+def _returned_masks(gm: torch.fx.GraphModule, count: int, record: "GraphRecord", config: Config
+                    ) -> Optional[OutputMasks]:
     """The marks for the graph's returned attention masks and values built from sizes
     (memfuse.attention), or None."""
     masks, sized = returned_masks(gm, count)
@@ -311,7 +312,7 @@ def _returned_masks(gm: torch.fx.GraphModule, count: int, record: "GraphRecord")
         return None
     log.info("memfuse: %s returns attention masks (outputs %s) and values built from sizes alone (outputs %s): "
              "marked for the FusedModules and graphs that receive them", record.name, [m[0] for m in masks], sized)
-    return OutputMasks(masks, sized)
+    return OutputMasks(masks, sized, every_call=config.check_returned_masks)
 
 
 # -- lowering with Dynamo's size symbols ---------------------------------------------------------

@@ -164,39 +164,58 @@ def causal_mask_of(x, positions):
     return keep.expand(x.shape[0], 1, *keep.shape)
 
 
-def _layer_inputs(length: int) -> tuple:
-    x = torch.randn(2, length, 16)
-    return x, torch.arange(length)
+def positions_of(x):
+    return torch.arange(x.shape[-2])
 
 
-def test_a_causal_mask_the_backend_returns_reaches_a_fused_layer_as_is_causal():
+def _builders(**options) -> tuple:
+    """(positions from sizes, the mask from positions), each through the backend."""
     torch._dynamo.reset()
-    build = torch.compile(causal_mask_of, backend="memfuse", dynamic=True)
+    return (torch.compile(positions_of, backend="memfuse", dynamic=True),
+            torch.compile(causal_mask_of, backend="memfuse", dynamic=True, options=options))
+
+
+def test_a_causal_mask_the_backend_builds_from_sizes_reaches_a_fused_layer_as_is_causal():
+    """The positions leave their graph marked as built from sizes; the mask that reads them is
+    then looked at once per set of sizes and marked; the fused layer runs is_causal."""
+    positions_from_sizes, build = _builders()
     layer = memfuse.memory_efficient_fusion(user_mask)
-    x, positions = _layer_inputs(8)
-    mask = build(x, positions)
-    assert marked_form(mask) == "causal"
+    x = torch.randn(2, 8, 16)
     checked, dropped = _counts()
+    mask = build(x, positions_from_sizes(x))
+    assert marked_form(mask) == "causal"
     _against_eager(layer, user_mask, _qkv(8), mask)
     assert _counts()[1] == dropped + 2                  # forward and backward without the mask
-    _against_eager(layer, user_mask, _qkv(8, seed=1), build(x, positions))
-    assert _counts()[1] == dropped + 4
-    assert memfuse.stats()["compiles"] >= 1
+    again = build(x, positions_from_sizes(x))
+    assert marked_form(again) == "causal"
+    _against_eager(layer, user_mask, _qkv(8, seed=1), again)
+    assert _counts() == (checked + 2, dropped + 4)      # the mask looked at once, the layer's call once
 
 
-def test_a_mask_the_backend_returns_stays_a_mask_where_it_is_not_causal_or_was_written():
-    torch._dynamo.reset()
-    build = torch.compile(causal_mask_of, backend="memfuse", dynamic=True)
+def test_a_mask_of_eager_positions_is_looked_at_every_call_only_when_asked():
+    x, positions = torch.randn(2, 8, 16), torch.arange(8)
+    _, build = _builders()
+    assert marked_form(build(x, positions)) is None     # reads a tensor no graph built from sizes
+    _, build = _builders(check_returned_masks=True)
+    checked = _counts()[0]
+    assert marked_form(build(x, positions)) == "causal"
+    assert marked_form(build(x, positions)) == "causal"
+    assert _counts()[0] == checked + 2
+    assert marked_form(build(x, positions.flip(0))) is None     # not causal at these values
+
+
+def test_a_mask_the_backend_returns_stays_a_mask_where_unmarked():
+    positions_from_sizes, build = _builders()
     layer = memfuse.memory_efficient_fusion(user_mask)
-    x, positions = _layer_inputs(8)
-    _against_eager(layer, user_mask, _qkv(8), build(x, positions))          # the marked program exists
-    checked, dropped = _counts()
-    shuffled = build(x, positions.flip(0))              # reads the positions' values: not causal now
-    assert marked_form(shuffled) is None
-    _against_eager(layer, user_mask, _qkv(8), shuffled)
-    assert marked_form(build(x, positions).clone()) is None                # a copy carries no mark
+    x = torch.randn(2, 8, 16)
+    _against_eager(layer, user_mask, _qkv(8), build(x, positions_from_sizes(x)))   # the marked program exists
+    dropped = _counts()[1]
+    assert marked_form(build(x, positions_from_sizes(x)).clone()) is None          # a copy carries no mark
     unmarked_causal = torch.ones(8, 8, dtype=torch.bool).tril().expand(2, 1, 8, 8)
     _against_eager(layer, user_mask, _qkv(8), unmarked_causal)             # same shape, no mark: a mask
+    not_causal = unmarked_causal.clone()
+    not_causal[..., 0, 1] = True
+    _against_eager(layer, user_mask, _qkv(8), not_causal)
     assert _counts()[1] == dropped
 
 
