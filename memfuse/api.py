@@ -32,7 +32,7 @@ import sympy
 import torch
 from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
-from .attention import mask_like, marked_form
+from .attention import MaskDecision, mask_like, marked_form
 from .capture import capture
 from .config import Config
 from .debug import STATS, describe_key_change, on_compile, timed, topic_log
@@ -369,6 +369,11 @@ class FusedFunction:
             lambda fn: capture(fn, tensors, trace_joint=grad, static_inputs=static), traced, self.config,
             returned_logits=self.graphs is None)
         captured.loss_heads, captured.returned_logits = heads, returns
+        captured.attention_masks += [
+            MaskDecision("argument", self._input_name(flat.tree, i), True,
+                         f"marked {form} by the backend graph that returned it (memfuse.attention): traced as a "
+                         f"mask built from its sizes; a call with it unmarked compiles another program")
+            for i, form in marks.items() if form]
         if captured.specialized:
             recompile_log.info("memfuse: %s: leading sizes join the compile key: %s", self._name(),
                                captured.specialized)

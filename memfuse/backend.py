@@ -28,7 +28,7 @@ import torch
 from torch._guards import CompileContext, detect_fake_mode
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from .attention import OutputMasks, dense_masks, returned_masks
+from .attention import MaskDecision, OutputMasks, dense_masks, returned_masks
 from .capture import Captured, decomposition_table, lower_graph
 from .config import Config, config_with_options
 from .debug import STATS, on_compile, timed, topic_log
@@ -312,6 +312,15 @@ def _returned_masks(gm: torch.fx.GraphModule, count: int, record: "GraphRecord",
         return None
     log.info("memfuse: %s returns attention masks (outputs %s) and values built from sizes alone (outputs %s): "
              "marked for the FusedModules and graphs that receive them", record.name, [m[0] for m in masks], sized)
+    names = [n.name for n in gm.graph.find_nodes(op="placeholder")]
+    for position, reads in masks:
+        read = ", ".join(names[i] for i in reads) or "sizes alone"
+        when = ("looked at every call" if config.check_returned_masks else
+                "left unmarked where one of them carries no such mark (check_returned_masks looks at it every call)")
+        record.captured.attention_masks.append(MaskDecision(
+            f"output {position}", "returned", True,
+            f"marked with its form for the fused layers that receive it: reads {read}; looked at once per set of "
+            f"sizes and of the marks of the inputs it reads (values other graphs built from sizes), {when}"))
     return OutputMasks(masks, sized, every_call=config.check_returned_masks)
 
 

@@ -190,6 +190,9 @@ def test_a_causal_mask_the_backend_builds_from_sizes_reaches_a_fused_layer_as_is
     assert marked_form(again) == "causal"
     _against_eager(layer, user_mask, _qkv(8, seed=1), again)
     assert _counts() == (checked + 2, dropped + 4)      # the mask looked at once, the layer's call once
+    report = str(memfuse.explain(layer, *_qkv(8), again))
+    assert "mask mask replaced: marked causal by the backend graph that returned it" in report
+    assert "output 0: mask returned replaced: marked with its form" in str(memfuse.explain(build, x, positions_from_sizes(x)))
 
 
 def test_a_mask_of_eager_positions_is_looked_at_every_call_only_when_asked():
