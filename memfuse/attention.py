@@ -262,10 +262,10 @@ def _size_only(gm: torch.fx.GraphModule, mask: torch.fx.Node):
 # the graph that built it from sizes alone left on it (the graph, the output, the sizes: the same
 # values every time). A mask that reads an unmarked tensor (HuggingFace's position ids come from
 # eager code where Dynamo breaks the model at each fused layer) is left unmarked, unless
-# Config.check_returned_masks has it looked at every call (one wait for the GPU). A FusedFunction that receives a tensor whose mark still holds (same version: not written
-# since) traces the call with a mask built from its sizes in its place, which `size_only_masks`
-# then runs as is_causal. The mark joins the compile key: an unmarked mask of the same shape gets a
-# program that reads it.
+# Config.check_returned_masks has it looked at every call (one wait for the GPU). A FusedFunction
+# that receives a tensor whose mark still holds (same version: not written since) traces the call
+# with a mask built from its sizes in its place, which `size_only_masks` then runs as is_causal.
+# The mark joins the compile key: an unmarked mask of the same shape gets a program that reads it.
 MARK = "_memfuse_mask_form"
 SIZES_MARK = "_memfuse_built_from_sizes"
 
