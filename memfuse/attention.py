@@ -363,7 +363,10 @@ def sizes_mark(tensor) -> Optional[tuple]:
 
 
 def marked_form(tensor: torch.Tensor) -> Optional[str]:
-    """The form an OutputMasks marked `tensor` with, or None: never marked, or written since."""
+    """The form an OutputMasks marked `tensor` with, or None: never marked, or written since. On
+    the compile key's path: a dtype read before the attribute lookup, which misses on most tensors."""
+    if tensor.dtype is not torch.bool:
+        return None
     mark = getattr(tensor, MARK, None)
     return mark[0] if mark is not None and mark[1] == tensor._version else None
 
