@@ -37,7 +37,7 @@ from benchmarks.long_rows import copy_bandwidth
 from benchmarks.profile_step import profiled_step
 from memfuse.runtime import launch_log
 
-MEMFUSE_MODES = ("memfuse_backend", "memfuse_whole", "memfuse_per_layer")
+MEMFUSE_MODES = ("memfuse_backend", "memfuse_whole", "memfuse_per_layer", "memfuse_per_layer_backend")
 KERNEL_PREFIX = "memfuse_"        # the generated kernels' names (codegen: the group's name)
 TARGET_MS = 0.5                   # issue 17: every kernel of at least this much GPU time per step ...
 TARGET_SOL = 0.8                  # ... reaches this fraction of the copy bandwidth
