@@ -37,6 +37,13 @@ they differ, as in eager. memfuse's calls that ran through torch instead (eager_
 graph_fallbacks, their logged reasons) are recorded per case. Rank 0 prints a table and rewrites
 the JSON at --out after every case.
 
+Timing (`--rounds`, 3 by default): once every mode of a wrapper has run its steps and its first
+timing (warm-up, --timed steps, the peak), the wrapper's cases, all kept alive, are timed in turn
+--timed steps each, --rounds times over, and a case's it/s is the median of its rounds. Host-paced
+steps (FSDP2 on small layers) drift by 20% within a minute on a shared host: cases timed one after
+the other carried that drift into their ratios; cases timed in turn share it. A case's peak is
+measured in its first timing, above what was allocated before it was built (the live cases').
+
 A CPU run (gloo, kernels through the Triton interpreter) is the CI test's smoke run:
     torchrun --nproc_per_node=2 -m benchmarks.distributed --device cpu --size tiny --batch 8 \
         --modes eager,memfuse,memfuse_compile
@@ -106,6 +113,10 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps before timing")
     parser.add_argument("--timed", type=int, default=20,
                         help="timed steps (0: correctness only, without the saved-bytes step and the timing)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="timing rounds: once every mode of a wrapper has run, its cases (all kept alive) "
+                             "are timed in turn, --timed steps each, this many times over; a case's it/s is the "
+                             "median of its rounds. 0: each case timed once, right after its own steps")
     parser.add_argument("--dropout", type=float, default=0.1, help="p of the dropout-across-ranks check (0: skip)")
     parser.add_argument("--bucket-cap-mb", type=float, default=None,
                         help="DDP bucket size; below 1 MiB DDP's first bucket shrinks with it (split graphs at a tiny size)")
@@ -163,8 +174,11 @@ class CaseResult:
     fallback_reasons: list = dataclasses.field(default_factory=list)   # logged, new in this case
     note: Optional[str] = None                     # how the wrapping departs from the stated order, and why
     correctness_s: Optional[float] = None          # the --steps steps, compiles included
-    it_s: Optional[float] = None                   # timed steps / the slowest rank's time
-    peak_bytes: Optional[list] = None              # per rank, CUDA: max allocated over the timed steps
+    it_s: Optional[float] = None                   # timed steps / the slowest rank's time (the median of rounds)
+    it_s_alone: Optional[float] = None             # --rounds: the first timing, right after the case's own steps
+    it_s_rounds: list = dataclasses.field(default_factory=list)   # --rounds: each round's it/s
+    peak_bytes: Optional[list] = None              # per rank, CUDA: max allocated over the timed steps, above
+    #                                                what was allocated before the case was built
     forward_bytes: Optional[list] = None           # per rank, CUDA: allocated after forward and loss - before
     profile: Optional[list] = None                 # per rank, --profile: step_time_split() of one step
     host: Optional[list] = None                    # per rank, --profile: host_costs() of one step
@@ -408,8 +422,12 @@ def build_case(r: Rank, wrapper: str, mode: str) -> tuple:
     return model, parallel, note, r.optimizer(parallel.parameters())
 
 
-def run_case(r: Rank, ref: Reference, wrapper: str, mode: str, result: CaseResult) -> None:
+def run_case(r: Rank, ref: Reference, wrapper: str, mode: str, result: CaseResult) -> Optional[tuple]:
+    """The case's correctness steps, saved bytes and first timing; (the wrapped model, its optimizer)
+    when it was timed, for the rounds."""
     import memfuse
+    r.synchronize()
+    allocated_before = torch.cuda.memory_allocated(r.device) if r.device.type == "cuda" else 0
     model, parallel, result.note, optimizer = build_case(r, wrapper, mode)
     before, told = memfuse.stats(), set(memfuse.eager.TOLD)
     start = time.perf_counter()
@@ -424,12 +442,13 @@ def run_case(r: Rank, ref: Reference, wrapper: str, mode: str, result: CaseResul
     result.fallback_reasons = sorted(f"{name}: {reason}" for name, reason in memfuse.eager.TOLD - told)
     _compare(r, ref, model, result)
     if r.args.timed == 0:
-        return
+        return None
     _measure_saved(r, parallel, model, optimizer, result)
     if over_budget(r):
         result.error = "timing skipped: --budget-s spent"
-        return
-    _time_steps(r, parallel, optimizer, result)
+        return None
+    _time_steps(r, parallel, optimizer, result, allocated_before)
+    return parallel, optimizer
 
 
 def _inspect_grads(model, result: CaseResult) -> None:
@@ -504,22 +523,58 @@ def _measure_saved(r: Rank, parallel, model, optimizer, result: CaseResult) -> N
     optimizer.step()
 
 
-def _time_steps(r: Rank, parallel, optimizer, result: CaseResult) -> None:
-    batches = [r.shard(b) for b in r.batches[r.args.steps:]] or [r.shard(r.batches[0])]
+def _time_steps(r: Rank, parallel, optimizer, result: CaseResult, allocated_before: int) -> None:
+    """Warm-up, then the timed steps: it/s and the peak per rank above `allocated_before` (what other
+    cases kept alive for the rounds hold, and the caches)."""
     for i in range(r.args.warmup):
-        train_step(r, parallel, optimizer, batches[i % len(batches)])
+        train_step(r, parallel, optimizer, _timing_batch(r, i))
     r.synchronize()
     if r.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(r.device)
+    result.it_s = _timed_window(r, parallel, optimizer)
+    if r.device.type == "cuda":
+        result.peak_bytes = gather(torch.cuda.max_memory_allocated(r.device) - allocated_before)
+
+
+def _timing_batch(r: Rank, i: int):
+    batches = r.batches[r.args.steps:] or r.batches[:1]
+    return r.shard(batches[i % len(batches)])
+
+
+def _timed_window(r: Rank, parallel, optimizer) -> Optional[float]:
+    """--timed steps from a barrier to the GPU's end: it/s at the slowest rank."""
+    batches = [_timing_batch(r, r.args.warmup + i) for i in range(r.args.timed)]
+    r.synchronize()
     dist.barrier()
     start = time.perf_counter()
-    for i in range(r.args.timed):
-        train_step(r, parallel, optimizer, batches[(r.args.warmup + i) % len(batches)])
+    for batch in batches:
+        train_step(r, parallel, optimizer, batch)
     r.synchronize()
     slowest = _max_over_ranks(time.perf_counter() - start, r)
-    result.it_s = r.args.timed / slowest if slowest > 0 else None
-    if r.device.type == "cuda":
-        result.peak_bytes = gather(torch.cuda.max_memory_allocated(r.device))
+    return r.args.timed / slowest if slowest > 0 else None
+
+
+def time_rounds(r: Rank, live: list) -> None:
+    """Every live case of a wrapper timed in turn, --rounds times over; its it/s becomes the median
+    of its rounds. On a host-paced step (FSDP2, small layers) the same case's it/s drifts by 20%
+    within a minute on a shared host (two H200s, 2026-11-27): cases timed one after the other take
+    that drift into their ratios, cases timed in turn share it. A case that compiles during the
+    rounds (Dynamo or memfuse: a cache the other cases disturbed) is an error, not a time."""
+    import memfuse
+    from torch._dynamo.utils import counters
+    graphs_before, compiles_before = counters["stats"]["unique_graphs"], memfuse.stats()["compiles"]
+    for result, _, _ in live:
+        result.it_s_alone, result.it_s_rounds = result.it_s, []
+    for _ in range(r.args.rounds):
+        for result, parallel, optimizer in live:
+            result.it_s_rounds.append(_timed_window(r, parallel, optimizer))
+    compiled = (counters["stats"]["unique_graphs"] - graphs_before, memfuse.stats()["compiles"] - compiles_before)
+    for result, _, _ in live:
+        if any(compiled):
+            result.error = (f"compiled during the timing rounds ({compiled[0]} Dynamo graphs, {compiled[1]} memfuse "
+                            f"compiles): the rounds' times are not the cases' own")
+        times = sorted(t for t in result.it_s_rounds if t is not None)
+        result.it_s = times[len(times) // 2] if times else None
 
 
 def _profiled(chosen: str, wrapper: str, mode: str) -> bool:
@@ -738,8 +793,12 @@ def over_budget(r: Rank) -> bool:
     return bool(flag[0])
 
 
-def _release(r: Rank) -> None:
-    torch._dynamo.reset()     # every case compiles from scratch; no recompile limit carried over
+def _release(r: Rank, reset: bool = True) -> None:
+    """What a finished case held. Dynamo's caches are reset (every case compiles from scratch, no
+    recompile limit carried over) unless cases are kept alive for the rounds, which would then
+    compile again."""
+    if reset:
+        torch._dynamo.reset()
     gc.collect()
     if r.device.type == "cuda":
         torch.cuda.empty_cache()
@@ -751,11 +810,16 @@ def _error(error: Exception) -> str:
 
 
 def run_all(r: Rank) -> dict:
+    if r.args.rounds > 0:
+        # a wrapper's cases stay alive together, each model's frames compiled once per compiling mode:
+        # room for all of them in Dynamo's per-frame caches, which reach 8 entries by default
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     results = {"metadata": metadata(r), "reference_losses": None, "cases": [], "dropout": []}
     ref = reference(r)
     results["reference_losses"] = ref.losses
     r.dumped["eager_single_process"] = ref.final
     for wrapper in r.args.wrappers:
+        live = []            # --rounds: (result, wrapped model, optimizer) of every timed case
         for mode in r.work.modes:
             result = CaseResult(wrapper, mode)
             results["cases"].append(result)
@@ -764,12 +828,26 @@ def run_all(r: Rank) -> dict:
                 continue
             result.update_bar = update_bar(r, results["cases"], wrapper)
             say(r, f"{wrapper:>15} {mode:<16} ...")
+            kept = None
             try:
-                run_case(r, ref, wrapper, mode, result)
+                kept = run_case(r, ref, wrapper, mode, result)
+                if kept is not None and r.args.rounds > 0:
+                    live.append((result, *kept))
             except Exception as error:     # one failing case must not end the comparison
                 result.error = _error(error)
-            _release(r)
+            del kept
+            _release(r, reset=not live)
             say(r, f"{'':>15} {'':<16} {summary(result)}")
+            write(r, results)
+        if live:
+            say(r, f"{wrapper:>15} {len(live)} cases timed in turn, {r.args.rounds} rounds ...")
+            try:
+                time_rounds(r, live)
+            except Exception as error:
+                for result, _, _ in live:
+                    result.error = _error(error)
+            live.clear()
+            _release(r)
             write(r, results)
     rejudge(r, results["cases"])
     write(r, results)
@@ -862,6 +940,11 @@ def _mb(value) -> str:
     return f"{max(value) / 2**20:.0f}" if isinstance(value, list) else f"{value / 2**20:.1f}"
 
 
+def _rounds(case) -> str:
+    times = [t for t in case.it_s_rounds if t is not None]
+    return f"{min(times):.1f}-{max(times):.1f}" if times else "-"
+
+
 def _per_layer_ratio(case, peer) -> str:
     """A per-layer memfuse case's it/s and peak against torch.compile's per layer, "-" otherwise."""
     if case.mode not in PER_LAYER_MODES or peer is None or not (case.it_s and peer.it_s):
@@ -878,11 +961,13 @@ def table(results: dict) -> str:
              f"(floor: {UPDATE_SCALE_FLOOR:g} x the largest ||p_eager - p0||); bar: the update err that passes "
              f"(under bf16 autocast at least {NOISE_FLOOR_FACTOR:g} x eager's or torch.compile's, whole or per "
              "layer, in the wrapper; those, marked ref, are then judged on the loss alone);",
-             "peak/fwd MB: the largest rank; saved MB: kept for backward after forward and loss "
+             "it/s: with --rounds the median of the rounds, in which every case of the wrapper was timed in turn "
+             "(rounds: their lowest and highest);",
+             "peak/fwd MB: the largest rank (peak: above what was allocated before the case was built); saved MB: kept for backward after forward and loss "
              "(activations | layer params); vs cmp/layer: a memfuse per-layer mode's it/s and peak against "
              "torch_compile_per_layer's",
              "",
-             f"{'wrapper':<16}{'mode':<27}{'loss err':>9}{'upd err':>9}{'bar':>8}{'':>4}{'it/s':>8}{'vs eager':>9}"
+             f"{'wrapper':<16}{'mode':<27}{'loss err':>9}{'upd err':>9}{'bar':>8}{'':>4}{'it/s':>8}{'rounds':>12}{'vs eager':>9}"
              f"{'vs compile':>11}{'peak MB':>9}{'vs compile':>11}{'fwd MB':>8}{'saved act':>10}{'params':>8}"
              f"{'compiles':>9}{'vs cmp/layer':>13}"]
     eager = {c.wrapper: c.it_s for c in results["cases"] if c.mode == "eager"}
@@ -901,7 +986,7 @@ def table(results: dict) -> str:
         lines.append(
             f"{c.wrapper:<16}{c.mode:<27}{c.loss_rel_err:>9.1e}{c.update_rel_err:>9.1e}{c.update_bar:>8.1e}"
             f"{('ref' if c.noise_reference else 'ok') if c.ok else 'BAD':>4}"
-            f"{(f'{c.it_s:.1f}' if c.it_s else '-'):>8}{vs:>9}{vs_compile:>11}{_mb(c.peak_bytes):>9}"
+            f"{(f'{c.it_s:.1f}' if c.it_s else '-'):>8}{_rounds(c):>12}{vs:>9}{vs_compile:>11}{_mb(c.peak_bytes):>9}"
             f"{peak_vs_compile:>11}{_mb(c.forward_bytes):>8}"
             f"{_mb(c.saved_activation_bytes):>10}{_mb(c.saved_block_param_bytes):>8}"
             f"{(c.memfuse_compiles if c.mode.startswith('memfuse') else '-'):>9}"

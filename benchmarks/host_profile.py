@@ -24,6 +24,12 @@ wrapper's is what Dynamo's frame and AOTAutograd's runtime add around a graph's 
 
     python -m benchmarks.host_profile [--workload layer_norm_block] [--steps 2000] [--tiny] [--stub-launches]
     python -m benchmarks.host_profile --layer llama [--steps 2000] [--stub-launches]
+    python -m benchmarks.host_profile --model bert --stub-launches [--modes eager,memfuse_backend,...]
+
+--model bert|gpt2|llama (with --stub-launches): the whole model of benchmarks/models.py at its tiny
+size, one training step (forward, loss, backward) per mode, every memfuse program's launches stubbed
+(FusedModules' and the backend's graphs alike): the host Python each wrapping style adds around
+the same externs, and cProfile of the last mode named.
 """
 from __future__ import annotations
 
@@ -212,6 +218,85 @@ def profile_layer(family_name: str, steps: int, stubbed: bool) -> None:
     _profile(modes["memfuse"], steps // 4)
 
 
+def _stub_model_launches(model, graphs: list) -> int:
+    """Stub every compiled program a model runs: each FusedModule's cache entries and each backend
+    graph `watch()` saw. Returns how many programs were stubbed."""
+    from memfuse.module import FusedModule
+    entries = [graph for graph in graphs if graph.function is not None]
+    for module in model.modules():
+        if isinstance(module, FusedModule):
+            for call in module.__dict__["_memfuse_calls"].values():
+                entries += [e for e in call.fused.cache.values() if hasattr(e, "function")]
+    for entry in entries:
+        _stub_launches(entry)
+    return len(entries)
+
+
+class _NoKernel:
+    """`kernel[grid](*args)` that launches nothing: the loss head's own kernels, stubbed."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def _fully_sharded(model, family) -> None:
+    """FSDP2 as benchmarks/distributed.py applies it, on a one-rank gloo group: every layer, then
+    the model (a FusedModule layer is sharded as the layer it replaced)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from benchmarks import models
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29511")
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1,))
+    for layer in models.layer_list(model, family):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def profile_model(family_name: str, modes: list, steps: int, fsdp2: bool = False) -> None:
+    """CPU proxy for a whole model's step: each mode in turn wraps its own copy of the tiny model
+    (Dynamo reset first: two compiled copies of one model class would share, and fight over, the
+    frames' caches), runs one step for real (compiles, kernels interpreted), then its launches are
+    stubbed and its steps timed (process time, one torch thread, best of 10 repeats)."""
+    import memfuse
+    from memfuse import loss_head, runtime
+    from memfuse.backend import watch
+    from benchmarks import models
+    torch.set_num_threads(1)
+    cpu_allocate = runtime._allocator(torch.device("cpu"))
+    # stubbed kernels write nothing: zeroed buffers keep the indices later externs read in range
+    runtime._ALLOCATORS[torch.device("cpu")] = lambda sizes, strides, dtype: cpu_allocate(sizes, strides, dtype).zero_()
+    family = models.FAMILIES[family_name]
+    device = torch.device("cpu")
+    batch = models.make_batch(family.tiny, device)
+    for mode in modes:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = models.build(family, family.tiny, 0.0)
+        wrapped = models.WRAPPERS[mode](model, family)
+        if fsdp2:
+            _fully_sharded(model, family)
+
+        def step():
+            wrapped(**batch).loss.backward()
+            for p in model.parameters():
+                p.grad = None
+        with watch() as graphs:
+            step()
+        stubbed = _stub_model_launches(model, graphs)
+        for kernel in ("_logits_gradient", "_row_statistics", "_row_statistics_and_gradient"):
+            setattr(loss_head, kernel, _NoKernel())          # compiled and run once by now
+        memfuse.reset_stats()
+        _interleaved_calls({mode: step}, 5, 1, device)                             # warm-up
+        best = _interleaved_calls({mode: step}, max(1, steps // 10), 10, device)[mode]
+        print(f"{family_name} model {mode}{' under FSDP2' if fsdp2 else ''}: {best:.1f} us per step ({stubbed} memfuse programs; CPU proxy: "
+              f"launches stubbed); recompiles: {memfuse.stats().get('compiles', 0)} memfuse compiles while timed")
+    _profile(step, max(1, steps // 4))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", default="layer_norm_block[64x128x1024]")
@@ -221,9 +306,19 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="leading dims [2, 4]: host time only")
     parser.add_argument("--stub-launches", action="store_true",
                         help="CPU proxy: kernels launch into nothing after one interpreted run (implies --tiny)")
+    parser.add_argument("--model", choices=("bert", "gpt2", "llama"),
+                        help="a whole tiny model, one step per mode (with --stub-launches)")
+    parser.add_argument("--fsdp2", action="store_true",
+                        help="--model: every layer, then the model, fully_shard-ed on a one-rank gloo group")
+    parser.add_argument("--modes", default="eager,memfuse_per_layer,memfuse_backend,memfuse_per_layer_backend",
+                        help="--model's modes (benchmarks.models.WRAPPERS), cProfile of the last")
     args = parser.parse_args()
+    if args.model and not args.stub_launches:
+        parser.error("--model runs on the CPU proxy only: add --stub-launches")
     if args.stub_launches:
         os.environ.setdefault("TRITON_INTERPRET", "1")    # read when triton is imported (by memfuse)
+    if args.model:
+        return profile_model(args.model, args.modes.split(","), args.steps, args.fsdp2)
     if args.layer:
         return profile_layer(args.layer, args.steps, args.stub_launches)
     import memfuse

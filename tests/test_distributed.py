@@ -88,7 +88,7 @@ def launch(out: Path, *args: str) -> dict:
 def run(tmp_path_factory):
     return launch(tmp_path_factory.mktemp("distributed"), "--batch", "8", "--modes", ",".join(MODES),
                   "--wrappers", ",".join(WRAPPERS), "--steps", str(STEPS), "--warmup", "0", "--timed", "1",
-                  "--bucket-cap-mb", str(BUCKET_CAP_MB), "--loss-tol", str(LOSS_TOL), "--update-tol", str(UPDATE_TOL))
+                  "--rounds", "2", "--bucket-cap-mb", str(BUCKET_CAP_MB), "--loss-tol", str(LOSS_TOL), "--update-tol", str(UPDATE_TOL))
 
 
 @pytest.fixture(scope="module")
@@ -191,6 +191,17 @@ def test_dropout_follows_each_ranks_generator(run):
         assert d["error"] is None, (key, d["error"])
         assert d["same_seed_same_masks"] and d["rank_seeds_differ"] and d["repeatable"], (key, d)
         assert d["grads_match_local"] is (True if key[0] == "ddp" else None), (key, d)
+
+
+def test_cases_are_timed_in_turn_without_compiling_again(run):
+    """--rounds keeps a wrapper's cases alive (Dynamo is not reset between them) and times them in
+    turn: each case has a time per round, its it/s is their median, and nothing compiled meanwhile
+    (time_rounds makes that an error: a case disturbed by another's caches)."""
+    for case in run["cases"]:
+        assert case["error"] is None, case["error"]
+        assert len(case["it_s_rounds"]) == 2 and case["it_s_alone"] is not None
+        assert case["it_s"] == sorted(case["it_s_rounds"])[1]
+    assert "rounds" in run["log"]
 
 
 def test_table_printed(run):
