@@ -177,6 +177,7 @@ class CaseResult:
     it_s: Optional[float] = None                   # timed steps / the slowest rank's time (the median of rounds)
     it_s_alone: Optional[float] = None             # --rounds: the first timing, right after the case's own steps
     it_s_rounds: list = dataclasses.field(default_factory=list)   # --rounds: each round's it/s
+    gc_ms_rounds: list = dataclasses.field(default_factory=list)  # --rounds: Python's gc pauses in each, ms (rank 0)
     peak_bytes: Optional[list] = None              # per rank, CUDA: max allocated over the timed steps, above
     #                                                what was allocated before the case was built
     forward_bytes: Optional[list] = None           # per rank, CUDA: allocated after forward and loss - before
@@ -541,17 +542,40 @@ def _timing_batch(r: Rank, i: int):
     return r.shard(batches[i % len(batches)])
 
 
-def _timed_window(r: Rank, parallel, optimizer) -> Optional[float]:
-    """--timed steps from a barrier to the GPU's end: it/s at the slowest rank."""
+def _timed_window(r: Rank, parallel, optimizer, gc_pauses: Optional[list] = None) -> Optional[float]:
+    """--timed steps from a barrier to the GPU's end: it/s at the slowest rank. `gc_pauses` gets the
+    milliseconds Python's garbage collector paused this rank inside the window."""
     batches = [_timing_batch(r, r.args.warmup + i) for i in range(r.args.timed)]
     r.synchronize()
     dist.barrier()
-    start = time.perf_counter()
-    for batch in batches:
-        train_step(r, parallel, optimizer, batch)
-    r.synchronize()
-    slowest = _max_over_ranks(time.perf_counter() - start, r)
+    with _gc_pauses(gc_pauses):
+        start = time.perf_counter()
+        for batch in batches:
+            train_step(r, parallel, optimizer, batch)
+        r.synchronize()
+        elapsed = time.perf_counter() - start
+    slowest = _max_over_ranks(elapsed, r)
     return r.args.timed / slowest if slowest > 0 else None
+
+
+@contextlib.contextmanager
+def _gc_pauses(pauses: Optional[list]):
+    """Appends to `pauses` the length of each garbage collection inside the block, in ms."""
+    if pauses is None:
+        yield
+        return
+    started = [0.0]
+
+    def on_gc(phase, info):
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            pauses.append((time.perf_counter() - started[0]) * 1e3)
+    gc.callbacks.append(on_gc)
+    try:
+        yield
+    finally:
+        gc.callbacks.remove(on_gc)
 
 
 def time_rounds(r: Rank, live: list) -> None:
@@ -564,10 +588,12 @@ def time_rounds(r: Rank, live: list) -> None:
     from torch._dynamo.utils import counters
     graphs_before, compiles_before = counters["stats"]["unique_graphs"], memfuse.stats()["compiles"]
     for result, _, _ in live:
-        result.it_s_alone, result.it_s_rounds = result.it_s, []
+        result.it_s_alone, result.it_s_rounds, result.gc_ms_rounds = result.it_s, [], []
     for _ in range(r.args.rounds):
         for result, parallel, optimizer in live:
-            result.it_s_rounds.append(_timed_window(r, parallel, optimizer))
+            pauses: list = []
+            result.it_s_rounds.append(_timed_window(r, parallel, optimizer, pauses))
+            result.gc_ms_rounds.append(round(sum(pauses), 1))
     compiled = (counters["stats"]["unique_graphs"] - graphs_before, memfuse.stats()["compiles"] - compiles_before)
     for result, _, _ in live:
         if any(compiled):
