@@ -81,7 +81,7 @@ SLOW_TESTS = {
         r"test_backend\.py::test_backend_found_without_importing_memfuse",
         r"test_dropout\.py::test_philox_seeds_are_the_same_in_every_process"],
     "two gloo ranks launched by benchmarks/distributed.py (minutes; the one-rank FSDP2 tests stay fast)": [
-        r"test_distributed\.py::test_(losses|ddp|fsdp2_frees|dropout_follows|table|hf_)"],
+        r"test_distributed\.py::test_(losses|ddp|fsdp2_frees|dropout_follows|table|hf_|cases_are_timed)"],
     "training runs of examples/gpt.py over several steps (test_cli_runs stays fast)": [
         r"test_example\.py::test_loss"],
     "the bf16 half of a per-op or per-view matrix whose fp32 half runs every case": [

@@ -219,6 +219,28 @@ def test_host_profile_times_a_huggingface_layer_on_the_cpu_proxy():
         assert line in result.stdout, result.stdout[-3000:]
 
 
+def test_host_profile_times_a_whole_model_under_fsdp2_on_the_cpu_proxy():
+    """host_profile --model --fsdp2: each mode's whole tiny model on a one-rank FSDP2 group, every
+    memfuse program (FusedModules' and the backend's graphs) stubbed: a mode whose programs were
+    not all found would run the Triton interpreter and be timed at tenths of a second a step, not
+    the milliseconds a stubbed step takes. In its own process."""
+    pytest.importorskip("transformers")
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=str(root), TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, "-m", "benchmarks.host_profile", "--model", "bert", "--fsdp2",
+                             "--stub-launches", "--steps", "20"], cwd=root, env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    times = {}
+    for line in result.stdout.splitlines():
+        if line.startswith("bert model ") and " under FSDP2: " in line:
+            mode, rest = line[len("bert model "):].split(" under FSDP2: ")
+            times[mode] = float(rest.split(" us per step")[0])
+            assert "0 memfuse compiles while timed" in rest, line
+    assert set(times) == {"eager", "memfuse_per_layer", "memfuse_backend", "memfuse_per_layer_backend"}, result.stdout
+    assert max(times.values()) < 20 * min(times.values()), times     # nothing interpreted while timed
+
+
 def test_an_extern_result_goes_to_the_launcher_as_a_tensor(monkeypatch):
     """A value an aten step made inside the program (here a matmul) may view what a saved-tensors
     hook unpacked: the direct launch passes it as a tensor, for Triton's launcher to check."""
