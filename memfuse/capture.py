@@ -172,6 +172,31 @@ def _without_unused(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return gm
 
 
+def _composed_permutes(gm: torch.fx.GraphModule) -> bool:
+    """A permute of a permute becomes one permute of the first one's input, or that input itself
+    where the two undo each other: the joint graph transposes a linear's weight for the forward
+    and that transpose back for the input's gradient, and every permute is a call on the host in
+    the program. Not where the result is a graph output (it would become the input itself, not a
+    view of it). Whether any changed (their inner permutes may be unread now)."""
+    permute = torch.ops.aten.permute.default
+    outputs = set(gm.graph.find_nodes(op="output"))
+    changed = False
+    for node in gm.graph.find_nodes(op="call_function", target=permute):
+        inner = node.args[0]
+        if not isinstance(inner, torch.fx.Node) or inner.target is not permute:
+            continue
+        rank = len(node.args[1])
+        dims = [inner.args[1][d % rank] % rank for d in node.args[1]]
+        if dims == list(range(rank)):
+            if outputs & set(node.users):
+                continue
+            node.replace_all_uses_with(inner.args[0])
+        else:
+            node.args = (inner.args[0], dims)
+        changed = True
+    return changed
+
+
 def _pure(target) -> bool:
     if target is operator.getitem:
         return True
@@ -537,8 +562,8 @@ class _Lowering:
     def run(self, num_primals: int, trace_joint: bool) -> Captured:
         placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
         attention_masks = size_only_masks(self.gm)
-        if any(d.taken for d in attention_masks):
-            _without_unused(self.gm)          # the masks' nodes nothing reads now
+        if any(d.taken for d in attention_masks) | _composed_permutes(self.gm):
+            _without_unused(self.gm)          # the nodes nothing reads now
         for position, node in enumerate(placeholders):
             self.env[node] = self.graph.add(Node(node.name, Op.INPUT, (), classify(node.meta["val"])))
             self.graph.inputs.append(node.name)

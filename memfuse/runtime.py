@@ -631,7 +631,9 @@ class _ProgramWriter:
             args = [self.argument(a) for a in node.attr.args]
             args += [f"{k}={self.argument(v)}" for k, v in node.attr.kwargs]
             method = TENSOR_METHODS.get(node.attr.target)
-            if method is not None and not node.attr.kwargs:
+            if node.attr.target is torch.ops.aten.permute.default and list(node.attr.args[1]) == [1, 0]:
+                self.line(f"    {name} = {args[0]}.t()")       # half a permute's host time: no list to read
+            elif method is not None and not node.attr.kwargs:
                 self.line(f"    {name} = {args[0]}.{method}({', '.join(args[1:])})")
             else:
                 self.line(f"    {name} = {self.bind(node.attr.target, 'aten')}({', '.join(args)})")

@@ -476,3 +476,50 @@ def test_attention_reads_heads_where_the_matmuls_wrote_them(block):
         assert len(bias_sums) == 2 and not any("writes" in summary for summary in bias_sums)
     else:   # the split projection's input gradient gathers the three gradients (eager: a cat)
         assert [which for which, _ in copies] == ["backward"] and "3x strided" in copies[0][1]
+
+
+def _permutes_of_permutes(source: str) -> list:
+    """Lines of a program's source that permute a value a permute made."""
+    made = set()
+    found = []
+    for line in source.splitlines():
+        line = line.strip()
+        if " = " in line and ".permute(" in line:
+            name, call = line.split(" = ", 1)
+            if call.split(".permute(")[0] in made:
+                found.append(line)
+            made.add(name)
+    return found
+
+
+def test_a_linears_weight_is_not_transposed_back_and_forth():
+    """The joint graph transposes a linear's weight for the forward and that transpose back for the
+    input's gradient: capture composes a permute of a permute (here into the weight itself), so the
+    backward program makes no such pair of calls; results as eager's."""
+    def fn(x, w, b):
+        return F.gelu(F.linear(x, w, b)) * 2
+    args = [torch.randn(3, 4, 8, requires_grad=True), torch.randn(16, 8, requires_grad=True),
+            torch.randn(16, requires_grad=True)]
+    both = run_both(fn, args)
+    assert_same(both.fused, both.eager)
+    assert_same(both.fused_grads, both.eager_grads, what="gradient")
+    fused = memfuse.memory_efficient_fusion(fn)
+    fused(*args).sum().backward()
+    entry = next(iter(fused.cache.values()))
+    assert "permute" in entry.captured.aten_graph.code          # the trace transposes the weight
+    assert not _permutes_of_permutes(entry.function.backward.source), entry.function.backward.source
+    assert not _permutes_of_permutes(entry.function.forward.source)
+
+
+@pytest.mark.parametrize("fn", [lambda x: (x.permute(2, 0, 1).permute(1, 2, 0) * 2).sin(),   # the identity
+                                lambda x: (x.permute(1, 0, 2).permute(0, 2, 1) * 2).sin(),   # one permute
+                                lambda x: x.permute(2, 1, 0).permute(-1, 0, 1).exp(),        # negative dims
+                                lambda x: x.permute(1, 0, 2).permute(1, 0, 2)],              # an output: kept
+                         ids=["identity", "composed", "negative_dims", "returned"])
+def test_composed_permutes_keep_what_each_reads(fn):
+    """A permute of a permute that is not the identity becomes one permute of the first's input, and
+    a pair that undoes itself reads the input, but where it is returned; results and gradients as
+    eager's."""
+    both = run_both(fn, [torch.randn(3, 4, 8, requires_grad=True)])
+    assert_same(both.fused, both.eager)
+    assert_same(both.fused_grads, both.eager_grads, what="gradient")
