@@ -175,9 +175,11 @@ def _without_unused(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 def _composed_permutes(gm: torch.fx.GraphModule) -> bool:
     """A permute of a permute becomes one permute of the first one's input, or that input itself
     where the two undo each other: the joint graph transposes a linear's weight for the forward
-    and that transpose back for the input's gradient, and every permute is a call on the host in
-    the program. Not where the result is a graph output (it would become the input itself, not a
-    view of it). Whether any changed (their inner permutes may be unread now)."""
+    and that transpose back for the input's gradient (a call on the host each), and returns the
+    weight's gradient as a transpose of a transposed matmul (a copy kernel, where the matmul's
+    output has the weight's layout already). A pair that undoes itself on a graph input and is
+    returned stays: the output would be the input itself, not a view of it. Whether any changed
+    (their inner permutes may be unread now)."""
     permute = torch.ops.aten.permute.default
     outputs = set(gm.graph.find_nodes(op="output"))
     changed = False
@@ -188,7 +190,7 @@ def _composed_permutes(gm: torch.fx.GraphModule) -> bool:
         rank = len(node.args[1])
         dims = [inner.args[1][d % rank] % rank for d in node.args[1]]
         if dims == list(range(rank)):
-            if outputs & set(node.users):
+            if outputs & set(node.users) and inner.args[0].op == "placeholder":
                 continue
             node.replace_all_uses_with(inner.args[0])
         else:

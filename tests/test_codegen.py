@@ -343,7 +343,7 @@ def test_programs_call_views_and_matmuls_as_tensor_methods():
         torch.testing.assert_close(a, t.grad)
     entry, = fused.cache.values()
     source = entry.function.forward.source + entry.function.backward.source
-    assert ".mm(" in source and ".bmm(" in source and ".permute(" in source
+    assert ".mm(" in source and ".bmm(" in source and ".t()" in source   # a 2-D transpose: t()
     assert "mf_aten_" not in source               # every aten call here has a method form
 
 
@@ -363,8 +363,9 @@ def four_layer_inputs(d=24):
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
 def test_layers_of_one_code_share_their_kernels_and_match_eager(tmp_path, autocast):
-    """The weight gradients come out of kernels that read the matmul's output through a transpose,
-    its stride an argument: one function for the four of them too."""
+    """Kernels of one code are one function. The weight gradients are their matmuls' outputs (a
+    transpose of the transposed matmul is the matmul: capture._composed_permutes), cast by twin
+    kernels under autocast, read through a transpose by none."""
     tensors = four_layer_inputs()
     fused = memfuse.memory_efficient_fusion(four_layers, config=Config(cache_dir=tmp_path))
     grad_output = torch.randn(3, 5, 24)
@@ -390,8 +391,7 @@ def test_layers_of_one_code_share_their_kernels_and_match_eager(tmp_path, autoca
     assert len({id(k.fn) for k in kernels}) == len(kernels) - len(twins)
     files = list((tmp_path / "kernels").glob("*.py"))
     assert len(files) == len(kernels) - len(twins)                     # a twin writes and imports no file
-    strided = [k for k in kernels if "through access maps" in k.source.summary]
-    assert len(strided) == 4 and len({id(k.fn) for k in strided}) == 1
+    assert not [k.source.name for k in kernels if "through access maps" in k.source.summary]
 
 
 def dropout_layers(x, *weights, masks=None):
