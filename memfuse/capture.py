@@ -177,11 +177,10 @@ def _composed_permutes(gm: torch.fx.GraphModule) -> bool:
     where the two undo each other: the joint graph transposes a linear's weight for the forward
     and that transpose back for the input's gradient (a call on the host each), and returns the
     weight's gradient as a transpose of a transposed matmul (a copy kernel, where the matmul's
-    output has the weight's layout already). A pair that undoes itself on a graph input and is
-    returned stays: the output would be the input itself, not a view of it. Whether any changed
-    (their inner permutes may be unread now)."""
+    output has the weight's layout already). A returned output that becomes a graph input, or
+    another output, is copied or made a view again as any aliasing output is (capture's export,
+    AOTAutograd). Whether any changed (their inner permutes may be unread now)."""
     permute = torch.ops.aten.permute.default
-    outputs = set(gm.graph.find_nodes(op="output"))
     changed = False
     for node in gm.graph.find_nodes(op="call_function", target=permute):
         inner = node.args[0]
@@ -190,8 +189,6 @@ def _composed_permutes(gm: torch.fx.GraphModule) -> bool:
         rank = len(node.args[1])
         dims = [inner.args[1][d % rank] % rank for d in node.args[1]]
         if dims == list(range(rank)):
-            if outputs & set(node.users) and inner.args[0].op == "placeholder":
-                continue
             node.replace_all_uses_with(inner.args[0])
         else:
             node.args = (inner.args[0], dims)

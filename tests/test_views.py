@@ -511,15 +511,20 @@ def test_a_linears_weight_is_not_transposed_back_and_forth():
     assert not _permutes_of_permutes(entry.function.forward.source)
 
 
+def _with_its_double_transpose(y):
+    return y, y.permute(1, 0, 2).permute(1, 0, 2)
+
+
 @pytest.mark.parametrize("fn", [lambda x: (x.permute(2, 0, 1).permute(1, 2, 0) * 2).sin(),   # the identity
                                 lambda x: (x.permute(1, 0, 2).permute(0, 2, 1) * 2).sin(),   # one permute
                                 lambda x: x.permute(2, 1, 0).permute(-1, 0, 1).exp(),        # negative dims
-                                lambda x: x.permute(1, 0, 2).permute(1, 0, 2)],              # an output: kept
-                         ids=["identity", "composed", "negative_dims", "returned"])
+                                lambda x: x.permute(1, 0, 2).permute(1, 0, 2),               # the input, returned
+                                lambda x: _with_its_double_transpose(x * 2)],                # both returned
+                         ids=["identity", "composed", "negative_dims", "returned", "returned_twice"])
 def test_composed_permutes_keep_what_each_reads(fn):
     """A permute of a permute that is not the identity becomes one permute of the first's input, and
-    a pair that undoes itself reads the input, but where it is returned; results and gradients as
-    eager's."""
+    a pair that undoes itself its input, also where it is returned (the input itself, or beside the
+    value it undoes itself on); results and gradients as eager's."""
     both = run_both(fn, [torch.randn(3, 4, 8, requires_grad=True)])
     assert_same(both.fused, both.eager)
     assert_same(both.fused_grads, both.eager_grads, what="gradient")
