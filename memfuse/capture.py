@@ -177,9 +177,9 @@ def _composed_permutes(gm: torch.fx.GraphModule) -> bool:
     where the two undo each other: the joint graph transposes a linear's weight for the forward
     and that transpose back for the input's gradient (a call on the host each), and returns the
     weight's gradient as a transpose of a transposed matmul (a copy kernel, where the matmul's
-    output has the weight's layout already). A returned output that becomes a graph input, or
-    another output, is copied or made a view again as any aliasing output is (capture's export,
-    AOTAutograd). Whether any changed (their inner permutes may be unread now)."""
+    output has the weight's layout already). A returned pair returns its input then, as a graph
+    that returns an input does (export copies a forward output that aliases an input first).
+    Whether any changed (their inner permutes may be unread now)."""
     permute = torch.ops.aten.permute.default
     changed = False
     for node in gm.graph.find_nodes(op="call_function", target=permute):
