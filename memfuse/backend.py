@@ -287,7 +287,8 @@ class _Compilers:
     def _program(self, graph: Graph, captured: Captured, kind: str) -> Program:
         if self.config.check:
             verify(graph)
-        return Program(schedule(graph, self.config, kind), list(captured.symbols), self.config)
+        return Program(schedule(graph, self.config, kind), list(captured.symbols), self.config,
+                       returns_gradients=kind == "backward")
 
     def _check_fallbacks(self, captured: Captured) -> None:
         """Ops without a lowering run through aten inside the program, counted as api counts them;

@@ -35,7 +35,7 @@ COUNTERS = {
     "kernels_loaded": "kernels whose binary precompile loaded from Triton's cache through memfuse's index, "
                       "without Triton's compile (precompile.BinaryIndex)",
     "kernels_launched": "Triton kernel launches (runtime.Program._launch, every call)",
-    "extern_calls": "aten calls made at run time for extern steps (matmul, ...)",
+    "extern_calls": "extern steps run (matmuls and other aten calls, views)",
     "fallbacks": "ops (capture) and kernel groups (schedule) sent to aten, counted once per compile",
     "graph_fallbacks": "Dynamo graphs the backend could not compile, run through torch instead (once per graph)",
     "eager_calls": "calls that ran the original function or module through torch, op by op, instead of a "

@@ -27,6 +27,7 @@ from .codegen import CompiledKernel, dtype_name, generate
 from .config import Config
 from .debug import STATS, timed
 from .ir import Graph, Kind, Op, ValueRef
+from .layouts import VIEW_TARGETS, Layout, contiguous, view_layout
 from .loss_head import attach_returned_logits
 from .ops import OPS, REDUCERS, accumulate_dtype, compute_dtype
 from .schedule import ExternStep, KernelGroup, Schedule
@@ -377,11 +378,14 @@ class Program:
     primals, autograd the tangents); kernels take them as raw pointers, the others as tensors.
     `saved_inputs`: what the forward saved. A saved-tensors hook may unpack anything in their
     place; without one autograd hands back the very tensors the forward saved, on the device:
-    `run_unhooked` takes them as raw pointers too (`source_unhooked`)."""
+    `run_unhooked` takes them as raw pointers too (`source_unhooked`). `returns_gradients`: a
+    backward's outputs, which may be views made by strides; a forward returns torch's own views
+    (autograd and AOTAutograd track what a returned view aliases)."""
 
     def __init__(self, schedule: Schedule, symbols: list, config: Config, contiguous_inputs=frozenset(),
-                 device_inputs=frozenset(), saved_inputs=frozenset()):
+                 device_inputs=frozenset(), saved_inputs=frozenset(), returns_gradients: bool = False):
         self.graph = schedule.graph
+        self.returns_gradients = returns_gradients
         self.schedule = schedule
         self.symbols = symbols
         self.config = config
@@ -426,7 +430,7 @@ class _ProgramWriter:
         self.printed: dict = {}      # size expression -> its Python text (`expr`)
         # (the math that _SIZE_PRINTER writes: floor(s0/2) for a view(2, -1, D))
         self.namespace: dict = {"mf_allocators": _ALLOCATORS, "mf_allocator": _allocator, "mf_STATS": STATS,
-                                "mf_reinterpret": _reinterpret, "torch": torch,
+                                "mf_reinterpret": _reinterpret, "mf_check_view": _check_view, "torch": torch,
                                 "floor": math.floor, "ceil": math.ceil, "copysign": math.copysign}
         self.lines: list = []
         self.plan = program.buffers
@@ -436,6 +440,9 @@ class _ProgramWriter:
         self.contiguous: dict = {v: v for v in program.contiguous_inputs}   # value -> its local as kernels read it
         self.unit_stride: dict = {}      # value -> its local for kernels reading it through access maps only
         self.pointers: dict = {}         # local -> the local holding its data pointer
+        # local -> (Layout, None or the local flag it holds under): what views of it are made from
+        self.layouts: dict = {v: (contiguous(self.graph[v].value.shape), None) for v in program.contiguous_inputs}
+        self.extern_calls = 0
 
     @timed("program")
     def write(self) -> tuple:
@@ -461,6 +468,8 @@ class _ProgramWriter:
             else:
                 self.extern(step.name)
             self.frees(k)
+        if self.extern_calls:
+            self.line(f"    mf_STATS['extern_calls'] += {self.extern_calls}")
         outputs = ", ".join(o if o is not None else "None" for o in g.outputs)
         self.line(f"    return [{outputs}]")
         source = "\n".join(self.lines) + "\n"
@@ -494,11 +503,13 @@ class _ProgramWriter:
             same = len(old.shape) == len(b.shape) and all(sympy.simplify(x - y) == 0 for x, y in zip(old.shape, b.shape))
             made = old.name if same else f"mf_reinterpret({old.name}, {shape}, {strides}, 0)"
             self.line(f"    {b.name} = {made}; del {old.name}")
+            self.layouts[b.name] = (contiguous(b.shape), None)
             return
         if not self.allocates:
             self.allocates = True
             self.line("    mf_empty_strided = mf_allocators.get(device) or mf_allocator(device)")
         self.line(f"    {b.name} = mf_empty_strided({shape}, {strides}, {b.dtype})")
+        self.layouts[b.name] = (contiguous(b.shape), None)
 
     def frees(self, step: int) -> None:
         """Drop the locals plan step `step` read last (with the copies made for kernels), except one
@@ -572,6 +583,7 @@ class _ProgramWriter:
         shape = tuple(self.graph[name].value.shape)
         self.line(f"    {name} = mf_reinterpret({row.totals}, {self.expr(shape)}, {self.expr(_contiguous_strides(shape))}, "
                   f"{row.offset})")
+        self.layouts[name] = (contiguous(shape), None)
 
     def pointer(self, tensor: str) -> str:
         """The local holding the data pointer of `tensor` (a local), written once."""
@@ -624,6 +636,8 @@ class _ProgramWriter:
             self.line(f"    {name} = {source}[{node.attr.index}]")
         elif name in self.plan.rows:
             self.row(name)
+        elif node.op is Op.VIEW and self.graph[source].value.dtype == node.value.dtype:
+            self.view(name, torch.ops.aten.reshape.default, (), f"{source}.reshape({self.expr(node.value.shape)})")
         elif node.op in (Op.VIEW, Op.CAST):
             cast = "" if self.graph[source].value.dtype == node.value.dtype else f".to({node.value.dtype})"
             self.line(f"    {name} = {source}.reshape({self.expr(node.value.shape)}){cast}")
@@ -632,12 +646,52 @@ class _ProgramWriter:
             args += [f"{k}={self.argument(v)}" for k, v in node.attr.kwargs]
             method = TENSOR_METHODS.get(node.attr.target)
             if node.attr.target is torch.ops.aten.permute.default and list(node.attr.args[1]) == [1, 0]:
-                self.line(f"    {name} = {args[0]}.t()")       # half a permute's host time: no list to read
+                call = f"{args[0]}.t()"        # half a permute's host time: no list to read
             elif method is not None and not node.attr.kwargs:
-                self.line(f"    {name} = {args[0]}.{method}({', '.join(args[1:])})")
+                call = f"{args[0]}.{method}({', '.join(args[1:])})"
             else:
-                self.line(f"    {name} = {self.bind(node.attr.target, 'aten')}({', '.join(args)})")
-            self.line("    mf_STATS['extern_calls'] += 1")
+                call = f"{self.bind(node.attr.target, 'aten')}({', '.join(args)})"
+            if node.attr.target in VIEW_TARGETS and not node.attr.kwargs:
+                self.view(name, node.attr.target, node.attr.args[1:], call)
+            else:
+                self.line(f"    {name} = {call}")
+                if node.attr.target in MATMULS:    # a fresh row-major tensor
+                    self.layouts[name] = (contiguous(node.value.shape), None)
+            self.extern_calls += 1         # counted once a run, at its end (one line, not one a call)
+
+    def view(self, name: str, target, args: tuple, call: str) -> None:
+        """An extern view: made from its source's memory by strides (`mf_reinterpret`) where the
+        source's layout is known (layouts.view_layout), under the flag that says an input is
+        contiguous where it rests on one; else, and for what a forward returns, the method `call`."""
+        node = self.graph[name]
+        source = node.inputs[0]
+        known = self.layout(source)
+        layout = view_layout(target, args, known[0], node.value.shape)
+        if layout is None:
+            self.line(f"    {name} = {call}")
+            return
+        flag = known[1]
+        self.layouts[name] = (layout, flag)
+        if name in self.graph.outputs and not self.program.returns_gradients:
+            self.line(f"    {name} = {call}")
+            return
+        made = f"mf_reinterpret({source}, {self.expr(layout.shape)}, {self.expr(layout.strides)}, {self.expr(layout.offset)})"
+        self.line(f"    {name} = {made}" + (f" if {flag} else {call}" if flag else ""))
+        if self.program.config.check:      # the tests' runs: the same view as torch makes it
+            self.line(f"    {f'if {flag}: ' if flag else ''}mf_check_view({name!r}, {name}, {call})")
+
+    def layout(self, value: str) -> tuple:
+        """(Layout, flag) of a local a view is made from: known for what memfuse allocated or
+        made by strides, a matmul's result, an input the compile key says is contiguous (flag
+        None); for anything else (an input from the caller, which a saved-tensors hook may have
+        unpacked in any layout; another aten result, a view torch made) contiguous under a flag
+        read once, when its first view is made: `x.is_contiguous()`."""
+        known = self.layouts.get(value)
+        if known is None:
+            flag = f"mf_{value}_contiguous"
+            self.line(f"    {flag} = {value}.is_contiguous()")
+            known = self.layouts[value] = (contiguous(self.graph[value].value.shape), flag)
+        return known
 
     def argument(self, value) -> str:
         if isinstance(value, ValueRef):
@@ -650,6 +704,8 @@ class _ProgramWriter:
             return repr(value)
         return self.bind(value, "arg")
 
+
+MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
 
 # aten calls a program makes as the tensor's own method: the same kernel, without the Python
 # frames of an OpOverload call (2-6 us of host each on a CPU: a layer's backward makes dozens)
@@ -697,6 +753,18 @@ def _contiguous_strides(shape: tuple) -> tuple:
 
 def _as_strided_at(t: torch.Tensor, sizes: tuple, strides: tuple, offset: int) -> torch.Tensor:
     return t.as_strided(sizes, strides, t.storage_offset() + offset)
+
+
+def _check_view(name: str, made: torch.Tensor, expected: torch.Tensor) -> None:
+    """Under `config.check`: a view the program made by strides reads the elements torch's own
+    view reads (the strides of dims of size 1 may differ: no element is read through them)."""
+    same = made.shape == expected.shape and made.storage_offset() == expected.storage_offset() \
+        and made.untyped_storage().data_ptr() == expected.untyped_storage().data_ptr() \
+        and all(a == b for a, b, n in zip(made.stride(), expected.stride(), made.shape) if n > 1)
+    if not same:
+        raise AssertionError(f"memfuse: view {name}: made as {tuple(made.shape)} {made.stride()} at "
+                             f"{made.storage_offset()}, torch makes {tuple(expected.shape)} {expected.stride()} at "
+                             f"{expected.storage_offset()}")
 
 
 # (tensor, sizes, strides, offset) -> a tensor over its memory: inductor's, else a view
@@ -854,7 +922,7 @@ class CompiledFunction:
             inputs = plan.backward.inputs
             saved = len(inputs) - len(self.differentiable) - self.has_seed
             self.backward = Program(build_schedule(plan.backward, "backward"), self.symbol_order, config,
-                                    device_inputs=inputs[saved:], saved_inputs=inputs[:saved])
+                                    device_inputs=inputs[saved:], saved_inputs=inputs[:saved], returns_gradients=True)
         # (*tensor inputs) -> the forward's outputs: what a repeated call runs (api._Front)
         self.apply = self.forward_only if self.backward is None else functools.partial(_function_apply, self)
         # chunked logits the function returns: the caller's outputs are the first ones, the logits
