@@ -27,7 +27,7 @@ from .codegen import CompiledKernel, dtype_name, generate
 from .config import Config
 from .debug import STATS, timed
 from .ir import Graph, Kind, Op, ValueRef
-from .layouts import VIEW_TARGETS, Layout, contiguous, view_layout
+from .layouts import VIEW_TARGETS, contiguous, view_layout
 from .loss_head import attach_returned_logits
 from .ops import OPS, REDUCERS, accumulate_dtype, compute_dtype
 from .schedule import ExternStep, KernelGroup, Schedule
