@@ -637,7 +637,7 @@ class _ProgramWriter:
         elif name in self.plan.rows:
             self.row(name)
         elif node.op is Op.VIEW and self.graph[source].value.dtype == node.value.dtype:
-            self.view(name, torch.ops.aten.reshape.default, (), f"{source}.reshape({self.expr(node.value.shape)})")
+            self.view(name, source, torch.ops.aten.reshape.default, (), f"{source}.reshape({self.expr(node.value.shape)})")
         elif node.op in (Op.VIEW, Op.CAST):
             cast = "" if self.graph[source].value.dtype == node.value.dtype else f".to({node.value.dtype})"
             self.line(f"    {name} = {source}.reshape({self.expr(node.value.shape)}){cast}")
@@ -651,20 +651,19 @@ class _ProgramWriter:
                 call = f"{args[0]}.{method}({', '.join(args[1:])})"
             else:
                 call = f"{self.bind(node.attr.target, 'aten')}({', '.join(args)})"
-            if node.attr.target in VIEW_TARGETS and not node.attr.kwargs:
-                self.view(name, node.attr.target, node.attr.args[1:], call)
+            if node.attr.target in VIEW_TARGETS and not node.attr.kwargs and isinstance(node.attr.args[0], ValueRef):
+                self.view(name, node.attr.args[0].name, node.attr.target, node.attr.args[1:], call)
             else:
                 self.line(f"    {name} = {call}")
                 if node.attr.target in MATMULS:    # a fresh row-major tensor
                     self.layouts[name] = (contiguous(node.value.shape), None)
             self.extern_calls += 1         # counted once a run, at its end (one line, not one a call)
 
-    def view(self, name: str, target, args: tuple, call: str) -> None:
+    def view(self, name: str, source: str, target, args: tuple, call: str) -> None:
         """An extern view: made from its source's memory by strides (`mf_reinterpret`) where the
         source's layout is known (layouts.view_layout), under the flag that says an input is
         contiguous where it rests on one; else, and for what a forward returns, the method `call`."""
         node = self.graph[name]
-        source = node.inputs[0]
         known = self.layout(source)
         layout = view_layout(target, args, known[0], node.value.shape)
         if layout is None:
