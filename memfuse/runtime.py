@@ -661,8 +661,9 @@ class _ProgramWriter:
 
     def view(self, name: str, source: str, target, args: tuple, call: str) -> None:
         """An extern view: made from its source's memory by strides (`mf_reinterpret`) where the
-        source's layout is known (layouts.view_layout), under the flag that says an input is
-        contiguous where it rests on one; else, and for what a forward returns, the method `call`."""
+        source's layout is known (layouts.view_layout), under the flag that says the source is
+        contiguous where the program only guesses so (`layout`); else, and for what a forward
+        returns, the method `call`."""
         node = self.graph[name]
         known = self.layout(source)
         layout = view_layout(target, args, known[0], node.value.shape)
