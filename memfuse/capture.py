@@ -24,7 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
 from . import views
-from .attention import dense_masks, size_only_masks
+from .attention import AttentionCall, dense_masks, size_only_masks
 from .debug import timed
 from . import loss_head  # noqa: F401  (registers the chunked loss head's ops, named below)
 from .ir import (BINARY, COMPARISON, EXTERNAL, FUSIBLE, RANDOM, UNARY, Cast, Constant, Extern, Graph, Index, Kind,
@@ -1449,7 +1449,7 @@ class _Lowering:
             if self.last_dim_in_place(name if strided else self.graph[name].inputs[0]):
                 in_any_strides = in_any_strides | ATTENTION_ATEN | (RESHAPED_ATEN if strided else set())
             if not readers or name in outputs or any(
-                    r.op is not Op.EXTERN or r.attr.target not in in_any_strides for r in readers):
+                    r.op is not Op.EXTERN or _called_op(r.attr.target) not in in_any_strides for r in readers):
                 continue
             for r in readers:
                 if r.attr.target in RESHAPED_ATEN:
@@ -1457,7 +1457,7 @@ class _Lowering:
                                                     dataclasses.replace(r.attr, target=aten.reshape.default))
             node = self.aten_views[name]
             inputs, value, attr = self.extern_call(node, node.meta["val"])
-            if not strided and any(r.attr.target in ATTENTION_ATEN for r in readers):
+            if not strided and any(_called_op(r.attr.target) in ATTENTION_ATEN for r in readers):
                 attr = dataclasses.replace(attr, target=aten.reshape.default)   # of a view kept in its strides
             self.graph.nodes[name] = Node(name, Op.EXTERN, tuple(inputs), value, attr)
             for inp in inputs:
@@ -1495,6 +1495,12 @@ class _Lowering:
         if node.target in MATMUL_ATEN and isinstance(val, torch.Tensor):   # the device decides padding
             return list(dict.fromkeys(inputs)), value, Matmul(node.target, args, kwargs, val.device.type)
         return list(dict.fromkeys(inputs)), value, Extern(node.target, args, kwargs)
+
+
+def _called_op(target):
+    """The aten op an extern's target calls: an attention call whose mask memfuse builds per call
+    from the sizes (attention.AttentionCall) calls its own op, with that op's rules for strides."""
+    return target.op if isinstance(target, AttentionCall) else target
 
 
 # -- one node for a value computed twice -------------------------------------------------------

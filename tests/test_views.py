@@ -437,6 +437,16 @@ def fused_qkv_block(x, w_qkv, w_o, heads=2):
     return (o.transpose(1, 2).reshape(b, t, d) @ w_o.t()).tanh()
 
 
+def fused_qkv_sizes_mask_block(x, w_qkv, w_o, heads=2):
+    """GPT-2's as HuggingFace calls attention: a causal mask built from the sizes (memfuse runs
+    it as the kernel's own causal flag, through attention.AttentionCall)."""
+    b, t, d = x.shape
+    q, k, v = ((z.view(b, t, heads, d // heads).transpose(1, 2)) for z in (x @ w_qkv.t()).split(d, -1))
+    positions = torch.arange(t, device=x.device)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=positions[None, :] <= positions[:, None])
+    return (o.transpose(1, 2).reshape(b, t, d) @ w_o.t()).tanh()
+
+
 def token_copy_kernels(fused) -> list:
     """(program, kernel summary) of each generated kernel over the tokens (rows that grow with the
     batch; a weight gradient's transpose is not one) that reads through an access map."""
@@ -447,7 +457,7 @@ def token_copy_kernels(fused) -> list:
             and sympy.sympify(step.group.space.m).free_symbols]
 
 
-@pytest.mark.parametrize("block", ["separate projections", "split projection"])
+@pytest.mark.parametrize("block", ["separate projections", "split projection", "split projection, mask from sizes"])
 def test_attention_reads_heads_where_the_matmuls_wrote_them(block):
     """Query, key and value reach attention as views of the projections' outputs, its output
     reaches the next matmul as a view, and their gradients come back the same way: no kernel
@@ -460,7 +470,8 @@ def test_attention_reads_heads_where_the_matmuls_wrote_them(block):
         fn, weights = attention_block, [torch.randn(d, d) / 4, torch.randn(d), torch.randn(d, d) / 4,
                                         torch.randn(d, d) / 4, torch.randn(d), torch.randn(d, d) / 4]
     else:
-        fn, weights = fused_qkv_block, [torch.randn(3 * d, d) / 4, torch.randn(d, d) / 4]
+        fn = fused_qkv_block if block == "split projection" else fused_qkv_sizes_mask_block
+        weights = [torch.randn(3 * d, d) / 4, torch.randn(d, d) / 4]
     args = [x] + [torch.nn.Parameter(w) for w in weights]     # weights of static sizes
     both = run_both(fn, args)
     assert_same(both.fused, both.eager)
@@ -468,6 +479,8 @@ def test_attention_reads_heads_where_the_matmuls_wrote_them(block):
     fused = memfuse.memory_efficient_fusion(fn)
     fused(*args).sum().backward()
     copies = token_copy_kernels(fused)
+    if block.endswith("mask from sizes"):
+        assert memfuse.stats()["attention_masks_dropped"] > 0      # the mask runs as is_causal
     if block == "separate projections":
         assert copies == []
         bias_sums = [step.kernel.source.summary for step in next(iter(fused.cache.values())).function.backward.steps
