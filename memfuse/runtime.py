@@ -26,6 +26,7 @@ from .buffers import Origin, plan_buffers, verify_buffer_plan
 from .codegen import CompiledKernel, dtype_name, generate
 from .config import Config
 from .debug import STATS, timed
+from .externs import SUBSTITUTES
 from .ir import Graph, Kind, Op, ValueRef
 from .layouts import VIEW_TARGETS, contiguous, view_layout
 from .loss_head import attach_returned_logits
@@ -650,7 +651,7 @@ class _ProgramWriter:
             elif method is not None and not node.attr.kwargs:
                 call = f"{args[0]}.{method}({', '.join(args[1:])})"
             else:
-                call = f"{self.bind(node.attr.target, 'aten')}({', '.join(args)})"
+                call = f"{self.bind(SUBSTITUTES.get(node.attr.target, node.attr.target), 'aten')}({', '.join(args)})"
             if node.attr.target in VIEW_TARGETS and not node.attr.kwargs and isinstance(node.attr.args[0], ValueRef):
                 self.view(name, node.attr.args[0].name, node.attr.target, node.attr.args[1:], call)
             else:
