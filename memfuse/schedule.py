@@ -90,12 +90,19 @@ class KernelGroup:
     outputs: list = field(default_factory=list)        # values written for later steps
     column_sums: list = field(default_factory=list)    # reductions over M: partials per program
     aten_reason: Optional[str] = None                  # set when the group runs through aten
+    # column sum -> the casts of it (each the only reader of the one before) the kernel applies as
+    # it writes the totals: its row holds the last one (`fold_column_casts`)
+    column_casts: dict = field(default_factory=dict)
+
+    def column_values(self) -> list:
+        """What the totals hold, one per column sum: the sum, or the last of its casts."""
+        return [self.column_casts[n][-1] if n in self.column_casts else n for n in self.column_sums]
 
     def totals(self, graph: Graph) -> dict:
-        """dtype -> the column sums of that dtype, in order: the rows of one [n, D] totals tensor
-        the kernel writes (codegen's argument, the runtime's allocation)."""
+        """dtype -> the column values (`column_values`) of that dtype, in order: the rows of one
+        [n, D] totals tensor the kernel writes (codegen's argument, the runtime's allocation)."""
         totals: dict = {}
-        for name in self.column_sums:
+        for name in self.column_values():
             totals.setdefault(graph[name].value.dtype, []).append(name)
         return totals
 
@@ -151,6 +158,7 @@ def schedule(graph: Graph, config: Config, kind: str) -> Schedule:
         if isinstance(group, KernelGroup):
             _fill_io(graph, group, free | loads, computed_in)
             group.aten_reason = _codegen_limit(graph, group, config)
+    steps = fold_column_casts(graph, steps, placed)
     return Schedule(graph, steps, not_fused, paddings, in_place, placed)
 
 
@@ -614,6 +622,44 @@ def returned_reshapes(graph: Graph) -> Graph:
     for node in nodes.values():
         rewritten.add(node)
     return rewritten
+
+
+# dtypes a kernel's finish rounds a column total through (in fp32 registers, as `cast` does)
+FOLDED_CAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def fold_column_casts(graph: Graph, steps: list, placed: list) -> list:
+    """The steps without the casts of finished column sums that the kernels finishing those sums
+    now apply as they write their totals (KernelGroup.column_casts). Under autocast each bias
+    gradient is an fp32 column sum cast to bf16 (the matmul's dtype) and back to fp32 (the
+    parameter's): as steps of their own, two `.to` calls a bias, each a launch and 5-10 us of host
+    (BERT's backward: 58 a step). A chain is folded while each value has one reader, a cast the
+    runtime would run (`_runtime_reshape`: a cast, or a reshape, free on a row of the totals), in
+    fp32, bf16 or fp16; the last may have any readers."""
+    users = graph.users()
+    externs = {s.name for s in steps if isinstance(s, ExternStep)}
+    folded: set = set()
+    for group in steps:
+        if not isinstance(group, KernelGroup) or group.aten_reason is not None:
+            continue
+        for total in group.column_sums:
+            chain, value = [], total
+            while value not in graph.outputs and len(users[value]) == 1 and \
+                    graph[value].value.dtype in FOLDED_CAST_DTYPES:
+                reader = graph[users[value][0]]
+                if reader.op not in (Op.CAST, Op.VIEW) or reader.name not in externs or \
+                        reader.value.dtype not in FOLDED_CAST_DTYPES or not _same_size(graph, reader):
+                    break
+                chain.append(reader.name)
+                value = reader.name
+            if any(graph[c].op is Op.CAST for c in chain):
+                group.column_casts[total] = tuple(chain)
+                folded.update(chain)
+                casts = " then ".join(str(graph[c].value.dtype).replace("torch.", "") for c in chain
+                                      if graph[c].op is Op.CAST)
+                placed.append((chain[-1], f"column sum {total} cast to {casts} by {group.name} as it writes its "
+                                          f"totals: no `.to` step"))
+    return [s for s in steps if not (isinstance(s, ExternStep) and s.name in folded)]
 
 
 def _same_size(graph: Graph, node) -> bool:

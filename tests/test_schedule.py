@@ -419,3 +419,61 @@ def test_a_kernel_joins_a_later_one_that_loads_its_input():
     assert readers and min(readers) > backward.steps.index(joint), order
     assert any(f"both load {h}" in reason and joint.name in reason for _, reason in backward.placed), \
         backward.placed
+
+
+def _rounded_column_sums(x, w):
+    """Column sums cast as autocast's bias gradients are (fp32 -> bf16 -> fp32), and one cast once."""
+    weighted = (x * w).sum(0)
+    return weighted.to(torch.bfloat16).to(torch.float32), x.sum(0).to(torch.bfloat16)
+
+
+def test_casts_of_a_finished_column_sum_are_applied_by_its_kernel():
+    """No `.to` step after the kernel: it rounds its totals through the casts as it writes them."""
+    x, w = torch.randn(37, 20), torch.randn(37, 20)
+    the_plan = plan(capture(_rounded_column_sums, [x, w], trace_joint=False))
+    sched = schedule(the_plan.forward, Config(), "forward")
+    group, = sched.kernels
+    assert not [s for s in sched.steps if isinstance(s, ExternStep) and the_plan.forward[s.name].op is Op.CAST]
+    assert sorted(len(casts) for casts in group.column_casts.values()) == [1, 2]
+    assert any("as it writes its totals" in reason for _, reason in sched.placed)
+    fused = memfuse.memory_efficient_fusion(_rounded_column_sums)
+    rounded, once = fused(x, w)
+    assert ".to(" not in fused.compiled_for(x, w).function.forward.source
+    assert rounded.dtype == torch.float32 and once.dtype == torch.bfloat16
+    assert torch.equal(rounded, rounded.to(torch.bfloat16).float())    # rounded through bf16 on the way
+    for got, want in zip((rounded, once), _rounded_column_sums(x, w)):
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+
+
+def test_a_chain_of_casts_stops_at_a_value_read_twice():
+    """The kernel writes the bf16 sum, read twice; its cast to fp32 stays a step of its own."""
+    def fn(x):
+        rounded = x.sum(0).to(torch.bfloat16)
+        return rounded.to(torch.float32), rounded * 2
+    x = torch.randn(37, 20)
+    sched = schedule(plan(capture(fn, [x], trace_joint=False)).forward, Config(), "forward")
+    casts = [s.name for s in sched.steps if isinstance(s, ExternStep) and sched.graph[s.name].op is Op.CAST]
+    assert len(casts) == 1 and sched.graph[casts[0]].value.dtype == torch.float32
+    assert [len(c) for g in sched.kernels for c in g.column_casts.values()] == [1]
+    for got, want in zip(memfuse.memory_efficient_fusion(fn)(x), fn(x)):
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+
+
+def _autocast_mlp(x, w1, b1, w2, b2):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2)
+
+
+def test_autocasts_bias_gradients_leave_their_kernels_in_fp32():
+    """Under autocast each bias gradient is a bf16 column sum, reshaped and cast to the fp32
+    parameter's dtype: the kernel writes it so, the backward makes no `.to` call."""
+    torch.manual_seed(0)
+    args = [torch.randn(6, 5, 16), torch.randn(24, 16) / 4, torch.randn(24), torch.randn(8, 24) / 5, torch.randn(8)]
+    args = [a.requires_grad_() for a in args]
+    grad = torch.randn(6, 5, 8, dtype=torch.bfloat16)
+    fused = memfuse.memory_efficient_fusion(_autocast_mlp)
+    got = torch.autograd.grad(fused(*args), args, grad)
+    assert ".to(" not in fused.compiled_for(*args).function.backward.source
+    for g, want in zip(got, torch.autograd.grad(_autocast_mlp(*args), args, grad)):
+        assert g.dtype == want.dtype == torch.float32
+        torch.testing.assert_close(g, want, rtol=2e-2, atol=2e-2)

@@ -106,7 +106,8 @@ class RowKernelWriter:
         self.sums = {op: [n for n in group.column_sums if graph[n].op is op] for op in REDUCE}
         self.partials_dtypes = {op: max((accumulate_dtype(graph[n].value.dtype) for n in names), key=lambda t: t.itemsize)
                                 for op, names in self.sums.items() if names}
-        self.totals = group.totals(graph)   # dtype -> column sums of that dtype: the rows of one [n, D] output
+        self.totals = group.totals(graph)   # dtype -> column values of that dtype: the rows of one [n, D] output
+        self.summed = {casts[-1]: total for total, casts in group.column_casts.items()}   # a last cast -> its sum
         self.persistent = bool(group.column_sums)
         self.helpers: list = []   # HELPERS entries the kernel calls
         # zero paddings of values this kernel computes (a matmul operand): value -> its padded row length
@@ -495,10 +496,22 @@ class RowKernelWriter:
             return
         for dtype, names in self.totals.items():
             for j, name in enumerate(names):
-                total = f"{self.reg(name)}_total"
-                if dtype != self.partials_dtypes[self.graph[name].op]:   # bf16 / fp16 values: round once
-                    total = self.narrow(total, dtype)
-                out(f"tl.store(totals_{dtype_name(dtype)}_ptr + {j} * D + cols, {total}, mask=col_mask)")
+                out(f"tl.store(totals_{dtype_name(dtype)}_ptr + {j} * D + cols, {self.finished(name)}, mask=col_mask)")
+
+    def finished(self, name: str) -> str:
+        """A totals row's value: its sum's total rounded to the sum's dtype (bf16 / fp16 values
+        round once), then through each cast the kernel applies to it (KernelGroup.column_casts)."""
+        total = self.summed.get(name, name)
+        current = self.partials_dtypes[self.graph[total].op]
+        text = f"{self.reg(total)}_total"
+        for value in (total, *self.group.column_casts.get(total, ())):
+            dtype = self.graph[value].value.dtype
+            if dtype in (torch.bfloat16, torch.float16) and dtype != current:
+                text = self.narrow(text if current == torch.float32 else f"{text}.to(tl.float32)", dtype)
+            elif dtype != current:
+                text = f"{text}.to({TRITON_DTYPES[dtype]})"
+            current = dtype
+        return text
 
     def open_finish_columns(self, out: _Lines) -> bool:
         """Open the finish's walk over columns; True when it opened a loop to close. A row is
