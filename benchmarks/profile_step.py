@@ -9,6 +9,13 @@ times: the GPU is busy back to back in these steps), that time by class (matmul,
 memfuse's Triton kernels, torch.compile's Triton kernels, copies and fills, other aten kernels),
 its launches by class, and the --top kernels (default TOP_KERNELS) with the most time, with their
 launch counts. Needs CUDA.
+
+    python3 -m benchmarks.profile_step --model bert --origins [--top 40]
+
+--origins profiles one more step per mode with the CPU's ops too and counts every launch by the
+op that made it (the innermost op with kernels and ORIGIN_DEPTH - 1 of its parents), modes side
+by side, the --top origins whose counts differ most first: where one mode's extra launches
+come from (aten's sort-based embedding backward, casts as `.to` calls, the loss head's small ops).
 """
 from __future__ import annotations
 
@@ -16,7 +23,7 @@ import argparse
 import contextlib
 import json
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -63,6 +70,66 @@ def profiled_step(model, batch: dict, setup: Setup, around=contextlib.nullcontex
     return [(e.name, e.device_time_total / 1e3) for e in events]
 
 
+# An origin is the op that launched a kernel and this many ops in all up its stack of CPU ops.
+ORIGIN_DEPTH = 3
+# torch.profiler files some Triton launches twice, once under a CPU event of this name
+PROFILER_DUPLICATE = "Activity Buffer Request"
+
+
+def launch_origin(stack: list, kernel: str) -> tuple:
+    """(origin, kernel label) of one launch: `stack` the CPU ops from the one that launched it
+    outwards, `kernel` its name. Triton kernels are one label (their names say their op); an aten
+    kernel's is its name up to its template arguments."""
+    origin = " < ".join(" ".join(op.split())[:40] for op in stack[:ORIGIN_DEPTH])
+    if kernel_class(kernel) in ("memfuse kernels", "torch.compile kernels"):
+        return origin, "triton"
+    return origin, kernel.split("<")[0].split("(")[0].strip()[:48]
+
+
+def origin_rows(counts: dict, top: int) -> list:
+    """(counts per mode, origin, kernel) for the `top` (origin, kernel) pairs whose counts differ
+    most between the modes (`counts`: mode -> Counter), then by the most launches."""
+    keys = set().union(*counts.values())
+    def spread(key):
+        values = [c[key] for c in counts.values()]
+        return (-(max(values) - min(values)), -max(values), key)
+    return [([c[key] for c in counts.values()], *key) for key in sorted(keys, key=spread)[:top]]
+
+
+def launches_by_origin(model, batch: dict, setup: Setup) -> Counter:
+    """After WARM_STEPS, one step under torch.profiler with the CPU's ops: (origin, kernel label)
+    -> launches."""
+    for _ in range(WARM_STEPS):
+        train_step(model, batch, setup)
+    setup.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as trace:
+        train_step(model, batch, setup)
+        setup.synchronize()
+    counts: Counter = Counter()
+    for event in trace.events():
+        if event.device_type != torch.autograd.DeviceType.CPU or not event.kernels \
+                or event.name == PROFILER_DUPLICATE:
+            continue
+        stack, parent = [], event
+        while parent is not None and len(stack) < ORIGIN_DEPTH:
+            stack.append(parent.name)
+            parent = parent.cpu_parent
+        for kernel in event.kernels:
+            counts[launch_origin(stack, kernel.name)] += 1
+    return counts
+
+
+def origins_report(model: str, counts: dict, top: int) -> str:
+    modes = list(counts)
+    lines = [f"## {model}: launches of one step by the op that made them",
+             "", " | ".join(f"{m}: {sum(c.values())}" for m, c in counts.items()), "",
+             "| " + " | ".join(modes) + " | origin (op < parents) | kernel |",
+             "| " + " | ".join("---" for _ in modes) + " | --- | --- |"]
+    lines += [f"| {' | '.join(map(str, values))} | {origin} | {kernel} |"
+              for values, origin, kernel in origin_rows(counts, top)]
+    return "\n".join(lines)
+
+
 def profile_mode(family, templates: Templates, mode: str, setup: Setup, top_kernels: int = TOP_KERNELS) -> dict:
     model = WRAPPERS[mode](fresh(templates.dropout, setup.device), family)
     kernels: dict = defaultdict(lambda: [0.0, 0])
@@ -99,7 +166,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--modes", default="torch_compile,memfuse_backend",
                         help=f"comma-separated, from {', '.join(MODES)}")
     parser.add_argument("--out", type=Path, help="directory for profile-MODEL.json and .md")
-    parser.add_argument("--top", type=int, default=TOP_KERNELS, help="kernels listed per mode")
+    parser.add_argument("--top", type=int, default=TOP_KERNELS, help="kernels (origins with --origins) listed per mode")
+    parser.add_argument("--origins", action="store_true",
+                        help="count launches by the CPU op that made them, modes side by side, instead")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs CUDA: the profile is of GPU kernels")
@@ -110,17 +179,28 @@ def main(argv: list[str] | None = None) -> None:
     family = FAMILIES[args.model]
     setup = Setup(torch.device("cuda"), tiny=False, settings=GPU_SETTINGS)
     templates = Templates.build(family, family.size, use_cache=False)
-    results = []
-    for mode in modes:
-        torch._dynamo.reset()
-        results.append(profile_mode(family, templates, mode, setup, args.top))
-        torch.cuda.empty_cache()
-    text = report(args.model, results)
+    if args.origins:
+        counts = {}
+        for mode in modes:
+            torch._dynamo.reset()
+            model = WRAPPERS[mode](fresh(templates.dropout, setup.device), family)
+            counts[mode] = launches_by_origin(model, make_batch(family.size, setup.device), setup)
+            del model
+            torch.cuda.empty_cache()
+        text, stem = origins_report(args.model, counts, args.top), f"origins-{args.model}"
+        results = {mode: [[*key, n] for key, n in c.most_common()] for mode, c in counts.items()}
+    else:
+        results = []
+        for mode in modes:
+            torch._dynamo.reset()
+            results.append(profile_mode(family, templates, mode, setup, args.top))
+            torch.cuda.empty_cache()
+        text, stem = report(args.model, results), f"profile-{args.model}"
     print(text)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"profile-{args.model}.json").write_text(json.dumps(results, indent=1))
-        (args.out / f"profile-{args.model}.md").write_text(text + "\n")
+        (args.out / f"{stem}.json").write_text(json.dumps(results, indent=1))
+        (args.out / f"{stem}.md").write_text(text + "\n")
 
 
 if __name__ == "__main__":
