@@ -28,7 +28,7 @@ from .config import Config
 from .debug import STATS, timed
 from .externs import SUBSTITUTES
 from .ir import Graph, Kind, Op, ValueRef
-from .layouts import VIEW_TARGETS, contiguous, view_layout
+from .layouts import VIEW_TARGETS, Layout, contiguous, view_layout
 from .loss_head import attach_returned_logits
 from .ops import OPS, REDUCERS, accumulate_dtype, compute_dtype
 from .schedule import ExternStep, KernelGroup, Schedule
@@ -432,6 +432,7 @@ class _ProgramWriter:
         # (the math that _SIZE_PRINTER writes: floor(s0/2) for a view(2, -1, D))
         self.namespace: dict = {"mf_allocators": _ALLOCATORS, "mf_allocator": _allocator, "mf_STATS": STATS,
                                 "mf_reinterpret": _reinterpret, "mf_check_view": _check_view, "torch": torch,
+                                "mf_in_layout": _in_layout,
                                 "floor": math.floor, "ceil": math.ceil, "copysign": math.copysign}
         self.lines: list = []
         self.plan = program.buffers
@@ -440,6 +441,7 @@ class _ProgramWriter:
         self.allocates = False           # whether an allocation was written (the allocator is taken)
         self.contiguous: dict = {v: v for v in program.contiguous_inputs}   # value -> its local as kernels read it
         self.unit_stride: dict = {}      # value -> its local for kernels reading it through access maps only
+        self.in_layouts: dict = {}       # (value, strides) -> its local for kernels whose rows run in another order
         self.pointers: dict = {}         # local -> the local holding its data pointer
         # local -> (Layout, None or the local flag it holds under): what views of it are made from
         self.layouts: dict = {v: (contiguous(self.graph[v].value.shape), None) for v in program.contiguous_inputs}
@@ -493,24 +495,26 @@ class _ProgramWriter:
             text = self.printed[e] = _SIZE_PRINTER.doprint(sympy.sympify(e).xreplace(self.sizes))
         return text
 
-    def allocate(self, allocation) -> None:
-        """A buffer the plan allocates: a new contiguous tensor through the device's allocator
-        (`_allocator`, taken once per call before the first allocation), or the storage of a dead
-        one of the same dtype and elements, whose local it takes over."""
+    def allocate(self, allocation, layouts: dict) -> None:
+        """A buffer the plan allocates: a new tensor through the device's allocator (`_allocator`,
+        taken once per call before the first allocation), or the storage of a dead one of the same
+        dtype and elements, whose local it takes over. Contiguous, or in the strides its kernel
+        writes it in (`layouts`: KernelGroup.layouts, rows in another order)."""
         b = self.plan.buffers[allocation.buffer]
-        shape, strides = self.expr(b.shape), self.expr(_contiguous_strides(b.shape))
+        layout = Layout(tuple(b.shape), layouts[b.name]) if b.name in layouts else contiguous(b.shape)
+        shape, strides = self.expr(b.shape), self.expr(layout.strides)
         if allocation.reuses is not None:
             old = self.plan.buffers[allocation.reuses]
-            same = len(old.shape) == len(b.shape) and all(sympy.simplify(x - y) == 0 for x, y in zip(old.shape, b.shape))
+            same = self.layouts.get(old.name, (None,))[0] == layout
             made = old.name if same else f"mf_reinterpret({old.name}, {shape}, {strides}, 0)"
             self.line(f"    {b.name} = {made}; del {old.name}")
-            self.layouts[b.name] = (contiguous(b.shape), None)
+            self.layouts[b.name] = (layout, None)
             return
         if not self.allocates:
             self.allocates = True
             self.line("    mf_empty_strided = mf_allocators.get(device) or mf_allocator(device)")
         self.line(f"    {b.name} = mf_empty_strided({shape}, {strides}, {b.dtype})")
-        self.layouts[b.name] = (contiguous(b.shape), None)
+        self.layouts[b.name] = (layout, None)
 
     def frees(self, step: int) -> None:
         """Drop the locals plan step `step` read last (with the copies made for kernels), except one
@@ -519,6 +523,7 @@ class _ProgramWriter:
         for f in self.plan.steps[step].frees:
             if f.reused_by is None:
                 copies = {self.contiguous.get(f.buffer, f.buffer), self.unit_stride.get(f.buffer, f.buffer)}
+                copies |= {local for (value, _), local in self.in_layouts.items() if value == f.buffer}
                 names += [f.buffer] + sorted(copies - {f.buffer})
         if names:
             self.line(f"    del {', '.join(names)}")
@@ -531,22 +536,24 @@ class _ProgramWriter:
     def kernel(self, group: KernelGroup, launch: KernelLaunch, step: int) -> None:
         self.line(f"    # {group.name}: a kernel over [M, D={group.space.d}]")
         for allocation in self.plan.steps[step].allocations:     # outputs, [n, D] column totals
-            self.allocate(allocation)
+            self.allocate(allocation, group.layouts)
         totals = {dtype_name(dtype): local for dtype, local in self.plan.totals(step).items()}
         strided_only = self.strided_only(group)
         values, pointers, reads = [], [], []    # the general path's, the direct path's, the reads' pointers
         for arg in launch.kernel.source.args:
-            if arg.role in ("read", "in_place") and arg.value not in self.allocated:
+            if arg.role in ("read", "in_place") and (arg.value not in self.allocated or arg.value in group.layouts):
                 # an input (an in-place one is read by its own strides), or an extern step's result:
                 # a raw pointer only where the caller vouches for the device (`device_inputs`); an
                 # extern result may view what a saved-tensors hook unpacked, so it stays a tensor
-                tensor = self.as_read(arg.value, strided_only) if arg.role == "read" else arg.value
+                tensor = self.as_read(arg.value, strided_only, group.layouts.get(arg.value)) \
+                    if arg.role == "read" else arg.value
                 reads.append(self.pointer(tensor))
                 values.append(tensor)
                 pointers.append(reads[-1] if arg.value in self.device_inputs else tensor)
             elif arg.role == "stride":         # of the tensor as the kernel reads it
                 in_place = any(b.role == "in_place" and b.value == arg.value for b in launch.kernel.source.args)
-                tensor = arg.value if in_place or arg.value in self.allocated else self.as_read(arg.value, strided_only)
+                tensor = arg.value if in_place or arg.value in self.allocated else \
+                    self.as_read(arg.value, strided_only, group.layouts.get(arg.value))
                 local = f"mf_stride{len(self.lines)}"
                 self.line(f"    {local} = {tensor}.stride({arg.dim})")
                 values.append(local)
@@ -602,10 +609,14 @@ class _ProgramWriter:
         plain = {i for n in group.nodes for i in g[n].inputs[g[n].op is Op.STRIDED:]}
         return roots - plain - set(group.outputs)
 
-    def as_read(self, value: str, strided_only: set) -> str:
-        """The local a kernel reads `value` from: contiguous, or any layout whose last stride is 1
-        when the kernel reads it only through access maps (an aten result in other strides, like
-        attention's gradients [B, H, S, D] laid out as [B, S, H, D], is read where it lies)."""
+    def as_read(self, value: str, strided_only: set, strides: Optional[tuple] = None) -> str:
+        """The local a kernel reads `value` from: contiguous, or in `strides` (a kernel whose rows run
+        in another order reads its plain rows in that order's layout), or any layout whose last
+        stride is 1 when the kernel reads it only through access maps (an aten result in other
+        strides, like attention's gradients [B, H, S, D] laid out as [B, S, H, D], is read where it
+        lies)."""
+        if strides is not None:
+            return self.made_in_layout(value, strides)
         if value not in strided_only or not self.graph[value].value.shape or value in self.contiguous:
             return self.made_contiguous(value)
         local = self.unit_stride.get(value)
@@ -621,6 +632,18 @@ class _ProgramWriter:
         if local is None:
             local = self.contiguous[value] = f"mf_{value}"
             self.line(f"    {local} = {value} if {value}.is_contiguous() else {value}.contiguous()")
+        return local
+
+    def made_in_layout(self, value: str, strides: tuple) -> str:
+        """The local holding `value` in `strides`: itself where it lies so (what memfuse allocated in
+        them is known to), else a copy into them, checked per call (an extern's result follows
+        its inputs' layouts: attention's gradients lie as its query does)."""
+        if self.layouts.get(value) == (Layout(tuple(self.graph[value].value.shape), strides), None):
+            return value
+        local = self.in_layouts.get((value, strides))
+        if local is None:
+            local = self.in_layouts[(value, strides)] = f"mf_{value}_rows{len(self.in_layouts)}"
+            self.line(f"    {local} = mf_in_layout({value}, {self.expr(strides)})")
         return local
 
     def aten_group(self, group: KernelGroup, step: AtenGroup) -> None:
@@ -750,6 +773,15 @@ def _allocator(device: torch.device) -> Callable:
 
 def _contiguous_strides(shape: tuple) -> tuple:
     return tuple(sympy.Mul(*shape[k + 1:]) for k in range(len(shape)))
+
+
+def _in_layout(t: torch.Tensor, strides: tuple) -> torch.Tensor:
+    """`t` where it lies in `strides` (dims of size 1 may have any), else a copy of it in them."""
+    if all(have == want or size == 1 for have, want, size in zip(t.stride(), strides, t.shape)):
+        return t
+    made = torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device)
+    made.copy_(t)
+    return made
 
 
 def _as_strided_at(t: torch.Tensor, sizes: tuple, strides: tuple, offset: int) -> torch.Tensor:

@@ -41,6 +41,7 @@ from .ir import (EXTERNAL, FUSIBLE, LEAF, MEMORY_VIEWS, POINTWISE, RANDOM, REDUC
                  Reduce, Reshape, Value, aten_schema, column_padding, verify)
 from .padding import pad_matmuls
 from .reinplace import reinplace
+from .row_order import order_rows
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,10 @@ class KernelGroup:
     # column sum -> the casts of it (each the only reader of the one before) the kernel applies as
     # it writes the totals: its row holds the last one (`fold_column_casts`)
     column_casts: dict = field(default_factory=dict)
+    # the order of the leading dims its rows run in (empty: row-major), and the strides of each
+    # value it writes or reads as plain rows in that order's layout (memfuse.row_order)
+    row_order: tuple = ()
+    layouts: dict = field(default_factory=dict)
 
     def column_values(self) -> list:
         """What the totals hold, one per column sum: the sum, or the last of its casts."""
@@ -159,6 +164,9 @@ def schedule(graph: Graph, config: Config, kind: str) -> Schedule:
             _fill_io(graph, group, free | loads, computed_in)
             group.aten_reason = _codegen_limit(graph, group, config)
     steps = fold_column_casts(graph, steps, placed)
+    kernels = [s for s in steps if isinstance(s, KernelGroup)]
+    padded = {g.name for g in kernels if any(stores_padded(graph, graph[n], set(g.nodes)) for n in g.nodes)}
+    order_rows(graph, kernels, config.max_row_length, padded, placed)
     return Schedule(graph, steps, not_fused, paddings, in_place, placed)
 
 

@@ -364,13 +364,17 @@ class RowKernelWriter:
     def walk(self) -> str:
         """How the kernel walks its rows (looped kernels say their passes)."""
         space = f"[M, {self.d}] rows whole" if self.d else "[M] elements"
-        return f"{space}, " + ("a persistent grid" if self.persistent else "one tile per program")
+        order = f", rows in order {self.group.row_order}" if self.group.row_order else ""
+        return f"{space}{order}, " + ("a persistent grid" if self.persistent else "one tile per program")
 
     def header(self, out: _Lines) -> None:
         g = self.group
         out(f"# {g.name}: {len(g.nodes)} ops over [M, D={self.d}] "
             f"({'persistent grid, ' if self.persistent else ''}tiles of BLOCK_M rows x {self.block_d} columns)")
         out(f"# moves {self.bytes_per_row()} bytes per row (reads + writes of [M, D] and [M] tensors)")
+        if g.row_order:
+            out(f"# rows run in order {g.row_order} of the leading dims, as they lie in memory (memfuse.row_order): "
+                f"its [M, D] outputs are written in that layout")
         out(f"# ops: {', '.join(self.graph[n].op.value for n in g.nodes)}")
 
     def body(self, out: _Lines) -> None:
@@ -656,11 +660,12 @@ class RowKernelWriter:
         index = {}
         if kind is not Kind.COL:
             inner = "1"
-            for k in reversed(row_dims):
+            walk = [k for k in self.group.row_order or range(rank) if k in row_dims]   # outermost first
+            for k in reversed(walk):
                 quotient = "rows" if inner == "1" else f"(rows // {_paren(inner)})"
                 index[k] = f"{v}_i{k}"
-                out(f"{index[k]} = {quotient}" + (f" % {self.entry(a.sizes[k])}" if k != row_dims[0] else ""))
-                inner = _times(inner, self.entry(a.sizes[k]))
+                out(f"{index[k]} = {quotient}" + (f" % {self.row_size(a, k, row_dims)}" if k != walk[0] else ""))
+                inner = _times(inner, self.row_size(a, k, row_dims))
             steps = [_times(index[k], strides[k]) for k in row_dims]
             row = _sum([start] + (steps if row_dims else ["0 * rows"]))   # a vector even for one row
         if col is not None:
@@ -683,6 +688,17 @@ class RowKernelWriter:
         if inside is not None:
             fallback = self.operand(node.inputs[1], kind, compute_dtype(node.value.dtype), node.value.dtype)
             out(f"{v} = tl.where({inside}, {v}, {fallback})")
+
+    def row_size(self, a, k: int, row_dims: list) -> str:
+        """The size of row dim k of a view read in place: its entry, or for the outermost (None in
+        the map: the rest of M) M over the others' sizes, which rows in another order need."""
+        if a.sizes[k] is not None:
+            return self.entry(a.sizes[k])
+        others = "1"
+        for j in row_dims:
+            if j != k:
+                others = _times(others, self.entry(a.sizes[j]))
+        return "M" if others == "1" else f"(M // {_paren(others)})"
 
     def summed_loads(self, out: _Lines, node: Node, root_strides: list, mask: str) -> None:
         """A sum over leading dims of the root: one load per index of the summed dims (their
