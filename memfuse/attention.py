@@ -128,6 +128,56 @@ class AttentionCall:
         return f"{self.op} (mask {self.mask.name}: built from sizes, causal or none decided per size)"
 
 
+# the keyword arguments an InputMaskCall takes beside its op's: the input its mask is made from,
+# and the sizes the mask's subgraph reads
+INPUT_MASK_KWARGS = ("mf_mask_input", "mf_mask_sizes")
+
+
+class InputMask:
+    """A mask's subgraph as a function of one boolean input mask and sizes: what it makes of that
+    input where the input is a marked form (`marked_form`), at each set of sizes seen."""
+
+    def __init__(self, evaluate: torch.fx.GraphModule, name: str):
+        self.evaluate = evaluate
+        self.name = name
+        self.forms: dict = {}
+
+    def resolve(self, source: torch.Tensor, sizes: tuple) -> Optional[str]:
+        """"causal", "none", or None (use the mask as computed) for a call whose input is `source`."""
+        marked = marked_form(source)
+        if marked is None:
+            return None
+        key = (marked, tuple(source.shape), sizes)
+        form = self.forms.get(key, False)
+        if form is False:
+            form = self.forms[key] = mask_form(self.evaluate(mask_like(source, marked), *sizes))
+            STATS["attention_masks_checked"] += 1
+        return form
+
+
+class InputMaskCall(AttentionCall):
+    """An attention op whose mask is made from one boolean input mask (`InputMask`): where that
+    input arrives marked causal or masking nothing, and the mask made from it is then causal or
+    masks nothing, the op runs with is_causal and no mask; otherwise with the mask as computed."""
+
+    def __init__(self, op: torch._ops.OpOverload, mask: InputMask):
+        super().__init__(op, mask)
+        self.__name__ = f"input_mask_{op._schema.name.split('::')[-1]}"
+
+    def __call__(self, *args, **kwargs):
+        source, sizes = kwargs.pop(INPUT_MASK_KWARGS[0]), kwargs.pop(INPUT_MASK_KWARGS[1])
+        form = self.mask.resolve(source, tuple(sizes))
+        if form is not None:
+            args = list(args)
+            STATS["attention_masks_dropped"] += 1
+            _put(args, kwargs, self.mask_at, self.mask_name, None)
+            _put(args, kwargs, self.causal_at, self.causal_name, form == "causal")
+        return self.op(*args, **kwargs)
+
+    def __str__(self) -> str:
+        return f"{self.op} (mask {self.mask.name}: made from an input, causal or none where it arrives marked)"
+
+
 def _position(op: torch._ops.OpOverload, name: str) -> int:
     """Where argument `name` sits in `op`'s schema."""
     return [a.name for a in op._schema.arguments].index(name)
@@ -190,7 +240,19 @@ def size_only_masks(gm: torch.fx.GraphModule) -> list:
             masks[mask] = _size_only(gm, mask)
         found = masks[mask]
         if isinstance(found, str):
-            decisions.append(MaskDecision(node.name, mask.name, False, found))
+            source = _from_one_input(gm, mask)
+            if source is None:
+                decisions.append(MaskDecision(node.name, mask.name, False, found))
+                continue
+            input_mask, placeholder, leaves = source
+            node.update_kwarg(INPUT_MASK_KWARGS[0], placeholder)
+            node.update_kwarg(INPUT_MASK_KWARGS[1], list(leaves))
+            node.target = InputMaskCall(node.target, input_mask)
+            decisions.append(MaskDecision(node.name, mask.name, True,
+                                          f"made from input {placeholder.name} alone: where that input arrives marked "
+                                          f"by the graph that built it from sizes (causal or masking nothing), the "
+                                          f"call runs with is_causal and no mask (looked at once per form and size); "
+                                          f"otherwise with the mask"))
             continue
         size_mask, leaves, form = found
         if at < len(node.args):
@@ -203,6 +265,49 @@ def size_only_masks(gm: torch.fx.GraphModule) -> list:
                                       f"and runs with is_causal={form == 'causal'} and no mask at every size where "
                                       f"the mask is {form} (checked once per size)"))
     return decisions
+
+
+def _from_one_input(gm: torch.fx.GraphModule, mask: torch.fx.Node):
+    """(InputMask, the input it reads, the size nodes it reads) where `mask` is computed from one
+    boolean [batch, 1, q, kv] input, sizes and constants (HuggingFace's `where(mask, 0, -inf)` of
+    a mask another graph built: a layer wrapped alone, a graph Dynamo's DDPOptimizer split off), else
+    None."""
+    leaves, inside, stack, source = [], set(), [mask], None
+    while stack:
+        node = stack.pop()
+        if node in inside or node in leaves or node is source:
+            continue
+        val = node.meta.get("val")
+        if node.op == "placeholder":
+            if isinstance(val, (torch.SymInt, int)):
+                leaves.append(node)
+                continue
+            if source is not None or not isinstance(val, torch.Tensor) or val.dtype != torch.bool or val.dim() != 4:
+                return None
+            source = node
+            continue
+        if node.op == "call_function" and node.target in SIZE_READS:
+            leaves.append(node)
+            continue
+        if node.op == "get_attr":
+            inside.add(node)
+            continue
+        if node.op != "call_function" or isinstance(node.target, torch._ops.OpOverload) and \
+                torch.Tag.nondeterministic_seeded in node.target.tags:
+            return None
+        inside.add(node)
+        stack.extend(node.all_input_nodes)
+    if source is None or None in [_hint(leaf) for leaf in leaves]:
+        return None
+    graph, env = torch.fx.Graph(), {source: None}
+    env[source] = graph.placeholder(source.name)
+    for leaf in leaves:
+        env[leaf] = graph.placeholder(leaf.name)
+    for node in gm.graph.nodes:
+        if node in inside:
+            env[node] = graph.node_copy(node, lambda n: env[n])
+    graph.output(env[mask])
+    return InputMask(torch.fx.GraphModule(gm, graph), source.name), source, leaves
 
 
 def _size_only(gm: torch.fx.GraphModule, mask: torch.fx.Node):
