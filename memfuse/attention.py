@@ -227,7 +227,7 @@ def size_only_masks(gm: torch.fx.GraphModule) -> list:
     causal or masks nothing at the traced sizes, becomes an AttentionCall reading those sizes (the
     caller drops the mask's nodes nothing reads any more). Returns a MaskDecision per attention
     call with a mask."""
-    decisions, masks = [], {}
+    decisions, masks, from_inputs = [], {}, {}
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in MASK_ARGUMENTS:
             continue
@@ -240,7 +240,9 @@ def size_only_masks(gm: torch.fx.GraphModule) -> list:
             masks[mask] = _size_only(gm, mask)
         found = masks[mask]
         if isinstance(found, str):
-            source = _from_one_input(gm, mask)
+            if mask not in from_inputs:
+                from_inputs[mask] = _from_one_input(gm, mask)
+            source = from_inputs[mask]
             if source is None:
                 decisions.append(MaskDecision(node.name, mask.name, False, found))
                 continue

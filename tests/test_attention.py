@@ -228,3 +228,62 @@ def test_a_marked_mask_written_in_place_loses_its_mark():
     assert marked_form(mask) == "causal"
     mask[0, 0, 0, 1] = True
     assert marked_form(mask) is None
+
+
+def hf_style_bias(q, k, v, mask):
+    """What HuggingFace's layers make of a boolean mask passed in: a float bias."""
+    bias = torch.where(mask, torch.zeros((), dtype=q.dtype), torch.full((), -math.inf, dtype=q.dtype))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias) * 2
+
+
+def _marked(mask: torch.Tensor, form: str) -> torch.Tensor:
+    OutputMasks([(0, ())], []).mark([mask], (), {})
+    assert marked_form(mask) == form
+    return mask
+
+
+def test_the_backend_runs_a_mask_made_from_a_marked_input_as_is_causal():
+    """A graph that gets its mask as an input (a layer's graph that Dynamo's DDPOptimizer split off
+    from the graph that built the mask) runs is_causal where the input arrives marked causal."""
+    torch._dynamo.reset()
+    compiled = torch.compile(hf_style_bias, backend="memfuse")
+    mask = _marked(torch.ones(2, 1, 8, 8, dtype=torch.bool).tril(), "causal")
+    checked, dropped = _counts()
+    _against_eager(compiled, hf_style_bias, _qkv(8), mask)
+    assert _counts() == (checked + 1, dropped + 2)    # the bias looked at once; forward and backward
+    _against_eager(compiled, hf_style_bias, _qkv(8, seed=1), mask)
+    assert _counts() == (checked + 1, dropped + 4)
+    everything = _marked(torch.ones(2, 1, 8, 8, dtype=torch.bool), "none")
+    checked = _counts()[0]
+    _against_eager(compiled, hf_style_bias, _qkv(8), everything)
+    assert _counts() == (checked + 1, dropped + 6)    # no mask at all
+
+
+def test_a_mask_made_from_an_unmarked_or_rewritten_input_stays_a_mask():
+    torch._dynamo.reset()
+    compiled = torch.compile(hf_style_bias, backend="memfuse")
+    unmarked = torch.ones(2, 1, 8, 8, dtype=torch.bool).tril()
+    checked, dropped = _counts()
+    _against_eager(compiled, hf_style_bias, _qkv(8), unmarked)
+    written = _marked(torch.ones(2, 1, 8, 8, dtype=torch.bool).tril(), "causal")
+    written[0, 0, 0, 1] = True                  # after the mark: the call must read the mask
+    _against_eager(compiled, hf_style_bias, _qkv(8), written)
+    assert _counts() == (checked + 1, dropped)        # (the one look is the mark's)
+
+
+def inverted_bias(q, k, v, mask):
+    """A function of the input that is not its mask: masks where the input keeps."""
+    bias = torch.where(mask, torch.full((), -math.inf, dtype=q.dtype), torch.zeros((), dtype=q.dtype))
+    bias[..., 0] = 0.0                         # every row keeps its first key
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias) * 2
+
+
+def test_a_marked_input_whose_mask_is_not_causal_is_read_as_a_mask():
+    """What a graph makes of a marked input is looked at, not assumed: the inverse of a causal
+    input is no causal mask."""
+    torch._dynamo.reset()
+    compiled = torch.compile(inverted_bias, backend="memfuse")
+    mask = _marked(torch.ones(2, 1, 8, 8, dtype=torch.bool).tril(), "causal")
+    dropped = _counts()[1]
+    _against_eager(compiled, inverted_bias, _qkv(8), mask)
+    assert _counts()[1] == dropped
