@@ -274,6 +274,37 @@ def _from_one_input(gm: torch.fx.GraphModule, mask: torch.fx.Node):
     boolean [batch, 1, q, kv] input, sizes and constants (HuggingFace's `where(mask, 0, -inf)` of
     a mask another graph built: a layer wrapped alone, a graph Dynamo's DDPOptimizer split off), else
     None."""
+    found = _mask_subgraph(mask, takes_an_input=True)
+    if isinstance(found, str):
+        return None
+    leaves, inside, source = found
+    if source is None or None in [_hint(leaf) for leaf in leaves]:
+        return None
+    return InputMask(_evaluator(gm, [source, *leaves], inside, mask), source.name), source, leaves
+
+
+def _size_only(gm: torch.fx.GraphModule, mask: torch.fx.Node):
+    """(SizeOnlyMask, the size nodes it reads, its form at the traced sizes), or why not."""
+    found = _mask_subgraph(mask, takes_an_input=False)
+    if isinstance(found, str):
+        return found
+    leaves, inside, _ = found
+    hints = [_hint(leaf) for leaf in leaves]
+    if None in hints:
+        return "reads a size with no traced value"
+    evaluate = _evaluator(gm, leaves, inside, mask)
+    try:
+        form = mask_form(_outside_trace(lambda: evaluate(*hints)))
+    except Exception as error:          # a device this process cannot run on, say: leave the mask be
+        return f"could not be evaluated at the traced sizes ({type(error).__name__}: {error})"
+    if form is None:
+        return "built from sizes alone, but neither causal nor empty at the traced sizes"
+    return SizeOnlyMask(evaluate, mask.name), leaves, form
+
+
+def _mask_subgraph(mask: torch.fx.Node, takes_an_input: bool):
+    """(the size nodes the subgraph computing `mask` reads, its nodes, the one boolean 4-d input it
+    reads where `takes_an_input`, else None), or why it is not a function of sizes (and that input)."""
     leaves, inside, stack, source = [], set(), [mask], None
     while stack:
         node = stack.pop()
@@ -284,47 +315,11 @@ def _from_one_input(gm: torch.fx.GraphModule, mask: torch.fx.Node):
             if isinstance(val, (torch.SymInt, int)):
                 leaves.append(node)
                 continue
-            if source is not None or not isinstance(val, torch.Tensor) or val.dtype != torch.bool or val.dim() != 4:
-                return None
+            if not takes_an_input or source is not None or not isinstance(val, torch.Tensor) \
+                    or val.dtype != torch.bool or val.dim() != 4:
+                return f"reads the values of input {node.name}"
             source = node
             continue
-        if node.op == "call_function" and node.target in SIZE_READS:
-            leaves.append(node)
-            continue
-        if node.op == "get_attr":
-            inside.add(node)
-            continue
-        if node.op != "call_function" or isinstance(node.target, torch._ops.OpOverload) and \
-                torch.Tag.nondeterministic_seeded in node.target.tags:
-            return None
-        inside.add(node)
-        stack.extend(node.all_input_nodes)
-    if source is None or None in [_hint(leaf) for leaf in leaves]:
-        return None
-    graph, env = torch.fx.Graph(), {source: None}
-    env[source] = graph.placeholder(source.name)
-    for leaf in leaves:
-        env[leaf] = graph.placeholder(leaf.name)
-    for node in gm.graph.nodes:
-        if node in inside:
-            env[node] = graph.node_copy(node, lambda n: env[n])
-    graph.output(env[mask])
-    return InputMask(torch.fx.GraphModule(gm, graph), source.name), source, leaves
-
-
-def _size_only(gm: torch.fx.GraphModule, mask: torch.fx.Node):
-    """(SizeOnlyMask, the size nodes it reads, its form at the traced sizes), or why not."""
-    leaves, inside, stack = [], set(), [mask]
-    while stack:
-        node = stack.pop()
-        if node in inside or node in leaves:
-            continue
-        val = node.meta.get("val")
-        if node.op == "placeholder":
-            if isinstance(val, (torch.SymInt, int)):
-                leaves.append(node)
-                continue
-            return f"reads the values of input {node.name}"
         if node.op == "call_function" and node.target in SIZE_READS:
             leaves.append(node)
             continue
@@ -337,24 +332,19 @@ def _size_only(gm: torch.fx.GraphModule, mask: torch.fx.Node):
             return f"draws random numbers ({node.target})"
         inside.add(node)
         stack.extend(node.all_input_nodes)
-    hints = [_hint(leaf) for leaf in leaves]
-    if None in hints:
-        return "reads a size with no traced value"
+    return leaves, inside, source
+
+
+def _evaluator(gm: torch.fx.GraphModule, placeholders: list, inside: set, mask: torch.fx.Node) -> torch.fx.GraphModule:
+    """The nodes `inside` as a graph of its own, taking `placeholders` and returning `mask`."""
     graph, env = torch.fx.Graph(), {}
-    for leaf in leaves:
-        env[leaf] = graph.placeholder(leaf.name)
+    for node in placeholders:
+        env[node] = graph.placeholder(node.name)
     for node in gm.graph.nodes:
         if node in inside:
             env[node] = graph.node_copy(node, lambda n: env[n])
     graph.output(env[mask])
-    evaluate = torch.fx.GraphModule(gm, graph)
-    try:
-        form = mask_form(_outside_trace(lambda: evaluate(*hints)))
-    except Exception as error:          # a device this process cannot run on, say: leave the mask be
-        return f"could not be evaluated at the traced sizes ({type(error).__name__}: {error})"
-    if form is None:
-        return "built from sizes alone, but neither causal nor empty at the traced sizes"
-    return SizeOnlyMask(evaluate, mask.name), leaves, form
+    return torch.fx.GraphModule(gm, graph)
 
 
 # -- masks that leave one compiled graph for another: marked by the first, rebuilt by the second ----
