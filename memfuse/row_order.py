@@ -13,10 +13,7 @@ query's layout, so the merge of heads after it is a view, not a copy.
 
 `order_rows` picks, per kernel group, the order of its value's leading dims that rows run in:
  - its reads: the memory order of its largest read through an access map (the root taken as
-   contiguous, or laid out as the kernel that wrote it ordered it), a read of every element before
-   a broadcast one, whose repeated dims run innermost (grouped keys and values repeated over the
-   query heads of their group: [B, KV, G, S, D] rows as (B, S, KV, G), [B, H, S, D] in [B, S, H, D]
-   memory);
+   contiguous, or laid out as the kernel that wrote it ordered it);
  - else its outputs: the order in which a permuted read of an output (another kernel's copy into
    the layout a matmul wants) walks memory in order.
 A group qualifies where every value it reads or writes as plain rows, and every view it reads
@@ -102,15 +99,12 @@ def _order_from_reads(graph: Graph, group, planned: dict) -> Optional[tuple]:
             continue
         shape = tuple(node.value.shape[:-1])
         moving = [k for k, size in enumerate(shape) if not same(size, 1)]
-        if strides[-1] != 1:
+        if any(strides[k] == 0 for k in moving) or strides[-1] != 1:
             continue
-        # a broadcast dim (stride 0: grouped keys repeated over the query heads of a group) runs
-        # innermost of the rows, beside the dim it repeats; size-1 dims outermost (any place reads alike)
         order = tuple(sorted(range(len(shape)), key=lambda k: (-strides[k] if k in moving else -float("inf"), k)))
-        whole = all(strides[k] != 0 for k in moving)     # a read of every element: it weighs most
-        rank = (whole, graph[node.inputs[0]].value.dtype.itemsize)
-        if best is None or rank > best[0]:
-            best = (rank, shape, order, f"reads {node.inputs[0]} through {node.attr.describe or 'an access map'} "
+        size = graph[node.inputs[0]].value.dtype.itemsize
+        if best is None or size > best[0]:
+            best = (size, shape, order, f"reads {node.inputs[0]} through {node.attr.describe or 'an access map'} "
                                         f"in memory order")
     if best is None or best[2] == tuple(range(len(best[2]))):
         return None

@@ -135,34 +135,3 @@ def test_the_tiny_llama_orders_its_rotary_backward_by_the_copy_that_reads_it():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
     backward = memfuse.explain(compiled, **batch)
     assert "in memory order" in str(backward) and "reads add" in str(backward)
-
-
-KV, G = 1, 2      # grouped keys and values: one head of each, repeated over two query heads
-
-
-def grouped_attention(x, wq, wk, wv, wo):
-    q = (x @ wq).view(B, S, H, D).transpose(1, 2)
-    k, v = ((x @ w).view(B, S, KV, D).transpose(1, 2) for w in (wk, wv))
-    k, v = (t[:, :, None].expand(B, KV, G, S, D).reshape(B, H, S, D) for t in (k, v))   # HF's repeat_kv
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return (out.transpose(1, 2).reshape(B * S, H * D) @ wo).square().sum()
-
-
-def test_a_repeat_over_query_heads_runs_the_repeated_dim_innermost():
-    """The repeat reads [B, KV, S, D] keys broadcast over G: rows (B, S, KV, G), so its [B, H, S, D]
-    output lies as [B, S, H, D], as the query's does."""
-    g = torch.Generator().manual_seed(0)
-    tensors = [torch.randn(B * S, 16, generator=g, requires_grad=True),
-               torch.randn(16, H * D, generator=g, requires_grad=True),
-               *(torch.randn(16, KV * D, generator=g, requires_grad=True) for _ in range(2)),
-               torch.randn(H * D, 4, generator=g, requires_grad=True)]
-    forward, _ = _schedules(grouped_attention, tensors)
-    repeats = [g for g in forward.kernels if len(g.row_order) == 4]    # rows over [B, KV, G, S]
-    assert len(repeats) == 2, [g.row_order for g in forward.kernels]    # the keys' and the values'
-    for group in repeats:     # G then S run fastest (KV, of size 1 here, may go anywhere)
-        assert [k for k in group.row_order if k != 1][-2:] == [3, 2], group.row_order
-    for group in repeats:
-        out, = group.outputs                               # [B, KV, G, S, D], reshaped to heads after
-        b, kv, g, s, d = group.layouts[out]
-        assert b > s > g > d == 1 and s == KV * G * D      # in memory as [B, S, KV, G, D]: [B, S, H, D]
-    _against_eager(grouped_attention, tensors)
