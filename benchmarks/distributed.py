@@ -589,7 +589,10 @@ def time_rounds(r: Rank, live: list) -> None:
     backend callable, and a frame two such models share (transformers' forward wrapper) fails
     BACKEND_MATCH the first time it is called from the other model (two H200s, 2026-11-27: 1.5-2.5 s
     in the first round of the backend after torch.compile). The case's note says so. A case that
-    compiles in a timed round is an error: that round's time is not the case's own."""
+    compiles in a timed round is an error: that round's time is not the case's own. Each memfuse
+    mode compiles through a backend callable of its own (models._through_backend): with one
+    shared, the backend's model ran the graphs another mode had compiled (Dynamo runs any entry of
+    a frame whose guards pass and whose backend compares equal)."""
     for result, _, _ in live:
         result.it_s_alone, result.it_s_rounds, result.gc_ms_rounds = result.it_s, [], []
     for result, parallel, optimizer in live:

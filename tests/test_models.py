@@ -118,3 +118,23 @@ def test_trains_with_dropout(family, style, eager_runs):
     after = list(model.parameters())
     assert all(torch.isfinite(p).all() for p in after)
     assert any(not torch.equal(b, a) for b, a in zip(before, after)), "the optimizer moved nothing"
+
+
+def test_each_backend_mode_runs_its_own_graphs():
+    """Two modes through the backend, alive in one process as in benchmarks.distributed's rounds:
+    the backend's model, called again after the model whose layers were fused first, runs its own
+    whole graph. With one backend callable shared, Dynamo ran the other model's entries for it
+    (their guards pass: same class), with their graph break at every layer, and compiled its plain
+    layers apart: a Dynamo graph and a memfuse compile at that call."""
+    from torch._dynamo.utils import counters
+    family = "gpt2"
+    spec = bench.FAMILIES[family]
+    batch = bench.make_batch(spec.tiny, CPU.device)
+    whole = _wrap("memfuse_backend", family, _build(family, 0.0))
+    bench.train_step(whole, batch, CPU)
+    layers_first = _wrap("memfuse_per_layer_backend", family, _build(family, 0.0))
+    bench.train_step(layers_first, batch, CPU)
+    graphs, compiles = counters["stats"]["unique_graphs"], memfuse.stats()["compiles"]
+    bench.train_step(whole, batch, CPU)
+    bench.train_step(layers_first, batch, CPU)
+    assert (counters["stats"]["unique_graphs"] - graphs, memfuse.stats()["compiles"] - compiles) == (0, 0)
