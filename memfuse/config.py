@@ -22,6 +22,23 @@ def _env_budget() -> float:
                          f"(0, 1] of the default plan's saved bytes, e.g. 0.5") from None
 
 
+# Bytes of one loss-head chunk's logits unless set (memfuse.loss_head): Llama's head of `make
+# bench-models` in 4 chunks of 4096 rows, GPT-2's in 7 of 2560.
+DEFAULT_LOSS_HEAD_CHUNK_BYTES = 256 * 2**20
+
+
+def _env_chunk_bytes() -> int:
+    """MEMFUSE_LOSS_HEAD_CHUNK_BYTES, read as Config.loss_head_chunk_bytes (256 MiB when unset)."""
+    text = os.environ.get("MEMFUSE_LOSS_HEAD_CHUNK_BYTES", "").strip()
+    if not text:
+        return DEFAULT_LOSS_HEAD_CHUNK_BYTES
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"memfuse: MEMFUSE_LOSS_HEAD_CHUNK_BYTES={text!r} is not a whole number of bytes; "
+                         f"expected e.g. 33554432 (32 MiB)") from None
+
+
 def default_cache_dir() -> Path:
     return Path(os.environ.get("MEMFUSE_CACHE_DIR", Path.home() / ".cache" / "memfuse"))
 
@@ -78,8 +95,8 @@ class Config:
     chunk_loss_head: bool = field(default_factory=lambda: os.environ.get("MEMFUSE_CHUNK_LOSS_HEAD", "1").strip()
                                   .lower() not in ("0", "false", "no", "off"))
     # Bytes of a chunk's logits (their gradient is written over them) at memory_budget 1.0; the budget
-    # scales it.
-    loss_head_chunk_bytes: int = 256 * 2**20
+    # scales it. MEMFUSE_LOSS_HEAD_CHUNK_BYTES sets it; options={"loss_head_chunk_bytes": n} too.
+    loss_head_chunk_bytes: int = field(default_factory=_env_chunk_bytes)
     # A [batch, 1, q, q] boolean mask a backend graph returns is marked causal for the FusedModules
     # that receive it (memfuse.attention), looked at once per set of sizes where the graph built it
     # from sizes alone. HuggingFace's mask also reads position ids made in eager code; with this on it
@@ -89,6 +106,10 @@ class Config:
     check_returned_masks: bool = False
 
     def __post_init__(self):
+        chunk = self.loss_head_chunk_bytes
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
+            raise ValueError(f"memfuse: loss_head_chunk_bytes must be a positive whole number of bytes (a "
+                             f"loss head chunk's logits), got {chunk!r}")
         budget = self.memory_budget
         if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget <= 1:
             raise ValueError(f"memfuse: memory_budget must be a number in (0, 1] (a fraction of the default "

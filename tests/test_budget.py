@@ -233,6 +233,18 @@ def test_budget_from_the_environment(monkeypatch):
         memfuse.Config()
 
 
+def test_loss_head_chunk_bytes_from_the_environment(monkeypatch):
+    assert memfuse.Config().loss_head_chunk_bytes == 256 * 2**20
+    monkeypatch.setenv("MEMFUSE_LOSS_HEAD_CHUNK_BYTES", str(32 * 2**20))
+    assert memfuse.Config().loss_head_chunk_bytes == 32 * 2**20
+    monkeypatch.setenv("MEMFUSE_LOSS_HEAD_CHUNK_BYTES", "32MiB")
+    with pytest.raises(ValueError, match="MEMFUSE_LOSS_HEAD_CHUNK_BYTES='32MiB' is not a whole number"):
+        memfuse.Config()
+    monkeypatch.setenv("MEMFUSE_LOSS_HEAD_CHUNK_BYTES", "0")
+    with pytest.raises(ValueError, match="loss_head_chunk_bytes must be a positive whole number"):
+        memfuse.Config()
+
+
 def randint_mlp(x, w):
     return (F.gelu((x * torch.randint(0, 2, x.shape, dtype=x.dtype)) @ w),)
 
