@@ -77,6 +77,22 @@ def test_op_matches_cross_entropy_of_the_linear(reduction, with_gradients, smoot
 
 
 @GRADIENTS
+@pytest.mark.parametrize("bias", [False, True])
+def test_no_tokens_give_eager_losses_and_zero_gradients(with_gradients, bias):
+    """A batch of no tokens: no chunk runs; the sum is 0 and the gradients are zeros, as eager's."""
+    x, weight, b, target = head_inputs(0, 16, 37, bias, ignored_every=0)
+    x32, w32, b32 = as_fp32(x, weight, b)
+    loss, _, _ = op_loss(x32, w32, b32, target, "sum", 0.0, chunk=2048, with_gradients=with_gradients)
+    reference = F.cross_entropy(F.linear(x, weight, b), target, ignore_index=IGNORE, reduction="sum")
+    assert loss.item() == reference.item() == 0.0
+    loss.backward()
+    reference.backward()
+    for ours, theirs in zip((x32, w32, b32), (x, weight, b)):
+        if theirs is not None:
+            assert ours.grad.shape == theirs.grad.shape and not ours.grad.any() and not theirs.grad.any()
+
+
+@GRADIENTS
 def test_returned_logits_and_their_gradient(with_gradients):
     """With return_logits the op also returns the [tokens, vocab] logits (rows aligned to 8, a
     view of the padded buffer) and adds the gradient they receive to each chunk's (recomputing)
