@@ -23,8 +23,8 @@ import argparse
 import contextlib
 import copy
 import dataclasses
-import functools
 import datetime
+import functools
 import gc
 import json
 import operator

@@ -316,7 +316,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: Optio
 
 def _row_chunks(rows: int, *tensors: Optional[torch.Tensor]) -> list:
     """Chunk by chunk, each tensor's view of the chunk's rows (None for a None tensor); no chunk of
-    no tokens. Small chunks leave the step to the host: Llama's head in 512-row chunks took 9.6-10.2
+    no tokens. Small chunks leave the step to the host: Llama's head in 512-row chunks took 9.5-10.2
     ms to enqueue 8.1 ms of GPU work (one H200, 2026-11-27), about 0.25 ms a chunk, against 2.1-2.8
     ms for 4 chunks of 4096 rows; views made this way instead of a slice a chunk and tensor did not
     change that measurably."""
