@@ -717,6 +717,38 @@ def test_chunked_loss_head_bf16_on_the_gpu(return_logits, with_gradients, master
         assert relative_error(mine.double(), truth) <= 3 * relative_error(theirs.double(), truth) + 1e-6
 
 
+@pytest.mark.parametrize("with_gradients", [False, True])
+def test_chunked_loss_head_fp32_hidden_under_a_bf16_matmul_on_the_gpu(with_gradients, device="cuda"):
+    """fp32 hidden states and weight, the matmuls in bf16 (autocast's head, as in Llama): the hidden
+    states' fp32 gradient rows written by the matmul's epilogue (loss_head._accumulate), the
+    weight's added up in fp32; 3000 tokens in three chunks, the last one short. Loss and gradients
+    no further from fp64 than eager's bf16 head (3x margin)."""
+    import torch.nn.functional as F
+    generator = torch.Generator(device=device).manual_seed(0)
+    tokens, hidden, vocab = 3000, 256, 4001
+    x = torch.randn(tokens, hidden, device=device, dtype=torch.float64, generator=generator)
+    weight = torch.randn(vocab, hidden, device=device, dtype=torch.float64, generator=generator) / 16
+    target = torch.randint(0, vocab, (tokens,), device=device, generator=generator)
+    target[::7] = -100
+    assert -(-tokens // memfuse.loss_head.chunk_rows(tokens, vocab, torch.bfloat16, 8 * 2**20)) == 3
+
+    def run(x, weight, matmul_dtype, chunked):
+        x, weight = x.detach().requires_grad_(), weight.detach().requires_grad_()
+        if chunked:
+            loss, *_ = torch.ops.memfuse.linear_cross_entropy(
+                x, weight, None, target, -100, "mean", 0.0, matmul_dtype, False, with_gradients, 8 * 2**20)
+        else:
+            loss = F.cross_entropy(F.linear(x.to(matmul_dtype), weight.to(matmul_dtype)).float(), target)
+        return (loss.double(), *torch.autograd.grad(loss, (x, weight)))
+
+    exact = run(x, weight, torch.float64, chunked=False)
+    eager = run(x.float(), weight.float(), torch.bfloat16, chunked=False)
+    ours = run(x.float(), weight.float(), torch.bfloat16, chunked=True)
+    assert ours[1].dtype == ours[2].dtype == torch.float32
+    for mine, theirs, truth in zip(ours, eager, exact):
+        assert relative_error(mine.double(), truth) <= 3 * relative_error(theirs.double(), truth) + 1e-6
+
+
 def _drops_its_mask_as_eager(fused, attention, tensors: tuple) -> None:
     """The fused call runs its attention forward and backward without the mask (the counter), and
     its output and gradients stay within bf16 noise of eager's."""
