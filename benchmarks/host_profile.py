@@ -20,7 +20,9 @@ family's benchmark size at leading dims [2, 4] under bf16 autocast; with --stub-
 size in fp32. The eager layer is timed beside them; its matmuls and attention, like memfuse's
 externs, run for real (the floor runs none). So is the layer under torch.compile's memfuse backend
 (one Dynamo graph, as FSDP2's hooks cut a model into a graph per layer): its time less the
-wrapper's is what Dynamo's frame and AOTAutograd's runtime add around a graph's programs.
+wrapper's is what Dynamo's frame and AOTAutograd's runtime add around a graph's programs. On a
+GPU the layer under torch.compile (Inductor, one graph) is timed too: the host time memfuse's
+backend would have to match per graph piece where FSDP2 steps are host-paced (issue 19).
 
     python -m benchmarks.host_profile [--workload layer_norm_block] [--steps 2000] [--tiny] [--stub-launches]
     python -m benchmarks.host_profile --layer llama [--steps 2000] [--stub-launches]
@@ -150,12 +152,12 @@ def _first_tensor(output) -> torch.Tensor:
     return output if isinstance(output, torch.Tensor) else output[0]
 
 
-def _layer_steps(call: LayerCall, fused, compiled, device: torch.device) -> dict:
+def _layer_steps(call: LayerCall, fused, compiled, inductor, device: torch.device) -> dict:
     """Mode -> a fwd+bwd step of the layer: the floor over the same tensors, the layer in eager,
     memfuse's wrapper, the layer under torch.compile's memfuse backend (Dynamo's frame and
     AOTAutograd's runtime around the same kind of programs: the cost of a graph piece, as FSDP2's
-    hooks cut a model into one per layer). Each step sets the gradients it made back to None, as
-    run_step does."""
+    hooks cut a model into one per layer), and under Inductor where `inductor` is given. Each step
+    sets the gradients it made back to None, as run_step does."""
     from benchmarks.modes import FACTORIES
     tensors = call.tensors()
     floor = FACTORIES["floor"](None, {})
@@ -169,10 +171,13 @@ def _layer_steps(call: LayerCall, fused, compiled, device: torch.device) -> dict
             for t in tensors:
                 t.grad = None
         return step
-    return {"floor": step_of(lambda: floor(*tensors)),
-            "eager": step_of(lambda: call.layer(*call.args, **call.kwargs)),
-            "memfuse": step_of(lambda: fused(*call.args, **call.kwargs)),
-            "memfuse_backend": step_of(lambda: compiled(*call.args, **call.kwargs))}
+    steps = {"floor": step_of(lambda: floor(*tensors)),
+             "eager": step_of(lambda: call.layer(*call.args, **call.kwargs)),
+             "memfuse": step_of(lambda: fused(*call.args, **call.kwargs)),
+             "memfuse_backend": step_of(lambda: compiled(*call.args, **call.kwargs))}
+    if inductor is not None:
+        steps["torch_compile"] = step_of(lambda: inductor(*call.args, **call.kwargs))
+    return steps
 
 
 def _interleaved_calls(steps: dict, count: int, repeats: int, device: torch.device) -> dict:
@@ -202,7 +207,9 @@ def profile_layer(family_name: str, steps: int, stubbed: bool) -> None:
     call = record_layer_call(family_name, device, stubbed)
     fused = memfuse.memory_efficient_fusion(call.layer)
     compiled = torch.compile(call.layer, backend="memfuse", fullgraph=True)
-    modes = _layer_steps(call, fused, compiled, device)
+    # Inductor's CPU kernels would run for real on the proxy: its host time is comparable on a GPU only
+    inductor = None if stubbed else torch.compile(call.layer, fullgraph=True)
+    modes = _layer_steps(call, fused, compiled, inductor, device)
     modes["memfuse"]()                                   # compiles (and, stubbed, runs the kernels once)
     with watch() as graphs:
         modes["memfuse_backend"]()
@@ -215,7 +222,15 @@ def profile_layer(family_name: str, steps: int, stubbed: bool) -> None:
     _report(f"{family_name} layer", best, stubbed)
     print(f"{family_name} layer: memfuse_backend - memfuse = {best['memfuse_backend'] - best['memfuse']:.1f} us "
           f"(Dynamo's frame and AOTAutograd's runtime around one graph)")
+    if inductor is not None:
+        print(f"{family_name} layer: memfuse_backend - torch_compile = "
+              f"{best['memfuse_backend'] - best['torch_compile']:.1f} us (memfuse's programs against Inductor's)")
     _profile(modes["memfuse"], steps // 4)
+    if inductor is not None:
+        print("== memfuse_backend")
+        _profile(modes["memfuse_backend"], steps // 4)
+        print("== torch_compile")
+        _profile(modes["torch_compile"], steps // 4)
 
 
 def _stub_model_launches(model, graphs: list) -> int:
