@@ -135,7 +135,8 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
                              "comma-separated, or 'all' (CUDA): one step per rank under torch.profiler, its GPU "
                              "time split into compute, communication and idle")
     parser.add_argument("--trace-dir", type=Path, default=None,
-                        help="rank 0 writes each profiled case's Chrome trace here")
+                        help="rank 0 writes each profiled case's Chrome traces here: the profiled step's "
+                             "(GPU activity) and one more with the host's (benchmarks.host_trace reads it)")
     args = parser.parse_args(argv)
     args.wrappers = _choose(args.wrappers, WRAPPERS, "--wrappers")
     if args.out is None:
@@ -674,6 +675,24 @@ def _profile_step(r: Rank, parallel, optimizer, result: CaseResult) -> None:
         trace.export_chrome_trace(str(r.args.trace_dir / f"trace-{r.work.name}-{result.wrapper}-{result.mode}.json"))
     result.host = gather(host_costs(r, lambda: train_step(r, parallel, optimizer, batch),
                                     f"host-{r.work.name}-{result.wrapper}-{result.mode}.txt"))
+    if r.args.trace_dir is not None:
+        _host_trace(r, lambda: train_step(r, parallel, optimizer, batch),
+                    r.args.trace_dir / f"host-trace-{r.work.name}-{result.wrapper}-{result.mode}.json")
+
+
+def _host_trace(r: Rank, step, path: Path) -> None:
+    """One more step on every rank under torch.profiler with the CPU's activity too (its own cost
+    stretches the host, so apart from the GPU-only step above): rank 0's Chrome trace, which
+    `python -m benchmarks.host_trace` splits by the host's regions (FSDP2's hooks, Dynamo's frames,
+    the compiled programs, the optimizer)."""
+    from torch.profiler import ProfilerActivity, profile
+    r.synchronize()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as trace:
+        step()
+        r.synchronize()
+    if r.rank == 0:
+        trace.export_chrome_trace(str(path))
 
 
 def host_costs(r: Rank, step, name: str, top: int = 15) -> dict:
