@@ -677,12 +677,13 @@ def _profile_step(r: Rank, parallel, optimizer, result: CaseResult) -> None:
                                     f"host-{r.work.name}-{result.wrapper}-{result.mode}.txt"))
     if r.args.trace_dir is not None:
         _host_trace(r, lambda: train_step(r, parallel, optimizer, batch),
-                    r.args.trace_dir / f"host-trace-{r.work.name}-{result.wrapper}-{result.mode}.json")
+                    r.args.trace_dir / f"host-trace-{r.work.name}-{result.wrapper}-{result.mode}-rank{r.rank}.json")
 
 
 def _host_trace(r: Rank, step, path: Path) -> None:
     """One more step on every rank under torch.profiler with the CPU's activity too (its own cost
-    stretches the host, so apart from the GPU-only step above): rank 0's Chrome trace, which
+    stretches the host, so apart from the GPU-only step above): each rank's Chrome trace (a step
+    is paced by its slowest rank's host), which
     `python -m benchmarks.host_trace` splits by the host's regions (FSDP2's hooks, Dynamo's frames,
     the compiled programs, the optimizer)."""
     from torch.profiler import ProfilerActivity, profile
@@ -691,8 +692,8 @@ def _host_trace(r: Rank, step, path: Path) -> None:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as trace:
         step()
         r.synchronize()
-    if r.rank == 0:
-        trace.export_chrome_trace(str(path))
+    r.args.trace_dir.mkdir(parents=True, exist_ok=True)
+    trace.export_chrome_trace(str(path))
 
 
 def host_costs(r: Rank, step, name: str, top: int = 15) -> dict:

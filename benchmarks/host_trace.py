@@ -41,8 +41,50 @@ def merged_total(intervals: list) -> float:
     return total
 
 
-def thread_summaries(path: Path) -> dict:
-    """(pid, tid) of each CPU thread -> {"span", "busy", region: ms}, in ms."""
+def top_level(thread: list) -> list:
+    """The events of one thread that no other event of it contains (sorted by start)."""
+    outer, end_so_far = [], float("-inf")
+    for e in sorted(thread, key=lambda e: (e["ts"], -e["dur"])):
+        if e["ts"] >= end_so_far:
+            outer.append(e)
+            end_so_far = e["ts"] + e["dur"]
+        elif e["ts"] + e["dur"] > end_so_far:      # overlapping, not nested: counted as its own
+            outer.append(e)
+            end_so_far = e["ts"] + e["dur"]
+    return outer
+
+
+def self_times(thread: list) -> list:
+    """(name, count, ms) of one thread's events by the time of their own (less the events they
+    contain), the most first."""
+    own: dict = {}
+    stack: list = []          # [end, name, children's us] of the open events
+    def close(entry):
+        end, name, start, children = entry
+        count, us = own.get(name, (0, 0.0))
+        own[name] = (count + 1, us + (end - start) - children)
+        if stack:
+            stack[-1][3] += end - start
+    for e in sorted(thread, key=lambda e: (e["ts"], -e["dur"])):
+        while stack and stack[-1][0] <= e["ts"]:
+            close(stack.pop())
+        stack.append([e["ts"] + e["dur"], e["name"], e["ts"], 0.0])
+    while stack:
+        close(stack.pop())
+    return sorted(((name, count, us / 1e3) for name, (count, us) in own.items()), key=lambda row: -row[2])
+
+
+def by_name(events: list) -> list:
+    """(name, count, ms) of events grouped by name, the most time first."""
+    groups: dict = {}
+    for e in events:
+        count, us = groups.get(e["name"], (0, 0.0))
+        groups[e["name"]] = (count + 1, us + e["dur"])
+    return sorted(((name, count, us / 1e3) for name, (count, us) in groups.items()), key=lambda row: -row[2])
+
+
+def cpu_threads(path: Path) -> dict:
+    """(pid, tid) -> the CPU events of that thread (complete events with a duration)."""
     events = json.loads(path.read_text())["traceEvents"]
     threads: dict = {}
     for e in events:
@@ -51,6 +93,12 @@ def thread_summaries(path: Path) -> dict:
         if "dur" not in e or not isinstance(e.get("tid"), int):    # the profiler's own named rows
             continue
         threads.setdefault((e["pid"], e["tid"]), []).append(e)
+    return threads
+
+
+def thread_summaries(path: Path) -> dict:
+    """(pid, tid) of each CPU thread -> {"span", "busy", region: ms}, in ms."""
+    threads = cpu_threads(path)
     summaries = {}
     for key, thread in threads.items():
         intervals = [(e["ts"], e["ts"] + e["dur"]) for e in thread]
@@ -67,15 +115,27 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("traces", nargs="+", type=Path)
     parser.add_argument("--min-busy-ms", type=float, default=1.0, help="leave out threads busier than nothing")
+    parser.add_argument("--top", type=int, default=0,
+                        help="per thread, also the N names with the most time among its outermost events, and "
+                             "FSDP2's ranges by name")
     args = parser.parse_args(argv)
     for path in args.traces:
         print(f"== {path.name}")
+        threads = cpu_threads(path) if args.top else {}
         for (pid, tid), summary in thread_summaries(path).items():
             if summary["busy"] < args.min_busy_ms:
                 continue
             regions = ", ".join(f"{name} {ms:.2f}" for name, ms in summary.items()
                                 if name not in ("span", "busy") and ms >= 0.01)
             print(f"  thread {tid}: span {summary['span']:.2f} ms, busy {summary['busy']:.2f} ms; {regions}")
+            if args.top:
+                for name, count, ms in by_name(top_level(threads[(pid, tid)]))[:args.top]:
+                    print(f"      {ms:7.2f} ms {count:5d}x  {name[:100]}")
+                for name, count, ms in self_times(threads[(pid, tid)])[:args.top]:
+                    print(f"      {ms:7.2f} ms {count:5d}x  (own time) {name[:90]}")
+                fsdp = [e for e in threads[(pid, tid)] if re.search(REGIONS["FSDP2 hooks"], e["name"])]
+                for name, count, ms in by_name(fsdp):
+                    print(f"      {ms:7.2f} ms {count:5d}x  (FSDP2) {name[:90]}")
 
 
 if __name__ == "__main__":
