@@ -223,34 +223,38 @@ def _check_sizes(hidden, weight, bias, target) -> None:
 @dataclasses.dataclass
 class _Gradients:
     """The head's gradients as the chunks add to them: hidden [tokens, H] in hidden's dtype, the
-    weight's [padded vocab, H] in the weight's dtype, the bias's [padded vocab] in fp32."""
+    weight's [vocab, H] in the weight's dtype, the bias's [vocab] in fp32. The weight's is written
+    at its own rows even where the chunks' logits are padded to aligned columns: its matmul reads
+    the gradient's first `vocab` columns (an aligned row stride still), so no [padded vocab, H]
+    gradient is copied to [vocab, H] at the end (GPT-2: 154 MB more at the peak and a copy)."""
     hidden: torch.Tensor
     weight: torch.Tensor
     bias: torch.Tensor
 
     @staticmethod
-    def empty(hidden, aligned, weight, bias) -> "_Gradients":
+    def empty(hidden, weight, bias) -> "_Gradients":
         """The weight's gradient is written by the first chunk's matmul (no [vocab, H] memset, nor
         its read); zeros where no chunk will write it (no tokens)."""
         weight_gradient = (torch.empty if hidden.shape[0] else torch.zeros)(
-            aligned.shape, dtype=weight.dtype, device=weight.device)
+            weight.shape, dtype=weight.dtype, device=weight.device)
         return _Gradients(hidden.new_empty(hidden.shape), weight_gradient,
-                          torch.zeros(aligned.shape[:1] if bias is not None else (0,), dtype=torch.float32,
+                          torch.zeros(weight.shape[:1] if bias is not None else (0,), dtype=torch.float32,
                                       device=weight.device))
 
     def add_chunk(self, hidden_rows, first: bool, gradient, chunk_hidden, aligned, has_bias: bool) -> None:
-        """The two matmuls that take a chunk's logits gradient into its rows of hidden's gradient
-        (`hidden_rows`, written in place: fp32 rows under autocast straight from the matmul where
-        the build can) and the weight's (the first chunk's product overwrites it, the others add)."""
+        """The two matmuls that take a chunk's logits gradient (padded columns 0) into its rows of
+        hidden's gradient (`hidden_rows`, written in place: fp32 rows under autocast straight from
+        the matmul where the build can) and the weight's (the first chunk's product overwrites it,
+        the others add)."""
         _accumulate(hidden_rows, gradient, aligned, overwrite=True)
-        _accumulate(self.weight, gradient.t(), chunk_hidden, overwrite=first)
+        vocab_columns = gradient[:, :self.weight.shape[0]]
+        _accumulate(self.weight, vocab_columns.t(), chunk_hidden, overwrite=first)
         if has_bias:
-            self.bias += gradient.sum(0, dtype=torch.float32)
+            self.bias += vocab_columns.sum(0, dtype=torch.float32)
 
-    def finished(self, vocab: int, bias) -> tuple:
-        """(hidden, weight, bias) gradients without the padding; the bias's empty without a bias."""
-        weight = self.weight[:vocab].contiguous() if self.weight.shape[0] != vocab else self.weight
-        return self.hidden, weight, self.bias[:vocab].to(bias.dtype) if bias is not None else self.bias
+    def finished(self, bias) -> tuple:
+        """(hidden, weight, bias) gradients; the bias's empty without a bias."""
+        return self.hidden, self.weight, self.bias.to(bias.dtype) if bias is not None else self.bias
 
 
 def _launch_gradient(chunk, gradient, log_sum_exp, target, scales, incoming, vocab: int, smoothing: float) -> None:
@@ -289,7 +293,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: Optio
         # as aten's nll_loss: a target outside the vocabulary that is not ignored is an error
         torch._assert_async(((target >= 0) & (target < vocab) | ~valid).all(),
                             "memfuse.linear_cross_entropy: a target is outside [0, vocab)")
-        gradients = _Gradients.empty(hidden, aligned, weight, bias) if with_gradients else None
+        gradients = _Gradients.empty(hidden, weight, bias) if with_gradients else None
         scales = _row_scales(torch.ones((), device=hidden.device), target, ignore_index, reduction)
         chunks = _row_chunks(chunk_rows(tokens, vocab, dtype, chunk_bytes), hidden, target, log_sum_exp,
                              target_logit, logit_sum, scales, logits if return_logits else None,
@@ -310,7 +314,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: Optio
             del chunk       # before the next chunk's matmul allocates: one chunk alive at a time, not two
         losses = _row_losses(log_sum_exp, target_logit, logit_sum, valid, vocab, label_smoothing)
         loss = _reduced(losses, valid, reduction)
-        precomputed = gradients.finished(vocab, bias) if gradients is not None else _no_gradients(hidden)
+        precomputed = gradients.finished(bias) if gradients is not None else _no_gradients(hidden)
     return loss, log_sum_exp, logits[:, :vocab] if return_logits else logits, *precomputed
 
 
@@ -424,7 +428,7 @@ def _recomputed_backward(loss_gradient, logits_gradient, hidden, weight, bias, t
     target = target.contiguous()
     aligned, aligned_bias = _aligned_weight(weight, bias, dtype)
     scales = _row_scales(loss_gradient, target, ignore_index, reduction)
-    gradients = _Gradients.empty(hidden, aligned, weight, bias)
+    gradients = _Gradients.empty(hidden, weight, bias)
     incoming = None if logits_gradient is None else _unit_stride(logits_gradient)
     chunks = _row_chunks(chunk_rows(tokens, vocab, dtype, chunk_bytes), hidden, log_sum_exp, target, scales,
                          incoming, gradients.hidden)
@@ -434,7 +438,7 @@ def _recomputed_backward(loss_gradient, logits_gradient, hidden, weight, bias, t
         _launch_gradient(chunk, chunk, sums, targets, row_scales, incoming_rows, vocab, label_smoothing)
         gradients.add_chunk(hidden_rows, index == 0, chunk, chunk_hidden, aligned, bias is not None)
         del chunk       # before the next chunk's matmul allocates: one chunk alive at a time, not two
-    return gradients.finished(vocab, bias)
+    return gradients.finished(bias)
 
 
 def _unit_stride(t: torch.Tensor) -> torch.Tensor:
