@@ -36,6 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import DirectKernel
+
 # A matmul dimension that is a multiple of this many elements runs cuBLAS's aligned kernels.
 ALIGN = 8
 # Chunks of at least this many token rows hold a multiple of it: the widest tile cuBLAS's kernels
@@ -153,6 +155,16 @@ def _row_statistics_and_gradient(logits_ptr, logits_row_stride, target_ptr, log_
                      tl.load(row_scale_ptr + row), vocab, padded_vocab, smoothing, False, BLOCK)
 
 
+# Launched once a chunk: straight through their compiled launchers (memfuse.launch; Triton's own
+# launch path cost 47 us a launch on an H200 host, a chunk's matmul call 25 us).
+_ROW_OPTIONS = {"num_warps": NUM_WARPS}
+ROW_STATISTICS = DirectKernel(_row_statistics, _ROW_OPTIONS, BLOCK=BLOCK_COLUMNS)
+ROW_STATISTICS_AND_GRADIENT = DirectKernel(_row_statistics_and_gradient, _ROW_OPTIONS, BLOCK=BLOCK_COLUMNS)
+LOGITS_GRADIENT = {incoming: DirectKernel(_logits_gradient, _ROW_OPTIONS, HAS_INCOMING=incoming, BLOCK=BLOCK_COLUMNS)
+                   for incoming in (False, True)}
+DIRECT_KERNELS = (ROW_STATISTICS, ROW_STATISTICS_AND_GRADIENT, *LOGITS_GRADIENT.values())
+
+
 # -- the op --------------------------------------------------------------------------------------
 def _no_autocast(device: torch.device):
     """The op casts its operands itself: an autocast around the compiled call must not recast."""
@@ -259,10 +271,10 @@ class _Gradients:
 
 def _launch_gradient(chunk, gradient, log_sum_exp, target, scales, incoming, vocab: int, smoothing: float) -> None:
     """Without incoming gradient the kernel is handed the chunk in its place, never read."""
-    _logits_gradient[(chunk.shape[0],)](
-        chunk, chunk.stride(0), log_sum_exp, target, scales, chunk if incoming is None else incoming,
+    LOGITS_GRADIENT[incoming is not None](
+        chunk.shape[0], chunk, chunk.stride(0), log_sum_exp, target, scales, chunk if incoming is None else incoming,
         0 if incoming is None else incoming.stride(0), gradient, gradient.stride(0), vocab, gradient.shape[1],
-        smoothing, HAS_INCOMING=incoming is not None, BLOCK=BLOCK_COLUMNS, num_warps=NUM_WARPS)
+        smoothing)
 
 
 @torch.library.custom_op("memfuse::linear_cross_entropy", mutates_args=())
@@ -302,13 +314,11 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: Optio
             chunk_hidden = rows_of_hidden.to(dtype)     # a chunk's rows cast, not the whole [tokens, H]
             chunk = _chunk_logits(chunk_hidden, aligned, aligned_bias, out=out)
             if gradients is None:
-                _row_statistics[(chunk.shape[0],)](chunk, chunk.stride(0), *statistics, vocab, BLOCK=BLOCK_COLUMNS,
-                                                   num_warps=NUM_WARPS)
+                ROW_STATISTICS(chunk.shape[0], chunk, chunk.stride(0), *statistics, vocab)
             else:
                 gradient = torch.empty_like(chunk) if return_logits else chunk   # in place unless returned
-                _row_statistics_and_gradient[(chunk.shape[0],)](
-                    chunk, chunk.stride(0), *statistics, row_scales, gradient, gradient.stride(0), vocab,
-                    gradient.shape[1], label_smoothing, BLOCK=BLOCK_COLUMNS, num_warps=NUM_WARPS)
+                ROW_STATISTICS_AND_GRADIENT(chunk.shape[0], chunk, chunk.stride(0), *statistics, row_scales, gradient,
+                                            gradient.stride(0), vocab, gradient.shape[1], label_smoothing)
                 gradients.add_chunk(hidden_rows, index == 0, gradient, chunk_hidden, aligned, bias is not None)
                 del gradient
             del chunk       # before the next chunk's matmul allocates: one chunk alive at a time, not two

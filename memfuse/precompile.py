@@ -44,7 +44,8 @@ import torch
 from .config import Config
 from .debug import STATS, timed
 from .ir import Op
-from .runtime import TRITON_VERSION, KernelLaunch
+from .launch import TRITON_VERSION
+from .runtime import KernelLaunch
 from .tuning import LaunchConfig
 
 log = logging.getLogger("memfuse.kernels")

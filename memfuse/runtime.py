@@ -17,9 +17,7 @@ from typing import Callable, Optional
 
 import sympy
 import torch
-import triton
 from sympy.printing.lambdarepr import LambdaPrinter
-from triton import knobs
 from triton.runtime.errors import OutOfResources
 
 from .buffers import Origin, plan_buffers, verify_buffer_plan
@@ -28,6 +26,7 @@ from .config import Config
 from .debug import STATS, timed
 from .externs import SUBSTITUTES
 from .ir import Graph, Kind, Op, ValueRef
+from .launch import INT32_MAX, launch_hooks_installed, launcher_call, raw_stream
 from .layouts import VIEW_TARGETS, Layout, contiguous, view_layout
 from .loss_head import attach_returned_logits
 from .ops import OPS, REDUCERS, accumulate_dtype, compute_dtype
@@ -99,7 +98,7 @@ class KernelLaunch:
         host floor). Inside `launch_log()` every call takes the general path, which records it."""
         direct = self.direct.get(device) if pointers is not None else None
         if direct is None or direct.config is not self.configs.get(device) or self.record or _LAUNCH_LOG is not None \
-                or _launch_hooks_installed():
+                or launch_hooks_installed():
             if self.record:
                 self.recorded = (device, rows, pointers, values)
             return self._launch(device, rows, pointers is not None, values)
@@ -117,7 +116,7 @@ class KernelLaunch:
         column_sums = ()
         if self.reductions:
             column_sums = direct.column_sums.get(programs) or direct.column_sum_pointers(programs)
-        direct.call(programs, 1, 1, _raw_stream(direct.stream_index), *direct.leading, *pointers, *column_sums, *grid,
+        direct.call(programs, 1, 1, raw_stream(direct.stream_index), *direct.leading, *pointers, *column_sums, *grid,
                     *direct.constexprs)
         STATS["kernels_launched"] += 1
 
@@ -294,14 +293,14 @@ class Launcher:
             keywords = self.keywords(config)
             named = self.constexprs[config] = (keywords, tuple(keywords.values()))
         keywords, positional = named
-        if device.type != "cuda" or not direct or _launch_hooks_installed():
+        if device.type != "cuda" or not direct or launch_hooks_installed():
             self.fn[(programs,)](*args, **keywords, num_warps=config.num_warps)
             return
         compiled = self.compiled.get((device.index, config))
         if compiled is None:
             self.compiled[(device.index, config)] = self.fn[(programs,)](*args, **keywords, num_warps=config.num_warps)
             return
-        compiled.run(programs, 1, 1, _raw_stream(device.index), compiled.function, compiled.packed_metadata,
+        compiled.run(programs, 1, 1, raw_stream(device.index), compiled.function, compiled.packed_metadata,
                      None, None, None, *args, *positional)
 
 
@@ -332,21 +331,6 @@ class DirectLaunch:
         buffers = (*launch.partials(programs, self.device), launch.counter(self.device))
         pointers = self.column_sums[programs] = tuple(b.data_ptr() for b in buffers)
         return pointers
-
-
-def launcher_call(compiled) -> tuple:
-    """(function, the arguments before the kernel's own) that launch a Triton CompiledKernel.
-
-    Triton 3.6's launcher is a Python method (`CudaLauncher.__call__`, which allocates scratch
-    memory memfuse's kernels never ask for) around a C function: calling the C function with the
-    arguments that method adds saves about 3 us of host time per launch (H200 host). Launchers of
-    other Triton versions, not checked against, are called as they are."""
-    run = compiled.run
-    if TRITON_VERSION == (3, 6) and type(run).__name__ == "CudaLauncher" and run.global_scratch_size == 0 \
-            and run.profile_scratch_size == 0:
-        return run.launch, (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
-                            compiled.packed_metadata, None, None, None)
-    return run, (compiled.function, compiled.packed_metadata, None, None, None)
 
 
 class AtenGroup:
@@ -751,8 +735,6 @@ _SIZE_PRINTER = LambdaPrinter({"allow_unknown_functions": True, "fully_qualified
 
 
 _SM_COUNTS: dict = {}
-INT32_MAX = 2 ** 31 - 1
-TRITON_VERSION = tuple(int(part) for part in triton.__version__.split(".")[:2])
 FINISH_GROUPS_MAX = 256   # groups of about sqrt(programs) programs: grids up to 65536 programs
 _ALLOCATORS: dict = {}   # device -> (sizes, strides, dtype) -> an uninitialized tensor there
 
@@ -804,12 +786,6 @@ def _check_view(name: str, made: torch.Tensor, expected: torch.Tensor) -> None:
 _reinterpret = getattr(torch._C._dynamo.guards, "_reinterpret_tensor", _as_strided_at)
 
 
-def _launch_hooks_installed() -> bool:
-    """Whether a profiler asked Triton for launch hooks (a HookChain in newer Triton, else None)."""
-    hook = knobs.runtime.launch_enter_hook
-    return hook is not None and bool(getattr(hook, "calls", True))
-
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def _sm_count(device: torch.device) -> int:

@@ -177,9 +177,9 @@ def test_direct_launch_matches_triton_launch(monkeypatch):
         result = (out.detach().clone(), x.grad.clone(), b.grad.clone())
         x.grad = b.grad = None
         return result
-    monkeypatch.setattr(runtime, "_launch_hooks_installed", lambda: True)     # the generic path
+    monkeypatch.setattr(runtime, "launch_hooks_installed", lambda: True)     # the generic path
     generic = step(memfuse.memory_efficient_fusion(bias_dropout))
-    monkeypatch.setattr(runtime, "_launch_hooks_installed", lambda: False)
+    monkeypatch.setattr(runtime, "launch_hooks_installed", lambda: False)
     direct_calls = []
     original = runtime.launcher_call
 
@@ -747,6 +747,44 @@ def test_chunked_loss_head_fp32_hidden_under_a_bf16_matmul_on_the_gpu(with_gradi
     assert ours[1].dtype == ours[2].dtype == torch.float32
     for mine, theirs, truth in zip(ours, eager, exact):
         assert relative_error(mine.double(), truth) <= 3 * relative_error(theirs.double(), truth) + 1e-6
+
+
+@pytest.mark.parametrize("with_gradients", [False, True])
+def test_chunked_loss_head_direct_launches_match_tritons_own(monkeypatch, with_gradients):
+    """The loss head's row kernels launched straight through their compiled launchers
+    (memfuse.launch.DirectKernel, once a chunk) give bit for bit what Triton's launch path gives,
+    and the later chunks and calls do take that path."""
+    from memfuse import launch, loss_head
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    tokens, hidden, vocab = 3000, 256, 4001
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=generator)
+    weight = torch.randn(vocab, hidden, device="cuda", dtype=torch.bfloat16, generator=generator) / 16
+    target = torch.randint(0, vocab, (tokens,), device="cuda", generator=generator)
+    target[::7] = -100
+
+    def run():
+        x_, weight_ = x.detach().requires_grad_(), weight.detach().requires_grad_()
+        loss, *_ = torch.ops.memfuse.linear_cross_entropy(
+            x_, weight_, None, target, -100, "mean", 0.0, torch.bfloat16, False, with_gradients, 8 * 2**20)
+        return (loss, *torch.autograd.grad(loss, (x_, weight_)))
+
+    monkeypatch.setattr(launch, "launch_hooks_installed", lambda: True)      # Triton's own path
+    generic = run()
+    monkeypatch.setattr(launch, "launch_hooks_installed", lambda: False)
+    direct_calls = []
+    original = launch.launcher_call
+
+    def counted(compiled):
+        call, leading = original(compiled)
+        return (lambda *args: direct_calls.append(1) or call(*args)), leading
+    monkeypatch.setattr(launch, "launcher_call", counted)
+    for kernel in loss_head.DIRECT_KERNELS:
+        monkeypatch.setattr(kernel, "compiled", {})
+    results = [run() for _ in range(2)]
+    assert len(direct_calls) >= 4, "the chunks after each kernel's first launch go direct"
+    for result in results:
+        for a, b in zip(generic, result):
+            assert torch.equal(a, b)
 
 
 def _drops_its_mask_as_eager(fused, attention, tensors: tuple) -> None:

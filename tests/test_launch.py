@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import memfuse
-from memfuse import runtime
+from memfuse import launch as launch_module, runtime
 from memfuse.runtime import DirectLaunch, KernelLaunch, Launcher
 
 from compare import assert_same
@@ -50,7 +50,7 @@ def test_direct_launch_passes_what_the_general_path_passes(monkeypatch, name, ro
     def record_general(self, programs, args, device, config, aligned):
         general.append((programs, list(args), tuple(self.keywords(config).values())))
     monkeypatch.setattr(Launcher, "__call__", record_general)
-    monkeypatch.setattr(runtime, "_raw_stream", lambda index: 7)
+    monkeypatch.setattr(runtime, "raw_stream", lambda index: 7)
     cpu = torch.device("cpu")
     for launch in _kernel_launches(name):
         values = tuple(f"value{i}" for i in range(3))
@@ -75,7 +75,7 @@ def test_a_new_configuration_leaves_the_direct_launch(monkeypatch):
     config = launch.configs[cuda] = launch._grid(torch.device("cpu"))[0]
     launch.direct[cuda] = DirectLaunch(launch, cuda, config, 4, _recording_compiled(direct_calls))
     monkeypatch.setattr(KernelLaunch, "_launch", lambda self, device, rows, aligned, values: used.append(aligned))
-    monkeypatch.setattr(runtime, "_raw_stream", lambda index: 7)
+    monkeypatch.setattr(runtime, "raw_stream", lambda index: 7)
     monkeypatch.setattr(DirectLaunch, "column_sum_pointers", lambda self, programs: ())
     launch(cuda, 8, ("pointer",), ("value",))
     launch(cuda, 8, None, ("value",))
@@ -97,7 +97,7 @@ def test_rows_past_int32_take_the_generic_path(monkeypatch):
     general, direct_calls = [], []
     monkeypatch.setattr(KernelLaunch, "_launch", lambda self, device, rows, aligned, values: general.append(aligned))
     monkeypatch.setattr(DirectLaunch, "column_sum_pointers", lambda self, programs: ())
-    monkeypatch.setattr(runtime, "_raw_stream", lambda index: 7)
+    monkeypatch.setattr(runtime, "raw_stream", lambda index: 7)
     _install_direct(launch, cpu, direct_calls)
     launch(cpu, 2 ** 31 - 1, (), ())
     launch(cpu, 2 ** 31, (), ())
@@ -105,7 +105,7 @@ def test_rows_past_int32_take_the_generic_path(monkeypatch):
 
 
 class CudaLauncher:
-    """Triton 3.6's launcher, as far as runtime.launcher_call reads it."""
+    """Triton 3.6's launcher, as far as launch.launcher_call reads it."""
     global_scratch_size = profile_scratch_size = 0
     launch_cooperative_grid, launch_pdl = "cooperative", "pdl"
 
@@ -121,11 +121,11 @@ def test_launcher_call_skips_the_python_launcher_only_where_checked(monkeypatch,
     """Triton 3.6: the C launch, with the arguments CudaLauncher.__call__ puts before the kernel's
     (cooperative grid, PDL, no global or profile scratch, then metadata and three hooks); a kernel
     that needs scratch memory, or another Triton version, calls the launcher as it is."""
-    monkeypatch.setattr(runtime, "TRITON_VERSION", version)
+    monkeypatch.setattr(launch_module, "TRITON_VERSION", version)
     launcher = CudaLauncher()
     launcher.global_scratch_size = scratch
     compiled = types.SimpleNamespace(run=launcher, function="kernel", packed_metadata="metadata")
-    call, leading = runtime.launcher_call(compiled)
+    call, leading = launch_module.launcher_call(compiled)
     if c_launch:
         assert call == launcher.launch
         assert leading == ("kernel", "cooperative", "pdl", None, None, "metadata", None, None, None)
@@ -259,3 +259,61 @@ def test_an_extern_result_goes_to_the_launcher_as_a_tensor(monkeypatch):
     memfuse.memory_efficient_fusion(fn)(x, w, b).sum().backward()
     forward = [pointers for name, pointers in calls if "forward" in name]
     assert forward and any(isinstance(p, torch.Tensor) for p in forward[0])
+
+
+class _RecordingJit:
+    """A stand-in @triton.jit function: `fn[grid](...)` records the generic launch and returns a
+    compiled kernel whose launcher records the direct ones."""
+
+    def __init__(self):
+        self.generic, self.direct = [], []
+        self.compiled = types.SimpleNamespace(run=lambda *args: self.direct.append(args), function="kernel",
+                                              packed_metadata="metadata")
+
+    def __getitem__(self, grid):
+        def launch(*args, **keywords):
+            self.generic.append((grid, args, keywords))
+            return self.compiled
+        return launch
+
+
+def test_direct_kernel_launches_what_triton_compiled_for_arguments_of_the_same_kind(monkeypatch):
+    """memfuse.launch.DirectKernel (the loss head's row kernels): the first call with arguments of
+    a new kind (an int's width, 1 or a multiple of 16; a tensor's dtype and 16-byte alignment)
+    compiles through Triton's own path; the next calls of that kind go straight to its launcher
+    with the grid, the stream, the kernel's arguments and its constexprs; a profiler's launch hooks
+    and CPU tensors take Triton's path."""
+    monkeypatch.setattr(launch_module, "raw_stream", lambda index: 7)
+    monkeypatch.setattr(launch_module, "launch_hooks_installed", lambda: False)
+    jit = _RecordingJit()
+    kernel = launch_module.DirectKernel(jit, {"num_warps": 8}, BLOCK=64)
+    first = types.SimpleNamespace(device=torch.device("cuda", 0))
+    kernel(5, first, 3000, 0.1)
+    kernel(6, first, 3016, 0.2)              # same kinds: 3000 and 3016 are no multiples of 16
+    assert jit.generic == [((5,), (first, 3000, 0.1), {"BLOCK": 64, "num_warps": 8})]
+    assert jit.direct == [(6, 1, 1, 7, "kernel", "metadata", None, None, None, first, 3016, 0.2, 64)]
+    kernel(6, first, 3200, 0.2)              # a multiple of 16: Triton may specialize on it
+    kernel(6, first, 1, 0.2)
+    kernel(6, first, 2 ** 31, 0.2)           # past int32
+    assert [args[1] for _, args, _ in jit.generic[1:]] == [3200, 1, 2 ** 31] and len(jit.direct) == 1
+    monkeypatch.setattr(launch_module, "launch_hooks_installed", lambda: True)
+    kernel(6, first, 3016, 0.2)
+    assert len(jit.generic) == 5 and len(jit.direct) == 1
+    monkeypatch.setattr(launch_module, "launch_hooks_installed", lambda: False)
+    cpu_tensor = torch.zeros(4)
+    kernel(1, cpu_tensor, 3016, 0.2)
+    kernel(1, cpu_tensor, 3016, 0.2)
+    assert len(jit.generic) == 7 and len(jit.direct) == 1
+
+
+def test_argument_kind_tells_misaligned_tensors_and_int_classes_apart():
+    storage = torch.zeros(16)
+    assert launch_module.argument_kind(storage) == (torch.float32, True)
+    assert launch_module.argument_kind(storage[1:]) == (torch.float32, False)     # 4 bytes in
+    assert launch_module.argument_kind(storage[4:]) == (torch.float32, True)
+    assert launch_module.argument_kind(17) == (True, False, False)
+    assert launch_module.argument_kind(32) == (True, False, True)
+    assert launch_module.argument_kind(1) == (True, True, False)
+    assert launch_module.argument_kind(-2 ** 31 - 1) == (False, False, False)
+    assert launch_module.argument_kind(True) != launch_module.argument_kind(1)
+    assert launch_module.argument_kind(0.5) is float
