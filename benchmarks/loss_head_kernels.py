@@ -45,20 +45,21 @@ def kernel_variants(rows: int, vocab: int, device: torch.device, dtype: torch.dt
     padded = loss_head._padded(vocab)
     logits = torch.randn(rows, padded, device=device, dtype=dtype)
     target = torch.randint(0, vocab, (rows,), device=device)
-    log_sum_exp, target_logit, logit_sum = (torch.empty(rows, device=device) for _ in range(3))
+    log_sum_exp, row_loss = (torch.empty(rows, device=device) for _ in range(2))
+    counts = torch.tensor([float(rows), 1.0], device=device)      # a mean over every row
     scales = torch.full((rows,), 1.0 / rows, device=device)
 
     def separate(block, warps):
-        loss_head._row_statistics[(rows,)](logits, logits.stride(0), target, log_sum_exp, target_logit, logit_sum,
-                                           vocab, BLOCK=block, num_warps=warps)
+        loss_head._row_statistics[(rows,)](logits, logits.stride(0), target, log_sum_exp, row_loss, vocab, -100, 0.0,
+                                           BLOCK=block, num_warps=warps)
         loss_head._logits_gradient[(rows,)](logits, logits.stride(0), log_sum_exp, target, scales, logits, 0, logits,
                                             logits.stride(0), vocab, padded, 0.0, HAS_INCOMING=False, BLOCK=block,
                                             num_warps=warps)
 
     def fused(block, warps):
         loss_head._row_statistics_and_gradient[(rows,)](
-            logits, logits.stride(0), target, log_sum_exp, target_logit, logit_sum, scales, logits, logits.stride(0),
-            vocab, padded, 0.0, BLOCK=block, num_warps=warps)
+            logits, logits.stride(0), target, log_sum_exp, row_loss, counts, logits, logits.stride(0), vocab, padded,
+            -100, 0.0, MEAN=True, BLOCK=block, num_warps=warps)
     variants = {("clone", None, None): logits.clone}
     for block in BLOCK_SIZES:
         for warps in WARPS:

@@ -114,15 +114,40 @@ def _gradient_of_row(row_logits, row_gradient, row_incoming, log_sum_exp, target
 
 
 @triton.jit
-def _row_statistics(logits_ptr, logits_row_stride, target_ptr, log_sum_exp_ptr, target_logit_ptr,
-                    logit_sum_ptr, vocab, BLOCK: tl.constexpr):
-    """One program per token row: its log-sum-exp, target's logit and logit sum (label smoothing)."""
+def _loss_of_row(log_sum_exp, target_logit, logit_sum, valid, vocab, smoothing):
+    """-log softmax[target], mixed with the mean of -log softmax over the vocabulary by `smoothing`
+    (cross_entropy's label_smoothing; without it the mix is exact); 0 where the target is ignored."""
+    loss = (1.0 - smoothing) * (log_sum_exp - target_logit) + smoothing * (log_sum_exp - logit_sum / vocab)
+    return tl.where(valid, loss, 0.0)
+
+
+@triton.jit
+def _count_targets(target_ptr, tokens, ignore_index, vocab, counts_ptr, BLOCK: tl.constexpr):
+    """One program: counts[0] = the targets not ignored (fp32: the mean's divisor), counts[1] = 1.0
+    if every one of them is inside [0, vocab), else 0.0 (the op asserts it, as aten's nll_loss)."""
+    count = tl.full((), 0, tl.int32)
+    outside = tl.full((), 0, tl.int32)
+    for start in range(0, tokens, BLOCK):
+        offsets = start + tl.arange(0, BLOCK)
+        target = tl.load(target_ptr + offsets, mask=offsets < tokens, other=ignore_index)
+        valid = target != ignore_index
+        count += tl.sum(valid.to(tl.int32), axis=0)
+        outside += tl.sum((valid & ((target < 0) | (target >= vocab))).to(tl.int32), axis=0)
+    tl.store(counts_ptr, count.to(tl.float32))
+    tl.store(counts_ptr + 1, (outside == 0).to(tl.float32))
+
+
+@triton.jit
+def _row_statistics(logits_ptr, logits_row_stride, target_ptr, log_sum_exp_ptr, row_loss_ptr, vocab, ignore_index,
+                    smoothing, BLOCK: tl.constexpr):
+    """One program per token row: its log-sum-exp (kept for the backward) and its loss."""
     row = tl.program_id(0).to(tl.int64)
+    target = tl.load(target_ptr + row)
     log_sum_exp, target_logit, logit_sum = _statistics_of_row(
-        logits_ptr + row * logits_row_stride, tl.load(target_ptr + row), vocab, BLOCK)
+        logits_ptr + row * logits_row_stride, target, vocab, BLOCK)
     tl.store(log_sum_exp_ptr + row, log_sum_exp)
-    tl.store(target_logit_ptr + row, target_logit)
-    tl.store(logit_sum_ptr + row, logit_sum)
+    tl.store(row_loss_ptr + row,
+             _loss_of_row(log_sum_exp, target_logit, logit_sum, target != ignore_index, vocab, smoothing))
 
 
 @triton.jit
@@ -138,31 +163,39 @@ def _logits_gradient(logits_ptr, logits_row_stride, log_sum_exp_ptr, target_ptr,
 
 
 @triton.jit
-def _row_statistics_and_gradient(logits_ptr, logits_row_stride, target_ptr, log_sum_exp_ptr, target_logit_ptr,
-                                 logit_sum_ptr, row_scale_ptr, gradient_ptr, gradient_row_stride, vocab,
-                                 padded_vocab, smoothing, BLOCK: tl.constexpr):
-    """One program per token row, the forward that forms the gradients: the row's statistics, then
-    its gradient (in place where gradient is logits), one launch and the row's second read from
-    L2 while it is still there."""
+def _row_statistics_and_gradient(logits_ptr, logits_row_stride, target_ptr, log_sum_exp_ptr, row_loss_ptr,
+                                 counts_ptr, gradient_ptr, gradient_row_stride, vocab, padded_vocab, ignore_index,
+                                 smoothing, MEAN: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per token row, the forward that forms the gradients for an upstream gradient of
+    1: the row's statistics and loss, then its gradient scaled by d loss / d row loss (1 over the
+    count of counted targets for a mean, 1 for a sum, 0 where ignored), in place where gradient is
+    logits: one launch, the row's second read from L2 while it is still there."""
     row = tl.program_id(0).to(tl.int64)
     row_logits = logits_ptr + row * logits_row_stride
     target = tl.load(target_ptr + row)
+    valid = target != ignore_index
     log_sum_exp, target_logit, logit_sum = _statistics_of_row(row_logits, target, vocab, BLOCK)
     tl.store(log_sum_exp_ptr + row, log_sum_exp)
-    tl.store(target_logit_ptr + row, target_logit)
-    tl.store(logit_sum_ptr + row, logit_sum)
+    tl.store(row_loss_ptr + row, _loss_of_row(log_sum_exp, target_logit, logit_sum, valid, vocab, smoothing))
+    if MEAN:
+        row_scale = 1.0 / tl.load(counts_ptr)
+    else:
+        row_scale = 1.0
+    row_scale = tl.where(valid, row_scale, 0.0)
     _gradient_of_row(row_logits, gradient_ptr + row * gradient_row_stride, row_logits, log_sum_exp, target,
-                     tl.load(row_scale_ptr + row), vocab, padded_vocab, smoothing, False, BLOCK)
+                     row_scale, vocab, padded_vocab, smoothing, False, BLOCK)
 
 
 # Launched once a chunk: straight through their compiled launchers (memfuse.launch; Triton's own
 # launch path cost 47 us a launch on an H200 host, a chunk's matmul call 25 us).
 _ROW_OPTIONS = {"num_warps": NUM_WARPS}
 ROW_STATISTICS = DirectKernel(_row_statistics, _ROW_OPTIONS, BLOCK=BLOCK_COLUMNS)
-ROW_STATISTICS_AND_GRADIENT = DirectKernel(_row_statistics_and_gradient, _ROW_OPTIONS, BLOCK=BLOCK_COLUMNS)
+ROW_STATISTICS_AND_GRADIENT = {mean: DirectKernel(_row_statistics_and_gradient, _ROW_OPTIONS, MEAN=mean,
+                                                   BLOCK=BLOCK_COLUMNS) for mean in (False, True)}
+COUNT_TARGETS = DirectKernel(_count_targets, {"num_warps": 4}, BLOCK=1024)
 LOGITS_GRADIENT = {incoming: DirectKernel(_logits_gradient, _ROW_OPTIONS, HAS_INCOMING=incoming, BLOCK=BLOCK_COLUMNS)
                    for incoming in (False, True)}
-DIRECT_KERNELS = (ROW_STATISTICS, ROW_STATISTICS_AND_GRADIENT, *LOGITS_GRADIENT.values())
+DIRECT_KERNELS = (ROW_STATISTICS, *ROW_STATISTICS_AND_GRADIENT.values(), *LOGITS_GRADIENT.values(), COUNT_TARGETS)
 
 
 # -- the op --------------------------------------------------------------------------------------
@@ -191,20 +224,23 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     return torch.addmm(bias, hidden, weight.t(), out=out)
 
 
-def _row_losses(log_sum_exp, target_logit, logit_sum, valid, vocab: int, smoothing: float) -> torch.Tensor:
-    """Each row's loss, 0 where the target is ignored: -log softmax[target], mixed with the mean
-    of -log softmax over the vocabulary by `smoothing` (cross_entropy's label_smoothing)."""
-    loss = log_sum_exp - target_logit
-    if smoothing:
-        loss = (1.0 - smoothing) * loss + smoothing * (log_sum_exp - logit_sum / vocab)
-    return torch.where(valid, loss, 0.0)
+def _counted_targets(target: torch.Tensor, ignore_index: int, vocab: int) -> torch.Tensor:
+    """[count of targets not ignored, 1.0]: one kernel, where torch took eight calls on the host;
+    as aten's nll_loss, a target outside the vocabulary that is not ignored is an error (raised by
+    the device, or at once on the CPU)."""
+    counts = target.new_empty(2, dtype=torch.float32)
+    COUNT_TARGETS(1, target, target.shape[0], ignore_index, vocab, counts)
+    torch._assert_async(counts[1], "memfuse.linear_cross_entropy: a target is outside [0, vocab)")
+    return counts
 
 
-def _reduced(row_losses: torch.Tensor, valid: torch.Tensor, reduction: str) -> torch.Tensor:
+def _reduced(row_losses: torch.Tensor, count: torch.Tensor, reduction: str) -> torch.Tensor:
+    """The loss of the rows' losses (0 where ignored): their sum, over the count of counted rows
+    for a mean (0 / 0, NaN, where none is counted, as eager)."""
     if reduction == "none":
         return row_losses
     total = row_losses.sum()
-    return total / valid.sum() if reduction == "mean" else total
+    return total / count if reduction == "mean" else total
 
 
 def _check(hidden, weight, bias, target, reduction: str) -> None:
@@ -300,30 +336,26 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: Optio
     with _no_autocast(hidden.device):
         aligned, aligned_bias = _aligned_weight(weight, bias, dtype)
         logits = _logits_buffer(hidden, vocab, dtype, return_logits)
-        log_sum_exp, target_logit, logit_sum = (hidden.new_empty(tokens, dtype=torch.float32) for _ in range(3))
-        valid = target != ignore_index
-        # as aten's nll_loss: a target outside the vocabulary that is not ignored is an error
-        torch._assert_async(((target >= 0) & (target < vocab) | ~valid).all(),
-                            "memfuse.linear_cross_entropy: a target is outside [0, vocab)")
+        log_sum_exp, row_losses = (hidden.new_empty(tokens, dtype=torch.float32) for _ in range(2))
+        counts = _counted_targets(target, ignore_index, vocab)
         gradients = _Gradients.empty(hidden, weight, bias) if with_gradients else None
-        scales = _row_scales(torch.ones((), device=hidden.device), target, ignore_index, reduction)
-        chunks = _row_chunks(chunk_rows(tokens, vocab, dtype, chunk_bytes), hidden, target, log_sum_exp,
-                             target_logit, logit_sum, scales, logits if return_logits else None,
-                             None if gradients is None else gradients.hidden)
-        for index, (rows_of_hidden, *statistics, row_scales, out, hidden_rows) in enumerate(chunks):
+        chunks = _row_chunks(chunk_rows(tokens, vocab, dtype, chunk_bytes), hidden, target, log_sum_exp, row_losses,
+                             logits if return_logits else None, None if gradients is None else gradients.hidden)
+        for index, (rows_of_hidden, targets, sums, losses, out, hidden_rows) in enumerate(chunks):
             chunk_hidden = rows_of_hidden.to(dtype)     # a chunk's rows cast, not the whole [tokens, H]
             chunk = _chunk_logits(chunk_hidden, aligned, aligned_bias, out=out)
             if gradients is None:
-                ROW_STATISTICS(chunk.shape[0], chunk, chunk.stride(0), *statistics, vocab)
+                ROW_STATISTICS(chunk.shape[0], chunk, chunk.stride(0), targets, sums, losses, vocab, ignore_index,
+                               label_smoothing)
             else:
                 gradient = torch.empty_like(chunk) if return_logits else chunk   # in place unless returned
-                ROW_STATISTICS_AND_GRADIENT(chunk.shape[0], chunk, chunk.stride(0), *statistics, row_scales, gradient,
-                                            gradient.stride(0), vocab, gradient.shape[1], label_smoothing)
+                ROW_STATISTICS_AND_GRADIENT[reduction == "mean"](
+                    chunk.shape[0], chunk, chunk.stride(0), targets, sums, losses, counts, gradient, gradient.stride(0),
+                    vocab, gradient.shape[1], ignore_index, label_smoothing)
                 gradients.add_chunk(hidden_rows, index == 0, gradient, chunk_hidden, aligned, bias is not None)
                 del gradient
             del chunk       # before the next chunk's matmul allocates: one chunk alive at a time, not two
-        losses = _row_losses(log_sum_exp, target_logit, logit_sum, valid, vocab, label_smoothing)
-        loss = _reduced(losses, valid, reduction)
+        loss = _reduced(row_losses, counts[0], reduction)
         precomputed = gradients.finished(bias) if gradients is not None else _no_gradients(hidden)
     return loss, log_sum_exp, logits[:, :vocab] if return_logits else logits, *precomputed
 

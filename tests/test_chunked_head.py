@@ -138,11 +138,31 @@ def test_all_targets_ignored_gives_nan_as_eager():
     assert torch.isnan(loss) and torch.isnan(F.cross_entropy(F.linear(x, weight), target, ignore_index=IGNORE))
 
 
-def test_a_target_outside_the_vocabulary_is_an_error():
+@pytest.mark.parametrize("bad", [10, -1, 12345])
+@GRADIENTS
+def test_a_target_outside_the_vocabulary_is_an_error(bad, with_gradients):
+    """As aten's nll_loss: a target not ignored outside [0, vocab) (vocab 10 here) is an error; the
+    ignored -100 is not."""
     x, weight, _, target = head_inputs(8, 4, 10, ignored_every=0)
-    target[3] = 10
+    target[5] = IGNORE
+    op_loss(*as_fp32(x, weight), None, target, "mean", 0.0, with_gradients=with_gradients)
+    target[3] = bad
     with pytest.raises(RuntimeError, match="outside"):
-        op_loss(*as_fp32(x, weight), None, target, "mean", 0.0)
+        op_loss(*as_fp32(x, weight), None, target, "mean", 0.0, with_gradients=with_gradients)
+
+
+@pytest.mark.parametrize("target_dtype", [torch.int64, torch.int32])
+def test_targets_are_counted_and_checked_over_many_blocks(target_dtype):
+    """The count kernel (the mean's divisor, the check of the targets) over 2500 tokens: three
+    blocks of its loop, the last one partial; a bad target in the last block is found."""
+    target = torch.randint(0, 11, (2500,), generator=torch.Generator().manual_seed(0))
+    target[::3] = IGNORE
+    target = target.to(target_dtype)
+    counts = loss_head._counted_targets(target, IGNORE, 11)
+    assert counts.tolist() == [float((target != IGNORE).sum()), 1.0]
+    target[2499] = 11
+    with pytest.raises(RuntimeError, match="outside"):
+        loss_head._counted_targets(target, IGNORE, 11)
 
 
 @pytest.mark.parametrize("shapes, message", [
