@@ -241,6 +241,7 @@ class Row:
     first_call_s: float | None = None  # wrap + first step, compile included
     step_s: float | None = None  # median of the timed steps
     step_samples_s: tuple = ()
+    host_s: float | None = None  # on a GPU: a step's call alone, the GPU idle at its start (the host's share)
     peak_bytes: int | None = None  # a step's peak above the memory allocated at its start (the inputs)
     loss: float | None = None
     loss_error: float | None = None
@@ -280,14 +281,30 @@ def measure(case: Case, peer: str) -> Row:
         for _ in range(setup.settings.warmup_steps):
             step(fn)
         samples = models.step_seconds(lambda: step(fn), setup.settings.timed_steps, setup)
-        peak = step_peak(lambda: step(fn), setup) if setup.device.type == "cuda" else None
+        on_gpu = setup.device.type == "cuda"
+        host = host_seconds(lambda: step(fn), setup, setup.settings.timed_steps) if on_gpu else None
+        peak = step_peak(lambda: step(fn), setup) if on_gpu else None
     row = Row(head.form, peer, first_call_s=first_call_s, step_s=statistics.median(samples),
-              step_samples_s=tuple(samples), peak_bytes=peak, loss=loss.item(), loss_error=loss_error,
+              step_samples_s=tuple(samples), host_s=host, peak_bytes=peak, loss=loss.item(), loss_error=loss_error,
               grad_error=grad_error)
     if peer in MEMFUSE_PEERS:
         chunked, lines = explain_loss_head(fn, case)
         row = dataclasses.replace(row, chunked_loss_head=chunked, explain=lines)
     return row
+
+
+def host_seconds(step: Callable[[], None], setup: models.Setup, count: int) -> float:
+    """Median time for a step's call to return, the GPU idle at its start: the host's share of the
+    step (its kernels are queued, not waited for). A chunked head makes more calls than one that
+    is not, and where the host paces a step (FSDP2's, 2026-11-28) those calls are what it costs."""
+    samples = []
+    for _ in range(count):
+        setup.synchronize()
+        start = time.perf_counter()
+        step()
+        samples.append(time.perf_counter() - start)
+    setup.synchronize()
+    return statistics.median(samples)
 
 
 def step_peak(step: Callable[[], None], setup: models.Setup) -> int:
@@ -427,10 +444,11 @@ def _chunked(row: dict) -> str:
 
 def render(result: dict, markdown: bool) -> str:
     meta, w = result["metadata"], result["metadata"]["workload"]
-    headers = ["form", "peer", "ms/step", "vs fastest", "peak MB", "vs least", "1st call s", "loss",
+    headers = ["form", "peer", "ms/step", "vs fastest", "host ms", "peak MB", "vs least", "1st call s", "loss",
                "loss err", "grad err", "loss head", "note"]
     fmt = models._fmt
     body = [[r["form"], r["peer"], fmt(r["step_s"], ".2f", 1e3), fmt(r["time_ratio"], ".2f", suffix="x"),
+             fmt(r.get("host_s"), ".2f", 1e3),
              fmt(r["peak_bytes"], ".0f", 1 / MB), fmt(r["memory_ratio"], ".2f", suffix="x"),
              fmt(r["first_call_s"], ".1f"), fmt(r["loss"], ".4f"), fmt(r["loss_error"], ".1e"),
              fmt(r["grad_error"], ".1e"), _chunked(r), _note(r)] for r in result["rows"]]
