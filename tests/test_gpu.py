@@ -163,6 +163,19 @@ def test_fused_call_inside_a_users_cuda_graph_capture():
     torch.testing.assert_close(out[kept], x[kept] / 0.9)
 
 
+def _counted_direct_launches(monkeypatch, module) -> list:
+    """`module.launcher_call` (runtime's or launch's name for it) wrapped so that each direct launch
+    appends to the returned list."""
+    calls = []
+    original = module.launcher_call
+
+    def counted(compiled):
+        call, leading = original(compiled)
+        return (lambda *args: calls.append(1) or call(*args)), leading
+    monkeypatch.setattr(module, "launcher_call", counted)
+    return calls
+
+
 def test_direct_launch_matches_triton_launch(monkeypatch):
     """The direct launch (runtime.DirectLaunch, every call after a function's first) computes
     bit-identical results to Triton's generic launch path."""
@@ -180,13 +193,7 @@ def test_direct_launch_matches_triton_launch(monkeypatch):
     monkeypatch.setattr(runtime, "launch_hooks_installed", lambda: True)     # the generic path
     generic = step(memfuse.memory_efficient_fusion(bias_dropout))
     monkeypatch.setattr(runtime, "launch_hooks_installed", lambda: False)
-    direct_calls = []
-    original = runtime.launcher_call
-
-    def counted(compiled):
-        call, leading = original(compiled)
-        return (lambda *args: direct_calls.append(1) or call(*args)), leading
-    monkeypatch.setattr(runtime, "launcher_call", counted)
+    direct_calls = _counted_direct_launches(monkeypatch, runtime)
     fused = memfuse.memory_efficient_fusion(bias_dropout)
     results = [step(fused) for _ in range(3)]
     assert len(direct_calls) == 4       # forward and backward of the second and third steps
@@ -771,13 +778,7 @@ def test_chunked_loss_head_direct_launches_match_tritons_own(monkeypatch, with_g
     monkeypatch.setattr(launch, "launch_hooks_installed", lambda: True)      # Triton's own path
     generic = run()
     monkeypatch.setattr(launch, "launch_hooks_installed", lambda: False)
-    direct_calls = []
-    original = launch.launcher_call
-
-    def counted(compiled):
-        call, leading = original(compiled)
-        return (lambda *args: direct_calls.append(1) or call(*args)), leading
-    monkeypatch.setattr(launch, "launcher_call", counted)
+    direct_calls = _counted_direct_launches(monkeypatch, launch)
     for kernel in loss_head.DIRECT_KERNELS:
         monkeypatch.setattr(kernel, "compiled", {})
     results = [run() for _ in range(2)]
