@@ -688,6 +688,18 @@ def test_online_cross_entropy_at_a_vocabulary_matches_eager(vocabulary):
         assert 2 in passes and max(p or 0 for p in passes) == 2, passes
 
 
+def _head_inputs(device):
+    """(generator, hidden [3000, 256], weight [4001, 256] in fp64, targets with every 7th ignored):
+    the chunked loss head's GPU tests' inputs, an odd vocabulary (the padded weight)."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    tokens, hidden, vocab = 3000, 256, 4001
+    x = torch.randn(tokens, hidden, device=device, dtype=torch.float64, generator=generator)
+    weight = torch.randn(vocab, hidden, device=device, dtype=torch.float64, generator=generator) / 16
+    target = torch.randint(0, vocab, (tokens,), device=device, generator=generator)
+    target[::7] = -100
+    return generator, x, weight, target
+
+
 @pytest.mark.parametrize("master_fp32", [False, True], ids=["bf16_weight", "fp32_weight"])
 @pytest.mark.parametrize("with_gradients", [False, True])
 @pytest.mark.parametrize("return_logits", [False, True])
@@ -696,12 +708,8 @@ def test_chunked_loss_head_bf16_on_the_gpu(return_logits, with_gradients, master
     padded weight), 3000 tokens in chunks of 504 rows, bf16 operands: loss and gradients no
     further from fp64 than eager's bf16 linear + fp32 cross-entropy (3x margin)."""
     import torch.nn.functional as F
-    generator = torch.Generator(device="cuda").manual_seed(0)
-    tokens, hidden, vocab = 3000, 256, 4001
-    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.float64, generator=generator)
-    weight = torch.randn(vocab, hidden, device="cuda", dtype=torch.float64, generator=generator) / 16
-    target = torch.randint(0, vocab, (tokens,), device="cuda", generator=generator)
-    target[::7] = -100
+    generator, x, weight, target = _head_inputs("cuda")
+    tokens, vocab = x.shape[0], weight.shape[0]
     upstream = torch.randn(tokens, vocab, device="cuda", dtype=torch.float64, generator=generator) / tokens
 
     def run(x, weight, chunked):
@@ -731,12 +739,8 @@ def test_chunked_loss_head_fp32_hidden_under_a_bf16_matmul_on_the_gpu(with_gradi
     weight's added up in fp32; 3000 tokens in three chunks, the last one short. Loss and gradients
     no further from fp64 than eager's bf16 head (3x margin)."""
     import torch.nn.functional as F
-    generator = torch.Generator(device=device).manual_seed(0)
-    tokens, hidden, vocab = 3000, 256, 4001
-    x = torch.randn(tokens, hidden, device=device, dtype=torch.float64, generator=generator)
-    weight = torch.randn(vocab, hidden, device=device, dtype=torch.float64, generator=generator) / 16
-    target = torch.randint(0, vocab, (tokens,), device=device, generator=generator)
-    target[::7] = -100
+    _, x, weight, target = _head_inputs(device)
+    tokens, vocab = x.shape[0], weight.shape[0]
     assert -(-tokens // memfuse.loss_head.chunk_rows(tokens, vocab, torch.bfloat16, 8 * 2**20)) == 3
 
     def run(x, weight, matmul_dtype, chunked):
@@ -762,12 +766,8 @@ def test_chunked_loss_head_direct_launches_match_tritons_own(monkeypatch, with_g
     (memfuse.launch.DirectKernel, once a chunk) give bit for bit what Triton's launch path gives,
     and the later chunks and calls do take that path."""
     from memfuse import launch, loss_head
-    generator = torch.Generator(device="cuda").manual_seed(0)
-    tokens, hidden, vocab = 3000, 256, 4001
-    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=generator)
-    weight = torch.randn(vocab, hidden, device="cuda", dtype=torch.bfloat16, generator=generator) / 16
-    target = torch.randint(0, vocab, (tokens,), device="cuda", generator=generator)
-    target[::7] = -100
+    _, x, weight, target = _head_inputs("cuda")
+    x, weight = x.bfloat16(), weight.bfloat16()
 
     def run():
         x_, weight_ = x.detach().requires_grad_(), weight.detach().requires_grad_()
