@@ -63,6 +63,7 @@ import datetime  # noqa: E402
 import gc  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
+import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
@@ -179,6 +180,8 @@ class CaseResult:
     it_s_alone: Optional[float] = None             # --rounds: the first timing, right after the case's own steps
     it_s_rounds: list = dataclasses.field(default_factory=list)   # --rounds: each round's it/s
     gc_ms_rounds: list = dataclasses.field(default_factory=list)  # --rounds: Python's gc pauses in each, ms (rank 0)
+    host_ms_rounds: list = dataclasses.field(default_factory=list)  # --rounds: per round, per rank, ms a step
+    #                                                until the round's last step call returned (the host's pace)
     peak_bytes: Optional[list] = None              # per rank, CUDA: max allocated over the timed steps, above
     #                                                what was allocated before the case was built
     forward_bytes: Optional[list] = None           # per rank, CUDA: allocated after forward and loss - before
@@ -543,9 +546,13 @@ def _timing_batch(r: Rank, i: int):
     return r.shard(batches[i % len(batches)])
 
 
-def _timed_window(r: Rank, parallel, optimizer, gc_pauses: Optional[list] = None) -> Optional[float]:
+def _timed_window(r: Rank, parallel, optimizer, gc_pauses: Optional[list] = None,
+                  host_ms: Optional[list] = None) -> Optional[float]:
     """--timed steps from a barrier to the GPU's end: it/s at the slowest rank. `gc_pauses` gets the
-    milliseconds Python's garbage collector paused this rank inside the window."""
+    milliseconds Python's garbage collector paused this rank inside the window; `host_ms` each
+    rank's milliseconds a step until its last step's call returned: where that is the step's wall
+    time, the rank's host paces the step (a rank whose launch queue fills, its GPU waiting in a
+    collective for another rank, also returns late: then every rank reads near the wall time)."""
     batches = [_timing_batch(r, r.args.warmup + i) for i in range(r.args.timed)]
     r.synchronize()
     dist.barrier()
@@ -553,9 +560,12 @@ def _timed_window(r: Rank, parallel, optimizer, gc_pauses: Optional[list] = None
         start = time.perf_counter()
         for batch in batches:
             train_step(r, parallel, optimizer, batch)
+        enqueued = time.perf_counter() - start
         r.synchronize()
         elapsed = time.perf_counter() - start
     slowest = _max_over_ranks(elapsed, r)
+    if host_ms is not None:
+        host_ms.append([round(ms, 2) for ms in gather(enqueued / r.args.timed * 1e3)])
     return r.args.timed / slowest if slowest > 0 else None
 
 
@@ -595,7 +605,7 @@ def time_rounds(r: Rank, live: list) -> None:
     shared, the backend's model ran the graphs another mode had compiled (Dynamo runs any entry of
     a frame whose guards pass and whose backend compares equal)."""
     for result, _, _ in live:
-        result.it_s_alone, result.it_s_rounds, result.gc_ms_rounds = result.it_s, [], []
+        result.it_s_alone, result.it_s_rounds, result.gc_ms_rounds, result.host_ms_rounds = result.it_s, [], [], []
     for result, parallel, optimizer in live:
         with _compiles() as compiled:
             for i in range(max(r.args.warmup, 1)):
@@ -608,7 +618,7 @@ def time_rounds(r: Rank, live: list) -> None:
         for result, parallel, optimizer in live:
             pauses: list = []
             with _compiles() as compiled:
-                result.it_s_rounds.append(_timed_window(r, parallel, optimizer, pauses))
+                result.it_s_rounds.append(_timed_window(r, parallel, optimizer, pauses, result.host_ms_rounds))
             result.gc_ms_rounds.append(round(sum(pauses), 1))
             if any(compiled):
                 result.error = (f"compiled during a timing round ({compiled[0]} Dynamo graphs, {compiled[1]} memfuse "
@@ -1069,6 +1079,15 @@ def table(results: dict) -> str:
                + ([f"error: {c.error}"] if c.error and c.ok is not None else [])]
     if remarks:
         lines += ["", "notes:", *remarks]
+    paced = [c for c in results["cases"] if c.host_ms_rounds and c.it_s]
+    if paced:
+        lines += ["", "the host's pace in the timed rounds, ms a step: until each rank's last step call returned "
+                      "(median of rounds), against the step's wall time at the median it/s",
+                  f"{'wrapper':<16}{'mode':<27}{'wall':>8}  host per rank"]
+        for c in paced:
+            per_rank = [statistics.median(ranks) for ranks in zip(*c.host_ms_rounds)]
+            lines.append(f"{c.wrapper:<16}{c.mode:<27}{1e3 / c.it_s:>8.1f}  "
+                         + " ".join(f"{ms:.1f}" for ms in per_rank))
     profiled = [c for c in results["cases"] if c.profile]
     if profiled:
         lines += ["", "one profiled step per rank, ms: wall clock; GPU busy; computing; communicating; communicating "

@@ -201,7 +201,11 @@ def test_cases_are_timed_in_turn_without_compiling_again(run):
         assert case["error"] is None, case["error"]
         assert len(case["it_s_rounds"]) == 2 and case["it_s_alone"] is not None
         assert case["it_s"] == sorted(case["it_s_rounds"])[1]
-    assert "rounds" in run["log"]
+        # each round, each rank: ms a step until its calls returned, no more than the window's wall time
+        assert [len(ranks) for ranks in case["host_ms_rounds"]] == [WORLD, WORLD]
+        for it_s, ranks in zip(case["it_s_rounds"], case["host_ms_rounds"]):
+            assert all(0 < ms <= 1e3 / it_s + 0.01 for ms in ranks), (it_s, ranks)
+    assert "rounds" in run["log"] and "the host's pace in the timed rounds" in run["log"]
 
 
 def test_table_printed(run):
