@@ -7,8 +7,9 @@ computes the same loss a chunk of tokens at a time:
 
 - forward, per chunk: the chunk's rows cast to the linear's dtype (never the whole [tokens, H]: Llama's
   fp32 hidden states under autocast would hold 34 MB more), the chunk's logits (one matmul), then one kernel
-  that reads each row once and keeps its log-sum-exp and its target's logit (`_row_statistics`).
-  Only the [tokens] log-sum-exps are kept for the backward.
+  that reads each row once and writes its log-sum-exp and its loss (`_row_statistics`); before the
+  chunks, one kernel counts the targets not ignored (a mean's divisor) and checks them
+  (`_count_targets`). Only the [tokens] log-sum-exps are kept for the backward.
 - backward, per chunk: the chunk's logits again, one kernel that writes their gradient
   `(softmax - one_hot) * scale` (`_logits_gradient`), and the two matmuls that take it into
   the hidden states' and the weight's gradients; the weight's gradient adds up over chunks.
