@@ -222,27 +222,28 @@ def test_bad_budget_is_a_clear_error(value):
         memfuse.memory_efficient_fusion(mlp, memory_budget=value)
 
 
-def test_budget_from_the_environment(monkeypatch):
-    monkeypatch.setenv("MEMFUSE_MEMORY_BUDGET", "0.4")
-    assert memfuse.Config().memory_budget == 0.4
-    monkeypatch.setenv("MEMFUSE_MEMORY_BUDGET", "half")
-    with pytest.raises(ValueError, match="MEMFUSE_MEMORY_BUDGET='half' is not a number"):
+@pytest.mark.parametrize("variable, field, value, parsed, bad, bad_message, out_of_range, range_message", [
+    ("MEMFUSE_MEMORY_BUDGET", "memory_budget", "0.4", 0.4, "half", "'half' is not a number", "2",
+     "memory_budget must be"),
+    ("MEMFUSE_LOSS_HEAD_CHUNK_BYTES", "loss_head_chunk_bytes", str(32 * 2**20), 32 * 2**20, "32MiB",
+     "'32MiB' is not a whole number", "0", "loss_head_chunk_bytes must be a positive whole number"),
+])
+def test_settings_from_the_environment(monkeypatch, variable, field, value, parsed, bad, bad_message, out_of_range,
+                                       range_message):
+    """A Config field's environment variable sets it; a value that does not parse, or one out of the
+    field's range, is an error naming the variable or the field."""
+    monkeypatch.setenv(variable, value)
+    assert getattr(memfuse.Config(), field) == parsed
+    monkeypatch.setenv(variable, bad)
+    with pytest.raises(ValueError, match=f"{variable}={bad_message}"):
         memfuse.Config()
-    monkeypatch.setenv("MEMFUSE_MEMORY_BUDGET", "2")
-    with pytest.raises(ValueError, match="memory_budget must be"):
+    monkeypatch.setenv(variable, out_of_range)
+    with pytest.raises(ValueError, match=range_message):
         memfuse.Config()
 
 
-def test_loss_head_chunk_bytes_from_the_environment(monkeypatch):
+def test_loss_head_chunk_bytes_default():
     assert memfuse.Config().loss_head_chunk_bytes == 256 * 2**20
-    monkeypatch.setenv("MEMFUSE_LOSS_HEAD_CHUNK_BYTES", str(32 * 2**20))
-    assert memfuse.Config().loss_head_chunk_bytes == 32 * 2**20
-    monkeypatch.setenv("MEMFUSE_LOSS_HEAD_CHUNK_BYTES", "32MiB")
-    with pytest.raises(ValueError, match="MEMFUSE_LOSS_HEAD_CHUNK_BYTES='32MiB' is not a whole number"):
-        memfuse.Config()
-    monkeypatch.setenv("MEMFUSE_LOSS_HEAD_CHUNK_BYTES", "0")
-    with pytest.raises(ValueError, match="loss_head_chunk_bytes must be a positive whole number"):
-        memfuse.Config()
 
 
 def randint_mlp(x, w):
