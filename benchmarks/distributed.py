@@ -182,6 +182,11 @@ class CaseResult:
     gc_ms_rounds: list = dataclasses.field(default_factory=list)  # --rounds: Python's gc pauses in each, ms (rank 0)
     host_ms_rounds: list = dataclasses.field(default_factory=list)  # --rounds: per round, per rank, ms a step
     #                                                until the round's last step call returned (the host's pace)
+    phase_ms_rounds: list = dataclasses.field(default_factory=list)  # --rounds: per round, per rank, {phase: ms
+    #                                                a step until its call returned} for STEP_PHASES
+    device_mallocs_rounds: list = dataclasses.field(default_factory=list)  # --rounds, CUDA: per round, per rank,
+    #                                                the caching allocator's cudaMalloc calls and its retries
+    #                                                (each retry frees the cache: a device sync)
     peak_bytes: Optional[list] = None              # per rank, CUDA: max allocated over the timed steps, above
     #                                                what was allocated before the case was built
     forward_bytes: Optional[list] = None           # per rank, CUDA: allocated after forward and loss - before
@@ -344,13 +349,26 @@ def loss_of(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
-def train_step(r: "Rank", model, optimizer, batch, inspect=None) -> torch.Tensor:
+# A training step's calls, as the host makes them: each phase's time is until its calls return, so
+# it holds what the host did and any wait for a full launch queue or a synchronizing call.
+STEP_PHASES = ("forward", "backward", "optimizer")
+
+
+def train_step(r: "Rank", model, optimizer, batch, inspect=None, phases: Optional[dict] = None) -> torch.Tensor:
+    """One step; `phases` (STEP_PHASES -> seconds) gets each phase's host time added."""
+    started = time.perf_counter()
     loss = r.work.loss(model, batch)
+    forward_returned = time.perf_counter()
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
+    backward_returned = time.perf_counter()
     if inspect is not None:
         inspect()
     optimizer.step()
+    if phases is not None:
+        phases["forward"] += forward_returned - started
+        phases["backward"] += backward_returned - forward_returned
+        phases["optimizer"] += time.perf_counter() - backward_returned
     return loss.detach()
 
 
@@ -547,26 +565,43 @@ def _timing_batch(r: Rank, i: int):
 
 
 def _timed_window(r: Rank, parallel, optimizer, gc_pauses: Optional[list] = None,
-                  host_ms: Optional[list] = None) -> Optional[float]:
+                  result: Optional[CaseResult] = None) -> Optional[float]:
     """--timed steps from a barrier to the GPU's end: it/s at the slowest rank. `gc_pauses` gets the
-    milliseconds Python's garbage collector paused this rank inside the window; `host_ms` each
-    rank's milliseconds a step until its last step's call returned: where that is the step's wall
-    time, the rank's host paces the step (a rank whose launch queue fills, its GPU waiting in a
-    collective for another rank, also returns late: then every rank reads near the wall time)."""
+    milliseconds Python's garbage collector paused this rank inside the window. With `result`, its
+    round lists get each rank's milliseconds a step until its last step's call returned
+    (host_ms_rounds: where that is the step's wall time, the rank's host paces the step; a rank
+    whose launch queue fills, its GPU waiting in a collective for another rank, also returns late:
+    then every rank reads near the wall time), the same split by phase (phase_ms_rounds), and on
+    CUDA the allocator's cudaMallocs and retries in the window (device_mallocs_rounds)."""
     batches = [_timing_batch(r, r.args.warmup + i) for i in range(r.args.timed)]
+    phases = dict.fromkeys(STEP_PHASES, 0.0)
     r.synchronize()
     dist.barrier()
+    mallocs_before = _device_mallocs(r.device)
     with _gc_pauses(gc_pauses):
         start = time.perf_counter()
         for batch in batches:
-            train_step(r, parallel, optimizer, batch)
+            train_step(r, parallel, optimizer, batch, phases=phases)
         enqueued = time.perf_counter() - start
         r.synchronize()
         elapsed = time.perf_counter() - start
     slowest = _max_over_ranks(elapsed, r)
-    if host_ms is not None:
-        host_ms.append([round(ms, 2) for ms in gather(enqueued / r.args.timed * 1e3)])
+    if result is not None:
+        per_step_ms = 1e3 / r.args.timed
+        result.host_ms_rounds.append([round(ms, 2) for ms in gather(enqueued * per_step_ms)])
+        result.phase_ms_rounds.append(gather({phase: round(s * per_step_ms, 2) for phase, s in phases.items()}))
+        if mallocs_before is not None:
+            after = _device_mallocs(r.device)
+            result.device_mallocs_rounds.append(gather([a - b for a, b in zip(after, mallocs_before)]))
     return r.args.timed / slowest if slowest > 0 else None
+
+
+def _device_mallocs(device: torch.device) -> Optional[tuple]:
+    """(cudaMalloc calls, allocation retries) of the caching allocator so far; None off CUDA."""
+    if device.type != "cuda":
+        return None
+    stats = torch.cuda.memory_stats(device)
+    return stats.get("num_device_alloc", 0), stats.get("num_alloc_retries", 0)
 
 
 @contextlib.contextmanager
@@ -605,7 +640,8 @@ def time_rounds(r: Rank, live: list) -> None:
     shared, the backend's model ran the graphs another mode had compiled (Dynamo runs any entry of
     a frame whose guards pass and whose backend compares equal)."""
     for result, _, _ in live:
-        result.it_s_alone, result.it_s_rounds, result.gc_ms_rounds, result.host_ms_rounds = result.it_s, [], [], []
+        result.it_s_alone, result.it_s_rounds, result.gc_ms_rounds = result.it_s, [], []
+        result.host_ms_rounds, result.phase_ms_rounds, result.device_mallocs_rounds = [], [], []
     for result, parallel, optimizer in live:
         with _compiles() as compiled:
             for i in range(max(r.args.warmup, 1)):
@@ -618,7 +654,7 @@ def time_rounds(r: Rank, live: list) -> None:
         for result, parallel, optimizer in live:
             pauses: list = []
             with _compiles() as compiled:
-                result.it_s_rounds.append(_timed_window(r, parallel, optimizer, pauses, result.host_ms_rounds))
+                result.it_s_rounds.append(_timed_window(r, parallel, optimizer, pauses, result))
             result.gc_ms_rounds.append(round(sum(pauses), 1))
             if any(compiled):
                 result.error = (f"compiled during a timing round ({compiled[0]} Dynamo graphs, {compiled[1]} memfuse "
@@ -1036,6 +1072,21 @@ def _per_layer_ratio(case, peer) -> str:
     return f"{case.it_s / peer.it_s:.2f}x{peak}"
 
 
+def _host_pace(case) -> str:
+    """Each rank's median host ms a step, its phases' medians, and the allocator's calls in all rounds."""
+    parts = []
+    for rank, ranks_ms in enumerate(zip(*case.host_ms_rounds)):
+        text = f"{statistics.median(ranks_ms):.1f}"
+        if case.phase_ms_rounds:
+            phases = [statistics.median(r[rank][phase] for r in case.phase_ms_rounds) for phase in STEP_PHASES]
+            text += " (" + " / ".join(f"{ms:.1f}" for ms in phases) + ")"
+        if case.device_mallocs_rounds:
+            mallocs, retries = (sum(r[rank][i] for r in case.device_mallocs_rounds) for i in range(2))
+            text += f" mallocs {mallocs} retries {retries}"
+        parts.append(text)
+    return ";  ".join(parts)
+
+
 def table(results: dict) -> str:
     m = results["metadata"]
     lines = [f"memfuse under torch.distributed: {m['model']} size={m['size']}, {m['world_size']} ranks x batch "
@@ -1082,12 +1133,12 @@ def table(results: dict) -> str:
     paced = [c for c in results["cases"] if c.host_ms_rounds and c.it_s]
     if paced:
         lines += ["", "the host's pace in the timed rounds, ms a step: until each rank's last step call returned "
-                      "(median of rounds), against the step's wall time at the median it/s",
+                      f"(median of rounds; in parentheses its {' / '.join(STEP_PHASES)} calls), against the step's "
+                      "wall time at the median it/s; CUDA: the caching allocator's cudaMallocs and retries in "
+                      "all rounds, per rank",
                   f"{'wrapper':<16}{'mode':<27}{'wall':>8}  host per rank"]
         for c in paced:
-            per_rank = [statistics.median(ranks) for ranks in zip(*c.host_ms_rounds)]
-            lines.append(f"{c.wrapper:<16}{c.mode:<27}{1e3 / c.it_s:>8.1f}  "
-                         + " ".join(f"{ms:.1f}" for ms in per_rank))
+            lines.append(f"{c.wrapper:<16}{c.mode:<27}{1e3 / c.it_s:>8.1f}  {_host_pace(c)}")
     profiled = [c for c in results["cases"] if c.profile]
     if profiled:
         lines += ["", "one profiled step per rank, ms: wall clock; GPU busy; computing; communicating; communicating "

@@ -205,6 +205,12 @@ def test_cases_are_timed_in_turn_without_compiling_again(run):
         assert [len(ranks) for ranks in case["host_ms_rounds"]] == [WORLD, WORLD]
         for it_s, ranks in zip(case["it_s_rounds"], case["host_ms_rounds"]):
             assert all(0 < ms <= 1e3 / it_s + 0.01 for ms in ranks), (it_s, ranks)
+        # the same per phase: forward, backward, optimizer, each taking time, adding up to no more
+        for ranks_ms, ranks_phases in zip(case["host_ms_rounds"], case["phase_ms_rounds"]):
+            for ms, phases in zip(ranks_ms, ranks_phases):
+                assert list(phases) == ["forward", "backward", "optimizer"], phases
+                assert all(t > 0 for t in phases.values()) and sum(phases.values()) <= ms + 0.05, (ms, phases)
+        assert case["device_mallocs_rounds"] == []      # gloo, CPU tensors: no CUDA allocator
     assert "rounds" in run["log"] and "the host's pace in the timed rounds" in run["log"]
 
 
