@@ -73,6 +73,7 @@ from typing import Optional  # noqa: E402
 import torch  # noqa: E402  (torch alone does not import triton: TRITON_INTERPRET can still be set)
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from benchmarks import fsdp_spans  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MODES = ("eager", "memfuse", "memfuse_compile", "torch_compile")       # the GPT's
@@ -135,6 +136,10 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
                         help="cases to profile once every case is timed (each built again), as WRAPPER/MODE, "
                              "comma-separated, or 'all' (CUDA): one step per rank under torch.profiler, its GPU "
                              "time split into compute, communication and idle")
+    parser.add_argument("--fsdp-spans", action="store_true",
+                        help="FSDP2 cases: each rank's forward split at FSDP2's hooks in the timed rounds, ms a "
+                             "step, unprofiled (benchmarks.fsdp_spans): which layer's call or which part of the "
+                             "root one mode pays more")
     parser.add_argument("--trace-dir", type=Path, default=None,
                         help="rank 0 writes each profiled case's Chrome traces here: the profiled step's "
                              "(GPU activity) and one more with the host's (benchmarks.host_trace reads it)")
@@ -187,6 +192,8 @@ class CaseResult:
     device_mallocs_rounds: list = dataclasses.field(default_factory=list)  # --rounds, CUDA: per round, per rank,
     #                                                the caching allocator's cudaMalloc calls and its retries
     #                                                (each retry frees the cache: a device sync)
+    span_ms_rounds: list = dataclasses.field(default_factory=list)  # --fsdp-spans, FSDP2: per round, per rank,
+    #                                                {span of the forward between FSDP2's hooks: ms a step}
     peak_bytes: Optional[list] = None              # per rank, CUDA: max allocated over the timed steps, above
     #                                                what was allocated before the case was built
     forward_bytes: Optional[list] = None           # per rank, CUDA: allocated after forward and loss - before
@@ -319,6 +326,7 @@ class Rank:
             given if given is not None else default for given, default in
             zip((args.loss_tol, args.update_tol), BF16_TOLERANCES if self.work.autocast else FP32_TOLERANCES))
         self.mesh = None
+        self.spans = fsdp_spans.SpanRecorder() if args.fsdp_spans else None     # --fsdp-spans
         self.dumped: dict = {}                                  # case -> final parameters (--dump-params)
 
     @property
@@ -359,6 +367,8 @@ def train_step(r: "Rank", model, optimizer, batch, inspect=None, phases: Optiona
     started = time.perf_counter()
     loss = r.work.loss(model, batch)
     forward_returned = time.perf_counter()
+    if r.spans is not None and r.spans.on:
+        r.spans.end_step(forward_returned)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     backward_returned = time.perf_counter()
@@ -581,15 +591,20 @@ def _timed_window(r: Rank, parallel, optimizer, gc_pauses: Optional[list] = None
     with _gc_pauses(gc_pauses):
         start = time.perf_counter()
         for batch in batches:
+            if r.spans is not None:
+                r.spans.begin_step()
             train_step(r, parallel, optimizer, batch, phases=phases)
         enqueued = time.perf_counter() - start
         r.synchronize()
         elapsed = time.perf_counter() - start
     slowest = _max_over_ranks(elapsed, r)
+    spans = r.spans.take_ms_per_step() if r.spans is not None else {}     # this window's alone
     if result is not None:
         per_step_ms = 1e3 / r.args.timed
         result.host_ms_rounds.append([round(ms, 2) for ms in gather(enqueued * per_step_ms)])
         result.phase_ms_rounds.append(gather({phase: round(s * per_step_ms, 2) for phase, s in phases.items()}))
+        if spans:
+            result.span_ms_rounds.append(gather(spans))
         if mallocs_before is not None:
             after = _device_mallocs(r.device)
             result.device_mallocs_rounds.append(gather([a - b for a, b in zip(after, mallocs_before)]))
@@ -642,6 +657,7 @@ def time_rounds(r: Rank, live: list) -> None:
     for result, _, _ in live:
         result.it_s_alone, result.it_s_rounds, result.gc_ms_rounds = result.it_s, [], []
         result.host_ms_rounds, result.phase_ms_rounds, result.device_mallocs_rounds = [], [], []
+        result.span_ms_rounds = []
     for result, parallel, optimizer in live:
         with _compiles() as compiled:
             for i in range(max(r.args.warmup, 1)):
@@ -937,6 +953,41 @@ def run_all(r: Rank) -> dict:
     ref = reference(r)
     results["reference_losses"] = ref.losses
     r.dumped["eager_single_process"] = ref.final
+    with fsdp_spans.recording(r.spans) if r.spans is not None else contextlib.nullcontext():
+        _run_wrappers(r, ref, results)
+    rejudge(r, results["cases"])
+    write(r, results)
+    profiled = cases_to_profile(results["cases"], r.args.profile) if r.device.type == "cuda" else []
+    for result in profiled:       # after every case is timed: profiling slows what runs after it
+        if over_budget(r):
+            break
+        say(r, f"{result.wrapper:>15} {result.mode:<16} profiling ...")
+        try:
+            profile_case(r, result)
+        except Exception as error:
+            result.error = _error(error)
+        _release(r)
+        write(r, results)
+    if r.args.dropout > 0:
+        for wrapper in (w for w in r.args.wrappers if w != "ddp_bucket_view"):
+            for mode in (m for m in r.work.modes if m in r.work.dropout_modes):
+                result = DropoutResult(wrapper, mode)
+                results["dropout"].append(result)
+                if over_budget(r):
+                    result.error = "skipped: --budget-s spent"
+                    continue
+                try:
+                    dropout_case(r, wrapper, mode, result)
+                except Exception as error:
+                    result.error = _error(error)
+                _release(r)
+        write(r, results)
+    return results
+
+
+
+def _run_wrappers(r: Rank, ref, results: dict) -> None:
+    """Every case of every wrapper, each wrapper's cases then timed in turn (--rounds)."""
     for wrapper in r.args.wrappers:
         live = []            # --rounds: (result, wrapped model, optimizer) of every timed case
         for mode in r.work.modes:
@@ -968,34 +1019,6 @@ def run_all(r: Rank) -> dict:
             live.clear()
             _release(r)
             write(r, results)
-    rejudge(r, results["cases"])
-    write(r, results)
-    profiled = cases_to_profile(results["cases"], r.args.profile) if r.device.type == "cuda" else []
-    for result in profiled:       # after every case is timed: profiling slows what runs after it
-        if over_budget(r):
-            break
-        say(r, f"{result.wrapper:>15} {result.mode:<16} profiling ...")
-        try:
-            profile_case(r, result)
-        except Exception as error:
-            result.error = _error(error)
-        _release(r)
-        write(r, results)
-    if r.args.dropout > 0:
-        for wrapper in (w for w in r.args.wrappers if w != "ddp_bucket_view"):
-            for mode in (m for m in r.work.modes if m in r.work.dropout_modes):
-                result = DropoutResult(wrapper, mode)
-                results["dropout"].append(result)
-                if over_budget(r):
-                    result.error = "skipped: --budget-s spent"
-                    continue
-                try:
-                    dropout_case(r, wrapper, mode, result)
-                except Exception as error:
-                    result.error = _error(error)
-                _release(r)
-        write(r, results)
-    return results
 
 
 def update_bar(r: Rank, done: list, wrapper: str) -> float:
@@ -1087,6 +1110,29 @@ def _host_pace(case) -> str:
     return ";  ".join(parts)
 
 
+def _span_table(cases: list) -> list:
+    """--fsdp-spans: per wrapper, each span of the forward (rows, in the order the first case met
+    them) against each mode (columns), ms a step, each rank's median over the rounds."""
+    lines = []
+    for wrapper in dict.fromkeys(c.wrapper for c in cases if c.span_ms_rounds):
+        timed = [c for c in cases if c.wrapper == wrapper and c.span_ms_rounds]
+        medians = {c.mode: [{name: statistics.median(r[rank].get(name, 0.0) for r in c.span_ms_rounds)
+                             for name in c.span_ms_rounds[0][rank]} for rank in range(len(c.span_ms_rounds[0]))]
+                   for c in timed}
+        names = list(dict.fromkeys(name for c in timed for ranks in medians[c.mode] for name in ranks))
+        width = max(len(name) for name in names) + 2
+        lines += ["", f"{wrapper}: the forward split at FSDP2's hooks (--fsdp-spans), ms a step, rank 0 / rank 1 "
+                      "(median of rounds; a body: the module's call between its pre and post hook)",
+                  f"{'span':<{width}}" + "".join(f"{c.mode:>28}" for c in timed)]
+        for name in names:
+            cells = [" / ".join(f"{ranks[name]:.2f}" if name in ranks else "-" for ranks in medians[c.mode])
+                     for c in timed]
+            lines.append(f"{name:<{width}}" + "".join(f"{cell:>28}" for cell in cells))
+        totals = [" / ".join(f"{sum(ranks.values()):.2f}" for ranks in medians[c.mode]) for c in timed]
+        lines.append(f"{'forward, all spans':<{width}}" + "".join(f"{cell:>28}" for cell in totals))
+    return lines
+
+
 def table(results: dict) -> str:
     m = results["metadata"]
     lines = [f"memfuse under torch.distributed: {m['model']} size={m['size']}, {m['world_size']} ranks x batch "
@@ -1139,6 +1185,7 @@ def table(results: dict) -> str:
                   f"{'wrapper':<16}{'mode':<27}{'wall':>8}  host per rank"]
         for c in paced:
             lines.append(f"{c.wrapper:<16}{c.mode:<27}{1e3 / c.it_s:>8.1f}  {_host_pace(c)}")
+    lines += _span_table(results["cases"])
     profiled = [c for c in results["cases"] if c.profile]
     if profiled:
         lines += ["", "one profiled step per rank, ms: wall clock; GPU busy; computing; communicating; communicating "

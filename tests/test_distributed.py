@@ -88,7 +88,8 @@ def launch(out: Path, *args: str) -> dict:
 def run(tmp_path_factory):
     return launch(tmp_path_factory.mktemp("distributed"), "--batch", "8", "--modes", ",".join(MODES),
                   "--wrappers", ",".join(WRAPPERS), "--steps", str(STEPS), "--warmup", "0", "--timed", "1",
-                  "--rounds", "2", "--bucket-cap-mb", str(BUCKET_CAP_MB), "--loss-tol", str(LOSS_TOL), "--update-tol", str(UPDATE_TOL))
+                  "--rounds", "2", "--bucket-cap-mb", str(BUCKET_CAP_MB), "--loss-tol", str(LOSS_TOL), "--update-tol", str(UPDATE_TOL),
+                  "--fsdp-spans")
 
 
 @pytest.fixture(scope="module")
@@ -211,7 +212,18 @@ def test_cases_are_timed_in_turn_without_compiling_again(run):
                 assert list(phases) == ["forward", "backward", "optimizer"], phases
                 assert all(t > 0 for t in phases.values()) and sum(phases.values()) <= ms + 0.05, (ms, phases)
         assert case["device_mallocs_rounds"] == []      # gloo, CPU tensors: no CUDA allocator
+        # --fsdp-spans: FSDP2's forward split at its hooks, every sharded block's call among the spans
+        if case["wrapper"] != "fsdp2":
+            assert case["span_ms_rounds"] == [], case["wrapper"]
+            continue
+        for ranks_ms, ranks_spans in zip(case["host_ms_rounds"], case["span_ms_rounds"]):
+            for ms, spans in zip(ranks_ms, ranks_spans):
+                bodies = [name for name in spans if name.endswith(" body")]
+                assert len(bodies) == load_gpt().SIZES["tiny"].layers, spans      # each block's call
+                assert "root pre hook" in spans and "root post hook → forward returned" in spans, spans
+                assert all(t >= 0 for t in spans.values()) and sum(spans.values()) <= ms + 0.05, (ms, spans)
     assert "rounds" in run["log"] and "the host's pace in the timed rounds" in run["log"]
+    assert "fsdp2: the forward split at FSDP2's hooks" in run["log"]
 
 
 def test_table_printed(run):
