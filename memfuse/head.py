@@ -195,17 +195,44 @@ def _rewrite(graph: torch.fx.Graph, loss: torch.fx.Node, config: Config) -> tupl
 
 def _return_without_gradient(graph: torch.fx.Graph, logits: torch.fx.Node, positions: list, hidden: torch.fx.Node,
                      weight: torch.fx.Node, bias: Optional[torch.fx.Node]) -> loss_head.LogitsReturn:
-    """The graph returns `logits` (the op's, which carry no gradient) at `positions`, and the
-    linear's operands after its outputs, for attach_returned_logits."""
+    """The graph returns `logits` (the op's, which carry no gradient) at `positions`; the linear's
+    operands go to attach_returned_logits as the graph's inputs where they are inputs (or a whole
+    view of one: HuggingFace's `hidden_states[:, slice(0, None), :]`), else as outputs after the
+    graph's own. An operand returned as an output is a copy of it in memfuse's program (a graph
+    output never aliases an input): Llama's fp32 hidden states, 67 MB more kept to the backward."""
     output = graph.find_nodes(op="output")[0]
     values = list(_output_values(graph))
     for position in positions:
         values[position] = logits
-    first = len(values)
-    values += [hidden, weight] + ([bias] if bias is not None else [])
+    inputs = {node: index for index, node in enumerate(graph.find_nodes(op="placeholder"))}
+
+    def place(operand: Optional[torch.fx.Node]) -> Optional[tuple]:
+        if operand is None:
+            return None
+        source = _whole_view_source(operand)
+        if source in inputs:
+            return "input", inputs[source]
+        values.append(operand)
+        return "output", len(values) - 1
+    places = [place(operand) for operand in (hidden, weight, bias)]
     output.args = (tuple(values),)
-    return loss_head.LogitsReturn(tuple(positions), ("output", first), ("output", first + 1),
-                                  ("output", first + 2) if bias is not None else None)
+    return loss_head.LogitsReturn(tuple(positions), *places)
+
+
+def _whole_view_source(node: torch.fx.Node) -> torch.fx.Node:
+    """The tensor `node` views whole, through indexing by full slices (`x[:, 0:, :]`, `x[...]`): it
+    holds the same elements at the same indices. `node` itself otherwise."""
+    while (node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node)
+           and isinstance(node.args[0].meta.get("example_value"), torch.Tensor)
+           and all(_whole(index) for index in (node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)))):
+        node = node.args[0]
+    return node
+
+
+def _whole(index) -> bool:
+    """An index that keeps its dim whole: `...`, or a slice from 0 to the end by 1."""
+    return index is Ellipsis or (isinstance(index, slice) and index.start in (None, 0) and index.stop is None
+                                 and index.step in (None, 1))
 
 
 def _gradients_in_forward(reduction: str, operands: list) -> bool:

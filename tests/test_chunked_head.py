@@ -411,6 +411,47 @@ def test_backend_chunks_a_head_whose_logits_are_returned():
     assert head.chunked and head.returns_logits and head.gradients_in_forward
 
 
+def whole_slice_head(x, weight, target):
+    """HuggingFace's head: `lm_head(hidden_states[:, slice(-logits_to_keep, None), :])`, keeping all."""
+    logits = F.linear(x[:, 0:, :], weight)
+    return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), target), logits
+
+
+def part_slice_head(x, weight, target):
+    logits = F.linear(x[:, 1:, :], weight)
+    return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), target), logits
+
+
+@pytest.mark.parametrize("fn, hidden_place", [(whole_slice_head, ("input", 0)), (part_slice_head, ("output", 2))],
+                         ids=["whole_view", "part"])
+def test_returned_logits_take_their_operands_from_the_inputs_where_they_are_inputs(fn, hidden_place, monkeypatch):
+    """The returned logits' gradient path needs the linear's operands. Where the hidden states are
+    an input, or a whole view of one (HuggingFace slices them by `slice(0, None)`), the input
+    itself goes to ReturnedLogits: returned as an output, memfuse's program would write a copy
+    and keep it to the backward. A part of an input is the graph's output, as before."""
+    torch._dynamo.reset()
+    flat, weight, _, _ = head_inputs(40, 16, 37, dtype=torch.float32)
+    x = flat.detach().view(2, 20, 16).requires_grad_()
+    rows = 40 if fn is whole_slice_head else 38
+    target = torch.randint(0, 37, (rows,))
+    attached = []
+    attach = loss_head.attach_returned_logits
+    monkeypatch.setattr(loss_head, "attach_returned_logits",
+                        lambda outputs, inputs, returns, count: attached.append((returns, len(outputs), count))
+                        or attach(outputs, inputs, returns, count))
+    loss, logits = torch.compile(fn, backend="memfuse")(x, weight, target)
+    [([returned], outputs, count)] = attached
+    assert (returned.hidden, returned.weight, returned.bias) == (hidden_place, ("input", 1), None)
+    assert outputs == count + (hidden_place[0] == "output")         # no operand returned but a part
+    reference_loss, reference_logits = fn(x, weight, target)
+    assert relative(loss, reference_loss) < 1e-6 and relative(logits, reference_logits) < 1e-6
+    upstream = torch.randn_like(logits)
+    ours = torch.autograd.grad(loss + (logits * upstream).sum(), (x, weight))
+    theirs = torch.autograd.grad(reference_loss + (reference_logits * upstream).sum(), (x, weight))
+    for a, b in zip(ours, theirs):
+        assert relative(a, b) < 1e-5
+
+
 class ShapesMade(torch.utils._python_dispatch.TorchDispatchMode):
     """The shapes of every tensor the ops inside the block return (the backward's included)."""
 
