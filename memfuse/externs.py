@@ -1,13 +1,17 @@
-"""Aten calls a program makes through another implementation of the same result, fewer launches.
+"""Extern calls a program makes through another implementation of the same result: fewer launches,
+or fewer layers on the host.
 
 The runtime binds an extern step's target through `SUBSTITUTES` (docs/architecture.md, Runtime):
-where a target is listed, the program calls memfuse's function, which takes the aten op's
-arguments and returns what it returns, falling back to the op itself where the substitute would
-not give the same result.
+where a target is listed, the program calls memfuse's function, which takes the op's arguments
+and returns what it returns, falling back to the op itself where the substitute would not give
+the same result. memfuse's own ops (the chunked loss head) are called as their implementations:
+a program runs without autograd, so the dispatcher and the custom op's wrappers only cost time.
 """
 from __future__ import annotations
 
 import torch
+
+from . import loss_head
 
 aten = torch.ops.aten
 
@@ -35,4 +39,7 @@ def embedding_dense_backward(grad_output: torch.Tensor, indices: torch.Tensor, n
 
 SUBSTITUTES = {
     aten.embedding_dense_backward.default: embedding_dense_backward,
+    torch.ops.memfuse.linear_cross_entropy.default: loss_head.linear_cross_entropy_impl,
+    torch.ops.memfuse.linear_cross_entropy_backward.default: loss_head.linear_cross_entropy_backward_impl,
+    torch.ops.memfuse.linear_cross_entropy_backward_.default: loss_head.linear_cross_entropy_backward_in_place_impl,
 }

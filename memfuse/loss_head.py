@@ -314,13 +314,12 @@ def _launch_gradient(chunk, gradient, log_sum_exp, target, scales, incoming, voc
         smoothing)
 
 
-@torch.library.custom_op("memfuse::linear_cross_entropy", mutates_args=())
-def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                         target: torch.Tensor, ignore_index: int, reduction: str, label_smoothing: float,
-                         dtype: torch.dtype, return_logits: bool, with_gradients: bool, chunk_bytes: int,
-                         differentiable_logits: bool = True
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                    torch.Tensor]:
+def linear_cross_entropy_impl(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                              target: torch.Tensor, ignore_index: int, reduction: str, label_smoothing: float,
+                              dtype: torch.dtype, return_logits: bool, with_gradients: bool, chunk_bytes: int,
+                              differentiable_logits: bool = True
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                         torch.Tensor]:
     """(loss, log_sum_exp [tokens] fp32, logits, d loss / d hidden, d weight, d bias) of
     `cross_entropy((hidden @ weight.T + bias) in dtype, as fp32, target)`.
 
@@ -361,6 +360,13 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: Optio
     return loss, log_sum_exp, logits[:, :vocab] if return_logits else logits, *precomputed
 
 
+# The op around the implementation: what traces, fake tensors and autograd see. memfuse's programs
+# call the implementation itself (memfuse.externs.SUBSTITUTES): the dispatcher and the custom op's
+# wrappers cost the host about 40 us a call on a CPU, and a program runs without autograd.
+linear_cross_entropy = torch.library.custom_op("memfuse::linear_cross_entropy", mutates_args=())(
+    linear_cross_entropy_impl)
+
+
 def _row_chunks(rows: int, *tensors: Optional[torch.Tensor]) -> list:
     """Chunk by chunk, each tensor's view of the chunk's rows (None for a None tensor); no chunk of
     no tokens. Small chunks leave the step to the host: Llama's head in 512-row chunks took 9.5-10.2
@@ -396,13 +402,12 @@ def _(hidden, weight, bias, target, ignore_index, reduction, label_smoothing, dt
     return loss, log_sum_exp, logits[:, :vocab] if return_logits else logits, *precomputed
 
 
-@torch.library.custom_op("memfuse::linear_cross_entropy_backward", mutates_args=())
-def linear_cross_entropy_backward(loss_gradient: torch.Tensor, logits_gradient: Optional[torch.Tensor],
-                                  hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                                  target: torch.Tensor, log_sum_exp: torch.Tensor, hidden_unit: torch.Tensor,
-                                  weight_unit: torch.Tensor, bias_unit: torch.Tensor, ignore_index: int,
-                                  reduction: str, label_smoothing: float, dtype: torch.dtype, chunk_bytes: int
-                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def linear_cross_entropy_backward_impl(loss_gradient: torch.Tensor, logits_gradient: Optional[torch.Tensor],
+                                       hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                                       target: torch.Tensor, log_sum_exp: torch.Tensor, hidden_unit: torch.Tensor,
+                                       weight_unit: torch.Tensor, bias_unit: torch.Tensor, ignore_index: int,
+                                       reduction: str, label_smoothing: float, dtype: torch.dtype, chunk_bytes: int
+                                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(d hidden, d weight, d bias) of linear_cross_entropy. Where the forward formed the gradients
     (`hidden_unit` not empty) they are scaled by the loss's gradient; else each chunk's logits are
     formed again, then their gradient and the two matmuls. The weight's gradient adds up over the
@@ -415,6 +420,10 @@ def linear_cross_entropy_backward(loss_gradient: torch.Tensor, logits_gradient: 
                            dtype, in_place=False)
         return _recomputed_backward(loss_gradient, logits_gradient, hidden, weight, bias, target, log_sum_exp,
                                     ignore_index, reduction, label_smoothing, dtype, chunk_bytes)
+
+
+linear_cross_entropy_backward = torch.library.custom_op("memfuse::linear_cross_entropy_backward", mutates_args=())(
+    linear_cross_entropy_backward_impl)
 
 
 def _scaled(loss_gradient, logits_gradient, hidden, weight, units: tuple, dtype, in_place: bool) -> tuple:
@@ -442,12 +451,16 @@ torch.library.define(
     "str reduction, float label_smoothing, ScalarType dtype, int chunk_bytes) -> (Tensor, Tensor(a!), Tensor(b!))")
 
 
-@torch.library.impl("memfuse::linear_cross_entropy_backward_", "CompositeExplicitAutograd")
-def _scaled_in_place(loss_gradient, logits_gradient, hidden, weight, bias, target, log_sum_exp, hidden_unit,
-                     weight_unit, bias_unit, ignore_index, reduction, label_smoothing, dtype, chunk_bytes):
+def linear_cross_entropy_backward_in_place_impl(loss_gradient, logits_gradient, hidden, weight, bias, target,
+                                                log_sum_exp, hidden_unit, weight_unit, bias_unit, ignore_index,
+                                                reduction, label_smoothing, dtype, chunk_bytes):
     with _no_autocast(hidden.device):
         return _scaled(loss_gradient, logits_gradient, hidden, weight, (hidden_unit, weight_unit, bias_unit), dtype,
                        in_place=not _graph_kept())
+
+
+torch.library.impl("memfuse::linear_cross_entropy_backward_", "CompositeExplicitAutograd")(
+    linear_cross_entropy_backward_in_place_impl)
 
 
 def _graph_kept() -> bool:

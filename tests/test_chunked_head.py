@@ -452,6 +452,31 @@ def test_returned_logits_take_their_operands_from_the_inputs_where_they_are_inpu
         assert relative(a, b) < 1e-5
 
 
+@pytest.mark.parametrize("fn", [returning_head, whole_slice_head], ids=["returned_logits", "sliced"])
+def test_programs_call_the_head_implementation_past_the_dispatcher(fn):
+    """memfuse's programs run without autograd: they bind the loss head's implementations
+    (externs.SUBSTITUTES), not the custom ops, whose dispatch only costs the host time; the
+    forward and the backward still give eager's results."""
+    from memfuse.backend import watch
+    torch._dynamo.reset()
+    flat, weight, _, target = head_inputs(40, 16, 37, dtype=torch.float32)
+    x = flat.detach().view(2, 20, 16).requires_grad_() if fn is whole_slice_head else flat
+    with watch() as graphs:
+        loss, logits = torch.compile(fn, backend="memfuse")(x, weight, target)
+        grads = torch.autograd.grad(loss, (x, weight))
+    [graph] = graphs
+    forward = set(map(id, graph.function.forward.run.__globals__.values()))
+    backward = set(map(id, graph.function.backward.run.__globals__.values()))
+    assert id(loss_head.linear_cross_entropy_impl) in forward
+    assert id(torch.ops.memfuse.linear_cross_entropy.default) not in forward
+    assert id(loss_head.linear_cross_entropy_backward_in_place_impl) in backward
+    assert id(torch.ops.memfuse.linear_cross_entropy_backward_.default) not in backward
+    reference_loss, _ = fn(x, weight, target)
+    assert relative(loss, reference_loss) < 1e-6
+    for ours, theirs in zip(grads, torch.autograd.grad(reference_loss, (x, weight))):
+        assert relative(ours, theirs) < 1e-5
+
+
 class ShapesMade(torch.utils._python_dispatch.TorchDispatchMode):
     """The shapes of every tensor the ops inside the block return (the backward's included)."""
 
