@@ -201,8 +201,11 @@ DIRECT_KERNELS = (ROW_STATISTICS, *ROW_STATISTICS_AND_GRADIENT.values(), *LOGITS
 
 # -- the op --------------------------------------------------------------------------------------
 def _no_autocast(device: torch.device):
-    """The op casts its operands itself: an autocast around the compiled call must not recast."""
-    return torch.autocast(device.type, enabled=False) if device.type in ("cuda", "cpu") else contextlib.nullcontext()
+    """The op casts its operands itself: an autocast around the call must not recast. None is on in
+    memfuse's programs (AOTAutograd runs compiled code with autocast off): no context entered there."""
+    if device.type in ("cuda", "cpu") and torch.is_autocast_enabled(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def _aligned_weight(weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype):
@@ -218,11 +221,12 @@ def _aligned_weight(weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: t
     return weight, None if bias is None else torch.nn.functional.pad(bias, (0, pad))
 
 
-def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+def _chunk_logits(hidden: torch.Tensor, weight_t: torch.Tensor, bias: Optional[torch.Tensor],
                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A chunk's logits from the weight transposed (`weight.t()`, made once for all chunks)."""
     if bias is None:
-        return torch.mm(hidden, weight.t(), out=out)
-    return torch.addmm(bias, hidden, weight.t(), out=out)
+        return torch.mm(hidden, weight_t, out=out)
+    return torch.addmm(bias, hidden, weight_t, out=out)
 
 
 def _counted_targets(target: torch.Tensor, ignore_index: int, vocab: int) -> torch.Tensor:
@@ -341,14 +345,19 @@ def linear_cross_entropy_impl(hidden: torch.Tensor, weight: torch.Tensor, bias: 
         gradients = _Gradients.empty(hidden, weight, bias) if with_gradients else None
         chunks = _row_chunks(chunk_rows(tokens, vocab, dtype, chunk_bytes), hidden, target, log_sum_exp, row_losses,
                              logits if return_logits else None, None if gradients is None else gradients.hidden)
+        aligned_t = aligned.t()
+        gradient_rows = None     # returned logits: one buffer for every chunk's gradient, the first chunk's size
         for index, (rows_of_hidden, targets, sums, losses, out, hidden_rows) in enumerate(chunks):
             chunk_hidden = rows_of_hidden.to(dtype)     # a chunk's rows cast, not the whole [tokens, H]
-            chunk = _chunk_logits(chunk_hidden, aligned, aligned_bias, out=out)
+            chunk = _chunk_logits(chunk_hidden, aligned_t, aligned_bias, out=out)
             if gradients is None:
                 ROW_STATISTICS(chunk.shape[0], chunk, chunk.stride(0), targets, sums, losses, vocab, ignore_index,
                                label_smoothing)
             else:
-                gradient = torch.empty_like(chunk) if return_logits else chunk   # in place unless returned
+                if return_logits and gradient_rows is None:
+                    gradient_rows = torch.empty_like(chunk)
+                gradient = chunk if not return_logits else (          # in place unless returned
+                    gradient_rows if chunk.shape[0] == gradient_rows.shape[0] else gradient_rows[:chunk.shape[0]])
                 ROW_STATISTICS_AND_GRADIENT[reduction == "mean"](
                     chunk.shape[0], chunk, chunk.stride(0), targets, sums, losses, counts, gradient, gradient.stride(0),
                     vocab, gradient.shape[1], ignore_index, label_smoothing)
@@ -483,6 +492,7 @@ def _recomputed_backward(loss_gradient, logits_gradient, hidden, weight, bias, t
     tokens, vocab = hidden.shape[0], weight.shape[0]
     target = target.contiguous()
     aligned, aligned_bias = _aligned_weight(weight, bias, dtype)
+    aligned_t = aligned.t()
     scales = _row_scales(loss_gradient, target, ignore_index, reduction)
     gradients = _Gradients.empty(hidden, weight, bias)
     incoming = None if logits_gradient is None else _unit_stride(logits_gradient)
@@ -490,7 +500,7 @@ def _recomputed_backward(loss_gradient, logits_gradient, hidden, weight, bias, t
                          incoming, gradients.hidden)
     for index, (rows_of_hidden, sums, targets, row_scales, incoming_rows, hidden_rows) in enumerate(chunks):
         chunk_hidden = rows_of_hidden.to(dtype)
-        chunk = _chunk_logits(chunk_hidden, aligned, aligned_bias)
+        chunk = _chunk_logits(chunk_hidden, aligned_t, aligned_bias)
         _launch_gradient(chunk, chunk, sums, targets, row_scales, incoming_rows, vocab, label_smoothing)
         gradients.add_chunk(hidden_rows, index == 0, chunk, chunk_hidden, aligned, bias is not None)
         del chunk       # before the next chunk's matmul allocates: one chunk alive at a time, not two
