@@ -26,6 +26,7 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, Stateles
 from . import views
 from .attention import AttentionCall, dense_masks, size_only_masks
 from .debug import timed
+from .indexing import index_by_aranges
 from . import loss_head  # noqa: F401  (registers the chunked loss head's ops, named below)
 from .ir import (BINARY, COMPARISON, EXTERNAL, FUSIBLE, RANDOM, UNARY, Cast, Constant, Extern, Graph, Index, Kind,
                  Matmul, Node, Op, Reduce, Seeded, Strided, Symbol, Value, ValueRef, fits, renamed, value_refs, verify)
@@ -561,7 +562,7 @@ class _Lowering:
     def run(self, num_primals: int, trace_joint: bool) -> Captured:
         placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
         attention_masks = size_only_masks(self.gm)
-        if any(d.taken for d in attention_masks) | _composed_permutes(self.gm):
+        if any(d.taken for d in attention_masks) | _composed_permutes(self.gm) | index_by_aranges(self.gm):
             _without_unused(self.gm)          # the nodes nothing reads now
         for position, node in enumerate(placeholders):
             self.env[node] = self.graph.add(Node(node.name, Op.INPUT, (), classify(node.meta["val"])))
