@@ -441,7 +441,8 @@ def _scaled(loss_gradient, logits_gradient, hidden, weight, units: tuple, dtype,
     logits received."""
     scale = loss_gradient.to(torch.float32)
     hidden_unit, *parameter_units = units
-    gradients = (hidden_unit * scale, *(u.mul_(scale) if in_place else u * scale for u in parameter_units))
+    gradients = (hidden_unit * scale, *((u.mul_(scale) if u.numel() else u) if in_place else u * scale
+                                        for u in parameter_units))        # no bias: its empty unit as it is
     if logits_gradient is not None:
         _add_incoming(*gradients, logits_gradient, hidden, weight, dtype)
     return gradients
