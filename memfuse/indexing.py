@@ -13,7 +13,8 @@ length, a permute where the aranges' dims are not in order, unsqueezes for the b
 which the kernels then read in place. Only what is provably the same: every index an
 `arange(0, n)` (plus 0 at most) of an integer dtype, seen through unsqueezes and reshapes as one
 non-1 dim; the aranges' dims distinct; each n at most its source dim (aten's bound check could not
-fail). Anything else stays aten's.
+fail); under dynamic shapes the aranges end at size symbols, and Dynamo's `x[None, None, :]` leaves
+a whole slice in the chain, which is looked through. Anything else stays aten's.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 aten = torch.ops.aten
 
 ARANGES = (aten.arange.default, aten.arange.start, aten.arange.start_step)
+INT64_MAX = 2**63 - 1
 SHAPE_ONLY = (aten.unsqueeze.default, aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 
@@ -85,7 +87,7 @@ def _arange_laid(index: torch.fx.Node, rank: int) -> Optional[tuple]:
     if len(long_dims) != 1:
         return None
     node = index
-    while node.op == "call_function" and (node.target in SHAPE_ONLY or _adds_zero(node)):
+    while node.op == "call_function" and (node.target in SHAPE_ONLY or _adds_zero(node) or _whole_slice(node)):
         node = node.args[0]
     if node.op != "call_function" or node.target not in ARANGES:
         return None
@@ -102,6 +104,16 @@ def _arange_range(node: torch.fx.Node) -> tuple:
     if node.target is aten.arange.start:
         return args[0], args[1], 1
     return args[0], args[1], args[2] if len(args) > 2 else 1
+
+
+def _whole_slice(node: torch.fx.Node) -> bool:
+    """A slice that keeps its dim whole (Dynamo's `x[None, None, :]` traces a slice to 2**63 - 1)."""
+    if node.target is not aten.slice.Tensor or node.kwargs:
+        return False
+    source, dim, start, end, step = (list(node.args) + [0, 0, None, 1][len(node.args) - 1:])[:5]
+    size = source.meta["val"].shape[dim] if isinstance(source, torch.fx.Node) and "val" in source.meta else None
+    return start == 0 and step == 1 and size is not None and (
+        end is None or (isinstance(end, int) and end >= INT64_MAX) or statically_known_true(_size(end) == size))
 
 
 def _adds_zero(node: torch.fx.Node) -> bool:

@@ -116,3 +116,18 @@ def test_the_gradient_through_an_index_of_aranges_matches_eager():
     ours_grads = torch.autograd.grad(ours, (x, w), grad)
     for a, b in zip(ours_grads, torch.autograd.grad(theirs, (x, w), grad)):
         assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_the_mask_at_every_length_after_dynamo_goes_dynamic():
+    """Dynamo's second length compiles with a symbolic one: the aranges end at a size symbol and
+    `x[None, None, :]` traces a whole slice; the index is still the views it is."""
+    from memfuse.backend import watch
+    torch._dynamo.reset()
+    compiled = torch.compile(hf_mask, backend="memfuse")
+    with watch() as graphs:
+        for length in (12, 20, 7):
+            position_ids = torch.arange(length)[None, :]
+            assert torch.equal(compiled(position_ids), hf_mask(position_ids))
+    assert len(graphs) == 2                                  # static, then dynamic
+    for graph in graphs:
+        assert INDEX not in graph.function.forward.run.__globals__.values()
