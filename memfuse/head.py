@@ -199,7 +199,8 @@ def _return_without_gradient(graph: torch.fx.Graph, logits: torch.fx.Node, posit
     operands go to attach_returned_logits as the graph's inputs where they are inputs (or a whole
     view of one: HuggingFace's `hidden_states[:, slice(0, None), :]`), else as outputs after the
     graph's own. An operand returned as an output is a copy of it in memfuse's program (a graph
-    output never aliases an input): Llama's fp32 hidden states, 67 MB more kept to the backward."""
+    output never aliases an input): Llama's fp32 hidden states, where FSDP2 or DDP split the head's
+    graph from the layers, 33 MB more kept to the backward on a rank of 8192 tokens."""
     output = graph.find_nodes(op="output")[0]
     values = list(_output_values(graph))
     for position in positions:

@@ -112,7 +112,7 @@ def _whole_slice(node: torch.fx.Node) -> bool:
         return False
     source, dim, start, end, step = (list(node.args) + [0, 0, None, 1][len(node.args) - 1:])[:5]
     size = source.meta["val"].shape[dim] if isinstance(source, torch.fx.Node) and "val" in source.meta else None
-    return start == 0 and step == 1 and size is not None and (
+    return start in (None, 0) and step == 1 and size is not None and (
         end is None or (isinstance(end, int) and end >= INT64_MAX) or statically_known_true(_size(end) == size))
 
 
