@@ -496,7 +496,8 @@ EXTERN_REASONS = {
     aten.scatter.value: "scatter: data-dependent addressing",
     aten.gather.default: "gather: data-dependent addressing (fused only along the last dim of an [M, D] value, "
                          "one index per row)",
-    aten.index.Tensor: "indexing: data-dependent addressing",
+    aten.index.Tensor: "indexing: data-dependent addressing (by aranges along distinct dims it is a view: "
+                       "memfuse.indexing)",
     aten.cumsum.default: "scan along a dim",
     aten.cumprod.default: "scan along a dim",
     torch.ops.memfuse.linear_cross_entropy.default: "the chunked loss head (memfuse.loss_head): its matmuls and "
