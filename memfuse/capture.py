@@ -765,7 +765,8 @@ class _Lowering:
         node = self.graph[name]
         if node.op is Op.VIEW and self.graph[node.inputs[0]].op is not Op.CONSTANT:
             source = self.access(node.inputs[0])
-            step = views.reshape(source.shape, node.value.shape)
+            # a reshape of its source, or a broadcast of it (an expand: stride 0 along the repeated dims)
+            step = views.reshape(source.shape, node.value.shape) or views.expand(source.shape, node.value.shape)
             if step is not None:
                 return source.then(*step, node.value.shape)
         return self.in_memory(name)

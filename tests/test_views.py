@@ -538,3 +538,22 @@ def test_composed_permutes_keep_what_each_reads(fn):
     both = run_both(fn, [torch.randn(3, 4, 8, requires_grad=True)])
     assert_same(both.fused, both.eager)
     assert_same(both.fused_grads, both.eager_grads, what="gradient")
+
+
+def packed_sequence_check(position_ids):
+    """HuggingFace's packed-sequence check: the ids expanded over the batch, then torch.diff with a
+    prepended value, read by slices of the expanded ids."""
+    positions = position_ids.expand(3, -1)
+    first = positions[:, :1] - 1
+    return (torch.diff(positions, prepend=first, dim=-1) != 1).cumsum(-1)
+
+
+def test_views_of_an_expanded_input_read_the_input_by_stride_0():
+    """A broadcast of an input that views then read (slices, a cat part) is read through the
+    input with stride 0 along the repeated dim: no kernel writes the expanded copy first."""
+    position_ids = torch.arange(10)[None, :]
+    fused = memfuse.memory_efficient_fusion(packed_sequence_check)
+    assert torch.equal(fused(position_ids), packed_sequence_check(position_ids))
+    [entry] = [e for e in fused.cache.values() if hasattr(e, "function")]
+    allocated = [line for line in entry.function.forward.source.splitlines() if "mf_empty_strided((" in line]
+    assert not [line for line in allocated if line.strip().startswith("expand =")], allocated

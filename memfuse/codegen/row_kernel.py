@@ -667,7 +667,8 @@ class RowKernelWriter:
                 out(f"{index[k]} = {quotient}" + (f" % {self.row_size(a, k, row_dims)}" if k != walk[0] else ""))
                 inner = _times(inner, self.row_size(a, k, row_dims))
             steps = [_times(index[k], strides[k]) for k in row_dims]
-            row = _sum([start] + (steps if row_dims else ["0 * rows"]))   # a vector even for one row
+            # a vector even for one row, or where no dim steps the rows (a broadcast: stride 0)
+            row = _sum([start] + (steps if any(step != "0" for step in steps) else ["0 * rows"]))
         if col is not None:
             index[col] = "cols"
             column = "cols" if strides[col] == "1" else f"(cols * {_paren(strides[col])})"
