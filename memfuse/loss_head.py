@@ -139,45 +139,50 @@ def _count_targets(target_ptr, tokens, ignore_index, vocab, counts_ptr, BLOCK: t
 
 
 @triton.jit
-def _row_statistics(logits_ptr, logits_row_stride, target_ptr, log_sum_exp_ptr, row_loss_ptr, vocab, ignore_index,
-                    smoothing, BLOCK: tl.constexpr):
-    """One program per token row: its log-sum-exp (kept for the backward) and its loss."""
+def _row_statistics(logits_ptr, logits_row_stride, first_token, target_ptr, log_sum_exp_ptr, row_loss_ptr, vocab,
+                    ignore_index, smoothing, BLOCK: tl.constexpr):
+    """One program per row of a chunk's logits (the token `first_token` + row): its log-sum-exp
+    (kept for the backward) and its loss."""
     row = tl.program_id(0).to(tl.int64)
-    target = tl.load(target_ptr + row)
+    token = first_token + row
+    target = tl.load(target_ptr + token)
     log_sum_exp, target_logit, logit_sum = _statistics_of_row(
         logits_ptr + row * logits_row_stride, target, vocab, BLOCK)
-    tl.store(log_sum_exp_ptr + row, log_sum_exp)
-    tl.store(row_loss_ptr + row,
+    tl.store(log_sum_exp_ptr + token, log_sum_exp)
+    tl.store(row_loss_ptr + token,
              _loss_of_row(log_sum_exp, target_logit, logit_sum, target != ignore_index, vocab, smoothing))
 
 
 @triton.jit
-def _logits_gradient(logits_ptr, logits_row_stride, log_sum_exp_ptr, target_ptr, row_scale_ptr,
+def _logits_gradient(logits_ptr, logits_row_stride, first_token, log_sum_exp_ptr, target_ptr, row_scale_ptr,
                      incoming_ptr, incoming_row_stride, gradient_ptr, gradient_row_stride, vocab, padded_vocab,
                      smoothing, HAS_INCOMING: tl.constexpr, BLOCK: tl.constexpr):
-    """One program per token row: the gradient of its logits (the backward that recomputes them)."""
+    """One program per row of a chunk: the gradient of its logits (the backward that recomputes
+    them); the incoming gradient is the whole [tokens, vocab] one, read at the row's token."""
     row = tl.program_id(0).to(tl.int64)
+    token = first_token + row
     _gradient_of_row(logits_ptr + row * logits_row_stride, gradient_ptr + row * gradient_row_stride,
-                     incoming_ptr + row * incoming_row_stride, tl.load(log_sum_exp_ptr + row),
-                     tl.load(target_ptr + row), tl.load(row_scale_ptr + row), vocab, padded_vocab, smoothing,
+                     incoming_ptr + token * incoming_row_stride, tl.load(log_sum_exp_ptr + token),
+                     tl.load(target_ptr + token), tl.load(row_scale_ptr + token), vocab, padded_vocab, smoothing,
                      HAS_INCOMING, BLOCK)
 
 
 @triton.jit
-def _row_statistics_and_gradient(logits_ptr, logits_row_stride, target_ptr, log_sum_exp_ptr, row_loss_ptr,
-                                 counts_ptr, gradient_ptr, gradient_row_stride, vocab, padded_vocab, ignore_index,
-                                 smoothing, MEAN: tl.constexpr, BLOCK: tl.constexpr):
-    """One program per token row, the forward that forms the gradients for an upstream gradient of
-    1: the row's statistics and loss, then its gradient scaled by d loss / d row loss (1 over the
+def _row_statistics_and_gradient(logits_ptr, logits_row_stride, first_token, target_ptr, log_sum_exp_ptr,
+                                 row_loss_ptr, counts_ptr, gradient_ptr, gradient_row_stride, vocab, padded_vocab,
+                                 ignore_index, smoothing, MEAN: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per row of a chunk, the forward that forms the gradients for an upstream gradient
+    of 1: the row's statistics and loss, then its gradient scaled by d loss / d row loss (1 over the
     count of counted targets for a mean, 1 for a sum, 0 where ignored), in place where gradient is
     logits: one launch, the row's second read from L2 while it is still there."""
     row = tl.program_id(0).to(tl.int64)
+    token = first_token + row
     row_logits = logits_ptr + row * logits_row_stride
-    target = tl.load(target_ptr + row)
+    target = tl.load(target_ptr + token)
     valid = target != ignore_index
     log_sum_exp, target_logit, logit_sum = _statistics_of_row(row_logits, target, vocab, BLOCK)
-    tl.store(log_sum_exp_ptr + row, log_sum_exp)
-    tl.store(row_loss_ptr + row, _loss_of_row(log_sum_exp, target_logit, logit_sum, valid, vocab, smoothing))
+    tl.store(log_sum_exp_ptr + token, log_sum_exp)
+    tl.store(row_loss_ptr + token, _loss_of_row(log_sum_exp, target_logit, logit_sum, valid, vocab, smoothing))
     if MEAN:
         row_scale = 1.0 / tl.load(counts_ptr)
     else:
@@ -187,8 +192,35 @@ def _row_statistics_and_gradient(logits_ptr, logits_row_stride, target_ptr, log_
                      row_scale, vocab, padded_vocab, smoothing, False, BLOCK)
 
 
-# Launched once a chunk: straight through their compiled launchers (memfuse.launch; Triton's own
-# launch path cost 47 us a launch on an H200 host, a chunk's matmul call 25 us).
+@triton.jit
+def _finish_loss(row_loss_ptr, tokens, counts_ptr, loss_ptr, MEAN: tl.constexpr, BLOCK: tl.constexpr):
+    """One program: the loss of the rows' losses, their sum (over counts[0], the counted targets,
+    for a mean: 0 / 0 is NaN where none is counted, as eager's)."""
+    partial = tl.zeros((BLOCK,), tl.float32)
+    for start in range(0, tokens, BLOCK):
+        offsets = start + tl.arange(0, BLOCK)
+        partial += tl.load(row_loss_ptr + offsets, mask=offsets < tokens, other=0.0)
+    loss = tl.sum(partial, axis=0)
+    if MEAN:
+        loss = loss / tl.load(counts_ptr)
+    tl.store(loss_ptr, loss)
+
+
+@triton.jit
+def _cast_rows(source_ptr, source_row_stride, source_rows, columns, out_ptr, BLOCK: tl.constexpr):
+    """One program per row of out [rows, columns]: the source's row in out's dtype, zeros for the
+    padding rows past the source's."""
+    row = tl.program_id(0).to(tl.int64)
+    read_columns = tl.where(row < source_rows, columns, 0)      # a padding row reads nothing
+    for start in range(0, columns, BLOCK):
+        offsets = start + tl.arange(0, BLOCK)
+        values = tl.load(source_ptr + row * source_row_stride + offsets, mask=offsets < read_columns, other=0.0)
+        tl.store(out_ptr + row * columns + offsets, values.to(out_ptr.dtype.element_ty), mask=offsets < columns)
+
+
+# Launched straight through their compiled launchers (memfuse.launch): on an H200 host Triton's own
+# launch path cost 47 us a launch, and aten's calls this replaces 36-60 us each (a cast, a pad, a sum,
+# a division; 2026-11-28), a launch here about 8.
 _ROW_OPTIONS = {"num_warps": NUM_WARPS}
 ROW_STATISTICS = DirectKernel(_row_statistics, _ROW_OPTIONS, BLOCK=BLOCK_COLUMNS)
 ROW_STATISTICS_AND_GRADIENT = {mean: DirectKernel(_row_statistics_and_gradient, _ROW_OPTIONS, MEAN=mean,
@@ -196,7 +228,10 @@ ROW_STATISTICS_AND_GRADIENT = {mean: DirectKernel(_row_statistics_and_gradient, 
 COUNT_TARGETS = DirectKernel(_count_targets, {"num_warps": 4}, BLOCK=1024)
 LOGITS_GRADIENT = {incoming: DirectKernel(_logits_gradient, _ROW_OPTIONS, HAS_INCOMING=incoming, BLOCK=BLOCK_COLUMNS)
                    for incoming in (False, True)}
-DIRECT_KERNELS = (ROW_STATISTICS, *ROW_STATISTICS_AND_GRADIENT.values(), *LOGITS_GRADIENT.values(), COUNT_TARGETS)
+FINISH_LOSS = {mean: DirectKernel(_finish_loss, {"num_warps": 4}, MEAN=mean, BLOCK=4096) for mean in (False, True)}
+CAST_ROWS = DirectKernel(_cast_rows, {"num_warps": 4}, BLOCK=1024)
+DIRECT_KERNELS = (ROW_STATISTICS, *ROW_STATISTICS_AND_GRADIENT.values(), *LOGITS_GRADIENT.values(), COUNT_TARGETS,
+                  *FINISH_LOSS.values(), CAST_ROWS)
 
 
 # -- the op --------------------------------------------------------------------------------------
@@ -211,14 +246,23 @@ def _no_autocast(device: torch.device):
 def _aligned_weight(weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype):
     """The weight (and bias) in the matmul's dtype with the vocabulary padded to ALIGN rows of
     zeros: the chunk's logits then have an aligned row stride, and cuBLAS its aligned kernels."""
-    vocab = weight.shape[0]
-    weight = weight.to(dtype)
-    bias = None if bias is None else bias.to(dtype)
-    if _padded(vocab) == vocab:
-        return weight, bias
-    pad = _padded(vocab) - vocab
-    weight = torch.nn.functional.pad(weight, (0, 0, 0, pad))
-    return weight, None if bias is None else torch.nn.functional.pad(bias, (0, pad))
+    rows = _padded(weight.shape[0])
+    aligned_bias = None if bias is None else _cast(bias.unsqueeze(1), dtype, rows).view(rows)
+    return _cast(weight, dtype, rows), aligned_bias
+
+
+def _cast(source: torch.Tensor, dtype: torch.dtype, rows: Optional[int] = None) -> torch.Tensor:
+    """source [n, columns] in `dtype`, padded with rows of zeros to `rows`: one launch, where a
+    Tensor.to and a pad were two aten calls (~40 and ~60 us of an H200 host). The source itself
+    where nothing changes."""
+    rows = source.shape[0] if rows is None else rows
+    if source.dtype == dtype and rows == source.shape[0]:
+        return source
+    source = _unit_stride(source)
+    out = source.new_empty((rows, source.shape[1]), dtype=dtype)
+    if out.numel():
+        CAST_ROWS(rows, source, source.stride(0), source.shape[0], source.shape[1], out)
+    return out
 
 
 def _chunk_logits(hidden: torch.Tensor, weight_t: torch.Tensor, bias: Optional[torch.Tensor],
@@ -239,13 +283,15 @@ def _counted_targets(target: torch.Tensor, ignore_index: int, vocab: int) -> tor
     return counts
 
 
-def _reduced(row_losses: torch.Tensor, count: torch.Tensor, reduction: str) -> torch.Tensor:
+def _reduced(row_losses: torch.Tensor, counts: torch.Tensor, reduction: str) -> torch.Tensor:
     """The loss of the rows' losses (0 where ignored): their sum, over the count of counted rows
-    for a mean (0 / 0, NaN, where none is counted, as eager)."""
+    for a mean (0 / 0, NaN, where none is counted, as eager); one launch (a sum, a select and a
+    division were three aten calls)."""
     if reduction == "none":
         return row_losses
-    total = row_losses.sum()
-    return total / count if reduction == "mean" else total
+    loss = row_losses.new_empty(())
+    FINISH_LOSS[reduction == "mean"](1, row_losses, row_losses.shape[0], counts, loss)
+    return loss
 
 
 def _check(hidden, weight, bias, target, reduction: str) -> None:
@@ -310,12 +356,14 @@ class _Gradients:
         return self.hidden, self.weight, self.bias.to(bias.dtype) if bias is not None else self.bias
 
 
-def _launch_gradient(chunk, gradient, log_sum_exp, target, scales, incoming, vocab: int, smoothing: float) -> None:
-    """Without incoming gradient the kernel is handed the chunk in its place, never read."""
+def _launch_gradient(chunk, first: int, gradient, log_sum_exp, target, scales, incoming, vocab: int,
+                     smoothing: float) -> None:
+    """The gradient of the chunk's logits (tokens `first` on); without incoming gradient the kernel
+    is handed the chunk in its place, never read."""
     LOGITS_GRADIENT[incoming is not None](
-        chunk.shape[0], chunk, chunk.stride(0), log_sum_exp, target, scales, chunk if incoming is None else incoming,
-        0 if incoming is None else incoming.stride(0), gradient, gradient.stride(0), vocab, gradient.shape[1],
-        smoothing)
+        chunk.shape[0], chunk, chunk.stride(0), first, log_sum_exp, target, scales,
+        chunk if incoming is None else incoming, 0 if incoming is None else incoming.stride(0),
+        gradient, gradient.stride(0), vocab, gradient.shape[1], smoothing)
 
 
 def linear_cross_entropy_impl(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -343,28 +391,28 @@ def linear_cross_entropy_impl(hidden: torch.Tensor, weight: torch.Tensor, bias: 
         log_sum_exp, row_losses = (hidden.new_empty(tokens, dtype=torch.float32) for _ in range(2))
         counts = _counted_targets(target, ignore_index, vocab)
         gradients = _Gradients.empty(hidden, weight, bias) if with_gradients else None
-        chunks = _row_chunks(chunk_rows(tokens, vocab, dtype, chunk_bytes), hidden, target, log_sum_exp, row_losses,
-                             logits if return_logits else None, None if gradients is None else gradients.hidden)
         aligned_t = aligned.t()
         gradient_rows = None     # returned logits: one buffer for every chunk's gradient, the first chunk's size
-        for index, (rows_of_hidden, targets, sums, losses, out, hidden_rows) in enumerate(chunks):
-            chunk_hidden = rows_of_hidden.to(dtype)     # a chunk's rows cast, not the whole [tokens, H]
+        for index, (first, last) in enumerate(_chunks(tokens, chunk_rows(tokens, vocab, dtype, chunk_bytes))):
+            chunk_hidden = _cast(hidden[first:last], dtype)     # a chunk's rows cast, not the whole [tokens, H]
+            out = logits[first:last] if return_logits else None
             chunk = _chunk_logits(chunk_hidden, aligned_t, aligned_bias, out=out)
             if gradients is None:
-                ROW_STATISTICS(chunk.shape[0], chunk, chunk.stride(0), targets, sums, losses, vocab, ignore_index,
-                               label_smoothing)
+                ROW_STATISTICS(chunk.shape[0], chunk, chunk.stride(0), first, target, log_sum_exp, row_losses, vocab,
+                               ignore_index, label_smoothing)
             else:
                 if return_logits and gradient_rows is None:
                     gradient_rows = torch.empty_like(chunk)
                 gradient = chunk if not return_logits else (          # in place unless returned
                     gradient_rows if chunk.shape[0] == gradient_rows.shape[0] else gradient_rows[:chunk.shape[0]])
                 ROW_STATISTICS_AND_GRADIENT[reduction == "mean"](
-                    chunk.shape[0], chunk, chunk.stride(0), targets, sums, losses, counts, gradient, gradient.stride(0),
-                    vocab, gradient.shape[1], ignore_index, label_smoothing)
-                gradients.add_chunk(hidden_rows, index == 0, gradient, chunk_hidden, aligned, bias is not None)
+                    chunk.shape[0], chunk, chunk.stride(0), first, target, log_sum_exp, row_losses, counts, gradient,
+                    gradient.stride(0), vocab, gradient.shape[1], ignore_index, label_smoothing)
+                gradients.add_chunk(gradients.hidden[first:last], index == 0, gradient, chunk_hidden, aligned,
+                                    bias is not None)
                 del gradient
             del chunk       # before the next chunk's matmul allocates: one chunk alive at a time, not two
-        loss = _reduced(row_losses, counts[0], reduction)
+        loss = _reduced(row_losses, counts, reduction)
         precomputed = gradients.finished(bias) if gradients is not None else _no_gradients(hidden)
     return loss, log_sum_exp, logits[:, :vocab] if return_logits else logits, *precomputed
 
@@ -376,15 +424,13 @@ linear_cross_entropy = torch.library.custom_op("memfuse::linear_cross_entropy", 
     linear_cross_entropy_impl)
 
 
-def _row_chunks(rows: int, *tensors: Optional[torch.Tensor]) -> list:
-    """Chunk by chunk, each tensor's view of the chunk's rows (None for a None tensor); no chunk of
-    no tokens. Small chunks leave the step to the host: Llama's head in 512-row chunks took 9.5-10.2
+def _chunks(tokens: int, rows: int) -> list:
+    """(first, last) token of each chunk of `rows` rows; none for no tokens. The kernels take the
+    first token and index the [tokens] tensors themselves, so a chunk makes views only for its
+    matmuls. Small chunks leave the step to the host: Llama's head in 512-row chunks took 9.5-10.2
     ms to enqueue 8.1 ms of GPU work (one H200, 2026-11-27), about 0.25 ms a chunk, against 2.1-2.8
-    ms for 4 chunks of 4096 rows; views made this way instead of a slice a chunk and tensor did not
-    change that measurably."""
-    count = -(-tensors[0].shape[0] // rows)
-    views = [(None,) * count if t is None else t.split(rows) for t in tensors]
-    return list(zip(*views)) if count else []
+    ms for 4 chunks of 4096 rows."""
+    return [(first, min(first + rows, tokens)) for first in range(0, tokens, rows)]
 
 
 def _no_gradients(hidden: torch.Tensor) -> tuple:
@@ -497,13 +543,11 @@ def _recomputed_backward(loss_gradient, logits_gradient, hidden, weight, bias, t
     scales = _row_scales(loss_gradient, target, ignore_index, reduction)
     gradients = _Gradients.empty(hidden, weight, bias)
     incoming = None if logits_gradient is None else _unit_stride(logits_gradient)
-    chunks = _row_chunks(chunk_rows(tokens, vocab, dtype, chunk_bytes), hidden, log_sum_exp, target, scales,
-                         incoming, gradients.hidden)
-    for index, (rows_of_hidden, sums, targets, row_scales, incoming_rows, hidden_rows) in enumerate(chunks):
-        chunk_hidden = rows_of_hidden.to(dtype)
+    for index, (first, last) in enumerate(_chunks(tokens, chunk_rows(tokens, vocab, dtype, chunk_bytes))):
+        chunk_hidden = _cast(hidden[first:last], dtype)
         chunk = _chunk_logits(chunk_hidden, aligned_t, aligned_bias)
-        _launch_gradient(chunk, chunk, sums, targets, row_scales, incoming_rows, vocab, label_smoothing)
-        gradients.add_chunk(hidden_rows, index == 0, chunk, chunk_hidden, aligned, bias is not None)
+        _launch_gradient(chunk, first, chunk, log_sum_exp, target, scales, incoming, vocab, label_smoothing)
+        gradients.add_chunk(gradients.hidden[first:last], index == 0, chunk, chunk_hidden, aligned, bias is not None)
         del chunk       # before the next chunk's matmul allocates: one chunk alive at a time, not two
     return gradients.finished(bias)
 
@@ -522,7 +566,7 @@ def _accumulate(total: torch.Tensor, left: torch.Tensor, right: torch.Tensor, ov
     if total.dtype == left.dtype:
         total.addmm_(left, right, beta=beta)
     elif total.dtype == torch.float32 and _fp32_epilogue(total.device, left.dtype):
-        torch.ops.aten.addmm.dtype_out(total, left, right, torch.float32, beta=beta, out=total)
+        torch.addmm(total, left, right, out_dtype=torch.float32, beta=beta, out=total)    # addmm.dtype_out
     elif overwrite:
         total.copy_(torch.mm(left, right))
     else:
@@ -538,7 +582,7 @@ def _fp32_epilogue(device: torch.device, dtype: torch.dtype) -> bool:
     total = torch.zeros(8, 8, device=device)
     operand = torch.ones(8, 8, device=device, dtype=dtype)
     try:
-        torch.ops.aten.addmm.dtype_out(total, operand, operand, torch.float32, out=total)
+        torch.addmm(total, operand, operand, out_dtype=torch.float32, out=total)
     except (RuntimeError, NotImplementedError):
         return False
     return bool((total == 8).all())
