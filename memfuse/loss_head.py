@@ -336,9 +336,9 @@ class _Gradients:
         its read); zeros where no chunk will write it (no tokens)."""
         weight_gradient = (torch.empty if hidden.shape[0] else torch.zeros)(
             weight.shape, dtype=weight.dtype, device=weight.device)
-        return _Gradients(hidden.new_empty(hidden.shape), weight_gradient,
-                          torch.zeros(weight.shape[:1] if bias is not None else (0,), dtype=torch.float32,
-                                      device=weight.device))
+        bias_gradient = (torch.zeros(weight.shape[:1], dtype=torch.float32, device=weight.device) if bias is not None
+                         else weight.new_empty((0,), dtype=torch.float32))     # no zero fill: a second aten call
+        return _Gradients(hidden.new_empty(hidden.shape), weight_gradient, bias_gradient)
 
     def add_chunk(self, hidden_rows, first: bool, gradient, chunk_hidden, aligned, has_bias: bool) -> None:
         """The two matmuls that take a chunk's logits gradient (padded columns 0) into its rows of
