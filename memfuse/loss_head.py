@@ -215,7 +215,8 @@ def _cast_rows(source_ptr, source_row_stride, source_rows, columns, out_ptr, BLO
     for start in range(0, columns, BLOCK):
         offsets = start + tl.arange(0, BLOCK)
         values = tl.load(source_ptr + row * source_row_stride + offsets, mask=offsets < read_columns, other=0.0)
-        tl.store(out_ptr + row * columns + offsets, values.to(out_ptr.dtype.element_ty), mask=offsets < columns)
+        tl.store(out_ptr + row * columns + offsets, values.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
+                 mask=offsets < columns)
 
 
 # Launched straight through their compiled launchers (memfuse.launch): on an H200 host Triton's own

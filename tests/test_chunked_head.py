@@ -253,6 +253,37 @@ def test_the_hidden_states_are_cast_a_chunk_at_a_time(monkeypatch, with_gradient
     assert max(storage_bytes) == 8 * 16 * 2            # one chunk's rows in bf16
 
 
+def check_cast_with_padding_rows(dtype, device, exact: bool):
+    """`exact`: bit for bit; else within one ulp of dtype (Triton's interpreter rounds fp32 -> bf16
+    toward zero, the GPU to nearest as torch)."""
+    def same(cast, expected):
+        if exact:
+            return torch.equal(cast, expected)
+        ulp = expected.float().abs() * torch.finfo(dtype).eps
+        return cast.shape == expected.shape and bool(((cast.float() - expected.float()).abs() <= ulp).all())
+
+    torch.manual_seed(0)
+    source = torch.randn(7, 45, device=device) * 3
+    cast = loss_head._cast(source, dtype, rows=10)
+    assert same(cast, F.pad(source.to(dtype), (0, 0, 0, 3)))
+    assert torch.equal(cast[7:], torch.zeros(3, 45, dtype=dtype, device=device))
+    strided = torch.randn(45, 7, device=device).t()
+    assert same(loss_head._cast(strided, dtype), strided.to(dtype))
+    same_dtype = source.to(dtype)
+    assert loss_head._cast(same_dtype, dtype) is same_dtype
+    bias = torch.randn(7, device=device)
+    _, aligned_bias = loss_head._aligned_weight(source, bias, dtype)
+    assert same(aligned_bias, F.pad(bias.to(dtype), (0, 1)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_cast_with_padding_rows_matches_to_and_pad(dtype):
+    """The weight's cast and its padding to aligned rows (one launch) give what Tensor.to and F.pad
+    give, from a strided source too, bit for bit in fp16 (bf16: one ulp here, see the GPU test); a
+    source already in the dtype and size is itself."""
+    check_cast_with_padding_rows(dtype, "cpu", exact=dtype == torch.float16)
+
+
 def test_a_budget_shrinks_the_chunks_down_to_a_floor_of_rows():
     """Chunks of fewer rows make each weight-gradient addmm memory-bound: the budget stops there,
     and never raises a chunk past the configured bytes."""

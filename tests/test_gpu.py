@@ -788,6 +788,14 @@ def test_chunked_loss_head_direct_launches_match_tritons_own(monkeypatch, with_g
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_loss_head_cast_with_padding_rows_is_tensor_to_bit_for_bit_on_the_gpu(dtype):
+    """The loss head's one-launch cast (and padding) rounds as Tensor.to on the GPU, bf16 included
+    (Triton's interpreter truncates bf16, so the CPU test allows an ulp there)."""
+    from test_chunked_head import check_cast_with_padding_rows
+    check_cast_with_padding_rows(dtype, "cuda", exact=True)
+
+
 def _drops_its_mask_as_eager(fused, attention, tensors: tuple) -> None:
     """The fused call runs its attention forward and backward without the mask (the counter), and
     its output and gradients stay within bf16 noise of eager's."""
