@@ -207,6 +207,17 @@ def _finish_loss(row_loss_ptr, tokens, counts_ptr, loss_ptr, MEAN: tl.constexpr,
 
 
 @triton.jit
+def _scale(source_ptr, out_ptr, numel, scale_ptr, BLOCK: tl.constexpr):
+    """out = source * scale[0], in fp32, rounded once to out's dtype."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = offsets < numel
+    scale = tl.load(scale_ptr).to(tl.float32)
+    values = tl.load(source_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offsets, (values * scale).to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
+             mask=inside)
+
+
+@triton.jit
 def _cast_rows(source_ptr, source_row_stride, source_rows, columns, out_ptr, BLOCK: tl.constexpr):
     """One program per row of out [rows, columns]: the source's row in out's dtype, zeros for the
     padding rows past the source's."""
@@ -231,8 +242,10 @@ LOGITS_GRADIENT = {incoming: DirectKernel(_logits_gradient, _ROW_OPTIONS, HAS_IN
                    for incoming in (False, True)}
 FINISH_LOSS = {mean: DirectKernel(_finish_loss, {"num_warps": 4}, MEAN=mean, BLOCK=4096) for mean in (False, True)}
 CAST_ROWS = DirectKernel(_cast_rows, {"num_warps": 4}, BLOCK=1024)
+SCALE_BLOCK = 2048
+SCALE = DirectKernel(_scale, {"num_warps": 8}, BLOCK=SCALE_BLOCK)
 DIRECT_KERNELS = (ROW_STATISTICS, *ROW_STATISTICS_AND_GRADIENT.values(), *LOGITS_GRADIENT.values(), COUNT_TARGETS,
-                  *FINISH_LOSS.values(), CAST_ROWS)
+                  *FINISH_LOSS.values(), CAST_ROWS, SCALE)
 
 
 # -- the op --------------------------------------------------------------------------------------
@@ -486,13 +499,27 @@ def _scaled(loss_gradient, logits_gradient, hidden, weight, units: tuple, dtype,
     """The gradients the forward formed for an upstream gradient of 1, times the loss's gradient
     (the weight's and the bias's in their units themselves `in_place`), plus what the returned
     logits received."""
-    scale = loss_gradient.to(torch.float32)
     hidden_unit, *parameter_units = units
-    gradients = (hidden_unit * scale, *((u.mul_(scale) if u.numel() else u) if in_place else u * scale
-                                        for u in parameter_units))        # no bias: its empty unit as it is
+    gradients = (_times(hidden_unit, loss_gradient, in_place=False),
+                 *(_times(u, loss_gradient, in_place) for u in parameter_units))
     if logits_gradient is not None:
         _add_incoming(*gradients, logits_gradient, hidden, weight, dtype)
     return gradients
+
+
+def _times(unit: torch.Tensor, loss_gradient: torch.Tensor, in_place: bool) -> torch.Tensor:
+    """unit * the loss's gradient (a 0-dim tensor, read by the kernel: no sync), in fp32 and rounded
+    once to the unit's dtype as aten's mul; into the unit itself `in_place`. One launch where aten
+    took a cast and a mul. An empty unit (no bias): itself in place, else a new empty tensor (the
+    custom op's results must not alias its inputs)."""
+    if not unit.numel():
+        return unit if in_place else torch.empty_like(unit)
+    if not unit.is_contiguous() or loss_gradient.dim() != 0:
+        scale = loss_gradient.to(torch.float32)
+        return unit.mul_(scale) if in_place else unit * scale
+    out = unit if in_place else torch.empty_like(unit)
+    SCALE(triton.cdiv(unit.numel(), SCALE_BLOCK), unit, out, unit.numel(), loss_gradient)
+    return out
 
 
 # The same backward where the forward formed the gradients, scaling the weight's and the bias's in
