@@ -407,7 +407,7 @@ DIVIDE_ATEN = {aten.div.Tensor_mode, aten.div.Scalar_mode, prims.div.default, pr
 # (Targets the decomposition table rewrites, like reshape or zeros_like, never arrive: no rows.)
 # Views that move elements: read in place from memory through an access map (memfuse.views).
 STRIDED_ATEN = {aten.permute.default, aten.slice.Tensor, aten.select.int, aten.cat.default,
-                aten.slice_scatter.default, aten.select_backward.default}
+                aten.slice_scatter.default, aten.select_backward.default, aten.constant_pad_nd.default}
 VIEW_ATEN = {aten.view.default, aten.expand.default, aten.clone.default, aten.alias.default,
              aten.squeeze.dims, aten.unsqueeze.default, aten.lift_fresh_copy.default}
 CAST_ATEN = {aten._to_copy.default, prims.convert_element_type.default, aten.copy.default}
@@ -473,6 +473,8 @@ SPECIAL_ATEN = {
                                 "along D, a source computed from reads is computed at its columns",
     aten.any.dim: "sum of the booleans as fp32 > 0, over D or over M",
     aten.select_backward.default: "a windowed strided read of the gradient over zeros",
+    aten.constant_pad_nd.default: "a windowed strided read of the source, shifted by each dim's pad, over the "
+                                  "fill value (a negative pad crops); pads by size symbols: an extern",
     aten.scatter.src: "where(column == index, src, self) for an index known to lie in [0, D): from argmax/argmin "
                       "over D (max.dim's backward) or checked by a gather of the graph (its IndexCheck, or aten's); "
                       "else an extern",
@@ -547,6 +549,7 @@ class _Lowering:
         self.strided_inputs = strided_inputs or {}
         self.last_stride_one: dict = {}   # non-contiguous input -> whether its last stride is 1
         self.maps: dict = {}           # STRIDED node -> its views.AccessMap (sympy), for composing views
+        self.pads: dict = {}           # STRIDED pad read -> (its AccessMap, window, fill), for slices of it
         self.in_place: dict = {}       # non-contiguous input -> the STRIDED node that reads it
         self.broadcasts: dict = {}     # (value, shape) -> the STRIDED node that reads it broadcast
         self.aten_views: dict = {}     # STRIDED node lowered from an aten view op -> its fx node
@@ -841,6 +844,11 @@ class _Lowering:
             return self.lower_slice_scatter(node, value)
         if target is aten.select_backward.default:
             return self.lower_select_backward(node, value)
+        if target is aten.constant_pad_nd.default:
+            return self.lower_constant_pad(node, value)
+        pad = self.pad_read(self.env_name(node.args[0]))
+        if target is aten.slice.Tensor and pad is not None and (list(node.args[4:5]) + [1])[0] == 1:
+            return self.lower_slice_of_pad(node, pad, value)
         source = self.access(self.env_name(node.args[0]))
         rank = len(source.shape)
         if target is aten.permute.default:
@@ -988,6 +996,53 @@ class _Lowering:
             return self.pointwise(Op.WHERE, [self.column_window(start, end, value), computed, base], value, node.name)
         return self.strided(node.name, self.access(name).then(*shift, value.shape), value,
                             f"slice_scatter(dim={dim})", window, base)
+
+    def lower_constant_pad(self, node, value: Value) -> str:
+        """F.pad's constant mode (HuggingFace pads the labels it shifts for a causal LM's loss): the
+        source read at index i - before along each padded dim, where that lies inside it, the fill
+        value elsewhere; a negative pad crops, a read with no window."""
+        name, pads = self.env_name(node.args[0]), list(node.args[1])
+        fill = node.args[2] if len(node.args) > 2 and node.args[2] is not None else 0
+        shape = self.graph[name].value.shape
+        rank = len(value.shape)
+        if len(pads) % 2 or len(pads) > 2 * rank or not all(isinstance(p, int) for p in pads):
+            raise NotFusible(f"a pad by {pads}: whole numbers, two a dim, expected")
+        access, window = self.access(name), [None] * rank
+        for k in range(len(pads) // 2):
+            dim, before, after = rank - 1 - k, pads[2 * k], pads[2 * k + 1]
+            if before == after == 0:
+                continue
+            access = access.then(*views.shift(rank, dim, before), value.shape)
+            if before > 0 or after > 0:
+                window[dim] = (before, before + shape[dim])
+        if all(w is None for w in window):
+            return self.strided(node.name, access, value, f"constant_pad_nd({pads}) crop")
+        fill = self.const(fill, value.dtype)
+        out = self.strided(node.name, access, value, f"constant_pad_nd({pads})", tuple(window), fill)
+        self.pads[out] = (access, tuple(window), fill)
+        return out
+
+    def pad_read(self, name: str) -> Optional[str]:
+        """The pad read `name` is, through register copies of it (a whole slice: `x[:, 1:-1]` slices
+        dim 0 whole first), or None."""
+        while name not in self.pads and self.graph[name].op is Op.VIEW \
+                and self.graph[self.graph[name].inputs[0]].value.shape == self.graph[name].value.shape:
+            name = self.graph[name].inputs[0]
+        return name if name in self.pads else None
+
+    def lower_slice_of_pad(self, node, name: str, value: Value) -> str:
+        """A slice (step 1) of a pad read: the same windowed read of the pad's source, its window moved
+        by the slice's start. HuggingFace's shifted labels, `pad(labels, (0, 1), -100)[..., 1:]`, are
+        one read of the labels, not a padded copy written and read again."""
+        access, window, fill = self.pads[name]
+        rank = len(value.shape)
+        dim = node.args[1] % rank
+        start = self.index_expr((list(node.args[2:3]) + [None])[0] or 0, access.shape[dim])
+        step = views.slice_(access.shape, dim, start, 1, value.shape[dim])
+        moved = tuple(w if w is None or j != dim else (w[0] - start, w[1] - start) for j, w in enumerate(window))
+        out = self.strided(node.name, access.then(*step), value, f"slice(dim={dim}) of a pad", moved, fill)
+        self.pads[out] = (access.then(*step), moved, fill)
+        return out
 
     def lower_select_backward(self, node, value: Value) -> str:
         grad = self.access(self.env_name(node.args[0]))

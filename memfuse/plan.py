@@ -50,7 +50,7 @@ FREE_LEAVES = {Op.SEED, Op.CONSTANT, Op.SYMBOL}   # available to both graphs at 
 INPUT_COST = 1
 # An extern index op (computed from integer inputs only) is recomputed in the backward when its
 # result holds at least this many times the bytes of those inputs (a one-hot [tokens, vocab]
-# from [tokens] targets); one that does not (a pad, a count) is kept: recomputing it would cost
+# from [tokens] targets); one that does not (a flip, a count) is kept: recomputing it would cost
 # an aten launch to spare few bytes.
 INDEX_EXPANSION = 2
 # A value a kernel would write only to be saved costs this much more than the same bytes already
@@ -548,7 +548,7 @@ def _save_reason(node: Node, context: _Context) -> str:
              f"upcast {upcasts[0]} (exact)" if upcasts else ""
     pinned = pinned_reason(node, context.index_bytes, context.hints)
     if pinned == "an extern call" and node.name in context.index_bytes:
-        return ("an index op on integer targets that does not expand them (a pad, a count): cheaper to keep "
+        return ("an index op on integer targets that does not expand them (a flip, a count): cheaper to keep "
                 f"than another aten launch{narrow}")
     if pinned is not None:
         return f"{pinned}: cheaper to keep than to redo{narrow}"

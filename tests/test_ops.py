@@ -203,6 +203,11 @@ SAMPLES = {
     aten.split_with_sizes.default: [S(lambda a: (lambda p, q: p * q.sum(-1, keepdim=True))(*a.split([3, 5], -1)), "f")],
     aten.cat.default: [S(lambda a, b: torch.cat([a, b * 2], -1), "ff"), S(lambda a, b: torch.cat([a, b], 1), "ff")],
     aten.slice_scatter.default: [S(lambda a: a[:, 1:4] * 2, "f")],      # slice's backward
+    # F.pad: along D, along M's dims too, and a crop (a negative pad; also each pad's backward)
+    aten.constant_pad_nd.default: [S(lambda a: F.pad(a * 2, (1, 2), value=0.5), "f"),
+                                   S(lambda a: F.pad(a, (0, 1, 2, 0)) * 2, "f"),
+                                   S(lambda a: F.pad(a, (-1, 2, 0, 0, 1, 1)).sin(), "f"),
+                                   S(lambda i: F.pad(i, (0, 1), value=-100)[..., 1:] * 2, "i")],
     aten.select_backward.default: [S(lambda a: a[:, 2] * 2, "f")],       # select's backward
     # casts
     aten._to_copy.default: [S(lambda a: aten._to_copy.default(a, dtype=torch.bfloat16) * 2, "f"),
@@ -400,6 +405,7 @@ EXTERNS = {
     aten.slice_scatter.default: (lambda x: x[:, :, 1:6:2] * 2, "f"),         # a step in slice's backward
     aten.cat.default: (lambda x, y: torch.cat([x * 2, y.half()], -1), "ff"),  # parts of two dtypes
     aten.flip.default: (lambda x: x.flip(-1) + 1, "f"),
+    aten.constant_pad_nd.default: (lambda x: F.pad(x, (0, 0, x.shape[1], 0)) * 2, "f"),   # by a size symbol
     aten.polygamma.default: (lambda x: torch.polygamma(2, x) * 2, "p"),      # orders 0 and 1 are fused
     aten.cumsum.default: (lambda x: x.cumsum(-1) * 2, "f"),
     aten.var.correction: (lambda x: x.var() * 2, "f"),

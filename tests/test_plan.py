@@ -455,21 +455,38 @@ def test_extern_one_hot_is_recomputed_from_the_targets():
     assert the_plan.backward["scatter"].op is Op.EXTERN
 
 
+def flipped_gather(x, t):
+    """The targets reversed (an aten call that does not grow them), gathered: the gather's backward
+    reads the reversed targets."""
+    flipped = t.flip(0)
+    return ((x.gather(-1, flipped[:, None]) * 2).sum(),)
+
+
+def test_index_op_that_does_not_expand_is_kept():
+    x, t = torch.randn(7, 37, requires_grad=True), torch.randint(0, 37, (7,))
+    captured = capture(flipped_gather, [x, t], trace_joint=True, static_inputs=[True])
+    the_plan = plan(captured)
+    flip, = [n for n, node in captured.joint.nodes.items() if node.op is Op.EXTERN
+             and node.attr.target is torch.ops.aten.flip.default]
+    decision, reason = the_plan.decisions[flip]
+    assert decision is Decision.SAVE and "does not expand" in reason, (decision, reason)
+
+
 def padded_gather(x, t):
-    """The targets padded by one (an aten call that hardly grows them), gathered: the gather's
-    backward reads the padded targets."""
+    """The targets padded by one, gathered: a pad is a read a kernel makes (memfuse.capture), so the
+    backward recomputes it from the targets, and nothing of it is saved."""
     padded = F.pad(t, (0, 1), value=0)
     return ((x.gather(-1, padded[:, None]) * 2).sum(),)
 
 
-def test_index_op_that_does_not_expand_is_kept():
+def test_a_padded_index_is_recomputed_from_the_targets():
     x, t = torch.randn(7, 37, requires_grad=True), torch.randint(0, 37, (6,))
     captured = capture(padded_gather, [x, t], trace_joint=True, static_inputs=[True])
+    assert not [f for f in captured.fallbacks if f[1] == "aten.constant_pad_nd.default"], captured.fallbacks
+    pad, = [n for n, node in captured.joint.nodes.items() if node.op is Op.STRIDED and n.startswith("constant_pad")]
     the_plan = plan(captured)
-    pad, = [n for n, node in captured.joint.nodes.items() if node.op is Op.EXTERN
-            and node.attr.target is torch.ops.aten.constant_pad_nd.default]
-    decision, reason = the_plan.decisions[pad]
-    assert decision is Decision.SAVE and "does not expand" in reason, (decision, reason)
+    assert the_plan.decisions[pad][0] is Decision.RECOMPUTE, the_plan.decisions[pad]
+    assert pad not in [s.name for s in the_plan.saved]
 
 
 def test_tiny_gpt2_head_saves_its_logits_once_in_bf16():

@@ -557,3 +557,33 @@ def test_views_of_an_expanded_input_read_the_input_by_stride_0():
     [entry] = [e for e in fused.cache.values() if hasattr(e, "function")]
     allocated = [line for line in entry.function.forward.source.splitlines() if "mf_empty_strided((" in line]
     assert not [line for line in allocated if line.strip().startswith("expand =")], allocated
+
+
+def shifted_labels(x, labels):
+    """HuggingFace's causal-LM loss shifts the labels by a pad and a slice."""
+    shifted = F.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()
+    return (x * shifted.float(),)
+
+
+def cropped_pad(x):
+    """A pad on both sides along D and along M, then a slice into it that crosses the window."""
+    return (F.pad(x, (2, 1, 1, 0), value=0.5)[:, 1:-1].sin() * 2,)
+
+
+@pytest.mark.parametrize("fn, make", [
+    (shifted_labels, lambda: (torch.randn(3, 9, requires_grad=True), torch.randint(0, 50, (3, 9)))),
+    (cropped_pad, lambda: (torch.randn(4, 7, requires_grad=True),)),
+], ids=["shifted_labels", "cropped_pad"])
+def test_a_slice_of_a_pad_is_one_windowed_read(fn, make):
+    """A slice of a pad reads the pad's source where the moved window lies (the fill elsewhere): no
+    kernel writes the padded tensor for another to slice, and nothing of it is saved."""
+    args = make()
+    both = run_both(fn, list(args))
+    assert_same(both.fused, both.eager)
+    assert_same(both.fused_grads, both.eager_grads, what="gradient")
+    fused = memfuse.memory_efficient_fusion(fn)
+    fused(*args)
+    [entry] = [e for e in fused.cache.values() if hasattr(e, "function")]
+    source = entry.function.forward.source
+    assert "mf_aten" not in source and "constant_pad_nd = " not in source, source     # no pad written
+    assert source.count("# memfuse_forward_") == 1, source
