@@ -120,9 +120,9 @@ def attach_returned_logits(compiled: Callable, chunked: ChunkedGraph) -> Callabl
     if not chunked.returned:
         return compiled
 
-    def with_returned_logits(*args):
+    def with_returned_logits(*args):        # Dynamo wraps what a backend returns in disable() itself
         return loss_head.attach_returned_logits(compiled(*args), args, chunked.returned, chunked.outputs)
-    return torch._dynamo.disable(with_returned_logits)
+    return with_returned_logits
 
 
 def _output_values(graph: torch.fx.Graph) -> tuple:
