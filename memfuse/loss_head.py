@@ -123,9 +123,9 @@ def _loss_of_row(log_sum_exp, target_logit, logit_sum, valid, vocab, smoothing):
 
 
 @triton.jit
-def _count_targets(target_ptr, tokens, ignore_index, vocab, counts_ptr, BLOCK: tl.constexpr):
-    """One program: counts[0] = the targets not ignored (fp32: the mean's divisor), counts[1] = 1.0
-    if every one of them is inside [0, vocab), else 0.0 (the op asserts it, as aten's nll_loss)."""
+def _count_targets(target_ptr, tokens, ignore_index, vocab, count_ptr, inside_ptr, BLOCK: tl.constexpr):
+    """One program: count = the targets not ignored (fp32: the mean's divisor), inside = 1.0 if
+    every one of them is inside [0, vocab), else 0.0 (the op asserts it, as aten's nll_loss)."""
     count = tl.full((), 0, tl.int32)
     outside = tl.full((), 0, tl.int32)
     for start in range(0, tokens, BLOCK):
@@ -134,8 +134,8 @@ def _count_targets(target_ptr, tokens, ignore_index, vocab, counts_ptr, BLOCK: t
         valid = target != ignore_index
         count += tl.sum(valid.to(tl.int32), axis=0)
         outside += tl.sum((valid & ((target < 0) | (target >= vocab))).to(tl.int32), axis=0)
-    tl.store(counts_ptr, count.to(tl.float32))
-    tl.store(counts_ptr + 1, (outside == 0).to(tl.float32))
+    tl.store(count_ptr, count.to(tl.float32))
+    tl.store(inside_ptr, (outside == 0).to(tl.float32))
 
 
 @triton.jit
@@ -169,7 +169,7 @@ def _logits_gradient(logits_ptr, logits_row_stride, first_token, log_sum_exp_ptr
 
 @triton.jit
 def _row_statistics_and_gradient(logits_ptr, logits_row_stride, first_token, target_ptr, log_sum_exp_ptr,
-                                 row_loss_ptr, counts_ptr, gradient_ptr, gradient_row_stride, vocab, padded_vocab,
+                                 row_loss_ptr, count_ptr, gradient_ptr, gradient_row_stride, vocab, padded_vocab,
                                  ignore_index, smoothing, MEAN: tl.constexpr, BLOCK: tl.constexpr):
     """One program per row of a chunk, the forward that forms the gradients for an upstream gradient
     of 1: the row's statistics and loss, then its gradient scaled by d loss / d row loss (1 over the
@@ -184,7 +184,7 @@ def _row_statistics_and_gradient(logits_ptr, logits_row_stride, first_token, tar
     tl.store(log_sum_exp_ptr + token, log_sum_exp)
     tl.store(row_loss_ptr + token, _loss_of_row(log_sum_exp, target_logit, logit_sum, valid, vocab, smoothing))
     if MEAN:
-        row_scale = 1.0 / tl.load(counts_ptr)
+        row_scale = 1.0 / tl.load(count_ptr)
     else:
         row_scale = 1.0
     row_scale = tl.where(valid, row_scale, 0.0)
@@ -193,8 +193,8 @@ def _row_statistics_and_gradient(logits_ptr, logits_row_stride, first_token, tar
 
 
 @triton.jit
-def _finish_loss(row_loss_ptr, tokens, counts_ptr, loss_ptr, MEAN: tl.constexpr, BLOCK: tl.constexpr):
-    """One program: the loss of the rows' losses, their sum (over counts[0], the counted targets,
+def _finish_loss(row_loss_ptr, tokens, count_ptr, loss_ptr, MEAN: tl.constexpr, BLOCK: tl.constexpr):
+    """One program: the loss of the rows' losses, their sum (over the count of counted targets,
     for a mean: 0 / 0 is NaN where none is counted, as eager's)."""
     partial = tl.zeros((BLOCK,), tl.float32)
     for start in range(0, tokens, BLOCK):
@@ -202,7 +202,7 @@ def _finish_loss(row_loss_ptr, tokens, counts_ptr, loss_ptr, MEAN: tl.constexpr,
         partial += tl.load(row_loss_ptr + offsets, mask=offsets < tokens, other=0.0)
     loss = tl.sum(partial, axis=0)
     if MEAN:
-        loss = loss / tl.load(counts_ptr)
+        loss = loss / tl.load(count_ptr)
     tl.store(loss_ptr, loss)
 
 
@@ -288,23 +288,23 @@ def _chunk_logits(hidden: torch.Tensor, weight_t: torch.Tensor, bias: Optional[t
 
 
 def _counted_targets(target: torch.Tensor, ignore_index: int, vocab: int) -> torch.Tensor:
-    """[count of targets not ignored, 1.0]: one kernel, where torch took eight calls on the host;
-    as aten's nll_loss, a target outside the vocabulary that is not ignored is an error (raised by
-    the device, or at once on the CPU)."""
-    counts = target.new_empty(2, dtype=torch.float32)
-    COUNT_TARGETS(1, target, target.shape[0], ignore_index, vocab, counts)
-    torch._assert_async(counts[1], "memfuse.linear_cross_entropy: a target is outside [0, vocab)")
-    return counts
+    """The count of targets not ignored (a 0-dim fp32 tensor, read by the kernels that divide by
+    it): one kernel, where torch took eight calls on the host; as aten's nll_loss, a target outside
+    the vocabulary that is not ignored is an error (raised by the device, or at once on the CPU)."""
+    count, inside = (target.new_empty((), dtype=torch.float32) for _ in range(2))
+    COUNT_TARGETS(1, target, target.shape[0], ignore_index, vocab, count, inside)
+    torch._assert_async(inside, "memfuse.linear_cross_entropy: a target is outside [0, vocab)")
+    return count
 
 
-def _reduced(row_losses: torch.Tensor, counts: torch.Tensor, reduction: str) -> torch.Tensor:
+def _reduced(row_losses: torch.Tensor, count: torch.Tensor, reduction: str) -> torch.Tensor:
     """The loss of the rows' losses (0 where ignored): their sum, over the count of counted rows
     for a mean (0 / 0, NaN, where none is counted, as eager); one launch (a sum, a select and a
     division were three aten calls)."""
     if reduction == "none":
         return row_losses
     loss = row_losses.new_empty(())
-    FINISH_LOSS[reduction == "mean"](1, row_losses, row_losses.shape[0], counts, loss)
+    FINISH_LOSS[reduction == "mean"](1, row_losses, row_losses.shape[0], count, loss)
     return loss
 
 
@@ -403,7 +403,7 @@ def linear_cross_entropy_impl(hidden: torch.Tensor, weight: torch.Tensor, bias: 
         aligned, aligned_bias = _aligned_weight(weight, bias, dtype)
         logits = _logits_buffer(hidden, vocab, dtype, return_logits)
         log_sum_exp, row_losses = (hidden.new_empty(tokens, dtype=torch.float32) for _ in range(2))
-        counts = _counted_targets(target, ignore_index, vocab)
+        count = _counted_targets(target, ignore_index, vocab)
         gradients = _Gradients.empty(hidden, weight, bias) if with_gradients else None
         aligned_t = aligned.t()
         gradient_rows = None     # returned logits: one buffer for every chunk's gradient, the first chunk's size
@@ -420,13 +420,13 @@ def linear_cross_entropy_impl(hidden: torch.Tensor, weight: torch.Tensor, bias: 
                 gradient = chunk if not return_logits else (          # in place unless returned
                     gradient_rows if chunk.shape[0] == gradient_rows.shape[0] else gradient_rows[:chunk.shape[0]])
                 ROW_STATISTICS_AND_GRADIENT[reduction == "mean"](
-                    chunk.shape[0], chunk, chunk.stride(0), first, target, log_sum_exp, row_losses, counts, gradient,
+                    chunk.shape[0], chunk, chunk.stride(0), first, target, log_sum_exp, row_losses, count, gradient,
                     gradient.stride(0), vocab, gradient.shape[1], ignore_index, label_smoothing)
                 gradients.add_chunk(gradients.hidden[first:last], index == 0, gradient, chunk_hidden, aligned,
                                     bias is not None)
                 del gradient
             del chunk       # before the next chunk's matmul allocates: one chunk alive at a time, not two
-        loss = _reduced(row_losses, counts, reduction)
+        loss = _reduced(row_losses, count, reduction)
         precomputed = gradients.finished(bias) if gradients is not None else _no_gradients(hidden)
     return loss, log_sum_exp, logits[:, :vocab] if return_logits else logits, *precomputed
 
