@@ -467,14 +467,16 @@ SPECIAL_ATEN = {
     aten.slice.Tensor: "view when it keeps a whole dim; else a strided read of a tensor in memory",
     aten.select.int: "a strided read of a tensor in memory",
     aten.split_with_sizes.default: "strided reads of a tensor in memory, one per part",
-    aten.cat.default: "windowed strided reads of the parts in memory, each where its range lies; along D, a part "
-                      "computed from reads (rotate_half's -x2) is computed at its columns",
+    aten.cat.default: "windowed strided reads of the parts in memory, each where its range lies (a slice of the cat "
+                      "moves their windows: torch.diff's prepend); along D, a part computed from reads "
+                      "(rotate_half's -x2) is computed at its columns",
     aten.slice_scatter.default: "a windowed strided read of the source over the base (step 1; else an extern); "
                                 "along D, a source computed from reads is computed at its columns",
     aten.any.dim: "sum of the booleans as fp32 > 0, over D or over M",
     aten.select_backward.default: "a windowed strided read of the gradient over zeros",
     aten.constant_pad_nd.default: "a windowed strided read of the source, shifted by each dim's pad, over the "
-                                  "fill value (a negative pad crops); pads by size symbols: an extern",
+                                  "fill value (a negative pad crops; a slice of the pad moves the window); pads by "
+                                  "size symbols: an extern",
     aten.scatter.src: "where(column == index, src, self) for an index known to lie in [0, D): from argmax/argmin "
                       "over D (max.dim's backward) or checked by a gather of the graph (its IndexCheck, or aten's); "
                       "else an extern",
@@ -549,7 +551,8 @@ class _Lowering:
         self.strided_inputs = strided_inputs or {}
         self.last_stride_one: dict = {}   # non-contiguous input -> whether its last stride is 1
         self.maps: dict = {}           # STRIDED node -> its views.AccessMap (sympy), for composing views
-        self.pads: dict = {}           # STRIDED pad read -> (its AccessMap, window, fill), for slices of it
+        self.windowed: dict = {}       # windowed STRIDED read (a pad, a cat part over the parts before it)
+        #                                -> (its AccessMap, window, fallback), for slices of it
         self.in_place: dict = {}       # non-contiguous input -> the STRIDED node that reads it
         self.broadcasts: dict = {}     # (value, shape) -> the STRIDED node that reads it broadcast
         self.aten_views: dict = {}     # STRIDED node lowered from an aten view op -> its fx node
@@ -846,9 +849,9 @@ class _Lowering:
             return self.lower_select_backward(node, value)
         if target is aten.constant_pad_nd.default:
             return self.lower_constant_pad(node, value)
-        pad = self.pad_read(self.env_name(node.args[0]))
-        if target is aten.slice.Tensor and pad is not None and (list(node.args[4:5]) + [1])[0] == 1:
-            return self.lower_slice_of_pad(node, pad, value)
+        windowed = self.windowed_read(self.env_name(node.args[0]))
+        if target is aten.slice.Tensor and windowed is not None and (list(node.args[4:5]) + [1])[0] == 1:
+            return self.lower_slice_of_windowed(node, windowed, value)
         source = self.access(self.env_name(node.args[0]))
         rank = len(source.shape)
         if target is aten.permute.default:
@@ -915,8 +918,11 @@ class _Lowering:
                 result = self.pointwise(Op.WHERE, [self.column_window(start, end, value), computed, result], value,
                                         f"{node.name}_part{k}")
             else:
-                result = self.strided(f"{node.name}_part{k}", self.access(name).then(*step, value.shape), value,
-                                      f"cat part {k} (dim={dim})", window, result)
+                before, access = result, self.access(name).then(*step, value.shape)
+                result = self.strided(f"{node.name}_part{k}", access, value, f"cat part {k} (dim={dim})", window,
+                                      before)
+                if self.graph[before].op is Op.CONSTANT or before in self.windowed:    # a chain a slice can move
+                    self.windowed[result] = (access, window, before)
             start = end
         return result
 
@@ -1019,29 +1025,36 @@ class _Lowering:
             return self.strided(node.name, access, value, f"constant_pad_nd({pads}) crop")
         fill = self.const(fill, value.dtype)
         out = self.strided(node.name, access, value, f"constant_pad_nd({pads})", tuple(window), fill)
-        self.pads[out] = (access, tuple(window), fill)
+        self.windowed[out] = (access, tuple(window), fill)
         return out
 
-    def pad_read(self, name: str) -> Optional[str]:
-        """The pad read `name` is, through register copies of it (a whole slice: `x[:, 1:-1]` slices
-        dim 0 whole first), or None."""
-        while name not in self.pads and self.graph[name].op is Op.VIEW \
+    def windowed_read(self, name: str) -> Optional[str]:
+        """The windowed read `name` is, through register copies of it (a whole slice: `x[:, 1:-1]`
+        slices dim 0 whole first), or None."""
+        while name not in self.windowed and self.graph[name].op is Op.VIEW \
                 and self.graph[self.graph[name].inputs[0]].value.shape == self.graph[name].value.shape:
             name = self.graph[name].inputs[0]
-        return name if name in self.pads else None
+        return name if name in self.windowed else None
 
-    def lower_slice_of_pad(self, node, name: str, value: Value) -> str:
-        """A slice (step 1) of a pad read: the same windowed read of the pad's source, its window moved
-        by the slice's start. HuggingFace's shifted labels, `pad(labels, (0, 1), -100)[..., 1:]`, are
-        one read of the labels, not a padded copy written and read again."""
-        access, window, fill = self.pads[name]
+    def lower_slice_of_windowed(self, node, name: str, value: Value) -> str:
+        """A slice (step 1) of a windowed read (a pad, a cat): the same reads of the sources, their
+        windows moved by the slice's start, the parts before a cat's part sliced alike. HuggingFace's
+        shifted labels, `pad(labels, (0, 1), -100)[..., 1:]`, are one read of the labels, and
+        torch.diff's `cat([first, x])[..., 1:] - cat(...)[..., :-1]` two reads of each part, not a
+        padded or concatenated copy written and read again."""
         rank = len(value.shape)
         dim = node.args[1] % rank
-        start = self.index_expr((list(node.args[2:3]) + [None])[0] or 0, access.shape[dim])
+        start = self.index_expr((list(node.args[2:3]) + [None])[0] or 0, self.graph[name].value.shape[dim])
+        return self.sliced_window(name, node.name, dim, start, value)
+
+    def sliced_window(self, name: str, label: str, dim: int, start, value: Value) -> str:
+        access, window, fallback = self.windowed[name]
+        if fallback in self.windowed:
+            fallback = self.sliced_window(fallback, f"{label}_{fallback}", dim, start, value)
         step = views.slice_(access.shape, dim, start, 1, value.shape[dim])
         moved = tuple(w if w is None or j != dim else (w[0] - start, w[1] - start) for j, w in enumerate(window))
-        out = self.strided(node.name, access.then(*step), value, f"slice(dim={dim}) of a pad", moved, fill)
-        self.pads[out] = (access.then(*step), moved, fill)
+        out = self.strided(label, access.then(*step), value, f"slice(dim={dim}) of {name}", moved, fallback)
+        self.windowed[out] = (access.then(*step), moved, fallback)
         return out
 
     def lower_select_backward(self, node, value: Value) -> str:

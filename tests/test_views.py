@@ -559,6 +559,38 @@ def test_views_of_an_expanded_input_read_the_input_by_stride_0():
     assert not [line for line in allocated if line.strip().startswith("expand =")], allocated
 
 
+def diff_with_prepend(x, ids):
+    """torch.diff with a prepended column (HuggingFace's packed-sequence check): slices of a cat."""
+    return (x * (torch.diff(ids, prepend=ids[:, :1] - 1, dim=-1) != 1).float(),)
+
+
+def slices_across_cat_parts(x, y):
+    """Slices of cats of tensors in memory that start and end inside different parts, along D and
+    along M."""
+    along_d = torch.cat([x, y, x], -1)[:, 3:-4]
+    along_m = torch.cat([x, y], 0)[1:-1]
+    return (along_d.sin() * 1.5, along_m * 2)
+
+
+@pytest.mark.parametrize("fn, make", [
+    (diff_with_prepend, lambda: [torch.randn(3, 9, requires_grad=True), torch.randint(0, 9, (3, 9))]),
+    (slices_across_cat_parts, lambda: [torch.randn(3, 9, requires_grad=True), torch.randn(3, 9, requires_grad=True)]),
+], ids=["diff_with_prepend", "slices_across_cat_parts"])
+def test_a_slice_of_a_cat_reads_the_parts_where_they_lie(fn, make):
+    """A slice of a cat whose parts are read in memory moves each part's window (and the windows of
+    the parts before it): no kernel writes the cat for another to slice. (A part computed in the
+    cat's kernel, rotate_half's -x2, is computed at its columns instead: such a cat is written.)"""
+    args = make()
+    both = run_both(fn, args)
+    assert_same(both.fused, both.eager)
+    assert_same(both.fused_grads, both.eager_grads, what="gradient")
+    fused = memfuse.memory_efficient_fusion(fn)
+    fused(*args)
+    [entry] = [e for e in fused.cache.values() if hasattr(e, "function")]
+    allocated = [line.strip() for line in entry.function.forward.source.splitlines() if "mf_empty_strided((" in line]
+    assert not [line for line in allocated if line.startswith("cat")], allocated
+
+
 def shifted_labels(x, labels):
     """HuggingFace's causal-LM loss shifts the labels by a pad and a slice."""
     shifted = F.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()
