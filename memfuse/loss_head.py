@@ -360,7 +360,8 @@ class _Gradients:
         the matmul where the build can) and the weight's (the first chunk's product overwrites it,
         the others add)."""
         _accumulate(hidden_rows, gradient, aligned, overwrite=True)
-        vocab_columns = gradient[:, :self.weight.shape[0]]
+        vocab = self.weight.shape[0]
+        vocab_columns = gradient if gradient.shape[1] == vocab else gradient[:, :vocab]     # no slice when aligned
         _accumulate(self.weight, vocab_columns.t(), chunk_hidden, overwrite=first)
         if has_bias:
             self.bias += vocab_columns.sum(0, dtype=torch.float32)
