@@ -1048,6 +1048,7 @@ class _Lowering:
         return self.sliced_window(name, node.name, dim, start, value)
 
     def sliced_window(self, name: str, label: str, dim: int, start, value: Value) -> str:
+        """`name` sliced from `start` along `dim`, its fallback chain (a cat's earlier parts) first."""
         access, window, fallback = self.windowed[name]
         if fallback in self.windowed:
             fallback = self.sliced_window(fallback, f"{label}_{fallback}", dim, start, value)
