@@ -294,7 +294,7 @@ def _size_only(gm: torch.fx.GraphModule, mask: torch.fx.Node):
         return "reads a size with no traced value"
     evaluate = _evaluator(gm, leaves, inside, mask)
     try:
-        form = mask_form(_outside_trace(lambda: evaluate(*hints)))
+        form = mask_form(outside_trace(lambda: evaluate(*hints)))
     except Exception as error:          # a device this process cannot run on, say: leave the mask be
         return f"could not be evaluated at the traced sizes ({type(error).__name__}: {error})"
     if form is None:
@@ -483,7 +483,7 @@ def _hint(node: torch.fx.Node) -> Optional[int]:
     return val if isinstance(val, int) else None
 
 
-def _outside_trace(run: Callable):
+def outside_trace(run: Callable):
     """Run on real tensors while a trace (fake tensors, a dispatch mode) may be active."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.utils._python_dispatch import _disable_current_modes

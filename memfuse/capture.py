@@ -24,7 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
 from . import views
-from .attention import AttentionCall, dense_masks, size_only_masks
+from .attention import AttentionCall, outside_trace, dense_masks, size_only_masks
 from .debug import timed
 from .indexing import index_by_aranges
 from . import loss_head  # noqa: F401  (registers the chunked loss head's ops, named below)
@@ -417,7 +417,7 @@ FILL_ATEN = {aten.full.default, aten.full_like.default, aten.empty_permuted.defa
              aten.scalar_tensor.default, aten._efficientzerotensor.default}
 NOOP_ATEN = {aten._assert_tensor_metadata.default}   # checks the trace already made; no value
 # aten calls that read a tensor of any strides where it lies (aten.view does not: it may need a copy)
-ANY_STRIDES_ATEN = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.permute.default,
+ANY_STRIDES_ATEN = {aten.mm.default, aten.mm.dtype, aten.bmm.default, aten.addmm.default, aten.permute.default,
                     aten.slice.Tensor, aten.narrow.default, aten.select.int, aten.expand.default,
                     aten.unsqueeze.default, aten.squeeze.dims, aten.alias.default}
 # The chunked loss head (memfuse.loss_head) reads every operand through its strides.
@@ -1172,9 +1172,30 @@ class _Lowering:
         if device is not None and device != source.meta["val"].device:
             raise NotFusible(f"copies to device {device}")
         x = self.operand(source)
+        if self.product_in_fp32(source, x, value):
+            return x
         op = Op.VIEW if self.graph[x].value.dtype == value.dtype else Op.CAST
         self.check_fits(op, [x], value)
         return self.add(op, [x], value, Cast(value.dtype) if op is Op.CAST else None, name=node.name)
+
+    def product_in_fp32(self, source, x: str, value: Value) -> bool:
+        """An fp32 cast of a bf16 or fp16 `mm` product nothing else reads becomes the matmul's own
+        output dtype (`aten.mm.dtype`): cuBLAS writes the fp32 product, one call where a matmul, a
+        [M, N] product in memory and a cast kernel were three (autocast's weight gradients: a
+        Llama layer's backward cast seven of them, each its own launch). The product is rounded
+        once, to fp32, instead of to bf16 first: nearer fp64 than eager, not bit for bit eager's.
+        Where the build has that op on the device (CUDA since torch 2.9; not the CPU): `x` is
+        rewritten in place, and True."""
+        node = self.graph[x]
+        if not (isinstance(source, torch.fx.Node) and source.target is aten.mm.default and len(source.users) == 1
+                and node.op is Op.EXTERN and isinstance(node.attr, Matmul) and value.dtype == torch.float32
+                and node.value.dtype in (torch.bfloat16, torch.float16)
+                and matmul_writes_fp32(node.attr.device, node.value.dtype)):
+            return False
+        attr = dataclasses.replace(node.attr, target=aten.mm.dtype, args=(*node.attr.args, torch.float32))
+        self.graph.nodes[x] = Node(x, Op.EXTERN, node.inputs, dataclasses.replace(node.value, dtype=torch.float32),
+                                   attr)
+        return True
 
     def lower_fill(self, node, value: Value, fill=None) -> str:
         """full/full_like/empty/scalar_tensor: one value broadcast over the result."""
@@ -1567,6 +1588,23 @@ class _Lowering:
         if node.target in MATMUL_ATEN and isinstance(val, torch.Tensor):   # the device decides padding
             return list(dict.fromkeys(inputs)), value, Matmul(node.target, args, kwargs, val.device.type)
         return list(dict.fromkeys(inputs)), value, Extern(node.target, args, kwargs)
+
+
+@functools.cache
+def matmul_writes_fp32(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether this torch's `aten.mm.dtype` writes the fp32 product of `dtype` operands on the device
+    type (CUDA builds since torch 2.9; not the CPU): tried once on an 8x8 product, outside any fake
+    mode the trace runs in."""
+    if device_type != "cuda" or not hasattr(aten.mm, "dtype") or not torch.cuda.is_available():
+        return False
+    def product_of_ones():
+        operand = torch.ones(8, 8, device="cuda", dtype=dtype)
+        return aten.mm.dtype(operand, operand, torch.float32)
+    try:
+        product = outside_trace(product_of_ones)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return product.dtype == torch.float32 and bool((product == 8).all())
 
 
 def _called_op(target):

@@ -263,6 +263,8 @@ def _kernel_row(program_name: str, graph: Graph, group: KernelGroup, kernel, hin
 
 def _extern_target(graph: Graph, name: str) -> str:
     node = graph[name]
+    if node.op is Op.EXTERN and node.attr.target is torch.ops.aten.mm.dtype:
+        return f"{node.attr.target} (a cast of the product to fp32, written by the matmul: no cast kernel)"
     if node.op is Op.EXTERN:
         return str(node.attr.target)
     if node.op is Op.GETITEM:

@@ -347,7 +347,8 @@ def recompute_cost(node: Node, joint: Graph, hints: dict) -> float:
     (MATMUL_FLOPS_PER_BYTE to the byte). An extern costs a launch more (EXTERN_LAUNCH_BYTES)."""
     launch = EXTERN_LAUNCH_BYTES if node.op is Op.EXTERN else 0
     if node.op is Op.EXTERN and isinstance(node.attr, Matmul):
-        operand = node.attr.args[1] if len(node.attr.args) == 3 else node.attr.args[0]   # addmm(bias, a, b)
+        addmm = node.attr.target is torch.ops.aten.addmm.default     # addmm(bias, a, b)
+        operand = node.attr.args[1] if addmm else node.attr.args[0]
         k = sympy.sympify(joint[operand.name].value.shape[-1]).subs(hints)
         elements = value_bytes(node.value, hints) // max(node.value.dtype.itemsize, 1)
         return launch + 2 * elements * int(k) / MATMUL_FLOPS_PER_BYTE

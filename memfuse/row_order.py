@@ -37,7 +37,7 @@ from .layouts import VIEW_TARGETS, Layout, contiguous, reshape_strides, view_lay
 from .views import same
 
 aten = torch.ops.aten
-ANY_LAYOUT = {aten.mm.default, aten.bmm.default, aten.addmm.default}   # extern readers of any strides
+ANY_LAYOUT = {aten.mm.default, aten.mm.dtype, aten.bmm.default, aten.addmm.default}   # extern readers of any strides
 HINT = 4096   # a size symbol's stand-in where strides are compared (any large size orders them alike)
 
 

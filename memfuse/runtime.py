@@ -713,7 +713,7 @@ class _ProgramWriter:
         return self.bind(value, "arg")
 
 
-MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.mm.dtype, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
 
 # aten calls a program makes as the tensor's own method: the same kernel, without the Python
 # frames of an OpOverload call (2-6 us of host each on a CPU: a layer's backward makes dozens)

@@ -877,3 +877,34 @@ def test_attention_reads_heads_in_place_on_gpu(block):
         assert relative_error(got, want) < 2e-2
     copies = token_copy_kernels(fused)
     assert all("3x strided" in summary for _, summary in copies) and len(copies) <= 1
+
+
+def autocast_mlp(x, w1, w2):
+    with torch.autocast("cuda", torch.bfloat16):
+        return torch.nn.functional.linear(torch.nn.functional.silu(torch.nn.functional.linear(x, w1)), w2).float()
+
+
+def test_autocast_weight_gradients_are_fp32_matmul_outputs_on_the_gpu():
+    """On CUDA the fp32 weights' gradients under bf16 autocast (a bf16 product, then a cast) are
+    one matmul writing fp32 (aten.mm.dtype), in the backward the program runs; every gradient
+    within bf16's tolerance of eager's (the product is rounded once, not to bf16 first)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(8, 256, 512, device="cuda", generator=g).requires_grad_()
+    w1 = (torch.randn(1024, 512, device="cuda", generator=g) * 0.05).requires_grad_()
+    w2 = (torch.randn(512, 1024, device="cuda", generator=g) * 0.05).requires_grad_()
+    grad = torch.randn(8, 256, 512, device="cuda", generator=g)
+    fused = memfuse.memory_efficient_fusion(autocast_mlp)
+    out = fused(x, w1, w2)
+    out.backward(grad)
+    ours = [t.grad for t in (x, w1, w2)]
+    joint = fused.compiled_for(x, w1, w2).captured.joint
+    products = [n for n in joint.nodes.values() if n.attr is not None and getattr(n.attr, "target", None)
+                is torch.ops.aten.mm.dtype]
+    assert len(products) == 2
+    refs = [t.detach().clone().requires_grad_() for t in (x, w1, w2)]
+    ref = autocast_mlp(*refs)
+    ref.backward(grad)
+    assert relative_error(out, ref) < 1e-2
+    for mine, theirs in zip(ours, [t.grad for t in refs]):
+        assert mine.dtype == theirs.dtype == torch.float32
+        assert relative_error(mine, theirs) < 1e-2

@@ -513,3 +513,37 @@ def test_tiny_gpt2_head_saves_its_logits_once_in_bf16():
     wide = [s for s in the_plan.saved if not s.is_input and numel(joint[s.name], captured) >= tokens_by_vocab]
     assert [joint[s.name].value.dtype for s in wide] == [torch.bfloat16], the_plan.saved
     assert the_plan.saved_bytes <= torch_saved_bytes(step, inputs)
+
+
+def autocast_linears(x, w1, w2):
+    with torch.autocast("cpu", torch.bfloat16):
+        return (F.linear(F.silu(F.linear(x, w1)), w2).float().sum(-1),)
+
+
+def matmul_products(captured) -> list:
+    return [n for n in captured.joint.nodes.values()
+            if n.op is Op.EXTERN and n.attr.target is torch.ops.aten.mm.dtype]
+
+
+def test_an_fp32_cast_of_a_bf16_product_is_the_matmuls_own_output(monkeypatch):
+    """autocast's weight gradients, mm then a cast to the fp32 parameter's dtype, are one
+    `aten.mm.dtype` where the build writes fp32 products (CUDA; on the CPU only with the probe
+    patched, and not run): no cast kernel, no bf16 product. The forward's products, read as bf16
+    by the next op, stay bf16 matmuls."""
+    from memfuse import capture as capture_module
+    inputs = [torch.randn(4, 16, 32, requires_grad=True), torch.randn(64, 32, requires_grad=True),
+              torch.randn(32, 64, requires_grad=True)]
+    plain = capture(autocast_linears, inputs, trace_joint=True)
+    assert not matmul_products(plain)          # the CPU has no fp32-output matmul: left as it was
+    monkeypatch.setattr(capture_module, "matmul_writes_fp32", lambda device, dtype: True)
+    fused = capture(autocast_linears, inputs, trace_joint=True)
+    made = matmul_products(fused)
+    gradients = fused.joint.outputs[fused.num_fwd_outputs:]
+    assert sorted(n.name for n in made) == sorted(gradients[1:])      # both weights' gradients
+    assert all(n.value.dtype is torch.float32 and n.attr.args[-1] is torch.float32 for n in made)
+
+    def casts(c):
+        return sum(n.op is Op.CAST for n in c.joint.nodes.values())
+    assert casts(fused) == casts(plain) - 2
+    the_plan = plan(fused)
+    assert all(the_plan.backward[n.name].attr.target is torch.ops.aten.mm.dtype for n in made)   # run there
