@@ -547,3 +547,30 @@ def test_an_fp32_cast_of_a_bf16_product_is_the_matmuls_own_output(monkeypatch):
     assert casts(fused) == casts(plain) - 2
     the_plan = plan(fused)
     assert all(the_plan.backward[n.name].attr.target is torch.ops.aten.mm.dtype for n in made)   # run there
+
+
+def test_fp32_output_matmuls_run_through_the_program_as_eager_does(monkeypatch):
+    """The rewritten matmuls, run: the probe patched as on CUDA, and `aten.mm.dtype` (which the CPU
+    lacks) bound to the fp32 product of the same bf16 operands, what cuBLAS computes (SUBSTITUTES,
+    the runtime's table of what an extern step calls). Output and every gradient within bf16's
+    tolerance of eager autocast's; both weight gradients come out of the two matmuls in fp32."""
+    from memfuse import capture as capture_module, externs
+    monkeypatch.setattr(capture_module, "matmul_writes_fp32", lambda device, dtype: True)
+    calls = []
+
+    def fp32_product(a, b, dtype):
+        calls.append(dtype)
+        return torch.mm(a.to(dtype), b.to(dtype))
+    monkeypatch.setitem(externs.SUBSTITUTES, torch.ops.aten.mm.dtype, fp32_product)
+    torch.manual_seed(0)
+    inputs = [torch.randn(4, 16, 32, requires_grad=True), (torch.randn(64, 32) * 0.2).requires_grad_(),
+              (torch.randn(32, 64) * 0.2).requires_grad_()]
+    refs = [t.detach().clone().requires_grad_() for t in inputs]
+    out = memory_efficient_fusion(autocast_linears)(*inputs)[0]
+    out.backward(torch.ones_like(out))
+    assert calls == [torch.float32, torch.float32]
+    ref = autocast_linears(*refs)[0]
+    ref.backward(torch.ones_like(ref))
+    assert rel_error(out, ref) < 1e-2
+    for ours, theirs in zip(inputs, refs):
+        assert ours.grad.dtype == torch.float32 and rel_error(ours.grad, theirs.grad) < 1e-2
