@@ -24,7 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
 from . import views
-from .attention import AttentionCall, outside_trace, dense_masks, size_only_masks
+from .attention import AttentionCall, dense_masks, outside_trace, size_only_masks
 from .debug import timed
 from .indexing import index_by_aranges
 from . import loss_head  # noqa: F401  (registers the chunked loss head's ops, named below)
@@ -1597,6 +1597,7 @@ def matmul_writes_fp32(device_type: str, dtype: torch.dtype) -> bool:
     mode the trace runs in."""
     if device_type != "cuda" or not hasattr(aten.mm, "dtype") or not torch.cuda.is_available():
         return False
+
     def product_of_ones():
         operand = torch.ones(8, 8, device="cuda", dtype=dtype)
         return aten.mm.dtype(operand, operand, torch.float32)
