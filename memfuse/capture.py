@@ -553,6 +553,8 @@ class _Lowering:
         self.maps: dict = {}           # STRIDED node -> its views.AccessMap (sympy), for composing views
         self.windowed: dict = {}       # windowed STRIDED read (a pad, a cat part over the parts before it)
         #                                -> (its AccessMap, window, fallback), for slices of it
+        self.summed: dict = {}         # summed STRIDED read (no window) -> (its AccessMap over the value's dims
+        #                                then the summed ones, the summed sizes), to read it at a window
         self.in_place: dict = {}       # non-contiguous input -> the STRIDED node that reads it
         self.broadcasts: dict = {}     # (value, shape) -> the STRIDED node that reads it broadcast
         self.aten_views: dict = {}     # STRIDED node lowered from an aten view op -> its fx node
@@ -837,6 +839,8 @@ class _Lowering:
         if window is None and not summed:
             self.maps[out] = views.AccessMap(m.root, tuple(value.shape), m.coeffs, m.consts, m.contiguous_root,
                                              m.last_stride_one)
+        elif window is None:
+            self.summed[out] = (m, tuple(summed))
         return out
 
     def lower_strided(self, node, val, value: Value) -> str:
@@ -948,6 +952,17 @@ class _Lowering:
         in_memory = node.op in (Op.INPUT, Op.EXTERN, Op.GETITEM) or (node.op is Op.STRIDED and name in self.maps)
         if in_memory and depth == COLUMN_DEPTH:
             return None        # read where it lies: the windowed read over the fallback is one node
+        if name in self.summed and depth < COLUMN_DEPTH:
+            return self.summed_at_window(name, step, value, window, label)
+        if node.op is Op.VIEW and node.inputs[0] in self.summed and depth < COLUMN_DEPTH:
+            # a register copy of a sum (its kept size-1 dim dropped): the sum, through the reshape
+            source = self.graph[node.inputs[0]].value.shape
+            reshape = views.reshape(source, node.value.shape)
+            if reshape is None:
+                return None
+            through = views.identity(node.inputs[0], source, True).then(*reshape, node.value.shape).then(
+                *step, value.shape)
+            return self.summed_at_window(node.inputs[0], (through.coeffs, through.consts), value, window, label)
         if in_memory:
             read = Value(node.value.dtype, Kind.FULL, value.shape, value.m, value.d)
             return self.strided(f"{label}_{name}", self.access(name).then(*step, value.shape), read,
@@ -964,6 +979,22 @@ class _Lowering:
             inputs.append(moved)
         computed = Value(node.value.dtype, Kind.FULL, value.shape, value.m, value.d)
         return self.add(node.op, inputs, computed, node.attr, name=f"{label}_{name}")
+
+    def summed_at_window(self, name: str, step: tuple, value: Value, window: tuple, label: str) -> str:
+        """A sum over leading dims (grouped-query attention's key gradient, summed over the heads
+        that share a key) read at a window of a pointwise value computed from it, 0 outside: the
+        same sum at the moved index. Llama's rotary backward rotates the summed gradient times
+        sin; read so, that product needs no kernel writing it for the rotation to slice."""
+        access, summed = self.summed[name]
+        coeffs, consts = step
+        inner, outer, extra = len(coeffs), len(value.shape), len(summed)
+        # the step over the value's dims, the summed dims carried through as they are
+        moved = [list(coeffs[k][:outer]) + [views.ZERO] * extra for k in range(inner)] + \
+            [[views.ZERO] * outer + [views.ONE if n == k else views.ZERO for n in range(extra)] for k in range(extra)]
+        through = access.then(moved, list(consts) + [views.ZERO] * extra, tuple(value.shape) + summed)
+        read = Value(self.graph[name].value.dtype, Kind.FULL, value.shape, value.m, value.d)
+        return self.strided(f"{label}_{name}", through, read, f"{name} summed at its window", window,
+                            self.const(0, read.dtype), summed=summed)
 
     def shifts_columns_of_computed(self, name: str) -> bool:
         """Whether `name` is a view that only moves along D (a slice of the last dim: rows kept,

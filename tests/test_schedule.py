@@ -270,6 +270,33 @@ def test_rotary_embedding_is_one_kernel_reading_the_matmul_where_it_lies():
     assert [k.space.d for k in over_heads] == [4, 4], [(k.name, k.space, k.outputs) for k in backward.kernels]
 
 
+def grouped_rope(x, w, cos, sin):
+    """A key as Llama's grouped-query attention makes it: rotary on 2 heads of the projection, each
+    repeated for 2 query heads (repeat_kv: expand, reshape), so that its gradient is summed over
+    the repeats before the rotary's backward rotates it."""
+    k = rope(x, w, cos, sin)
+    batch, heads, seq, dim = k.shape
+    return k.unsqueeze(2).expand(batch, heads, 2, seq, dim).reshape(batch, heads * 2, seq, dim)
+
+
+def test_rotary_backward_of_a_summed_gradient_is_one_kernel():
+    """The key's gradient summed over its repeats, times sin, sliced and placed by rotate_half's
+    backward: the sum is read again at each slice's place (a summed read at a window), so the
+    backward rotates it in the kernel that sums it, as it does an unsummed gradient; the tiny
+    Llama's layer backward made three kernels of it (the product, its negated half, the sum)."""
+    x, w = torch.randn(2, 5, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+    angles = torch.arange(5.0)[:, None] * torch.arange(1.0, 3.0).repeat(2)[None, :] / 5
+    cos, sin = angles.cos(), angles.sin()
+    fused = memfuse.memory_efficient_fusion(grouped_rope)
+    _grads_match_eager(grouped_rope, fused, (x, w, cos, sin), (x, w))
+    backward = fused.compiled_for(x, w, cos, sin).function.backward.schedule
+    over_heads = [k for k in backward.kernels if k.space.d != x.shape[-1]]
+    assert [k.space.d for k in over_heads] == [4, 4], [(k.name, k.space, k.outputs) for k in backward.kernels]
+    summed_at_windows = [n for k in over_heads for n in k.nodes if backward.graph[n].op is Op.STRIDED
+                         and backward.graph[n].attr.summed and backward.graph[n].attr.window is not None]
+    assert len(summed_at_windows) == 2          # the two halves rotate_half's backward moves
+
+
 def test_a_view_read_by_kernels_of_two_stages_is_loaded_by_each():
     """A permuted view of an aten result that kernels of two stages read (before and after
     another matmul) is never written: each kernel loads it through its access map."""

@@ -680,12 +680,12 @@ class RowKernelWriter:
         else:
             offsets, mask = _sum([start, column]), "col_mask"
         out(f"{v}_offsets = {offsets}")
+        mask = mask if inside is None else f"{mask} & {inside}"
         if a.summed:
             self.summed_loads(out, node, root_strides, mask)
-            return
-        to = "" if node.value.dtype == torch.bool else f".to({TRITON_DTYPES[compute_dtype(node.value.dtype)]})"
-        mask = mask if inside is None else f"{mask} & {inside}"
-        out(f"{v} = tl.load({root}_ptr + {v}_offsets, mask={mask}, other=0){to}")
+        else:
+            to = "" if node.value.dtype == torch.bool else f".to({TRITON_DTYPES[compute_dtype(node.value.dtype)]})"
+            out(f"{v} = tl.load({root}_ptr + {v}_offsets, mask={mask}, other=0){to}")
         if inside is not None:
             fallback = self.operand(node.inputs[1], kind, compute_dtype(node.value.dtype), node.value.dtype)
             out(f"{v} = tl.where({inside}, {v}, {fallback})")
