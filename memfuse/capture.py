@@ -532,6 +532,9 @@ class NotFusible(Exception):
 
 # How many pointwise ops deep a cat's part is rebuilt in registers (columns_in_registers).
 COLUMN_DEPTH = 6
+# A view of a sum over leading dims of at most this many terms sums again through the view
+# (_Lowering.view_of_small_sum): each reader repeats the sum, which a handful of loads allows.
+SMALL_SUM = 8
 
 
 @dataclass(frozen=True)
@@ -860,7 +863,8 @@ class _Lowering:
         rank = len(source.shape)
         if target is aten.permute.default:
             step = views.permute(source.shape, node.args[1])
-            return self.strided(node.name, source.then(*step), value, f"permute{tuple(node.args[1])}")
+            summed = self.view_of_small_sum(source, step, value, node.name, f"permute{tuple(node.args[1])}")
+            return summed or self.strided(node.name, source.then(*step), value, f"permute{tuple(node.args[1])}")
         dim = node.args[1] % rank
         if target is aten.select.int:
             index = self.index_expr(node.args[2], source.shape[dim])
@@ -985,16 +989,36 @@ class _Lowering:
         that share a key) read at a window of a pointwise value computed from it, 0 outside: the
         same sum at the moved index. Llama's rotary backward rotates the summed gradient times
         sin; read so, that product needs no kernel writing it for the rotation to slice."""
+        read = Value(self.graph[name].value.dtype, Kind.FULL, value.shape, value.m, value.d)
+        return self.summed_through(name, step, read, f"{label}_{name}", f"{name} summed at its window", window,
+                                   self.const(0, read.dtype))
+
+    def summed_through(self, name: str, step: tuple, value: Value, label: str, describe: str,
+                       window: Optional[tuple] = None, fallback: Optional[str] = None) -> str:
+        """Sum `name` (a summed read) again at `step`'s index: the step moves the sum's value dims
+        (coefficients per its dim, then per `value`'s), the summed dims carried through."""
         access, summed = self.summed[name]
         coeffs, consts = step
         inner, outer, extra = len(coeffs), len(value.shape), len(summed)
-        # the step over the value's dims, the summed dims carried through as they are
         moved = [list(coeffs[k][:outer]) + [views.ZERO] * extra for k in range(inner)] + \
             [[views.ZERO] * outer + [views.ONE if n == k else views.ZERO for n in range(extra)] for k in range(extra)]
         through = access.then(moved, list(consts) + [views.ZERO] * extra, tuple(value.shape) + summed)
-        read = Value(self.graph[name].value.dtype, Kind.FULL, value.shape, value.m, value.d)
-        return self.strided(f"{label}_{name}", through, read, f"{name} summed at its window", window,
-                            self.const(0, read.dtype), summed=summed)
+        return self.strided(label, through, value, describe, window, fallback, summed=summed)
+
+    def view_of_small_sum(self, source: "views.AccessMap", step: tuple, value: Value, label: str,
+                          describe: str) -> Optional[str]:
+        """A view (`step` after `source`) of a sum over leading dims of at most SMALL_SUM terms,
+        summed again through the view instead of written for it to read: grouped-query attention's
+        value gradient, summed over the query heads that share a value, read transposed for its
+        projection's matmul, in one kernel, not a sum written and a copy. None for other views."""
+        if source.root not in self.summed or value.kind is not Kind.FULL:
+            return None
+        terms = sympy.Mul(*self.summed[source.root][1])
+        if not terms.is_Integer or terms > SMALL_SUM:
+            return None
+        through = source.then(*step)
+        return self.summed_through(source.root, (through.coeffs, through.consts), value, label,
+                                   f"{describe} of {source.root}")
 
     def shifts_columns_of_computed(self, name: str) -> bool:
         """Whether `name` is a view that only moves along D (a slice of the last dim: rows kept,

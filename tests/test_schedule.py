@@ -297,6 +297,29 @@ def test_rotary_backward_of_a_summed_gradient_is_one_kernel():
     assert len(summed_at_windows) == 2          # the two halves rotate_half's backward moves
 
 
+def grouped_values(x, w):
+    """Values as Llama's grouped-query attention makes them: 2 heads of a projection, each repeated
+    for 2 query heads (repeat_kv), so that their gradient is summed over the repeats and then read
+    transposed back into the projection's [batch x seq, heads x dim] for its matmuls."""
+    batch, seq, heads, dim = x.shape[0], x.shape[1], 2, w.shape[1] // 2
+    v = (x @ w).view(batch, seq, heads, dim).transpose(1, 2)
+    return v.unsqueeze(2).expand(batch, heads, 2, seq, dim).reshape(batch, heads * 2, seq, dim)
+
+
+def test_a_transposed_read_of_a_small_sum_sums_in_the_reading_kernel():
+    """The values' gradient, summed over two repeats and read transposed for the matmul, is one
+    kernel that sums each element where it writes the transposed copy: no kernel writing the sum
+    for the copy to read (the tiny Llama's layer backward made two)."""
+    x, w = torch.randn(2, 5, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+    fused = memfuse.memory_efficient_fusion(grouped_values)
+    _grads_match_eager(grouped_values, fused, (x, w), (x, w))
+    backward = fused.compiled_for(x, w).function.backward.schedule
+    over_heads = [k for k in backward.kernels if k.space.d != x.shape[-1]]
+    assert len(over_heads) == 1, [(k.name, k.space, k.nodes) for k in backward.kernels]
+    summed = [backward.graph[n] for n in over_heads[0].nodes if backward.graph[n].op is Op.STRIDED]
+    assert [n.attr.summed for n in summed] == [(2,)] and "permute" in summed[0].attr.describe
+
+
 def test_a_view_read_by_kernels_of_two_stages_is_loaded_by_each():
     """A permuted view of an aten result that kernels of two stages read (before and after
     another matmul) is never written: each kernel loads it through its access map."""
