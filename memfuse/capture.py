@@ -535,6 +535,8 @@ COLUMN_DEPTH = 6
 # A view of a sum over leading dims of at most this many terms sums again through the view
 # (_Lowering.view_of_small_sum): each reader repeats the sum, which a handful of loads allows.
 SMALL_SUM = 8
+# How many ops deep a permuted read of a computed value is rebuilt at the permuted index.
+PERMUTE_DEPTH = 12
 
 
 @dataclass(frozen=True)
@@ -558,6 +560,8 @@ class _Lowering:
         #                                -> (its AccessMap, window, fallback), for slices of it
         self.summed: dict = {}         # summed STRIDED read (no window) -> (its AccessMap over the value's dims
         #                                then the summed ones, the summed sizes), to read it at a window
+        self.reads: dict = {}          # every STRIDED node -> (AccessMap, window, fallback, summed sizes), to
+        #                                read it again through a permute of a value computed from it
         self.in_place: dict = {}       # non-contiguous input -> the STRIDED node that reads it
         self.broadcasts: dict = {}     # (value, shape) -> the STRIDED node that reads it broadcast
         self.aten_views: dict = {}     # STRIDED node lowered from an aten view op -> its fx node
@@ -839,6 +843,7 @@ class _Lowering:
             self.check_fits(Op.STRIDED, [fallback], value)
         inputs = [m.root] + ([fallback] if fallback is not None else []) + attr.scalars()
         out = self.add(Op.STRIDED, inputs, value, attr, name=name)
+        self.reads[out] = (m, window, fallback, tuple(summed))
         if window is None and not summed:
             self.maps[out] = views.AccessMap(m.root, tuple(value.shape), m.coeffs, m.consts, m.contiguous_root,
                                              m.last_stride_one)
@@ -864,7 +869,8 @@ class _Lowering:
         if target is aten.permute.default:
             step = views.permute(source.shape, node.args[1])
             summed = self.view_of_small_sum(source, step, value, node.name, f"permute{tuple(node.args[1])}")
-            return summed or self.strided(node.name, source.then(*step), value, f"permute{tuple(node.args[1])}")
+            computed = summed or self.permute_of_computed(node, value)
+            return computed or self.strided(node.name, source.then(*step), value, f"permute{tuple(node.args[1])}")
         dim = node.args[1] % rank
         if target is aten.select.int:
             index = self.index_expr(node.args[2], source.shape[dim])
@@ -1019,6 +1025,73 @@ class _Lowering:
         through = source.then(*step)
         return self.summed_through(source.root, (through.coeffs, through.consts), value, label,
                                    f"{describe} of {source.root}")
+
+    def permute_of_computed(self, node, value: Value) -> Optional[str]:
+        """A permute of leading dims (the last stays) of a pointwise value computed from reads, which
+        nothing else reads: that value computed again at the permuted index, its reads moved through
+        the permute (`permuted`), in the kernel that reads it, instead of written for that kernel to
+        read through the permute. Llama's rotary backward: the query's and the key's gradients, read
+        transposed into the projections' [batch x seq, heads x dim], in the kernel that writes that
+        copy. None where the value is not such (a reduction, a read from another space, a value
+        read elsewhere too)."""
+        source = node.args[0]
+        name = self.env_name(source)
+        dims = [d % len(value.shape) for d in node.args[1]]
+        if dims[-1] != len(dims) - 1 or len(source.users) != 1 or value.kind is not Kind.FULL \
+                or self.graph[name].op not in UNARY | BINARY | {Op.WHERE}:
+            return None
+        return self.permuted(name, dims, value, node.name, PERMUTE_DEPTH)
+
+    def permuted(self, name: str, dims: list, value: Value, label: str, depth: int) -> Optional[str]:
+        """`name` at the index `dims` permutes (value dim k is `name`'s dim dims[k]): a pointwise op
+        over its inputs so permuted, a read through its map followed by the permute (its window and
+        fallback moved alike, its summed dims carried); None where a part is neither."""
+        node = self.graph[name]
+        kind = node.value.kind
+        constant = node.op is Op.VIEW and self.graph[node.inputs[0]].value.kind is Kind.SCALAR   # a fill
+        if kind in (Kind.SCALAR, Kind.COL) or constant:
+            return name                       # the same at every row: the columns stay in place
+        if kind is not Kind.FULL or depth == 0 or len(node.value.shape) != len(dims):
+            return None
+        shape = tuple(node.value.shape[d] for d in dims)
+        moved_value = Value(node.value.dtype, Kind.FULL, shape, value.m, value.d)
+        step = views.permute(node.value.shape, dims)
+        if node.op is Op.VIEW and self.reads.get(node.inputs[0], (None, None))[1] is None \
+                and node.inputs[0] in self.reads:
+            # a register copy of a read (a sum's kept size-1 dim dropped): the read, reshaped, permuted
+            source = self.graph[node.inputs[0]].value.shape
+            reshape = views.reshape(source, node.value.shape)
+            if reshape is None:
+                return None
+            through = views.identity(name, source, True).then(*reshape, node.value.shape).then(*step)
+            name, node, step = node.inputs[0], self.graph[node.inputs[0]], (through.coeffs, through.consts, shape)
+        if node.op is Op.STRIDED and name in self.reads:
+            access, window, fallback, summed = self.reads[name]
+            if fallback is not None and self.graph[fallback].op is not Op.CONSTANT:
+                fallback = self.permuted(fallback, dims, value, label, depth - 1)
+                if fallback is None:
+                    return None
+            coeffs, consts, _ = step
+            extra = len(summed)
+            moved = [list(row) + [views.ZERO] * extra for row in coeffs] + \
+                [[views.ZERO] * len(dims) + [views.ONE if n == k else views.ZERO for n in range(extra)]
+                 for k in range(extra)]
+            through = access.then(moved, list(consts) + [views.ZERO] * extra, shape + summed)
+            moved_window = None if window is None else tuple(window[d] for d in dims)
+            return self.strided(f"{label}_{name}", through, moved_value, f"{node.attr.describe}, permuted",
+                                moved_window, fallback, summed=summed)
+        if node.op in (Op.INPUT, Op.EXTERN, Op.GETITEM):
+            return self.strided(f"{label}_{name}", self.access(name).then(*views.permute(node.value.shape, dims)),
+                                moved_value, f"{name} permuted")
+        if node.op not in UNARY | BINARY | {Op.WHERE}:
+            return None
+        inputs = []
+        for i in node.inputs:
+            moved_input = self.permuted(i, dims, value, label, depth - 1)
+            if moved_input is None:
+                return None
+            inputs.append(moved_input)
+        return self.add(node.op, inputs, moved_value, node.attr, name=f"{label}_{name}")
 
     def shifts_columns_of_computed(self, name: str) -> bool:
         """Whether `name` is a view that only moves along D (a slice of the last dim: rows kept,

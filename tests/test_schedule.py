@@ -264,10 +264,11 @@ def test_rotary_embedding_is_one_kernel_reading_the_matmul_where_it_lies():
     strided = {n for n, node in forward.graph.nodes.items() if node.op is Op.STRIDED}
     assert not [o for k in forward.kernels for o in k.outputs if o in strided]
     # the backward: the gradient through rotate_half (slices of grad * sin, one negated, placed
-    # by slice_scatter) in one kernel, then its copy into the matmul's [batch, seq, heads x dim]
+    # by slice_scatter) in one kernel, computed where its transpose into the matmul's
+    # [batch, seq, heads x dim] lies (permute_of_computed): no gradient written for a copy to read
     backward = fused.compiled_for(x, w, cos, sin).function.backward.schedule
     over_heads = [k for k in backward.kernels if k.space.d != x.shape[-1]]
-    assert [k.space.d for k in over_heads] == [4, 4], [(k.name, k.space, k.outputs) for k in backward.kernels]
+    assert [k.space.d for k in over_heads] == [4], [(k.name, k.space, k.outputs) for k in backward.kernels]
 
 
 def grouped_rope(x, w, cos, sin):
@@ -282,7 +283,7 @@ def grouped_rope(x, w, cos, sin):
 def test_rotary_backward_of_a_summed_gradient_is_one_kernel():
     """The key's gradient summed over its repeats, times sin, sliced and placed by rotate_half's
     backward: the sum is read again at each slice's place (a summed read at a window), so the
-    backward rotates it in the kernel that sums it, as it does an unsummed gradient; the tiny
+    backward rotates it in the kernel that sums it, as it does an unsummed gradient, and writes it transposed; the tiny
     Llama's layer backward made three kernels of it (the product, its negated half, the sum)."""
     x, w = torch.randn(2, 5, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
     angles = torch.arange(5.0)[:, None] * torch.arange(1.0, 3.0).repeat(2)[None, :] / 5
@@ -291,7 +292,7 @@ def test_rotary_backward_of_a_summed_gradient_is_one_kernel():
     _grads_match_eager(grouped_rope, fused, (x, w, cos, sin), (x, w))
     backward = fused.compiled_for(x, w, cos, sin).function.backward.schedule
     over_heads = [k for k in backward.kernels if k.space.d != x.shape[-1]]
-    assert [k.space.d for k in over_heads] == [4, 4], [(k.name, k.space, k.outputs) for k in backward.kernels]
+    assert [k.space.d for k in over_heads] == [4], [(k.name, k.space, k.outputs) for k in backward.kernels]
     summed_at_windows = [n for k in over_heads for n in k.nodes if backward.graph[n].op is Op.STRIDED
                          and backward.graph[n].attr.summed and backward.graph[n].attr.window is not None]
     assert len(summed_at_windows) == 2          # the two halves rotate_half's backward moves

@@ -16,6 +16,7 @@ from memfuse import schedule as scheduling
 from memfuse.ir import Op
 
 from compare import assert_same, run_both
+from helpers import rel_error
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -237,10 +238,28 @@ def test_looped_kernels_read_views():
 
 def test_explain_says_why_a_view_of_a_computed_value_ends_the_kernel():
     def fn(x):
-        return x.sin().permute(1, 0, 2) * 2
+        return x.softmax(-1).permute(1, 0, 2) * 2      # a row reduction's result: written, then read
     report = memfuse.explain(fn, torch.randn(3, 4, 8, requires_grad=True))
     assert not report.fallbacks
     assert any("in place" in row.reason for row in report.not_fused), report.not_fused
+
+
+def test_a_permute_of_a_computed_value_read_once_is_computed_at_the_permuted_index():
+    """A pointwise value only a permute reads (here for a matmul, as the query's gradient goes back
+    to its projection) is computed at the permuted index by the kernel that writes the permuted
+    copy, its reads moved through the permute: one kernel, the product never written by another."""
+    def once(x, y, w):
+        return (x.sin() * y).permute(1, 0, 2).reshape(4, 24) @ w
+
+    x, y, w = torch.randn(3, 4, 8, requires_grad=True), torch.randn(3, 4, 8), torch.randn(24, 5)
+    fused = memfuse.memory_efficient_fusion(once)
+    out, ref = fused(x, y, w), once(x, y, w)
+    assert rel_error(out, ref) <= 1e-5
+    grad, = torch.autograd.grad(out.sum(), x)
+    assert rel_error(grad, torch.autograd.grad(ref.sum(), x)[0]) <= 1e-5
+    forward = fused.compiled_for(x, y, w).function.forward.schedule
+    assert len(forward.kernels) == 1, [(k.name, k.nodes, k.outputs) for k in forward.kernels]
+    assert "mul" not in forward.kernels[0].outputs
 
 
 BROADCASTS = {   # name -> (fn, input shapes): operands whose leading dims repeat against the result's
