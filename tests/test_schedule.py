@@ -249,13 +249,18 @@ def rope(x, w, cos, sin):
     return q * cos + rotated * sin
 
 
+def rope_inputs() -> tuple:
+    """x [2, 5, 8] and the projection's weight (both differentiated), cos and sin tables [5, 4]."""
+    x, w = torch.randn(2, 5, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+    angles = torch.arange(5.0)[:, None] * torch.arange(1.0, 3.0).repeat(2)[None, :] / 5
+    return x, w, angles.cos(), angles.sin()
+
+
 def test_rotary_embedding_is_one_kernel_reading_the_matmul_where_it_lies():
     """The heads' permute and the cos/sin broadcasts are loaded where they are read, and -x2 is
     computed in the kernel that places it: one forward kernel over the heads after the matmul,
     none over half the row, no view written; the backward's gradient through it one kernel too."""
-    x, w = torch.randn(2, 5, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
-    angles = torch.arange(5.0)[:, None] * torch.arange(1.0, 3.0).repeat(2)[None, :] / 5
-    cos, sin = angles.cos(), angles.sin()
+    x, w, cos, sin = rope_inputs()
     fused = memfuse.memory_efficient_fusion(rope)
     _grads_match_eager(rope, fused, (x, w, cos, sin), (x, w))
     forward = fused.compiled_for(x, w, cos, sin).function.forward.schedule
@@ -283,11 +288,10 @@ def grouped_rope(x, w, cos, sin):
 def test_rotary_backward_of_a_summed_gradient_is_one_kernel():
     """The key's gradient summed over its repeats, times sin, sliced and placed by rotate_half's
     backward: the sum is read again at each slice's place (a summed read at a window), so the
-    backward rotates it in the kernel that sums it, as it does an unsummed gradient, and writes it transposed; the tiny
-    Llama's layer backward made three kernels of it (the product, its negated half, the sum)."""
-    x, w = torch.randn(2, 5, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
-    angles = torch.arange(5.0)[:, None] * torch.arange(1.0, 3.0).repeat(2)[None, :] / 5
-    cos, sin = angles.cos(), angles.sin()
+    backward rotates it in the kernel that sums it, as it does an unsummed gradient, and writes it
+    transposed; the tiny Llama's layer backward made four kernels of it (the product, its negated
+    half, the sum, the transposed copy)."""
+    x, w, cos, sin = rope_inputs()
     fused = memfuse.memory_efficient_fusion(grouped_rope)
     _grads_match_eager(grouped_rope, fused, (x, w, cos, sin), (x, w))
     backward = fused.compiled_for(x, w, cos, sin).function.backward.schedule
