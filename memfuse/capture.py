@@ -1056,8 +1056,8 @@ class _Lowering:
         shape = tuple(node.value.shape[d] for d in dims)
         moved_value = Value(node.value.dtype, Kind.FULL, shape, value.m, value.d)
         step = views.permute(node.value.shape, dims)
-        if node.op is Op.VIEW and self.reads.get(node.inputs[0], (None, None))[1] is None \
-                and node.inputs[0] in self.reads:
+        read_copied = self.reads.get(node.inputs[0]) if node.op is Op.VIEW else None
+        if read_copied is not None and read_copied[1] is None:
             # a register copy of a read (a sum's kept size-1 dim dropped): the read, reshaped, permuted
             source = self.graph[node.inputs[0]].value.shape
             reshape = views.reshape(source, node.value.shape)
