@@ -1004,11 +1004,7 @@ class _Lowering:
         """Sum `name` (a summed read) again at `step`'s index: the step moves the sum's value dims
         (coefficients per its dim, then per `value`'s), the summed dims carried through."""
         access, summed = self.summed[name]
-        coeffs, consts = step
-        inner, outer, extra = len(coeffs), len(value.shape), len(summed)
-        moved = [list(coeffs[k][:outer]) + [views.ZERO] * extra for k in range(inner)] + \
-            [[views.ZERO] * outer + [views.ONE if n == k else views.ZERO for n in range(extra)] for k in range(extra)]
-        through = access.then(moved, list(consts) + [views.ZERO] * extra, tuple(value.shape) + summed)
+        through = access.then(*views.carrying(step, len(value.shape), len(summed)), tuple(value.shape) + summed)
         return self.strided(label, through, value, describe, window, fallback, summed=summed)
 
     def view_of_small_sum(self, source: "views.AccessMap", step: tuple, value: Value, label: str,
@@ -1071,12 +1067,7 @@ class _Lowering:
                 fallback = self.permuted(fallback, dims, value, label, depth - 1)
                 if fallback is None:
                     return None
-            coeffs, consts, _ = step
-            extra = len(summed)
-            moved = [list(row) + [views.ZERO] * extra for row in coeffs] + \
-                [[views.ZERO] * len(dims) + [views.ONE if n == k else views.ZERO for n in range(extra)]
-                 for k in range(extra)]
-            through = access.then(moved, list(consts) + [views.ZERO] * extra, shape + summed)
+            through = access.then(*views.carrying(step[:2], len(dims), len(summed)), shape + summed)
             moved_window = None if window is None else tuple(window[d] for d in dims)
             return self.strided(f"{label}_{name}", through, moved_value, f"{node.attr.describe}, permuted",
                                 moved_window, fallback, summed=summed)

@@ -112,6 +112,15 @@ def sum_over(shape: Sequence, dims: Sequence[int], keepdim: bool) -> tuple:
         [ZERO] * len(shape), result + [shape[j] for j in dims]
 
 
+def carrying(step: tuple, rank: int, extra: int) -> tuple:
+    """(coeffs, consts) of `step` (over a view's `rank` dims) on a map whose shape has `extra` dims
+    after them (a sum's summed dims, `sum_over`), those carried through as they are."""
+    coeffs, consts = step
+    moved = [list(row[:rank]) + [ZERO] * extra for row in coeffs] + \
+        [[ZERO] * rank + [ONE if n == k else ZERO for n in range(extra)] for k in range(extra)]
+    return moved, list(consts) + [ZERO] * extra
+
+
 def same(a, b) -> bool:
     return sympy.expand(sympy.sympify(a) - sympy.sympify(b)) == 0
 
