@@ -156,6 +156,8 @@ def schedule(graph: Graph, config: Config, kind: str) -> Schedule:
     _recompute_in_readers(graph, groups, stage, free, loads, placed)
     _compute_free_in_readers(graph, groups, free, loads, placed)
     steps, joined = _join_later(graph, steps, free | loads, placed)
+    steps, summed = _join_column_sums(graph, steps, free | loads, placed)
+    joined += summed
     groups = [s for s in steps if isinstance(s, KernelGroup)]
     _name_kernels(groups, joined, kind, placed)
     computed_in = _computed_in(groups)
@@ -846,12 +848,7 @@ def _joinable_after(graph: Graph, steps: list, k: int, in_readers: set):
     joined, indices of the steps between that read the kernel at `k`) of the first later kernel
     `steps[k]` can join, or None."""
     first = steps[k]
-    owner = {}
-    for i, step in enumerate(steps):
-        if isinstance(step, KernelGroup):
-            owner.update((n, i) for n in step.nodes if n not in step.recomputed and n not in in_readers)
-        else:
-            owner[step.name] = i
+    owner = _owners(steps, in_readers)
     in_registers = {n for n in first.nodes if n not in first.recomputed and n not in in_readers
                     and _barrier(graph, n) is None}
     first_loads = _load_bytes(graph, first, in_readers)
@@ -875,6 +872,172 @@ def _joinable_after(graph: Graph, steps: list, k: int, in_readers: set):
                 return None                  # it would wait for the joint kernel, whose results would wait longer
             after.add(j)
     return None
+
+
+def _join_column_sums(graph: Graph, steps: list, in_readers: set, placed: list) -> tuple:
+    """(steps, joined): a kernel that writes only column sums (a bias's gradient, summed over the
+    rows) joins another kernel of its space where that costs no memory, for one launch fewer:
+    - the latest earlier kernel after which everything it reads is ready (the aten views it reads
+      through moved before that kernel). BERT's backward sums the query's, key's and value's
+      gradients for their biases, each in a kernel of its own after the matmuls that read the same
+      gradient; they join the kernel before them, which runs once all three exist. It reads what is
+      there already, and its totals are [D];
+    - else the next kernel, where only aten views between read its totals and everything it reads
+      stays in memory until then anyway: GPT-2's output bias sums the incoming gradient through the
+      reshape its matmul reads, then the next kernel reads that gradient as the residual's.
+    The joint kernel runs at the other kernel's launch configuration, so the sum may load no more a
+    row than that kernel does. Run after `_join_later`, so that it joins the kernels as they end up.
+    `joined`: (the kernel that joined, the kernel it joined)."""
+    users = graph.users()
+    outputs = set(graph.outputs)
+    position = {name: i for i, name in enumerate(graph.nodes)}
+    joined: list = []
+    j = 0
+    while j < len(steps):
+        lone = steps[j]
+        if not isinstance(lone, KernelGroup) or not _writes_only_column_sums(graph, lone, users, outputs):
+            j += 1
+            continue
+        owner = _owners(steps, in_readers)
+        earlier = _earlier_target(graph, steps, j, in_readers, owner)
+        later = None if earlier is not None else _later_target(graph, steps, j, in_readers, owner)
+        if earlier is None and later is None:
+            j += 1
+            continue
+        k, moved = earlier if earlier is not None else (later, [])
+        target = steps[k]
+        owned = set(lone.nodes) - set(lone.recomputed)
+        target.recomputed = sorted((set(target.recomputed) | set(lone.recomputed)) - owned - set(target.nodes),
+                                   key=position.__getitem__)
+        target.nodes = sorted(set(target.nodes) | set(lone.nodes), key=position.__getitem__)
+        target.space = target.space.join(lone.space)
+        placed.append((min(owned, key=position.__getitem__), (
+            f"its kernel joined {target.name}, an earlier kernel of its space: it writes only column sums, "
+            f"and what it reads is ready by then" +
+            (f" (the {len(moved)} aten view(s) it reads through moved before it)" if moved else "")
+        ) if earlier is not None else (
+            f"its kernel joined {target.name}, the next kernel of its space, side by side: it writes only "
+            f"column sums, and what it reads stays in memory until then anyway")))
+        joined.append((lone, target))
+        if earlier is not None:
+            steps = steps[:k] + [steps[i] for i in moved] + [
+                step for i, step in enumerate(steps[k:], k) if i != j and i not in moved]
+        else:       # the aten views of its totals between the two now run after the joint kernel
+            between = _views_of(graph, steps, j, k, owner)
+            steps = steps[:j] + [steps[i] for i in range(j + 1, k) if i not in between] + [target] + [
+                steps[i] for i in between] + steps[k + 1:]
+    return steps, joined
+
+
+def _writes_only_column_sums(graph: Graph, group: KernelGroup, users: dict, outputs: set) -> bool:
+    members = set(group.nodes)
+    written = [n for n in group.nodes if n not in group.recomputed and (
+        n in outputs or any(u not in members for u in users[n]))]
+    return bool(written) and group.space.m is not None and all(graph[n].value.kind is Kind.COL for n in written)
+
+
+def _owners(steps: list, in_readers: set) -> dict:
+    """value -> index of the step that computes it into memory."""
+    owner = {}
+    for i, step in enumerate(steps):
+        if isinstance(step, KernelGroup):
+            owner.update((n, i) for n in step.nodes if n not in step.recomputed and n not in in_readers)
+        else:
+            owner[step.name] = i
+    return owner
+
+
+def _can_host(graph: Graph, target, lone: KernelGroup, in_readers: set) -> bool:
+    return isinstance(target, KernelGroup) and target.space.m == lone.space.m and target.space.agrees(lone.space) \
+        and _load_bytes(graph, lone, in_readers) <= _load_bytes(graph, target, in_readers)
+
+
+def _earlier_target(graph: Graph, steps: list, j: int, in_readers: set, owner: dict):
+    """(index of the latest earlier kernel the kernel at `j` can join, the aten views to move
+    before it, in run order), or None."""
+    for k in range(j - 1, -1, -1):
+        if _can_host(graph, steps[k], steps[j], in_readers):
+            moved = _ready_before(graph, steps, steps[j], k, owner)
+            if moved is not None:
+                return k, moved
+    return None
+
+
+def _ready_before(graph: Graph, steps: list, step, k: int, owner: dict) -> Optional[list]:
+    """The aten views (indices, in run order) to run before step `k` so that everything `step`
+    reads is ready there, or None where something it reads is computed at or after `k`."""
+    moved: set = set()
+    pending = list(_steps_read(graph, step, owner))
+    while pending:
+        i = pending.pop()
+        if i < k or i in moved:
+            continue
+        if not _aliases(graph, steps[i]):
+            return None
+        moved.add(i)
+        pending.extend(_steps_read(graph, steps[i], owner) - {i})
+    return sorted(moved)
+
+
+def _later_target(graph: Graph, steps: list, j: int, in_readers: set, owner: dict) -> Optional[int]:
+    """The index of the next kernel after `j` that the kernel at `j` can join side by side, or None."""
+    dependent = {j}          # it and the views of its totals
+    for k in range(j + 1, len(steps)):
+        step = steps[k]
+        if _steps_read(graph, step, owner) & dependent:
+            if not _aliases(graph, step):
+                return None  # a step reads its totals: it would wait for the joint kernel
+            dependent.add(k)
+        elif isinstance(step, KernelGroup) and _can_host(graph, step, steps[j], in_readers):
+            alive = {_aliased(graph, name) for name in graph.outputs if name in graph.nodes}
+            for later in steps[k:]:
+                alive |= _buffers_read(graph, later, owner)
+            return k if _buffers_read(graph, steps[j], owner) <= alive else None
+    return None
+
+
+def _views_of(graph: Graph, steps: list, j: int, k: int, owner: dict) -> list:
+    """The steps between `j` and `k` that read step `j`'s results, themselves or through each other."""
+    dependent = {j}
+    for i in range(j + 1, k):
+        if _steps_read(graph, steps[i], owner) & dependent:
+            dependent.add(i)
+    return sorted(dependent - {j})
+
+
+def _buffers_read(graph: Graph, step, owner: dict) -> set:
+    """The buffers `step` reads: the step results and program inputs it loads, through values no
+    step computes, each taken to the tensor it aliases (an aten view or reshape's input)."""
+    names = step.nodes if isinstance(step, KernelGroup) else [step.name]
+    members = set(names)
+    pending = [i for n in names for i in graph[n].inputs if i not in members]
+    seen, found = set(), set()
+    while pending:
+        name = pending.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        if name in owner or graph[name].op is Op.INPUT:
+            found.add(_aliased(graph, name))
+        else:
+            pending.extend(graph[name].inputs)
+    return found
+
+
+def _aliases(graph: Graph, step) -> bool:
+    """Whether a step only names memory another value has (an aten view, a runtime reshape)."""
+    if isinstance(step, KernelGroup):
+        return False
+    node = graph[step.name]
+    return _runtime_reshape(graph, node) or (node.op is Op.EXTERN and _is_view(node))
+
+
+def _aliased(graph: Graph, name: str) -> str:
+    """The tensor whose memory `name` is: through aten views and the runtime's reshapes."""
+    node = graph[name]
+    while node.inputs and (_runtime_reshape(graph, node) or (node.op is Op.EXTERN and _is_view(node))):
+        node = graph[node.inputs[0]]
+    return node.name
 
 
 def _load_bytes(graph: Graph, group: KernelGroup, in_readers: set) -> int:

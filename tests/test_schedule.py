@@ -476,6 +476,74 @@ def test_a_kernel_joins_a_later_one_that_loads_its_input():
         backward.placed
 
 
+def conv1d_block(x, g, beta, w1, b1, w2, b2):
+    """GPT-2's MLP: pre-norm, Conv1D layers (addmm over the flattened rows), the residual added."""
+    rows = x.reshape(-1, x.shape[-1])
+    inner = F.gelu(torch.addmm(b1, F.layer_norm(rows, (x.shape[-1],), g, beta), w1))
+    return x + torch.addmm(b2, inner, w2).view(x.shape)
+
+
+def test_a_lone_column_sum_runs_beside_a_later_kernel(monkeypatch):
+    """The output bias's gradient sums the incoming gradient through the reshape its matmul reads
+    (GPT-2's Conv1D): alone, a kernel of its own. It joins the next kernel of its space, which shares
+    no input with it, since the incoming gradient stays in memory until then anyway: one launch
+    fewer, gradients as eager's, and the backward holds no more than with the sum on its own."""
+    torch.manual_seed(0)
+    tensors = [t.requires_grad_() for t in (torch.randn(2, 7, 48), torch.randn(48), torch.randn(48),
+                                            torch.randn(48, 96), torch.randn(96), torch.randn(96, 48),
+                                            torch.randn(48))]
+    fused = memfuse.memory_efficient_fusion(conv1d_block)
+    _grads_match_eager(conv1d_block, fused, tensors, tensors)
+    backward = fused.compiled_for(*tensors).function.backward.schedule
+    sides = [(node, reason) for node, reason in backward.placed if "side by side" in reason]
+    assert len(sides) == 1, backward.placed
+    (bias_sum, reason), = sides
+    assert backward.graph[bias_sum].op is Op.SUM and backward.graph[bias_sum].value.kind is Kind.COL
+    joint, = [k for k in backward.kernels if bias_sum in k.nodes]
+    assert joint.name in reason and len(joint.nodes) > 1
+    joint_peak = _backward_memory(fused, tensors)[2]
+
+    monkeypatch.setattr("memfuse.schedule._later_target", lambda *args: None)
+    alone = memfuse.memory_efficient_fusion(conv1d_block)
+    _grads_match_eager(conv1d_block, alone, tensors, tensors)
+    assert len(alone.compiled_for(*tensors).function.backward.schedule.kernels) == len(backward.kernels) + 1
+    assert joint_peak <= _backward_memory(alone, tensors)[2]
+
+
+def projections_attention(x, wq, bq, wk, bk, wv, bv):
+    """BERT's self-attention: the query, key and value projections with biases, heads split, SDPA."""
+    batch, seq, hidden = x.shape
+    heads = 2
+    q, k, v = ((x @ w.t() + bias).view(batch, seq, heads, hidden // heads).transpose(1, 2)
+               for w, bias in ((wq, bq), (wk, bk), (wv, bv)))
+    return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(batch, seq, hidden)
+
+
+def test_bias_sums_of_an_aten_calls_results_join_one_kernel(monkeypatch):
+    """The three bias gradients are column sums of the attention backward's three gradients, each
+    after the matmuls that read its gradient: three kernels of one sum each. Each joins the latest
+    earlier kernel of its space after which its gradient exists (the views it reads through moved
+    before it): one kernel sums all three, gradients as eager's (the key bias's aside: attention
+    does not depend on it, and its gradient is rounding noise), and the backward holds no more."""
+    torch.manual_seed(0)
+    tensors = [t.requires_grad_() for t in (torch.randn(2, 7, 48),) + sum(
+        ((torch.randn(48, 48), torch.randn(48)) for _ in range(3)), ())]
+    compared = tensors[:4] + tensors[5:]
+    fused = memfuse.memory_efficient_fusion(projections_attention)
+    _grads_match_eager(projections_attention, fused, tensors, compared)
+    backward = fused.compiled_for(*tensors).function.backward.schedule
+    summing = [k for k in backward.kernels if k.column_sums]
+    assert [len(k.column_sums) for k in summing] == [3], [(k.name, k.column_sums) for k in backward.kernels]
+    assert sum("an earlier kernel of its space" in reason for _, reason in backward.placed) == 2
+    joint_peak = _backward_memory(fused, tensors)[2]
+
+    monkeypatch.setattr("memfuse.schedule._earlier_target", lambda *args: None)
+    apart = memfuse.memory_efficient_fusion(projections_attention)
+    _grads_match_eager(projections_attention, apart, tensors, compared)
+    assert len([k for k in apart.compiled_for(*tensors).function.backward.schedule.kernels if k.column_sums]) == 3
+    assert joint_peak <= _backward_memory(apart, tensors)[2]
+
+
 def _rounded_column_sums(x, w):
     """Column sums cast as autocast's bias gradients are (fp32 -> bf16 -> fp32), and one cast once."""
     weighted = (x * w).sum(0)
