@@ -783,6 +783,12 @@ def _steps_read(graph: Graph, step, owner: dict, skip: frozenset = frozenset()) 
     """The steps (indices in `owner`) whose results `step` reads: through a value no step
     computes (a view loaded in place, a value computed where it is read), its inputs'. `skip`:
     inputs left out."""
+    return {owner[name] for name in _values_read(graph, step, owner, skip) if name in owner}
+
+
+def _values_read(graph: Graph, step, owner: dict, skip: frozenset = frozenset()) -> set:
+    """The step results (named in `owner`) and program inputs `step` reads, through values no step
+    computes. `skip`: inputs left out."""
     names = step.nodes if isinstance(step, KernelGroup) else [step.name]
     members = set(names) | set(skip)      # what a kernel computes, itself or again
     pending = [i for n in names for i in graph[n].inputs if i not in members]
@@ -792,8 +798,8 @@ def _steps_read(graph: Graph, step, owner: dict, skip: frozenset = frozenset()) 
         if name in seen:
             continue
         seen.add(name)
-        if name in owner:
-            found.add(owner[name])
+        if name in owner or graph[name].op is Op.INPUT:
+            found.add(name)
         else:
             pending.extend(graph[name].inputs)
     return found
@@ -1006,22 +1012,9 @@ def _views_of(graph: Graph, steps: list, j: int, k: int, owner: dict) -> list:
 
 
 def _buffers_read(graph: Graph, step, owner: dict) -> set:
-    """The buffers `step` reads: the step results and program inputs it loads, through values no
-    step computes, each taken to the tensor it aliases (an aten view or reshape's input)."""
-    names = step.nodes if isinstance(step, KernelGroup) else [step.name]
-    members = set(names)
-    pending = [i for n in names for i in graph[n].inputs if i not in members]
-    seen, found = set(), set()
-    while pending:
-        name = pending.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        if name in owner or graph[name].op is Op.INPUT:
-            found.add(_aliased(graph, name))
-        else:
-            pending.extend(graph[name].inputs)
-    return found
+    """The buffers `step` reads: the step results and program inputs it loads, each taken to the
+    tensor it aliases (an aten view or reshape's input)."""
+    return {_aliased(graph, name) for name in _values_read(graph, step, owner)}
 
 
 def _aliases(graph: Graph, step) -> bool:
