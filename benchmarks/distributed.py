@@ -43,6 +43,9 @@ timing (warm-up, --timed steps, the peak), the wrapper's cases, all kept alive, 
 steps (FSDP2 on small layers) drift by 20% within a minute on a shared host: cases timed one after
 the other carried that drift into their ratios; cases timed in turn share it. A case's peak is
 measured in its first timing, above what was allocated before it was built (the live cases').
+The table also pairs each memfuse case's rounds with eager's and torch.compile's of the same round
+(`paired_ratios`): the median of those ratios, and their range, say how far a ratio moves from
+round to round on a drifting host.
 
 A CPU run (gloo, kernels through the Triton interpreter) is the CI test's smoke run:
     torchrun --nproc_per_node=2 -m benchmarks.distributed --device cpu --size tiny --batch 8 \
@@ -1087,6 +1090,37 @@ def _rounds(case) -> str:
     return f"{min(times):.1f}-{max(times):.1f}" if times else "-"
 
 
+def paired_ratios(case, peer) -> list:
+    """Each round's it/s of `case` over `peer`'s in the same round (timed in turn, within seconds of
+    each other): host drift over a run moves both, and leaves their ratio. Rounds either lacks are
+    left out."""
+    return [mine / theirs for mine, theirs in zip(case.it_s_rounds, peer.it_s_rounds)
+            if mine is not None and theirs]
+
+
+def _paired(case, peer) -> str:
+    ratios = sorted(paired_ratios(case, peer)) if peer is not None else []
+    if not ratios:
+        return "-"
+    return f"{statistics.median(ratios):.3f}x ({ratios[0]:.2f}-{ratios[-1]:.2f})"
+
+
+def _paired_table(cases: list) -> list:
+    """Per memfuse case of a wrapper timed in rounds: the median of its paired ratios against eager
+    and torch.compile (`paired_ratios`), and their range."""
+    peers = {(c.wrapper, c.mode): c for c in cases if c.mode in ("eager", "torch_compile")}
+    paired = [c for c in cases if c.mode.startswith("memfuse") and len(c.it_s_rounds) > 1]
+    if not paired:
+        return []
+    lines = ["", "paired rounds: each round's it/s over eager's and torch.compile's in the same round, the median "
+                 "of the rounds (lowest-highest)",
+             f"{'wrapper':<16}{'mode':<27}{'vs eager':>24}{'vs compile':>24}"]
+    for c in paired:
+        lines.append(f"{c.wrapper:<16}{c.mode:<27}{_paired(c, peers.get((c.wrapper, 'eager'))):>24}"
+                     f"{_paired(c, peers.get((c.wrapper, 'torch_compile'))):>24}")
+    return lines
+
+
 def _per_layer_ratio(case, peer) -> str:
     """A per-layer memfuse case's it/s and peak against torch.compile's per layer, "-" otherwise."""
     if case.mode not in PER_LAYER_MODES or peer is None or not (case.it_s and peer.it_s):
@@ -1185,6 +1219,7 @@ def table(results: dict) -> str:
                   f"{'wrapper':<16}{'mode':<27}{'wall':>8}  host per rank"]
         for c in paced:
             lines.append(f"{c.wrapper:<16}{c.mode:<27}{1e3 / c.it_s:>8.1f}  {_host_pace(c)}")
+    lines += _paired_table(results["cases"])
     lines += _span_table(results["cases"])
     profiled = [c for c in results["cases"] if c.profile]
     if profiled:

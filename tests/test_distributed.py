@@ -223,6 +223,7 @@ def test_cases_are_timed_in_turn_without_compiling_again(run):
                 assert "root pre hook" in spans and "root post hook → forward returned" in spans, spans
                 assert all(t >= 0 for t in spans.values()) and sum(spans.values()) <= ms + 0.05, (ms, spans)
     assert "rounds" in run["log"] and "the host's pace in the timed rounds" in run["log"]
+    assert "paired rounds" in run["log"]
     assert "fsdp2: the forward split at FSDP2's hooks" in run["log"]
 
 
@@ -448,6 +449,22 @@ def test_eager_and_torch_compile_set_the_bf16_bar_and_are_judged_on_the_loss():
     assert judged("eager", 0.5, 0.01, autocast=True) == (False, True)          # the loss is still checked
     assert judged("memfuse_backend", 1e-5, 0.17, autocast=True) == (False, False)
     assert judged("eager", 1e-5, 0.17, autocast=False) == (False, False)
+
+
+def test_paired_ratios_divide_each_round_by_the_peers_same_round():
+    """A host that slows over a run slows every case's later rounds: each round's ratio to the
+    peer's same round stays where the medians of rounds taken apart would not. Rounds either side
+    lacks are left out; the table gives the median and the range."""
+    from benchmarks.distributed import CaseResult, _paired_table, paired_ratios
+    eager = CaseResult("fsdp2", "eager", it_s_rounds=[30.0, 24.0, 20.0])
+    compiled = CaseResult("fsdp2", "torch_compile", it_s_rounds=[40.0, None, 25.0])
+    mine = CaseResult("fsdp2", "memfuse_backend", it_s_rounds=[31.5, 25.2, 21.0])   # 1.05x eager's every round
+    assert paired_ratios(mine, eager) == pytest.approx([1.05, 1.05, 1.05])
+    assert paired_ratios(mine, compiled) == pytest.approx([31.5 / 40, 21.0 / 25])
+    lines = _paired_table([eager, compiled, mine])
+    assert lines[-1].split()[:4] == ["fsdp2", "memfuse_backend", "1.050x", "(1.05-1.05)"], lines
+    assert lines[-1].split()[4:] == ["0.814x", "(0.79-0.84)"], lines
+    assert _paired_table([eager, CaseResult("fsdp2", "memfuse_backend", it_s_rounds=[31.5])]) == []   # one round
 
 
 def test_profiled_cases_are_the_named_ones_that_were_timed_in_their_order():
