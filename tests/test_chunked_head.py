@@ -77,6 +77,33 @@ def test_op_matches_cross_entropy_of_the_linear(reduction, with_gradients, smoot
 
 
 @GRADIENTS
+def test_masked_columns_and_rows_wider_than_a_block_match_eager(with_gradients):
+    """Rows longer than the kernels' block of columns (each lane of the running statistics sees
+    two columns), with a bias of -inf over the whole first block and the last columns (masked
+    words: every lane's first column is -inf): the loss, the log-sum-exps and every gradient as
+    eager's, none NaN."""
+    block = loss_head.BLOCK_COLUMNS
+    vocab = block + 13
+    x, weight, b, target = head_inputs(6, 8, vocab, bias=True)
+    with torch.no_grad():
+        b[:block] = float("-inf")
+        b[-5:] = float("-inf")
+        target.copy_(block + torch.arange(6) % 8)
+        target[::5] = IGNORE
+    x32, w32, b32 = as_fp32(x, weight, b)
+    loss, log_sum_exp, _ = op_loss(x32, w32, b32, target, "mean", 0.0, chunk=4 * loss_head.row_bytes(vocab,
+                                   torch.float32), with_gradients=with_gradients)
+    reference = F.cross_entropy(F.linear(x, weight, b), target, ignore_index=IGNORE)
+    assert relative(loss, reference) < 1e-6
+    assert relative(log_sum_exp, torch.logsumexp(F.linear(x, weight, b), -1)) < 1e-6
+    loss.backward()
+    reference.backward()
+    for ours, theirs in zip((x32, w32, b32), (x, weight, b)):
+        assert not ours.grad.isnan().any()
+        assert relative(ours.grad, theirs.grad) < 1e-5
+
+
+@GRADIENTS
 @pytest.mark.parametrize("bias", [False, True])
 def test_no_tokens_give_eager_losses_and_zero_gradients(with_gradients, bias):
     """A batch of no tokens: no chunk runs; the sum is 0 and the gradients are zeros, as eager's."""
