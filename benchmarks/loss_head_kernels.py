@@ -50,16 +50,16 @@ def kernel_variants(rows: int, vocab: int, device: torch.device, dtype: torch.dt
     scales = torch.full((rows,), 1.0 / rows, device=device)
 
     def separate(block, warps):
-        loss_head._row_statistics[(rows,)](logits, logits.stride(0), 0, target, log_sum_exp, row_loss, vocab, -100,
-                                           0.0, BLOCK=block, num_warps=warps)
+        loss_head._row_statistics[(rows,)](logits, logits.stride(0), 0, target, log_sum_exp, row_loss, vocab, padded,
+                                           -100, 0.0, SMOOTHING=False, BLOCK=block, num_warps=warps)
         loss_head._logits_gradient[(rows,)](logits, logits.stride(0), 0, log_sum_exp, target, scales, logits, 0,
-                                            logits, logits.stride(0), vocab, padded, 0.0, HAS_INCOMING=False,
-                                            BLOCK=block, num_warps=warps)
+                                            logits, logits.stride(0), vocab, padded, 0.0, SMOOTHING=False,
+                                            HAS_INCOMING=False, BLOCK=block, num_warps=warps)
 
     def fused(block, warps):
         loss_head._row_statistics_and_gradient[(rows,)](
             logits, logits.stride(0), 0, target, log_sum_exp, row_loss, count, logits, logits.stride(0), vocab,
-            padded, -100, 0.0, MEAN=True, BLOCK=block, num_warps=warps)
+            padded, -100, 0.0, MEAN=True, SMOOTHING=False, BLOCK=block, num_warps=warps)
     variants = {("clone", None, None): logits.clone}
     for block in BLOCK_SIZES:
         for warps in WARPS:

@@ -76,24 +76,41 @@ def _padded(vocab: int) -> int:
 
 # -- the kernels ---------------------------------------------------------------------------------
 @triton.jit
-def _statistics_of_row(row_logits, target, vocab, BLOCK: tl.constexpr):
-    """(log-sum-exp, target's logit, sum of logits) of one row in fp32, reading it once. Each of the
-    BLOCK lanes keeps its own running max, sum of exps (rescaled as its max grows: online softmax)
-    and sum of logits; they are combined once, after the loop: no reduction across the program's
-    warps at each step (four a step before: 12-17% of the kernel's time on an H200). The target's
-    logit is one load."""
+def _add_to_lanes(lane_max, lane_sum_of_exp, lane_logit_sum, logits, summed, SMOOTHING: tl.constexpr):
+    """One block of a row into each lane's running max and sum of exps (rescaled as its max grows:
+    online softmax), and its sum of logits where smoothing asks for it (`summed`: the logits, 0
+    past the vocabulary)."""
+    new_max = tl.maximum(lane_max, logits)
+    shift = tl.where(new_max == float("-inf"), 0.0, new_max)     # a lane with no finite logit yet: no inf - inf
+    lane_sum_of_exp = lane_sum_of_exp * tl.exp(lane_max - shift) + tl.exp(logits - shift)
+    if SMOOTHING:
+        lane_logit_sum += summed
+    return new_max, lane_sum_of_exp, lane_logit_sum
+
+
+@triton.jit
+def _statistics_of_row(row_logits, target, vocab, padded_vocab, SMOOTHING: tl.constexpr, BLOCK: tl.constexpr):
+    """(log-sum-exp, target's logit, sum of logits: 0 without smoothing) of one row in fp32, reading
+    it once. Each of the BLOCK lanes keeps its own statistics, combined once after the loop: no
+    reduction across the program's warps at each step. The blocks inside the vocabulary load
+    unmasked, 16 bytes at a time; only the last, to the padded end, is masked (a mask ending at a
+    vocabulary such as GPT-2's 50257 made every load one element wide). The target's logit is one
+    load."""
     lane_max = tl.full((BLOCK,), float("-inf"), tl.float32)
     lane_sum_of_exp = tl.zeros((BLOCK,), tl.float32)
     lane_logit_sum = tl.zeros((BLOCK,), tl.float32)
-    for start in range(0, vocab, BLOCK):
+    whole_blocks_end = vocab // BLOCK * BLOCK
+    for start in range(0, whole_blocks_end, BLOCK):
+        logits = tl.load(row_logits + start + tl.arange(0, BLOCK)).to(tl.float32)
+        lane_max, lane_sum_of_exp, lane_logit_sum = _add_to_lanes(lane_max, lane_sum_of_exp, lane_logit_sum,
+                                                                  logits, logits, SMOOTHING)
+    for start in range(whole_blocks_end, padded_vocab, BLOCK):
         columns = start + tl.arange(0, BLOCK)
         inside = columns < vocab
-        logits = tl.load(row_logits + columns, mask=inside, other=float("-inf")).to(tl.float32)
-        new_max = tl.maximum(lane_max, logits)
-        shift = tl.where(new_max == float("-inf"), 0.0, new_max)     # a lane with no column yet: no inf - inf
-        lane_sum_of_exp = lane_sum_of_exp * tl.exp(lane_max - shift) + tl.exp(logits - shift)
-        lane_max = new_max
-        lane_logit_sum += tl.where(inside, logits, 0.0)
+        logits = tl.load(row_logits + columns, mask=columns < padded_vocab, other=0.0).to(tl.float32)
+        lane_max, lane_sum_of_exp, lane_logit_sum = _add_to_lanes(
+            lane_max, lane_sum_of_exp, lane_logit_sum, tl.where(inside, logits, float("-inf")),
+            tl.where(inside, logits, 0.0), SMOOTHING)
     row_max = tl.max(lane_max, axis=0)
     shift = tl.where(row_max == float("-inf"), 0.0, row_max)
     sum_of_exp = tl.sum(lane_sum_of_exp * tl.exp(lane_max - shift), axis=0)
@@ -103,40 +120,67 @@ def _statistics_of_row(row_logits, target, vocab, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _gradient_of_row(row_logits, row_gradient, row_incoming, log_sum_exp, target, row_scale, vocab, padded_vocab,
-                     smoothing, HAS_INCOMING: tl.constexpr, BLOCK: tl.constexpr):
-    """Writes one row's d loss / d logits = (softmax - (1 - smoothing) * one_hot - smoothing / vocab)
-    * row_scale, plus what the logits received from other readers (HAS_INCOMING). Columns past the
-    vocabulary (the aligned padding) get 0, so the matmuls can read them."""
-    for start in range(0, padded_vocab, BLOCK):
-        columns = start + tl.arange(0, BLOCK)
+def _gradient_of_block(row_logits, row_gradient, row_incoming, columns, log_sum_exp, target, row_scale, vocab,
+                       padded_vocab, smoothing, MASKED: tl.constexpr, SMOOTHING: tl.constexpr,
+                       HAS_INCOMING: tl.constexpr):
+    """(softmax - (1 - smoothing) * one_hot - smoothing / vocab) * row_scale, plus what the logits
+    received from other readers, at `columns`; 0 past the vocabulary, so the matmuls can read the
+    padding. MASKED: the block reaches past the vocabulary."""
+    if MASKED:
         inside = columns < vocab
-        logits = tl.load(row_logits + columns, mask=inside, other=float("-inf")).to(tl.float32)
-        softmax = tl.exp(logits - log_sum_exp)
-        wanted = tl.where(columns == target, 1.0 - smoothing, 0.0) + tl.where(inside, smoothing / vocab, 0.0)
-        gradient = (softmax - wanted) * row_scale
-        if HAS_INCOMING:
+        logits = tl.load(row_logits + columns, mask=columns < padded_vocab, other=0.0).to(tl.float32)
+        logits = tl.where(inside, logits, float("-inf"))
+    else:
+        logits = tl.load(row_logits + columns).to(tl.float32)
+    gradient = tl.exp(logits - log_sum_exp) - tl.where(columns == target, 1.0 - smoothing, 0.0)
+    if SMOOTHING:
+        if MASKED:
+            gradient -= tl.where(inside, smoothing / vocab, 0.0)
+        else:
+            gradient -= smoothing / vocab
+    gradient *= row_scale
+    if HAS_INCOMING:
+        if MASKED:
             gradient += tl.load(row_incoming + columns, mask=inside, other=0.0).to(tl.float32)
+        else:
+            gradient += tl.load(row_incoming + columns).to(tl.float32)
+    if MASKED:
         gradient = tl.where(inside, gradient, 0.0)
         tl.store(row_gradient + columns, gradient.to(row_gradient.dtype.element_ty), mask=columns < padded_vocab)
+    else:
+        tl.store(row_gradient + columns, gradient.to(row_gradient.dtype.element_ty))
+
+
+@triton.jit
+def _gradient_of_row(row_logits, row_gradient, row_incoming, log_sum_exp, target, row_scale, vocab, padded_vocab,
+                     smoothing, SMOOTHING: tl.constexpr, HAS_INCOMING: tl.constexpr, BLOCK: tl.constexpr):
+    """Writes one row's d loss / d logits over its padded columns: whole blocks inside the
+    vocabulary unmasked, the rest masked (`_gradient_of_block`)."""
+    whole_blocks_end = vocab // BLOCK * BLOCK
+    for start in range(0, whole_blocks_end, BLOCK):
+        _gradient_of_block(row_logits, row_gradient, row_incoming, start + tl.arange(0, BLOCK), log_sum_exp, target,
+                           row_scale, vocab, padded_vocab, smoothing, False, SMOOTHING, HAS_INCOMING)
+    for start in range(whole_blocks_end, padded_vocab, BLOCK):
+        _gradient_of_block(row_logits, row_gradient, row_incoming, start + tl.arange(0, BLOCK), log_sum_exp, target,
+                           row_scale, vocab, padded_vocab, smoothing, True, SMOOTHING, HAS_INCOMING)
 
 
 @triton.jit
 def _row_start(pointer, row, row_stride):
-    """The row's first element; row strides are multiples of ALIGN (8: the chunks' padded
-    vocabulary), said so to the compiler, which then loads and stores 16 bytes at a time where it
-    could only prove 2 (GPT-2's rows of 50264: 1.7x the time of the same kernel on aligned rows,
-    one H200, 2026-11-28)."""
+    """The row's first element. Row strides are multiples of ALIGN (the chunks' padded
+    vocabulary), said so to the compiler: rows of GPT-2's 50264 columns then load 16 bytes at a
+    time too."""
     return pointer + tl.multiple_of(row * row_stride, 8)
 
 
 @triton.jit
-def _loss_of_row(log_sum_exp, target_logit, logit_sum, valid, vocab, smoothing):
+def _loss_of_row(log_sum_exp, target_logit, logit_sum, valid, vocab, smoothing, SMOOTHING: tl.constexpr):
     """-log softmax[target], mixed with the mean of -log softmax over the vocabulary by `smoothing`
     (cross_entropy's label_smoothing); 0 where the target is ignored. Without smoothing the mean is
     not added at all: a masked word's -inf logit makes it inf, and 0 * inf is NaN."""
     loss = (1.0 - smoothing) * (log_sum_exp - target_logit)
-    loss += tl.where(smoothing == 0.0, 0.0, smoothing * (log_sum_exp - logit_sum / vocab))
+    if SMOOTHING:
+        loss += smoothing * (log_sum_exp - logit_sum / vocab)
     return tl.where(valid, loss, 0.0)
 
 
@@ -158,23 +202,23 @@ def _count_targets(target_ptr, tokens, ignore_index, vocab, count_ptr, inside_pt
 
 @triton.jit
 def _row_statistics(logits_ptr, logits_row_stride, first_token, target_ptr, log_sum_exp_ptr, row_loss_ptr, vocab,
-                    ignore_index, smoothing, BLOCK: tl.constexpr):
+                    padded_vocab, ignore_index, smoothing, SMOOTHING: tl.constexpr, BLOCK: tl.constexpr):
     """One program per row of a chunk's logits (the token `first_token` + row): its log-sum-exp
     (kept for the backward) and its loss."""
     row = tl.program_id(0).to(tl.int64)
     token = first_token + row
     target = tl.load(target_ptr + token)
     log_sum_exp, target_logit, logit_sum = _statistics_of_row(
-        _row_start(logits_ptr, row, logits_row_stride), target, vocab, BLOCK)
+        _row_start(logits_ptr, row, logits_row_stride), target, vocab, padded_vocab, SMOOTHING, BLOCK)
     tl.store(log_sum_exp_ptr + token, log_sum_exp)
     tl.store(row_loss_ptr + token,
-             _loss_of_row(log_sum_exp, target_logit, logit_sum, target != ignore_index, vocab, smoothing))
+             _loss_of_row(log_sum_exp, target_logit, logit_sum, target != ignore_index, vocab, smoothing, SMOOTHING))
 
 
 @triton.jit
 def _logits_gradient(logits_ptr, logits_row_stride, first_token, log_sum_exp_ptr, target_ptr, row_scale_ptr,
                      incoming_ptr, incoming_row_stride, gradient_ptr, gradient_row_stride, vocab, padded_vocab,
-                     smoothing, HAS_INCOMING: tl.constexpr, BLOCK: tl.constexpr):
+                     smoothing, SMOOTHING: tl.constexpr, HAS_INCOMING: tl.constexpr, BLOCK: tl.constexpr):
     """One program per row of a chunk: the gradient of its logits (the backward that recomputes
     them); the incoming gradient is the whole [tokens, vocab] one, read at the row's token."""
     row = tl.program_id(0).to(tl.int64)
@@ -183,13 +227,14 @@ def _logits_gradient(logits_ptr, logits_row_stride, first_token, log_sum_exp_ptr
                      _row_start(gradient_ptr, row, gradient_row_stride),
                      incoming_ptr + token * incoming_row_stride, tl.load(log_sum_exp_ptr + token),
                      tl.load(target_ptr + token), tl.load(row_scale_ptr + token), vocab, padded_vocab, smoothing,
-                     HAS_INCOMING, BLOCK)
+                     SMOOTHING, HAS_INCOMING, BLOCK)
 
 
 @triton.jit
 def _row_statistics_and_gradient(logits_ptr, logits_row_stride, first_token, target_ptr, log_sum_exp_ptr,
                                  row_loss_ptr, count_ptr, gradient_ptr, gradient_row_stride, vocab, padded_vocab,
-                                 ignore_index, smoothing, MEAN: tl.constexpr, BLOCK: tl.constexpr):
+                                 ignore_index, smoothing, MEAN: tl.constexpr, SMOOTHING: tl.constexpr,
+                                 BLOCK: tl.constexpr):
     """One program per row of a chunk, the forward that forms the gradients for an upstream gradient
     of 1: the row's statistics and loss, then its gradient scaled by d loss / d row loss (1 over the
     count of counted targets for a mean, 1 for a sum, 0 where ignored), in place where gradient is
@@ -199,16 +244,18 @@ def _row_statistics_and_gradient(logits_ptr, logits_row_stride, first_token, tar
     row_logits = _row_start(logits_ptr, row, logits_row_stride)
     target = tl.load(target_ptr + token)
     valid = target != ignore_index
-    log_sum_exp, target_logit, logit_sum = _statistics_of_row(row_logits, target, vocab, BLOCK)
+    log_sum_exp, target_logit, logit_sum = _statistics_of_row(row_logits, target, vocab, padded_vocab, SMOOTHING,
+                                                              BLOCK)
     tl.store(log_sum_exp_ptr + token, log_sum_exp)
-    tl.store(row_loss_ptr + token, _loss_of_row(log_sum_exp, target_logit, logit_sum, valid, vocab, smoothing))
+    tl.store(row_loss_ptr + token,
+             _loss_of_row(log_sum_exp, target_logit, logit_sum, valid, vocab, smoothing, SMOOTHING))
     if MEAN:
         row_scale = 1.0 / tl.load(count_ptr)
     else:
         row_scale = 1.0
     row_scale = tl.where(valid, row_scale, 0.0)
     _gradient_of_row(row_logits, _row_start(gradient_ptr, row, gradient_row_stride), row_logits, log_sum_exp, target,
-                     row_scale, vocab, padded_vocab, smoothing, False, BLOCK)
+                     row_scale, vocab, padded_vocab, smoothing, SMOOTHING, False, BLOCK)
 
 
 @triton.jit
@@ -253,17 +300,21 @@ def _cast_rows(source_ptr, source_row_stride, source_rows, columns, out_ptr, BLO
 # launch path cost 47 us a launch, and aten's calls this replaces 36-60 us each (a cast, a pad, a sum,
 # a division; 2026-11-28), a launch here about 8.
 _ROW_OPTIONS = {"num_warps": NUM_WARPS}
-ROW_STATISTICS = DirectKernel(_row_statistics, _ROW_OPTIONS, BLOCK=BLOCK_COLUMNS)
-ROW_STATISTICS_AND_GRADIENT = {mean: DirectKernel(_row_statistics_and_gradient, _ROW_OPTIONS, MEAN=mean,
-                                                   BLOCK=BLOCK_COLUMNS) for mean in (False, True)}
+SMOOTHINGS = (False, True)      # compiled without and with label smoothing's terms
+ROW_STATISTICS = {smoothing: DirectKernel(_row_statistics, _ROW_OPTIONS, SMOOTHING=smoothing, BLOCK=BLOCK_COLUMNS)
+                  for smoothing in SMOOTHINGS}
+ROW_STATISTICS_AND_GRADIENT = {(mean, smoothing): DirectKernel(_row_statistics_and_gradient, _ROW_OPTIONS, MEAN=mean,
+                                                               SMOOTHING=smoothing, BLOCK=BLOCK_COLUMNS)
+                               for mean in (False, True) for smoothing in SMOOTHINGS}
 COUNT_TARGETS = DirectKernel(_count_targets, {"num_warps": 4}, BLOCK=1024)
-LOGITS_GRADIENT = {incoming: DirectKernel(_logits_gradient, _ROW_OPTIONS, HAS_INCOMING=incoming, BLOCK=BLOCK_COLUMNS)
-                   for incoming in (False, True)}
+LOGITS_GRADIENT = {(incoming, smoothing): DirectKernel(_logits_gradient, _ROW_OPTIONS, SMOOTHING=smoothing,
+                                                      HAS_INCOMING=incoming, BLOCK=BLOCK_COLUMNS)
+                   for incoming in (False, True) for smoothing in SMOOTHINGS}
 FINISH_LOSS = {mean: DirectKernel(_finish_loss, {"num_warps": 4}, MEAN=mean, BLOCK=4096) for mean in (False, True)}
 CAST_ROWS = DirectKernel(_cast_rows, {"num_warps": 4}, BLOCK=1024)
 SCALE_BLOCK = 2048
 SCALE = DirectKernel(_scale, {"num_warps": 8}, BLOCK=SCALE_BLOCK)
-DIRECT_KERNELS = (ROW_STATISTICS, *ROW_STATISTICS_AND_GRADIENT.values(), *LOGITS_GRADIENT.values(), COUNT_TARGETS,
+DIRECT_KERNELS = (*ROW_STATISTICS.values(), *ROW_STATISTICS_AND_GRADIENT.values(), *LOGITS_GRADIENT.values(), COUNT_TARGETS,
                   *FINISH_LOSS.values(), CAST_ROWS, SCALE)
 
 
@@ -354,7 +405,7 @@ def _check_sizes(hidden, weight, bias, target) -> None:
 
 @dataclasses.dataclass
 class _Gradients:
-    """The head's gradients as the chunks add to them: hidden [tokens, H] in hidden's dtype, the
+    """The head's gradients as the chunks add to them: hidden [tokens, H] in `hidden_dtype`, the
     weight's [vocab, H] in the weight's dtype, the bias's [vocab] in fp32. The weight's is written
     at its own rows even where the chunks' logits are padded to aligned columns: its matmul reads
     the gradient's first `vocab` columns (an aligned row stride still), so no [padded vocab, H]
@@ -364,20 +415,19 @@ class _Gradients:
     bias: torch.Tensor
 
     @staticmethod
-    def empty(hidden, weight, bias) -> "_Gradients":
+    def empty(hidden, weight, bias, hidden_dtype: torch.dtype) -> "_Gradients":
         """The weight's gradient is written by the first chunk's matmul (no [vocab, H] memset, nor
         its read); zeros where no chunk will write it (no tokens)."""
         weight_gradient = (torch.empty if hidden.shape[0] else torch.zeros)(
             weight.shape, dtype=weight.dtype, device=weight.device)
         bias_gradient = (torch.zeros(weight.shape[:1], dtype=torch.float32, device=weight.device) if bias is not None
                          else weight.new_empty((0,), dtype=torch.float32))     # no zero fill: a second aten call
-        return _Gradients(hidden.new_empty(hidden.shape), weight_gradient, bias_gradient)
+        return _Gradients(hidden.new_empty(hidden.shape, dtype=hidden_dtype), weight_gradient, bias_gradient)
 
     def add_chunk(self, hidden_rows, first: bool, gradient, chunk_hidden, aligned, has_bias: bool) -> None:
         """The two matmuls that take a chunk's logits gradient (padded columns 0) into its rows of
-        hidden's gradient (`hidden_rows`, written in place: fp32 rows under autocast straight from
-        the matmul where the build can) and the weight's (the first chunk's product overwrites it,
-        the others add)."""
+        hidden's gradient (`hidden_rows`, written in place by the matmul) and the weight's (the
+        first chunk's product overwrites it, the others add)."""
         _accumulate(hidden_rows, gradient, aligned, overwrite=True)
         vocab = self.weight.shape[0]
         vocab_columns = gradient if gradient.shape[1] == vocab else gradient[:, :vocab]     # no slice when aligned
@@ -394,7 +444,7 @@ def _launch_gradient(chunk, first: int, gradient, log_sum_exp, target, scales, i
                      smoothing: float) -> None:
     """The gradient of the chunk's logits (tokens `first` on); without incoming gradient the kernel
     is handed the chunk in its place, never read."""
-    LOGITS_GRADIENT[incoming is not None](
+    LOGITS_GRADIENT[incoming is not None, smoothing != 0.0](
         chunk.shape[0], chunk, chunk.stride(0), first, log_sum_exp, target, scales,
         chunk if incoming is None else incoming, 0 if incoming is None else incoming.stride(0),
         gradient, gradient.stride(0), vocab, gradient.shape[1], smoothing)
@@ -424,7 +474,10 @@ def linear_cross_entropy_impl(hidden: torch.Tensor, weight: torch.Tensor, bias: 
         logits = _logits_buffer(hidden, vocab, dtype, return_logits)
         log_sum_exp, row_losses = (hidden.new_empty(tokens, dtype=torch.float32) for _ in range(2))
         count = _counted_targets(target, ignore_index, vocab)
-        gradients = _Gradients.empty(hidden, weight, bias) if with_gradients else None
+        # formed for an upstream gradient of 1, hidden's in the matmul's dtype as eager's product is
+        # (fp32 hidden states under bf16 autocast: half the bytes at the head's peak, 34 MB for Llama
+        # of `make bench-models`); the backward's scaling writes it in hidden's dtype
+        gradients = _Gradients.empty(hidden, weight, bias, dtype) if with_gradients else None
         aligned_t = aligned.t()
         gradient_rows = None     # returned logits: one buffer for every chunk's gradient, the first chunk's size
         for index, (first, last) in enumerate(_chunks(tokens, chunk_rows(tokens, vocab, dtype, chunk_bytes))):
@@ -432,14 +485,15 @@ def linear_cross_entropy_impl(hidden: torch.Tensor, weight: torch.Tensor, bias: 
             out = logits[first:last] if return_logits else None
             chunk = _chunk_logits(chunk_hidden, aligned_t, aligned_bias, out=out)
             if gradients is None:
-                ROW_STATISTICS(chunk.shape[0], chunk, chunk.stride(0), first, target, log_sum_exp, row_losses, vocab,
-                               ignore_index, label_smoothing)
+                ROW_STATISTICS[label_smoothing != 0.0](
+                    chunk.shape[0], chunk, chunk.stride(0), first, target, log_sum_exp, row_losses, vocab,
+                    chunk.shape[1], ignore_index, label_smoothing)
             else:
                 if return_logits and gradient_rows is None:
                     gradient_rows = torch.empty_like(chunk)
                 gradient = chunk if not return_logits else (          # in place unless returned
                     gradient_rows if chunk.shape[0] == gradient_rows.shape[0] else gradient_rows[:chunk.shape[0]])
-                ROW_STATISTICS_AND_GRADIENT[reduction == "mean"](
+                ROW_STATISTICS_AND_GRADIENT[reduction == "mean", label_smoothing != 0.0](
                     chunk.shape[0], chunk, chunk.stride(0), first, target, log_sum_exp, row_losses, count, gradient,
                     gradient.stride(0), vocab, gradient.shape[1], ignore_index, label_smoothing)
                 gradients.add_chunk(gradients.hidden[first:last], index == 0, gradient, chunk_hidden, aligned,
@@ -484,7 +538,7 @@ def _(hidden, weight, bias, target, ignore_index, reduction, label_smoothing, dt
     log_sum_exp = hidden.new_empty((tokens,), dtype=torch.float32)
     logits = _logits_buffer(hidden, vocab, dtype, return_logits)
     if with_gradients:
-        precomputed = (hidden.new_empty(hidden.shape), weight.new_empty(weight.shape),
+        precomputed = (hidden.new_empty(hidden.shape, dtype=dtype), weight.new_empty(weight.shape),
                        bias.new_empty(bias.shape) if bias is not None else hidden.new_empty((0,)))
     else:
         precomputed = _no_gradients(hidden)
@@ -520,24 +574,26 @@ def _scaled(loss_gradient, logits_gradient, hidden, weight, units: tuple, dtype,
     (the weight's and the bias's in their units themselves `in_place`), plus what the returned
     logits received."""
     hidden_unit, *parameter_units = units
-    gradients = (_times(hidden_unit, loss_gradient, in_place=False),
+    gradients = (_times(hidden_unit, loss_gradient, in_place=False, dtype=hidden.dtype),
                  *(_times(u, loss_gradient, in_place) for u in parameter_units))
     if logits_gradient is not None:
         _add_incoming(*gradients, logits_gradient, hidden, weight, dtype)
     return gradients
 
 
-def _times(unit: torch.Tensor, loss_gradient: torch.Tensor, in_place: bool) -> torch.Tensor:
+def _times(unit: torch.Tensor, loss_gradient: torch.Tensor, in_place: bool,
+           dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """unit * the loss's gradient (a 0-dim tensor, read by the kernel: no sync), in fp32 and rounded
-    once to the unit's dtype as aten's mul; into the unit itself `in_place`. One launch where aten
-    took a cast and a mul. An empty unit (no bias): itself in place, else a new empty tensor (the
-    custom op's results must not alias its inputs)."""
+    once to `dtype` (the unit's by default) as aten's mul; into the unit itself `in_place`. One
+    launch where aten took a cast and a mul. An empty unit (no bias): itself in place, else a new
+    empty tensor (the custom op's results must not alias its inputs)."""
+    dtype = unit.dtype if dtype is None else dtype
     if not unit.numel():
-        return unit if in_place else torch.empty_like(unit)
+        return unit if in_place else torch.empty_like(unit, dtype=dtype)
     if not unit.is_contiguous() or loss_gradient.dim() != 0:
         scale = loss_gradient.to(torch.float32)
-        return unit.mul_(scale) if in_place else unit * scale
-    out = unit if in_place else torch.empty_like(unit)
+        return unit.mul_(scale) if in_place else (unit.to(torch.float32) * scale).to(dtype)
+    out = unit if in_place else torch.empty_like(unit, dtype=dtype)
     SCALE(triton.cdiv(unit.numel(), SCALE_BLOCK), unit, out, unit.numel(), loss_gradient)
     return out
 
@@ -589,7 +645,7 @@ def _recomputed_backward(loss_gradient, logits_gradient, hidden, weight, bias, t
     aligned, aligned_bias = _aligned_weight(weight, bias, dtype)
     aligned_t = aligned.t()
     scales = _row_scales(loss_gradient, target, ignore_index, reduction)
-    gradients = _Gradients.empty(hidden, weight, bias)
+    gradients = _Gradients.empty(hidden, weight, bias, hidden.dtype)
     incoming = None if logits_gradient is None else _unit_stride(logits_gradient)
     for index, (first, last) in enumerate(_chunks(tokens, chunk_rows(tokens, vocab, dtype, chunk_bytes))):
         chunk_hidden = _cast(hidden[first:last], dtype)

@@ -103,6 +103,24 @@ def test_masked_columns_and_rows_wider_than_a_block_match_eager(with_gradients):
         assert relative(ours.grad, theirs.grad) < 1e-5
 
 
+@pytest.mark.parametrize("reduction, with_gradients", [("mean", True), ("sum", False), ("none", False)])
+def test_label_smoothing_over_rows_wider_than_a_block_matches_eager(reduction, with_gradients):
+    """Smoothing's sum of logits over whole blocks (loaded unmasked) and the masked last one."""
+    vocab = loss_head.BLOCK_COLUMNS + 3
+    x, weight, b, target = head_inputs(4, 8, vocab, bias=True)
+    x32, w32, b32 = as_fp32(x, weight, b)
+    loss, _, _ = op_loss(x32, w32, b32, target, reduction, 0.1, chunk=3 * loss_head.row_bytes(vocab, torch.float32),
+                         with_gradients=with_gradients)
+    reference = F.cross_entropy(F.linear(x, weight, b), target, ignore_index=IGNORE, reduction=reduction,
+                                label_smoothing=0.1)
+    assert relative(loss, reference) < 1e-6
+    upstream = torch.randn_like(reference)
+    (loss * upstream.float()).sum().backward()
+    (reference * upstream).sum().backward()
+    for ours, theirs in zip((x32, w32, b32), (x, weight, b)):
+        assert relative(ours.grad, theirs.grad) < 1e-5
+
+
 @GRADIENTS
 @pytest.mark.parametrize("bias", [False, True])
 def test_no_tokens_give_eager_losses_and_zero_gradients(with_gradients, bias):
@@ -278,6 +296,33 @@ def test_the_hidden_states_are_cast_a_chunk_at_a_time(monkeypatch, with_gradient
     train_head_in_chunks_of_8_rows(torch.bfloat16, with_gradients)
     assert len(storage_bytes) == (5 if with_gradients else 10)
     assert max(storage_bytes) == 8 * 16 * 2            # one chunk's rows in bf16
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp32_hidden_states_gradient_is_formed_in_the_heads_dtype_and_returned_in_theirs(dtype):
+    """fp32 hidden states under a bf16/fp16 head (autocast's), gradients formed in the forward: the
+    saved hidden gradient is the matmul's product in the head's dtype (half the bytes held from the
+    forward to the backward), as eager's product is; the backward returns it in fp32, scaled by the
+    loss's gradient, no further from fp64's than eager's (autocast's bf16 product cast to fp32)."""
+    torch.manual_seed(0)
+    hidden = torch.randn(40, 16, requires_grad=True)
+    weight = torch.randn(101, 16, requires_grad=True)
+    target = torch.randint(0, 101, (40,))
+    chunk = loss_head.row_bytes(101, dtype) * 8
+    loss, _, _, hidden_unit, weight_unit, _ = torch.ops.memfuse.linear_cross_entropy(
+        hidden, weight, None, target, -100, "mean", 0.0, dtype, False, True, chunk)
+    assert hidden_unit.dtype == dtype and weight_unit.dtype == torch.float32
+    (loss * 3.0).backward()
+    logits = F.linear(hidden.detach().to(dtype), weight.detach().to(dtype)).float().requires_grad_()
+    (F.cross_entropy(logits, target) * 3.0).backward()
+    eager = (logits.grad.to(dtype) @ weight.detach().to(dtype)).float()
+    hidden64 = hidden.detach().double().requires_grad_()
+    (F.cross_entropy(F.linear(hidden64, weight.detach().double()), target) * 3.0).backward()
+    assert hidden.grad.dtype == torch.float32
+    # a margin of 3x, as test_bf16_no_further_from_fp64_than_eager's (Triton's interpreter rounds the
+    # logits' gradient toward zero, the GPU to nearest)
+    assert relative(hidden.grad, hidden64.grad) <= 3 * relative(eager, hidden64.grad) + 1e-6
+    assert relative(hidden.grad, 3.0 * hidden_unit.float()) < 1e-6
 
 
 def check_cast_with_padding_rows(dtype, device, exact: bool):
