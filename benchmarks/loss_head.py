@@ -86,15 +86,23 @@ class Workload:
     ignore_fraction: float  # share of targets set to IGNORE_INDEX
     autocast: bool  # fp32 weight under torch.autocast(bfloat16)
     chunk_mib: int | None = None  # memfuse peers: Config.loss_head_chunk_bytes in MiB (None: the default)
+    chunk_rows: int | None = None  # memfuse peers: Config.loss_head_chunk_rows (None: the default)
 
     @property
     def variant(self) -> str:
         name = "autocast" if self.autocast else self.dtype
-        return name if self.chunk_mib is None else f"{name}-chunk{self.chunk_mib}mib"
+        if self.chunk_mib is not None:
+            name += f"-chunk{self.chunk_mib}mib"
+        return name if self.chunk_rows is None else f"{name}-rows{self.chunk_rows}"
 
     def memfuse_options(self) -> dict:
         """The Config fields (torch.compile options) the memfuse peers run with."""
-        return {} if self.chunk_mib is None else {"loss_head_chunk_bytes": self.chunk_mib * 2**20}
+        options = {}
+        if self.chunk_mib is not None:
+            options["loss_head_chunk_bytes"] = self.chunk_mib * 2**20
+        if self.chunk_rows is not None:
+            options["loss_head_chunk_rows"] = self.chunk_rows
+        return options
 
 
 @dataclasses.dataclass(frozen=True)
@@ -490,14 +498,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--peers", help=f"comma-separated, from {', '.join(PEERS)} (default: all; --tiny: all but "
                                         f"{', '.join(COMPILE_PEERS)}, which are reported missing)")
     parser.add_argument("--chunk-mib", type=int,
-                        help="memfuse's loss-head chunk (Config.loss_head_chunk_bytes) in MiB (default: its default, "
-                             "256); the other peers are unchanged")
+                        help="the most bytes of memfuse's loss-head chunk (Config.loss_head_chunk_bytes) in MiB "
+                             "(default: its default, 256); the other peers are unchanged")
+    parser.add_argument("--chunk-rows", type=int,
+                        help="token rows of memfuse's loss-head chunk (Config.loss_head_chunk_rows; default: its "
+                             "default, 1024); the smaller of the two wins")
     parser.add_argument("--timed-steps", type=int,
                         help=f"timed steps per peer (GPU default {GPU_SETTINGS.timed_steps})")
     parser.add_argument("--tiny", action="store_true", help="a tiny head on CPU through the Triton interpreter")
     parser.add_argument("--out", type=Path, default=models.DEFAULT_OUT, help="output directory")
     args = parser.parse_args(argv)
-    for name in ("tokens", "hidden", "vocab", "timed_steps", "chunk_mib"):
+    for name in ("tokens", "hidden", "vocab", "timed_steps", "chunk_mib", "chunk_rows"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
     if not 0 <= args.ignore_fraction < 1:
@@ -508,7 +519,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def workload_of(args: argparse.Namespace, tiny: bool) -> Workload:
     size = TINY_SIZE if tiny else GPU_SIZE
     return Workload(args.tokens or size["tokens"], args.hidden or size["hidden"], args.vocab or size["vocab"],
-                    args.dtype or size["dtype"], args.ignore_fraction, args.autocast, args.chunk_mib)
+                    args.dtype or size["dtype"], args.ignore_fraction, args.autocast, args.chunk_mib,
+                    args.chunk_rows)
 
 
 def main(argv: list[str] | None = None) -> None:

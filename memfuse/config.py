@@ -22,21 +22,25 @@ def _env_budget() -> float:
                          f"(0, 1] of the default plan's saved bytes, e.g. 0.5") from None
 
 
-# Bytes of one loss-head chunk's logits unless set (memfuse.loss_head): Llama's head of `make
-# bench-models` in 4 chunks of 4096 rows, GPT-2's in 7 of 2560.
+# A loss-head chunk (memfuse.loss_head) holds this many token rows unless set, and at most this
+# many bytes of logits. Each chunk adds its product into the whole [vocab, H] weight gradient, so
+# fewer rows cost time; more rows hold more memory. At 1024 rows, on one H200 (2026-11-28), the
+# heads of `make bench-models` peak at 0.25x (Llama, 16 chunks) and 0.11x (GPT-2) torch.compile's
+# and take 1.15x and 1.05x its time, and the whole steps run 1.17x and 1.06x its speed; at 4096
+# rows Llama's head peaks at 0.41x (docs/benchmarks.md).
+DEFAULT_LOSS_HEAD_CHUNK_ROWS = 1024
 DEFAULT_LOSS_HEAD_CHUNK_BYTES = 256 * 2**20
 
 
-def _env_chunk_bytes() -> int:
-    """MEMFUSE_LOSS_HEAD_CHUNK_BYTES, read as Config.loss_head_chunk_bytes (256 MiB when unset)."""
-    text = os.environ.get("MEMFUSE_LOSS_HEAD_CHUNK_BYTES", "").strip()
+def _env_whole_number(name: str, default: int, example: str) -> int:
+    """The environment variable `name` as a whole number, `default` when unset."""
+    text = os.environ.get(name, "").strip()
     if not text:
-        return DEFAULT_LOSS_HEAD_CHUNK_BYTES
+        return default
     try:
         return int(text)
     except ValueError:
-        raise ValueError(f"memfuse: MEMFUSE_LOSS_HEAD_CHUNK_BYTES={text!r} is not a whole number of bytes; "
-                         f"expected e.g. 33554432 (32 MiB)") from None
+        raise ValueError(f"memfuse: {name}={text!r} is not a whole number; expected e.g. {example}") from None
 
 
 def default_cache_dir() -> Path:
@@ -94,9 +98,14 @@ class Config:
     # turns it off; options={"chunk_loss_head": False} under torch.compile.
     chunk_loss_head: bool = field(default_factory=lambda: os.environ.get("MEMFUSE_CHUNK_LOSS_HEAD", "1").strip()
                                   .lower() not in ("0", "false", "no", "off"))
-    # Bytes of a chunk's logits (their gradient is written over them) at memory_budget 1.0; the budget
-    # scales it. MEMFUSE_LOSS_HEAD_CHUNK_BYTES sets it; options={"loss_head_chunk_bytes": n} too.
-    loss_head_chunk_bytes: int = field(default_factory=_env_chunk_bytes)
+    # A chunk's token rows, and the most bytes its logits (their gradient written over them) may
+    # take: the smaller of the two, at memory_budget 1.0 (memfuse.head.chunk_bytes).
+    # MEMFUSE_LOSS_HEAD_CHUNK_ROWS and MEMFUSE_LOSS_HEAD_CHUNK_BYTES set them; under torch.compile
+    # options={"loss_head_chunk_rows": n} and {"loss_head_chunk_bytes": n} too.
+    loss_head_chunk_rows: int = field(default_factory=lambda: _env_whole_number(
+        "MEMFUSE_LOSS_HEAD_CHUNK_ROWS", DEFAULT_LOSS_HEAD_CHUNK_ROWS, "4096 (token rows)"))
+    loss_head_chunk_bytes: int = field(default_factory=lambda: _env_whole_number(
+        "MEMFUSE_LOSS_HEAD_CHUNK_BYTES", DEFAULT_LOSS_HEAD_CHUNK_BYTES, "33554432 (32 MiB)"))
     # A [batch, 1, q, q] boolean mask a backend graph returns is marked causal for the FusedModules
     # that receive it (memfuse.attention), looked at once per set of sizes where the graph built it
     # from sizes alone. HuggingFace's mask also reads position ids made in eager code; with this on it
@@ -106,10 +115,11 @@ class Config:
     check_returned_masks: bool = False
 
     def __post_init__(self):
-        chunk = self.loss_head_chunk_bytes
-        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
-            raise ValueError(f"memfuse: loss_head_chunk_bytes must be a positive whole number of bytes (a "
-                             f"loss head chunk's logits), got {chunk!r}")
+        for name, what in (("loss_head_chunk_bytes", "bytes (a loss head chunk's logits)"),
+                           ("loss_head_chunk_rows", "token rows (of a loss head chunk)")):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"memfuse: {name} must be a positive whole number of {what}, got {value!r}")
         budget = self.memory_budget
         if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget <= 1:
             raise ValueError(f"memfuse: memory_budget must be a number in (0, 1] (a fraction of the default "
@@ -117,7 +127,8 @@ class Config:
 
 
 # torch.compile(model, backend="memfuse", options={...}): the Config fields an option may set.
-OPTIONS = ("memory_budget", "chunk_loss_head", "loss_head_chunk_bytes", "check_returned_masks")
+OPTIONS = ("memory_budget", "chunk_loss_head", "loss_head_chunk_rows", "loss_head_chunk_bytes",
+           "check_returned_masks")
 
 
 def config_with_options(config: Config, options: dict | None) -> Config:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import operator
+import sys
 from typing import Callable, Optional
 
 import torch
@@ -54,6 +55,7 @@ class HeadDecision:
     returns_logits: bool = False
     chunk_bytes: Optional[int] = None
     gradients_in_forward: bool = False   # formed while each chunk's logits are at hand, scaled in the backward
+    chunk_rows: Optional[int] = None     # token rows a chunk (fewer where there are fewer tokens)
 
     def __str__(self) -> str:
         if not self.chunked:
@@ -63,7 +65,8 @@ class HeadDecision:
         gradients = ("; gradients formed in the forward, scaled in the backward" if self.gradients_in_forward
                      else "; the backward forms each chunk's logits again")
         return (f"loss head {self.loss}: chunked linear + cross-entropy over vocab {self.vocab}, chunks of "
-                f"{self.chunk_bytes / 2**20:.0f} MiB of logits{logits}{gradients}: {self.reason}")
+                f"{self.chunk_rows} token rows ({self.chunk_bytes / 2**20:.0f} MiB of logits){logits}{gradients}: "
+                f"{self.reason}")
 
 
 # Where the memory budget shrinks the head's chunks it stops at this many token rows. Each chunk's
@@ -75,11 +78,19 @@ BUDGET_MIN_CHUNK_ROWS = 1024
 
 
 def chunk_bytes(config: Config, vocab: int, dtype: torch.dtype) -> int:
-    """The head's transient follows the memory budget (0.5 halves the chunks), down to chunks of
-    BUDGET_MIN_CHUNK_ROWS rows, and never past Config.loss_head_chunk_bytes."""
-    scaled = int(config.loss_head_chunk_bytes * config.memory_budget)
-    floor = BUDGET_MIN_CHUNK_ROWS * loss_head.row_bytes(vocab, dtype)
-    return max(1, min(config.loss_head_chunk_bytes, max(scaled, floor)))
+    """A chunk's bytes of logits: Config.loss_head_chunk_rows token rows, or fewer where they would
+    take more than Config.loss_head_chunk_bytes. The memory budget scales that down (0.5 halves
+    it), but not below BUDGET_MIN_CHUNK_ROWS rows: at the default 1024 rows the budget leaves the
+    head as it is."""
+    row = loss_head.row_bytes(vocab, dtype)
+    configured = min(config.loss_head_chunk_bytes, config.loss_head_chunk_rows * row)
+    floor = min(configured, BUDGET_MIN_CHUNK_ROWS * row)
+    return max(1, int(configured * config.memory_budget), floor)
+
+
+def _rows(chunk: int, vocab: int, dtype: torch.dtype) -> int:
+    """Token rows of a chunk of `chunk` bytes, where there are tokens enough."""
+    return loss_head.chunk_rows(sys.maxsize, vocab, dtype, chunk)
 
 
 # -- the Dynamo graph (torch.compile backend) ----------------------------------------------------
@@ -188,9 +199,10 @@ def _rewrite(graph: torch.fx.Graph, loss: torch.fx.Node, config: Config) -> tupl
     graph.erase_node(linear)
     if isinstance(transposed, torch.fx.Node) and transposed is not weight and not transposed.users:
         graph.erase_node(transposed)        # x @ w.T: the .T of the weight
+    chunk = chunk_bytes(config, vocab, logits_value.dtype)
     return HeadDecision(loss.name, True, "a linear layer's output feeds only the loss"
                         + (" and readers past it (returned logits)" if returns_logits else ""),
-                        vocab, returns_logits, chunk_bytes(config, vocab, logits_value.dtype), in_forward), returned
+                        vocab, returns_logits, chunk, in_forward, _rows(chunk, vocab, logits_value.dtype)), returned
 
 
 def _return_without_gradient(graph: torch.fx.Graph, logits: torch.fx.Node, positions: list, hidden: torch.fx.Node,
@@ -406,8 +418,9 @@ class LossHeadMode(TorchFunctionMode):
             origin.linear_output.dtype, True, in_forward, chunk, False)
         self.chunked[name] = origin
         self.logits[name] = logits
-        self.decisions.append(HeadDecision(name, True, "a linear layer's output feeds only the loss",
-                                           int(origin.weight.shape[0]), False, chunk, in_forward))
+        vocab = int(origin.weight.shape[0])
+        self.decisions.append(HeadDecision(name, True, "a linear layer's output feeds only the loss", vocab,
+                                           False, chunk, in_forward, _rows(chunk, vocab, origin.linear_output.dtype)))
         return loss
 
     def settle(self, outputs: tuple, inputs: tuple) -> tuple:

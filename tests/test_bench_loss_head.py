@@ -38,17 +38,19 @@ def test_tiny_run(tmp_path, capsys):
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the tiny run needs Triton's interpreter")
-def test_chunk_mib_reaches_the_memfuse_peers_only(tmp_path):
-    """--chunk-mib sets memfuse's loss-head chunk (explain says the size it chunked with), is
-    recorded with the workload and names the result's files apart from a default run's."""
+def test_chunk_mib_and_rows_reach_the_memfuse_peers_only(tmp_path):
+    """--chunk-mib and --chunk-rows set memfuse's loss-head chunk (explain says the size it chunked
+    with: here the bytes, the fewer), are recorded with the workload and name the result's files
+    apart from a default run's."""
     bench.main(["--tiny", "--forms", "function", "--peers", "eager,memfuse,memfuse_backend", "--chunk-mib", "3",
-                "--out", str(tmp_path)])
-    result = json.loads((tmp_path / "loss-head-tiny-float32-chunk3mib.json").read_text())
+                "--chunk-rows", "100000", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "loss-head-tiny-float32-chunk3mib-rows100000.json").read_text())
     assert result["metadata"]["workload"]["chunk_mib"] == 3
+    assert result["metadata"]["workload"]["chunk_rows"] == 100000
     rows = {r["peer"]: r for r in result["rows"]}
     for peer in bench.MEMFUSE_PEERS:
         assert rows[peer]["error"] is None and rows[peer]["chunked_loss_head"], rows[peer]
-        assert any("chunks of 3 MiB" in line for line in rows[peer]["explain"]), rows[peer]["explain"]
+        assert any("(3 MiB of logits)" in line for line in rows[peer]["explain"]), rows[peer]["explain"]
     assert rows["eager"]["error"] is None and not rows["eager"]["explain"]
 
 

@@ -227,6 +227,8 @@ def test_bad_budget_is_a_clear_error(value):
      "memory_budget must be"),
     ("MEMFUSE_LOSS_HEAD_CHUNK_BYTES", "loss_head_chunk_bytes", str(32 * 2**20), 32 * 2**20, "32MiB",
      "'32MiB' is not a whole number", "0", "loss_head_chunk_bytes must be a positive whole number"),
+    ("MEMFUSE_LOSS_HEAD_CHUNK_ROWS", "loss_head_chunk_rows", "4096", 4096, "4k", "'4k' is not a whole number", "-1",
+     "loss_head_chunk_rows must be a positive whole number"),
 ])
 def test_settings_from_the_environment(monkeypatch, variable, field, value, parsed, bad, bad_message, out_of_range,
                                        range_message):
@@ -242,7 +244,8 @@ def test_settings_from_the_environment(monkeypatch, variable, field, value, pars
         memfuse.Config()
 
 
-def test_loss_head_chunk_bytes_default():
+def test_loss_head_chunk_defaults():
+    assert memfuse.Config().loss_head_chunk_rows == 1024
     assert memfuse.Config().loss_head_chunk_bytes == 256 * 2**20
 
 

@@ -735,9 +735,10 @@ def test_chunked_loss_head_bf16_on_the_gpu(return_logits, with_gradients, master
 @pytest.mark.parametrize("with_gradients", [False, True])
 def test_chunked_loss_head_fp32_hidden_under_a_bf16_matmul_on_the_gpu(with_gradients, device="cuda"):
     """fp32 hidden states and weight, the matmuls in bf16 (autocast's head, as in Llama): the hidden
-    states' fp32 gradient rows written by the matmul's epilogue (loss_head._accumulate), the
-    weight's added up in fp32; 3000 tokens in three chunks, the last one short. Loss and gradients
-    no further from fp64 than eager's bf16 head (3x margin)."""
+    states' gradient rows written by the matmul (fp32 in the recomputing backward; bf16 formed in
+    the forward, as eager's product, and scaled into fp32 in the backward), the weight's added up
+    in fp32; 3000 tokens in three chunks, the last one short. Loss and gradients no further from
+    fp64 than eager's bf16 head (3x margin)."""
     import torch.nn.functional as F
     _, x, weight, target = _head_inputs(device)
     tokens, vocab = x.shape[0], weight.shape[0]
@@ -758,6 +759,40 @@ def test_chunked_loss_head_fp32_hidden_under_a_bf16_matmul_on_the_gpu(with_gradi
     assert ours[1].dtype == ours[2].dtype == torch.float32
     for mine, theirs, truth in zip(ours, eager, exact):
         assert relative_error(mine.double(), truth) <= 3 * relative_error(theirs.double(), truth) + 1e-6
+
+
+@pytest.mark.parametrize("smoothing, masked", [(0.0, True), (0.1, False)], ids=["masked_words", "smoothing"])
+@pytest.mark.parametrize("with_gradients", [False, True])
+def test_chunked_loss_head_rows_wider_than_a_block_on_the_gpu(with_gradients, smoothing, masked):
+    """fp32, rows of 2 blocks and an odd tail (the whole blocks loaded unmasked, compiled for the
+    GPU): masked words (a -inf bias over the first block) or label smoothing; loss and every
+    gradient within 1e-5 of fp64's, none NaN."""
+    import torch.nn.functional as F
+    from memfuse import loss_head
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    tokens, hidden, vocab = 600, 64, 2 * loss_head.BLOCK_COLUMNS + 13
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.float64, generator=generator)
+    weight = torch.randn(vocab, hidden, device="cuda", dtype=torch.float64, generator=generator) / 8
+    bias = torch.randn(vocab, device="cuda", dtype=torch.float64, generator=generator)
+    target = torch.randint(loss_head.BLOCK_COLUMNS, vocab, (tokens,), device="cuda", generator=generator)
+    target[::7] = -100
+    if masked:
+        bias[:loss_head.BLOCK_COLUMNS] = float("-inf")
+
+    def run(operands, chunked):
+        operands = [t.detach().requires_grad_() for t in operands]
+        if chunked:
+            loss, *_ = torch.ops.memfuse.linear_cross_entropy(*operands, target, -100, "mean", smoothing,
+                                                              torch.float32, False, with_gradients, 2**20)
+        else:
+            loss = F.cross_entropy(F.linear(*operands), target, label_smoothing=smoothing)
+        return (loss, *torch.autograd.grad(loss, operands))
+
+    exact = run((x, weight, bias), chunked=False)
+    ours = run((x.float(), weight.float(), bias.float()), chunked=True)
+    for mine, truth in zip(ours, exact):
+        assert not mine.isnan().any()
+        assert relative_error(mine.double(), truth) < 1e-5
 
 
 @pytest.mark.parametrize("with_gradients", [False, True])
