@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Optional
 
 
 def _env_flag(name: str) -> bool:
@@ -22,17 +23,15 @@ def _env_budget() -> float:
                          f"(0, 1] of the default plan's saved bytes, e.g. 0.5") from None
 
 
-# A loss-head chunk (memfuse.loss_head) holds this many token rows unless set, and at most this
-# many bytes of logits. Each chunk adds its product into the whole [vocab, H] weight gradient, so
-# fewer rows cost time; more rows hold more memory. At 1024 rows, on one H200 (2026-11-28), the
-# heads of `make bench-models` peak at 0.25x (Llama, 16 chunks) and 0.11x (GPT-2) torch.compile's
-# and take 1.15x and 1.05x its time, and the whole steps run 1.17x and 1.06x its speed; at 4096
-# rows Llama's head peaks at 0.41x (docs/benchmarks.md).
-DEFAULT_LOSS_HEAD_CHUNK_ROWS = 1024
+# The most bytes of one loss-head chunk's logits unless set (memfuse.loss_head): Llama's head of
+# `make bench-models` in 4 chunks of 4096 rows, GPT-2's in 7 of 2560. Chunks of fewer rows hold less
+# (1024 rows: both heads at most 0.25x torch.compile's peak, both steps faster than its, one H200,
+# 2026-11-28) but cost host time a chunk, which paces steps under DDP and FSDP2 (BERT and GPT-2
+# slower there at 1024 rows): docs/benchmarks.md.
 DEFAULT_LOSS_HEAD_CHUNK_BYTES = 256 * 2**20
 
 
-def _env_whole_number(name: str, default: int, example: str) -> int:
+def _env_whole_number(name: str, default: Optional[int], example: str) -> Optional[int]:
     """The environment variable `name` as a whole number, `default` when unset."""
     text = os.environ.get(name, "").strip()
     if not text:
@@ -98,12 +97,12 @@ class Config:
     # turns it off; options={"chunk_loss_head": False} under torch.compile.
     chunk_loss_head: bool = field(default_factory=lambda: os.environ.get("MEMFUSE_CHUNK_LOSS_HEAD", "1").strip()
                                   .lower() not in ("0", "false", "no", "off"))
-    # A chunk's token rows, and the most bytes its logits (their gradient written over them) may
-    # take: the smaller of the two, at memory_budget 1.0 (memfuse.head.chunk_bytes).
-    # MEMFUSE_LOSS_HEAD_CHUNK_ROWS and MEMFUSE_LOSS_HEAD_CHUNK_BYTES set them; under torch.compile
-    # options={"loss_head_chunk_rows": n} and {"loss_head_chunk_bytes": n} too.
-    loss_head_chunk_rows: int = field(default_factory=lambda: _env_whole_number(
-        "MEMFUSE_LOSS_HEAD_CHUNK_ROWS", DEFAULT_LOSS_HEAD_CHUNK_ROWS, "4096 (token rows)"))
+    # The most bytes a chunk's logits (their gradient written over them) may take, and, if set, the
+    # most token rows a chunk holds: the smaller of the two, at memory_budget 1.0
+    # (memfuse.head.chunk_bytes). MEMFUSE_LOSS_HEAD_CHUNK_BYTES and MEMFUSE_LOSS_HEAD_CHUNK_ROWS set
+    # them; under torch.compile options={"loss_head_chunk_bytes": n} and {"loss_head_chunk_rows": n}.
+    loss_head_chunk_rows: Optional[int] = field(default_factory=lambda: _env_whole_number(
+        "MEMFUSE_LOSS_HEAD_CHUNK_ROWS", None, "1024 (token rows)"))
     loss_head_chunk_bytes: int = field(default_factory=lambda: _env_whole_number(
         "MEMFUSE_LOSS_HEAD_CHUNK_BYTES", DEFAULT_LOSS_HEAD_CHUNK_BYTES, "33554432 (32 MiB)"))
     # A [batch, 1, q, q] boolean mask a backend graph returns is marked causal for the FusedModules
@@ -118,6 +117,8 @@ class Config:
         for name, what in (("loss_head_chunk_bytes", "bytes (a loss head chunk's logits)"),
                            ("loss_head_chunk_rows", "token rows (of a loss head chunk)")):
             value = getattr(self, name)
+            if name == "loss_head_chunk_rows" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"memfuse: {name} must be a positive whole number of {what}, got {value!r}")
         budget = self.memory_budget

@@ -78,12 +78,13 @@ BUDGET_MIN_CHUNK_ROWS = 1024
 
 
 def chunk_bytes(config: Config, vocab: int, dtype: torch.dtype) -> int:
-    """A chunk's bytes of logits: Config.loss_head_chunk_rows token rows, or fewer where they would
-    take more than Config.loss_head_chunk_bytes. The memory budget scales that down (0.5 halves
-    it), but not below BUDGET_MIN_CHUNK_ROWS rows: at the default 1024 rows the budget leaves the
-    head as it is."""
+    """A chunk's bytes of logits: Config.loss_head_chunk_bytes, or Config.loss_head_chunk_rows token
+    rows where those are set and take less. The memory budget scales that down (0.5 halves it), but
+    not below BUDGET_MIN_CHUNK_ROWS rows nor above what is configured."""
     row = loss_head.row_bytes(vocab, dtype)
-    configured = min(config.loss_head_chunk_bytes, config.loss_head_chunk_rows * row)
+    configured = config.loss_head_chunk_bytes
+    if config.loss_head_chunk_rows is not None:
+        configured = min(configured, config.loss_head_chunk_rows * row)
     floor = min(configured, BUDGET_MIN_CHUNK_ROWS * row)
     return max(1, int(configured * config.memory_budget), floor)
 

@@ -225,23 +225,24 @@ def test_chunks_follow_the_byte_budget_and_the_memory_budget():
     assert loss_head.chunk_rows(5, 32000, torch.bfloat16, 256 * 2**20) == 5
     assert loss_head.chunk_rows(16384, 32000, torch.bfloat16, 1) == 8
     llama = (32000, torch.bfloat16)
-    assert chunk_bytes(Config(loss_head_chunk_rows=8192), *llama) == 256 * 2**20
-    assert chunk_bytes(Config(loss_head_chunk_rows=8192, memory_budget=0.8), *llama) == int(0.8 * 256 * 2**20)
+    assert chunk_bytes(Config(), *llama) == 256 * 2**20
+    assert chunk_bytes(Config(memory_budget=0.8), *llama) == int(0.8 * 256 * 2**20)
 
 
-def test_a_chunk_holds_1024_token_rows_by_default_and_at_most_the_configured_bytes():
-    """The default chunk is rows, not bytes: 1024 token rows at any vocabulary (Llama's 32000 and
-    GPT-2's 50257 words alike), fewer where 1024 rows would take more than 256 MiB; either knob
-    sets it, the smaller wins, and at the default the memory budget changes nothing."""
+def test_a_chunk_of_so_many_token_rows_when_they_are_set():
+    """loss_head_chunk_rows sets a chunk's rows at any vocabulary (Llama's 32000 and GPT-2's 50257
+    words alike), fewer where they would take more than loss_head_chunk_bytes: the smaller wins;
+    the memory budget does not shrink 1024 rows (its floor)."""
     for vocab in (32000, 50257):
         row = loss_head.row_bytes(vocab, torch.bfloat16)
-        assert chunk_bytes(Config(), vocab, torch.bfloat16) == 1024 * row
-        assert chunk_bytes(Config(memory_budget=0.3), vocab, torch.bfloat16) == 1024 * row
-        assert loss_head.chunk_rows(16384, vocab, torch.bfloat16, chunk_bytes(Config(), vocab, torch.bfloat16)) == 1024
+        config = Config(loss_head_chunk_rows=1024)
+        assert chunk_bytes(config, vocab, torch.bfloat16) == 1024 * row
+        assert loss_head.chunk_rows(16384, vocab, torch.bfloat16, chunk_bytes(config, vocab, torch.bfloat16)) == 1024
+        assert chunk_bytes(Config(loss_head_chunk_rows=1024, memory_budget=0.3), vocab, torch.bfloat16) == 1024 * row
         assert chunk_bytes(Config(loss_head_chunk_rows=512), vocab, torch.bfloat16) == 512 * row
     huge_vocab = 256 * 1024
-    assert chunk_bytes(Config(), huge_vocab, torch.bfloat16) == 256 * 2**20      # 512 rows fit
-    assert chunk_bytes(Config(loss_head_chunk_bytes=2**20), 32000, torch.bfloat16) == 2**20
+    assert chunk_bytes(Config(loss_head_chunk_rows=1024), huge_vocab, torch.bfloat16) == 256 * 2**20   # 512 rows fit
+    assert chunk_bytes(Config(loss_head_chunk_rows=1024, loss_head_chunk_bytes=2**20), 32000, torch.bfloat16) == 2**20
 
 
 def test_chunks_of_many_rows_hold_whole_row_tiles():
@@ -377,7 +378,7 @@ def test_a_budget_shrinks_the_chunks_down_to_a_floor_of_rows():
     gpt2 = (50257, torch.bfloat16)
     floor = BUDGET_MIN_CHUNK_ROWS * loss_head.row_bytes(*gpt2)
     assert chunk_bytes(Config(loss_head_chunk_rows=2560, memory_budget=0.5), *gpt2) == 1280 * loss_head.row_bytes(*gpt2)
-    assert chunk_bytes(Config(loss_head_chunk_rows=4096, memory_budget=0.2), *gpt2) == floor
+    assert chunk_bytes(Config(memory_budget=0.2), *gpt2) == floor
     assert loss_head.chunk_rows(16384, 50257, torch.bfloat16, floor) == BUDGET_MIN_CHUNK_ROWS
     assert chunk_bytes(Config(memory_budget=0.2, loss_head_chunk_bytes=2**20), *gpt2) == 2**20
 
