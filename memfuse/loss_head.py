@@ -14,8 +14,9 @@ computes the same loss a chunk of tokens at a time:
   `(softmax - one_hot) * scale` (`_logits_gradient`), and the two matmuls that take it into
   the hidden states' and the weight's gradients; the weight's gradient adds up over chunks.
 - a mean or sum loss (`with_gradients`): the forward forms the gradients instead, for an upstream
-  gradient of 1, while each chunk's logits are at hand; the backward scales them by the loss's
-  gradient (in place in memfuse's programs: `linear_cross_entropy_backward_`, memfuse.reinplace).
+  gradient of 1, while each chunk's logits are at hand (the hidden states' in the matmul's dtype,
+  as eager's product); the backward scales them by the loss's gradient (in place in memfuse's
+  programs: `linear_cross_entropy_backward_`, memfuse.reinplace).
 
 A chunk's rows follow a byte budget (`chunk_rows`), so the head's transient is the same at any
 token count: one [rows, vocab] buffer, the gradient written over the logits. Where the logits are
