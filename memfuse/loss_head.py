@@ -260,6 +260,26 @@ def _row_statistics_and_gradient(logits_ptr, logits_row_stride, first_token, tar
 
 
 @triton.jit
+def _add_column_sums(gradient_ptr, gradient_row_stride, rows, vocab, total_ptr, OVERWRITE: tl.constexpr,
+                     BLOCK_ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per BLOCK columns of a chunk's logits gradient: their sums over the chunk's rows,
+    in fp32, added into the bias's gradient (written, not added, where OVERWRITE: the first chunk,
+    so the gradient needs no zero fill)."""
+    columns = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = columns < vocab
+    sums = tl.zeros((BLOCK_ROWS, BLOCK), tl.float32)
+    for start in range(0, rows, BLOCK_ROWS):
+        row = (start + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
+        values = tl.load(gradient_ptr + row[:, None] * gradient_row_stride + columns[None, :],
+                         mask=(row[:, None] < rows) & inside[None, :], other=0.0)
+        sums += values.to(tl.float32)
+    column_sums = tl.sum(sums, axis=0)
+    if not OVERWRITE:
+        column_sums += tl.load(total_ptr + columns, mask=inside, other=0.0)
+    tl.store(total_ptr + columns, column_sums, mask=inside)
+
+
+@triton.jit
 def _finish_loss(row_loss_ptr, tokens, count_ptr, loss_ptr, MEAN: tl.constexpr, BLOCK: tl.constexpr):
     """One program: the loss of the rows' losses, their sum (over the count of counted targets,
     for a mean: 0 / 0 is NaN where none is counted, as eager's)."""
@@ -313,10 +333,14 @@ LOGITS_GRADIENT = {(incoming, smoothing): DirectKernel(_logits_gradient, _ROW_OP
                    for incoming in (False, True) for smoothing in SMOOTHINGS}
 FINISH_LOSS = {mean: DirectKernel(_finish_loss, {"num_warps": 4}, MEAN=mean, BLOCK=4096) for mean in (False, True)}
 CAST_ROWS = DirectKernel(_cast_rows, {"num_warps": 4}, BLOCK=1024)
+# the bias's gradient a chunk: one launch where aten took a sum and an add
+COLUMN_SUMS_BLOCK = 256
+ADD_COLUMN_SUMS = {overwrite: DirectKernel(_add_column_sums, {"num_warps": 4}, OVERWRITE=overwrite, BLOCK_ROWS=16,
+                                           BLOCK=COLUMN_SUMS_BLOCK) for overwrite in (False, True)}
 SCALE_BLOCK = 2048
 SCALE = DirectKernel(_scale, {"num_warps": 8}, BLOCK=SCALE_BLOCK)
-DIRECT_KERNELS = (*ROW_STATISTICS.values(), *ROW_STATISTICS_AND_GRADIENT.values(), *LOGITS_GRADIENT.values(), COUNT_TARGETS,
-                  *FINISH_LOSS.values(), CAST_ROWS, SCALE)
+DIRECT_KERNELS = (*ROW_STATISTICS.values(), *ROW_STATISTICS_AND_GRADIENT.values(), *LOGITS_GRADIENT.values(),
+                  COUNT_TARGETS, *FINISH_LOSS.values(), CAST_ROWS, *ADD_COLUMN_SUMS.values(), SCALE)
 
 
 # -- the op --------------------------------------------------------------------------------------
@@ -417,12 +441,11 @@ class _Gradients:
 
     @staticmethod
     def empty(hidden, weight, bias, hidden_dtype: torch.dtype) -> "_Gradients":
-        """The weight's gradient is written by the first chunk's matmul (no [vocab, H] memset, nor
-        its read); zeros where no chunk will write it (no tokens)."""
-        weight_gradient = (torch.empty if hidden.shape[0] else torch.zeros)(
-            weight.shape, dtype=weight.dtype, device=weight.device)
-        bias_gradient = (torch.zeros(weight.shape[:1], dtype=torch.float32, device=weight.device) if bias is not None
-                         else weight.new_empty((0,), dtype=torch.float32))     # no zero fill: a second aten call
+        """The weight's and the bias's gradients are written by the first chunk (no memset, nor its
+        read); zeros where no chunk will write them (no tokens)."""
+        make = torch.empty if hidden.shape[0] else torch.zeros
+        weight_gradient = make(weight.shape, dtype=weight.dtype, device=weight.device)
+        bias_gradient = make(weight.shape[:1] if bias is not None else (0,), dtype=torch.float32, device=weight.device)
         return _Gradients(hidden.new_empty(hidden.shape, dtype=hidden_dtype), weight_gradient, bias_gradient)
 
     def add_chunk(self, hidden_rows, first: bool, gradient, chunk_hidden, aligned, has_bias: bool) -> None:
@@ -434,7 +457,8 @@ class _Gradients:
         vocab_columns = gradient if gradient.shape[1] == vocab else gradient[:, :vocab]     # no slice when aligned
         _accumulate(self.weight, vocab_columns.t(), chunk_hidden, overwrite=first)
         if has_bias:
-            self.bias += vocab_columns.sum(0, dtype=torch.float32)
+            ADD_COLUMN_SUMS[first](triton.cdiv(vocab, COLUMN_SUMS_BLOCK), gradient, gradient.stride(0),
+                                   gradient.shape[0], vocab, self.bias)
 
     def finished(self, bias) -> tuple:
         """(hidden, weight, bias) gradients; the bias's empty without a bias."""

@@ -256,6 +256,22 @@ def test_chunks_of_many_rows_hold_whole_row_tiles():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_bias_gradient_is_one_launch_a_chunk_that_writes_then_adds_column_sums(dtype):
+    """A chunk's logits gradient [37 rows, 597 words, row stride 600] summed over its rows in fp32:
+    written over the bias's gradient by the first chunk (its old values, even NaN, unread), added
+    by the next; columns past the vocabulary untouched."""
+    gradient = torch.randn(37, 600).to(dtype)
+    total = torch.full((600,), float("nan"))
+    programs = -(-597 // loss_head.COLUMN_SUMS_BLOCK)
+    loss_head.ADD_COLUMN_SUMS[True](programs, gradient, gradient.stride(0), 37, 597, total)
+    expected = gradient[:, :597].float().sum(0)
+    torch.testing.assert_close(total[:597], expected)
+    assert total[597:].isnan().all()
+    loss_head.ADD_COLUMN_SUMS[False](programs, gradient, gradient.stride(0), 37, 597, total)
+    torch.testing.assert_close(total[:597], 2 * expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_first_chunk_overwrites_the_weight_gradient_without_reading_it(dtype):
     """The weight's gradient starts as empty memory: the first chunk's product must not add to it
     (a NaN there would spread), the next ones must."""
