@@ -360,15 +360,17 @@ def _aligned_weight(weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: t
     return _cast(weight, dtype, rows), aligned_bias
 
 
-def _cast(source: torch.Tensor, dtype: torch.dtype, rows: Optional[int] = None) -> torch.Tensor:
+def _cast(source: torch.Tensor, dtype: torch.dtype, rows: Optional[int] = None,
+          out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """source [n, columns] in `dtype`, padded with rows of zeros to `rows`: one launch, where a
-    Tensor.to and a pad were two aten calls (~40 and ~60 us of an H200 host). The source itself
-    where nothing changes."""
+    Tensor.to and a pad were two aten calls (~40 and ~60 us of an H200 host); into `out` (contiguous
+    [rows, columns]) where given. The source itself where nothing changes."""
     rows = source.shape[0] if rows is None else rows
     if source.dtype == dtype and rows == source.shape[0]:
         return source
     source = _unit_stride(source)
-    out = source.new_empty((rows, source.shape[1]), dtype=dtype)
+    if out is None:
+        out = source.new_empty((rows, source.shape[1]), dtype=dtype)
     if out.numel():
         CAST_ROWS(rows, source, source.stride(0), source.shape[0], source.shape[1], out)
     return out
@@ -380,6 +382,37 @@ def _chunk_logits(hidden: torch.Tensor, weight_t: torch.Tensor, bias: Optional[t
     if bias is None:
         return torch.mm(hidden, weight_t, out=out)
     return torch.addmm(bias, hidden, weight_t, out=out)
+
+
+@dataclasses.dataclass
+class _ChunkBuffers:
+    """The buffers every chunk reuses, made once for the rows of the largest chunk (a smaller last
+    chunk takes their first rows): its hidden states' rows in the matmul's dtype (None where hidden
+    is in it already) and its logits, which their gradient overwrites (None where the logits are
+    returned: the chunk's are rows of the output). One buffer each for all chunks, not a tensor a
+    chunk: one chunk's memory by construction, and no allocation a chunk on the host."""
+    hidden: Optional[torch.Tensor]
+    logits: Optional[torch.Tensor]
+
+    @staticmethod
+    def empty(hidden: torch.Tensor, padded_vocab: int, dtype: torch.dtype, rows: int,
+              with_logits: bool) -> "_ChunkBuffers":
+        rows = min(rows, hidden.shape[0])
+        cast = None if hidden.dtype == dtype else hidden.new_empty((rows, hidden.shape[1]), dtype=dtype)
+        logits = hidden.new_empty((rows, padded_vocab), dtype=dtype) if with_logits else None
+        return _ChunkBuffers(cast, logits)
+
+    def hidden_rows(self, hidden: torch.Tensor, dtype: torch.dtype, first: int, last: int) -> torch.Tensor:
+        """Tokens first..last of hidden in `dtype`: cast into the buffer, or hidden's own rows."""
+        rows = hidden[first:last]
+        return rows if self.hidden is None else _cast(rows, dtype, out=_first_rows(self.hidden, last - first))
+
+    def logits_rows(self, count: int) -> torch.Tensor:
+        return _first_rows(self.logits, count)
+
+
+def _first_rows(buffer: torch.Tensor, count: int) -> torch.Tensor:
+    return buffer if buffer.shape[0] == count else buffer[:count]
 
 
 def _counted_targets(target: torch.Tensor, ignore_index: int, vocab: int) -> torch.Tensor:
@@ -457,7 +490,7 @@ class _Gradients:
         vocab_columns = gradient if gradient.shape[1] == vocab else gradient[:, :vocab]     # no slice when aligned
         _accumulate(self.weight, vocab_columns.t(), chunk_hidden, overwrite=first)
         if has_bias:
-            ADD_COLUMN_SUMS[first](triton.cdiv(vocab, COLUMN_SUMS_BLOCK), gradient, gradient.stride(0),
+            ADD_COLUMN_SUMS[first](-(-vocab // COLUMN_SUMS_BLOCK), gradient, gradient.stride(0),
                                    gradient.shape[0], vocab, self.bias)
 
     def finished(self, bias) -> tuple:
@@ -504,27 +537,26 @@ def linear_cross_entropy_impl(hidden: torch.Tensor, weight: torch.Tensor, bias: 
         # of `make bench-models`); the backward's scaling writes it in hidden's dtype
         gradients = _Gradients.empty(hidden, weight, bias, dtype) if with_gradients else None
         aligned_t = aligned.t()
-        gradient_rows = None     # returned logits: one buffer for every chunk's gradient, the first chunk's size
-        for index, (first, last) in enumerate(_chunks(tokens, chunk_rows(tokens, vocab, dtype, chunk_bytes))):
-            chunk_hidden = _cast(hidden[first:last], dtype)     # a chunk's rows cast, not the whole [tokens, H]
-            out = logits[first:last] if return_logits else None
-            chunk = _chunk_logits(chunk_hidden, aligned_t, aligned_bias, out=out)
+        rows = chunk_rows(tokens, vocab, dtype, chunk_bytes)
+        # returned logits are written into the output, their gradient (if formed) into the buffer
+        buffers = _ChunkBuffers.empty(hidden, aligned.shape[0], dtype, rows,
+                                      with_logits=not return_logits or with_gradients)
+        for index, (first, last) in enumerate(_chunks(tokens, rows)):
+            chunk_hidden = buffers.hidden_rows(hidden, dtype, first, last)   # a chunk's rows cast, not all [tokens, H]
+            own = buffers.logits_rows(last - first) if buffers.logits is not None else None
+            chunk = _chunk_logits(chunk_hidden, aligned_t, aligned_bias,
+                                  out=logits[first:last] if return_logits else own)
             if gradients is None:
                 ROW_STATISTICS[label_smoothing != 0.0](
                     chunk.shape[0], chunk, chunk.stride(0), first, target, log_sum_exp, row_losses, vocab,
                     chunk.shape[1], ignore_index, label_smoothing)
             else:
-                if return_logits and gradient_rows is None:
-                    gradient_rows = torch.empty_like(chunk)
-                gradient = chunk if not return_logits else (          # in place unless returned
-                    gradient_rows if chunk.shape[0] == gradient_rows.shape[0] else gradient_rows[:chunk.shape[0]])
+                gradient = own          # over the chunk's logits, unless those are returned
                 ROW_STATISTICS_AND_GRADIENT[reduction == "mean", label_smoothing != 0.0](
                     chunk.shape[0], chunk, chunk.stride(0), first, target, log_sum_exp, row_losses, count, gradient,
                     gradient.stride(0), vocab, gradient.shape[1], ignore_index, label_smoothing)
                 gradients.add_chunk(gradients.hidden[first:last], index == 0, gradient, chunk_hidden, aligned,
                                     bias is not None)
-                del gradient
-            del chunk       # before the next chunk's matmul allocates: one chunk alive at a time, not two
         loss = _reduced(row_losses, count, reduction)
         precomputed = gradients.finished(bias) if gradients is not None else _no_gradients(hidden)
     return loss, log_sum_exp, logits[:, :vocab] if return_logits else logits, *precomputed
@@ -672,12 +704,13 @@ def _recomputed_backward(loss_gradient, logits_gradient, hidden, weight, bias, t
     scales = _row_scales(loss_gradient, target, ignore_index, reduction)
     gradients = _Gradients.empty(hidden, weight, bias, hidden.dtype)
     incoming = None if logits_gradient is None else _unit_stride(logits_gradient)
-    for index, (first, last) in enumerate(_chunks(tokens, chunk_rows(tokens, vocab, dtype, chunk_bytes))):
-        chunk_hidden = _cast(hidden[first:last], dtype)
-        chunk = _chunk_logits(chunk_hidden, aligned_t, aligned_bias)
+    rows = chunk_rows(tokens, vocab, dtype, chunk_bytes)
+    buffers = _ChunkBuffers.empty(hidden, aligned.shape[0], dtype, rows, with_logits=True)
+    for index, (first, last) in enumerate(_chunks(tokens, rows)):
+        chunk_hidden = buffers.hidden_rows(hidden, dtype, first, last)
+        chunk = _chunk_logits(chunk_hidden, aligned_t, aligned_bias, out=buffers.logits_rows(last - first))
         _launch_gradient(chunk, first, chunk, log_sum_exp, target, scales, incoming, vocab, label_smoothing)
         gradients.add_chunk(gradients.hidden[first:last], index == 0, chunk, chunk_hidden, aligned, bias is not None)
-        del chunk       # before the next chunk's matmul allocates: one chunk alive at a time, not two
     return gradients.finished(bias)
 
 
