@@ -1,10 +1,10 @@
 """The chunked loss head (issue 18): memfuse.loss_head's op against the unchunked math, and
 memfuse.head finding the pattern (linear -> [cast] -> [flatten] -> cross_entropy) in functions,
 in torch.compile graphs and in HuggingFace's GPT-2, BERT-MLM and Llama heads, or saying why not."""
+import dataclasses
 import functools
 import logging
 import sys
-import weakref
 
 import pytest
 import torch
@@ -225,8 +225,14 @@ def test_chunks_follow_the_byte_budget_and_the_memory_budget():
     assert loss_head.chunk_rows(5, 32000, torch.bfloat16, 256 * 2**20) == 5
     assert loss_head.chunk_rows(16384, 32000, torch.bfloat16, 1) == 8
     llama = (32000, torch.bfloat16)
-    assert chunk_bytes(Config(), *llama) == 256 * 2**20
-    assert chunk_bytes(Config(memory_budget=0.8), *llama) == int(0.8 * 256 * 2**20)
+    row = loss_head.row_bytes(*llama)
+    assert chunk_bytes(Config(), *llama) == 1024 * row           # the default: 1024 rows
+    assert chunk_bytes(Config(memory_budget=0.8), *llama) == 1024 * row     # the budget's floor
+    more_rows = Config(loss_head_chunk_rows=8192)                 # 8192 rows: over 256 MiB
+    assert chunk_bytes(more_rows, *llama) == 256 * 2**20
+    assert chunk_bytes(dataclasses.replace(more_rows, memory_budget=0.8), *llama) == int(0.8 * 256 * 2**20)
+    wider = (300_000, torch.bfloat16)                            # 1024 rows: 614 MB, over 256 MiB
+    assert loss_head.chunk_rows(8192, *wider, chunk_bytes(Config(), *wider)) == 256
 
 
 def test_a_chunk_of_so_many_token_rows_when_they_are_set():
@@ -295,21 +301,23 @@ def train_head_in_chunks_of_8_rows(dtype: torch.dtype, with_gradients: bool) -> 
 
 
 @pytest.mark.parametrize("with_gradients", [True, False])
-def test_one_chunk_buffer_is_alive_at_a_time(monkeypatch, with_gradients):
-    """Each chunk's buffer is released before the next chunk's matmul makes another, in the forward
-    and in the backward that recomputes the logits: a chunk's bytes are the head's transient, once."""
-    made = []
+def test_every_chunk_writes_its_logits_into_one_buffer(monkeypatch, with_gradients):
+    """In the forward, and in the backward that forms the logits again, every chunk's matmul writes
+    into one buffer of one chunk's rows, made before the loop: a chunk's bytes are the head's
+    transient, once, and no chunk allocates."""
+    storages = []
     make = loss_head._chunk_logits
 
-    def recording(*args, **kwargs):
-        assert all(ref() is None for ref in made), "an earlier chunk's buffer is still alive"
-        chunk = make(*args, **kwargs)
-        made.append(weakref.ref(chunk))
-        return chunk
+    def recording(hidden, weight_t, bias, out=None):
+        assert out is not None, "a chunk's logits went into a tensor of their own"
+        storages.append((out.untyped_storage().data_ptr(), out.untyped_storage().nbytes()))
+        return make(hidden, weight_t, bias, out=out)
 
     monkeypatch.setattr(loss_head, "_chunk_logits", recording)
     train_head_in_chunks_of_8_rows(torch.float32, with_gradients)
-    assert len(made) == (5 if with_gradients else 10)     # 40 rows in chunks of 8, again in the backward
+    assert len(storages) == (5 if with_gradients else 10)     # 40 rows in chunks of 8, again in the backward
+    for loop in (storages[:5], storages[5:]) if not with_gradients else (storages,):
+        assert set(loop) == {(loop[0][0], 8 * loss_head.row_bytes(101, torch.float32))}
 
 
 @pytest.mark.parametrize("with_gradients", [True, False])
