@@ -502,7 +502,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "(default: its default, 256); the other peers are unchanged")
     parser.add_argument("--chunk-rows", type=int,
                         help="the most token rows of memfuse's loss-head chunk (Config.loss_head_chunk_rows; "
-                             "default: not set); the smaller of the two wins")
+                             "default: its default, 1024); the smaller of the two wins")
     parser.add_argument("--timed-steps", type=int,
                         help=f"timed steps per peer (GPU default {GPU_SETTINGS.timed_steps})")
     parser.add_argument("--tiny", action="store_true", help="a tiny head on CPU through the Triton interpreter")

@@ -4,7 +4,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Optional
 
 
 def _env_flag(name: str) -> bool:
@@ -23,15 +22,17 @@ def _env_budget() -> float:
                          f"(0, 1] of the default plan's saved bytes, e.g. 0.5") from None
 
 
-# The most bytes of one loss-head chunk's logits unless set (memfuse.loss_head): Llama's head of
-# `make bench-models` in 4 chunks of 4096 rows, GPT-2's in 7 of 2560. Chunks of fewer rows hold less
-# (1024 rows: both heads at most 0.25x torch.compile's peak, both steps faster than its, one H200,
-# 2026-11-28) but cost host time a chunk, which paces steps under DDP and FSDP2 (BERT and GPT-2
-# slower there at 1024 rows): docs/benchmarks.md.
+# A loss-head chunk's most token rows and most bytes of logits unless set (memfuse.head.chunk_bytes,
+# the smaller wins): Llama's and GPT-2's heads of `make bench-models` in 16 chunks of 1024 rows
+# (both heads at most 0.25x torch.compile's peak, both steps faster than its, one H200,
+# 2026-11-28); a 128256-word head in 1024-row chunks too (263 MB), a wider one in fewer rows. Each
+# chunk costs the host about 0.1 ms (0.2 with a bias), which paces steps under FSDP2:
+# docs/benchmarks.md.
+DEFAULT_LOSS_HEAD_CHUNK_ROWS = 1024
 DEFAULT_LOSS_HEAD_CHUNK_BYTES = 256 * 2**20
 
 
-def _env_whole_number(name: str, default: Optional[int], example: str) -> Optional[int]:
+def _env_whole_number(name: str, default: int, example: str) -> int:
     """The environment variable `name` as a whole number, `default` when unset."""
     text = os.environ.get(name, "").strip()
     if not text:
@@ -97,12 +98,12 @@ class Config:
     # turns it off; options={"chunk_loss_head": False} under torch.compile.
     chunk_loss_head: bool = field(default_factory=lambda: os.environ.get("MEMFUSE_CHUNK_LOSS_HEAD", "1").strip()
                                   .lower() not in ("0", "false", "no", "off"))
-    # The most bytes a chunk's logits (their gradient written over them) may take, and, if set, the
-    # most token rows a chunk holds: the smaller of the two, at memory_budget 1.0
-    # (memfuse.head.chunk_bytes). MEMFUSE_LOSS_HEAD_CHUNK_BYTES and MEMFUSE_LOSS_HEAD_CHUNK_ROWS set
-    # them; under torch.compile options={"loss_head_chunk_bytes": n} and {"loss_head_chunk_rows": n}.
-    loss_head_chunk_rows: Optional[int] = field(default_factory=lambda: _env_whole_number(
-        "MEMFUSE_LOSS_HEAD_CHUNK_ROWS", None, "1024 (token rows)"))
+    # The most token rows a loss-head chunk holds and the most bytes its logits (their gradient
+    # written over them) may take: the smaller of the two, at memory_budget 1.0
+    # (memfuse.head.chunk_bytes). MEMFUSE_LOSS_HEAD_CHUNK_ROWS and MEMFUSE_LOSS_HEAD_CHUNK_BYTES set
+    # them; under torch.compile options={"loss_head_chunk_rows": n} and {"loss_head_chunk_bytes": n}.
+    loss_head_chunk_rows: int = field(default_factory=lambda: _env_whole_number(
+        "MEMFUSE_LOSS_HEAD_CHUNK_ROWS", DEFAULT_LOSS_HEAD_CHUNK_ROWS, "4096 (token rows)"))
     loss_head_chunk_bytes: int = field(default_factory=lambda: _env_whole_number(
         "MEMFUSE_LOSS_HEAD_CHUNK_BYTES", DEFAULT_LOSS_HEAD_CHUNK_BYTES, "33554432 (32 MiB)"))
     # A [batch, 1, q, q] boolean mask a backend graph returns is marked causal for the FusedModules
@@ -117,8 +118,6 @@ class Config:
         for name, what in (("loss_head_chunk_bytes", "bytes (a loss head chunk's logits)"),
                            ("loss_head_chunk_rows", "token rows (of a loss head chunk)")):
             value = getattr(self, name)
-            if name == "loss_head_chunk_rows" and value is None:
-                continue
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"memfuse: {name} must be a positive whole number of {what}, got {value!r}")
         budget = self.memory_budget

@@ -73,18 +73,17 @@ class HeadDecision:
 # weight gradient is an addmm that reads and writes the whole [vocab, H] fp32 gradient: rows / 4
 # FLOPs a byte, memory-bound below about 1200 (MATMUL_FLOPS_PER_BYTE). GPT-2 on an H100
 # (2026-11-25): at budget 0.2, 63 chunks of 264 rows spent 9.7 ms of a 32.0 ms step in those
-# addmms, against 2.9 ms in 13 chunks at 1.0, and lowered the step's peak by 27 MB.
+# addmms, against 2.9 ms in 13 chunks at 1.0, and lowered the step's peak by 27 MB. The default
+# chunk holds this many rows already: the budget shrinks only chunks configured larger.
 BUDGET_MIN_CHUNK_ROWS = 1024
 
 
 def chunk_bytes(config: Config, vocab: int, dtype: torch.dtype) -> int:
-    """A chunk's bytes of logits: Config.loss_head_chunk_bytes, or Config.loss_head_chunk_rows token
-    rows where those are set and take less. The memory budget scales that down (0.5 halves it), but
-    not below BUDGET_MIN_CHUNK_ROWS rows nor above what is configured."""
+    """A chunk's bytes of logits: Config.loss_head_chunk_rows token rows, or
+    Config.loss_head_chunk_bytes where those take less. The memory budget scales that down (0.5
+    halves it), but not below BUDGET_MIN_CHUNK_ROWS rows nor above what is configured."""
     row = loss_head.row_bytes(vocab, dtype)
-    configured = config.loss_head_chunk_bytes
-    if config.loss_head_chunk_rows is not None:
-        configured = min(configured, config.loss_head_chunk_rows * row)
+    configured = min(config.loss_head_chunk_bytes, config.loss_head_chunk_rows * row)
     floor = min(configured, BUDGET_MIN_CHUNK_ROWS * row)
     return max(1, int(configured * config.memory_budget), floor)
 
