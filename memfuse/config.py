@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Optional
 
 
 def _env_flag(name: str) -> bool:
@@ -22,17 +23,16 @@ def _env_budget() -> float:
                          f"(0, 1] of the default plan's saved bytes, e.g. 0.5") from None
 
 
-# A loss-head chunk's most token rows and most bytes of logits unless set (memfuse.head.chunk_bytes,
-# the smaller wins): Llama's and GPT-2's heads of `make bench-models` in 16 chunks of 1024 rows
-# (both heads at most 0.25x torch.compile's peak, both steps faster than its, one H200,
-# 2026-11-28); a 128256-word head in 1024-row chunks too (263 MB), a wider one in fewer rows. Each
-# chunk costs the host about 0.1 ms (0.2 with a bias), which paces steps under FSDP2:
-# docs/benchmarks.md.
+# A loss-head chunk's most token rows (where Config.loss_head_chunk_rows is unset, on one process:
+# memfuse.head.rows_cap) and most bytes of logits; the smaller wins (memfuse.head.chunk_bytes).
+# Llama's and GPT-2's heads of `make bench-models` in 16 chunks of 1024 rows: both heads at most
+# 0.25x torch.compile's peak, both steps faster than its (one H200, 2026-11-28); a 128256-word head
+# in 1024-row chunks too (263 MB), a wider one in fewer rows.
 DEFAULT_LOSS_HEAD_CHUNK_ROWS = 1024
 DEFAULT_LOSS_HEAD_CHUNK_BYTES = 256 * 2**20
 
 
-def _env_whole_number(name: str, default: int, example: str) -> int:
+def _env_whole_number(name: str, default: Optional[int], example: str) -> Optional[int]:
     """The environment variable `name` as a whole number, `default` when unset."""
     text = os.environ.get(name, "").strip()
     if not text:
@@ -100,10 +100,12 @@ class Config:
                                   .lower() not in ("0", "false", "no", "off"))
     # The most token rows a loss-head chunk holds and the most bytes its logits (their gradient
     # written over them) may take: the smaller of the two, at memory_budget 1.0
-    # (memfuse.head.chunk_bytes). MEMFUSE_LOSS_HEAD_CHUNK_ROWS and MEMFUSE_LOSS_HEAD_CHUNK_BYTES set
-    # them; under torch.compile options={"loss_head_chunk_rows": n} and {"loss_head_chunk_bytes": n}.
-    loss_head_chunk_rows: int = field(default_factory=lambda: _env_whole_number(
-        "MEMFUSE_LOSS_HEAD_CHUNK_ROWS", DEFAULT_LOSS_HEAD_CHUNK_ROWS, "4096 (token rows)"))
+    # (memfuse.head.chunk_bytes). Rows unset: 1024 on one process, none under torch.distributed
+    # with more than one rank (memfuse.head.rows_cap). MEMFUSE_LOSS_HEAD_CHUNK_ROWS and
+    # MEMFUSE_LOSS_HEAD_CHUNK_BYTES set them; under torch.compile options={"loss_head_chunk_rows": n}
+    # and {"loss_head_chunk_bytes": n}.
+    loss_head_chunk_rows: Optional[int] = field(default_factory=lambda: _env_whole_number(
+        "MEMFUSE_LOSS_HEAD_CHUNK_ROWS", None, "1024 (token rows)"))
     loss_head_chunk_bytes: int = field(default_factory=lambda: _env_whole_number(
         "MEMFUSE_LOSS_HEAD_CHUNK_BYTES", DEFAULT_LOSS_HEAD_CHUNK_BYTES, "33554432 (32 MiB)"))
     # A [batch, 1, q, q] boolean mask a backend graph returns is marked causal for the FusedModules
@@ -118,6 +120,8 @@ class Config:
         for name, what in (("loss_head_chunk_bytes", "bytes (a loss head chunk's logits)"),
                            ("loss_head_chunk_rows", "token rows (of a loss head chunk)")):
             value = getattr(self, name)
+            if name == "loss_head_chunk_rows" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"memfuse: {name} must be a positive whole number of {what}, got {value!r}")
         budget = self.memory_budget

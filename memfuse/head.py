@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from . import loss_head  # noqa: F401  (registers torch.ops.memfuse.linear_cross_entropy)
-from .config import Config
+from .config import DEFAULT_LOSS_HEAD_CHUNK_ROWS, Config
 from .debug import STATS, topic_log
 from .ir import Op
 
@@ -56,17 +56,19 @@ class HeadDecision:
     chunk_bytes: Optional[int] = None
     gradients_in_forward: bool = False   # formed while each chunk's logits are at hand, scaled in the backward
     chunk_rows: Optional[int] = None     # token rows a chunk (fewer where there are fewer tokens)
+    chunk_note: str = ""                 # why the chunk's size is not the default's (head.rows_cap)
 
     def __str__(self) -> str:
         if not self.chunked:
             return f"loss head {self.loss}: not chunked: {self.reason}"
         logits = ("; the logits are also returned: written whole, not kept, differentiated only if read"
                   if self.returns_logits else "")
+        note = f"; {self.chunk_note}" if self.chunk_note else ""
         gradients = ("; gradients formed in the forward, scaled in the backward" if self.gradients_in_forward
                      else "; the backward forms each chunk's logits again")
         return (f"loss head {self.loss}: chunked linear + cross-entropy over vocab {self.vocab}, chunks of "
-                f"{self.chunk_rows} token rows ({self.chunk_bytes / 2**20:.0f} MiB of logits){logits}{gradients}: "
-                f"{self.reason}")
+                f"{self.chunk_rows} token rows ({self.chunk_bytes / 2**20:.0f} MiB of logits{note})"
+                f"{logits}{gradients}: {self.reason}")
 
 
 # Where the memory budget shrinks the head's chunks it stops at this many token rows. Each chunk's
@@ -74,18 +76,43 @@ class HeadDecision:
 # FLOPs a byte, memory-bound below about 1200 (MATMUL_FLOPS_PER_BYTE). GPT-2 on an H100
 # (2026-11-25): at budget 0.2, 63 chunks of 264 rows spent 9.7 ms of a 32.0 ms step in those
 # addmms, against 2.9 ms in 13 chunks at 1.0, and lowered the step's peak by 27 MB. The default
-# chunk holds this many rows already: the budget shrinks only chunks configured larger.
+# chunk on one process holds this many rows already: the budget shrinks only larger chunks.
 BUDGET_MIN_CHUNK_ROWS = 1024
 
 
 def chunk_bytes(config: Config, vocab: int, dtype: torch.dtype) -> int:
-    """A chunk's bytes of logits: Config.loss_head_chunk_rows token rows, or
-    Config.loss_head_chunk_bytes where those take less. The memory budget scales that down (0.5
-    halves it), but not below BUDGET_MIN_CHUNK_ROWS rows nor above what is configured."""
+    """A chunk's bytes of logits: rows_cap(config) token rows, or Config.loss_head_chunk_bytes
+    where those take less. The memory budget scales that down (0.5 halves it), but not below
+    BUDGET_MIN_CHUNK_ROWS rows nor above what is configured."""
     row = loss_head.row_bytes(vocab, dtype)
-    configured = min(config.loss_head_chunk_bytes, config.loss_head_chunk_rows * row)
+    rows, _ = rows_cap(config)
+    configured = config.loss_head_chunk_bytes if rows is None else min(config.loss_head_chunk_bytes, rows * row)
     floor = min(configured, BUDGET_MIN_CHUNK_ROWS * row)
     return max(1, int(configured * config.memory_budget), floor)
+
+
+def rows_cap(config: Config) -> tuple[Optional[int], str]:
+    """(the most token rows of a chunk, None for no cap; why not the default, for explain(): "" where
+    it is the default or set). Config.loss_head_chunk_rows where set;
+    else DEFAULT_LOSS_HEAD_CHUNK_ROWS on one process, and no cap (the bytes alone) where
+    torch.distributed runs more than one rank: a chunk costs the host about 0.1 ms, and steps under
+    FSDP2 are paced by the host. BERT under FSDP2, two H200s (2026-11-28): 0.93x and 0.91x eager's
+    it/s in 1024-row chunks, 16 a rank, in two runs (40 steps x 3 and x 5), 1.02x in 4 chunks of
+    256 MiB; GPT-2 and Llama kept their targets in either."""
+    if config.loss_head_chunk_rows is not None:
+        return config.loss_head_chunk_rows, ""
+    ranks = _ranks()
+    if ranks > 1:
+        return None, f"no rows cap by default under torch.distributed's {ranks} ranks: host-paced steps"
+    return DEFAULT_LOSS_HEAD_CHUNK_ROWS, ""
+
+
+def _ranks() -> int:
+    """Processes in torch.distributed's default group; 1 where it is not initialized."""
+    distributed = torch.distributed
+    if distributed.is_available() and distributed.is_initialized():
+        return distributed.get_world_size()
+    return 1
 
 
 def _rows(chunk: int, vocab: int, dtype: torch.dtype) -> int:
@@ -202,7 +229,8 @@ def _rewrite(graph: torch.fx.Graph, loss: torch.fx.Node, config: Config) -> tupl
     chunk = chunk_bytes(config, vocab, logits_value.dtype)
     return HeadDecision(loss.name, True, "a linear layer's output feeds only the loss"
                         + (" and readers past it (returned logits)" if returns_logits else ""),
-                        vocab, returns_logits, chunk, in_forward, _rows(chunk, vocab, logits_value.dtype)), returned
+                        vocab, returns_logits, chunk, in_forward, _rows(chunk, vocab, logits_value.dtype),
+                        rows_cap(config)[1]), returned
 
 
 def _return_without_gradient(graph: torch.fx.Graph, logits: torch.fx.Node, positions: list, hidden: torch.fx.Node,
@@ -420,7 +448,8 @@ class LossHeadMode(TorchFunctionMode):
         self.logits[name] = logits
         vocab = int(origin.weight.shape[0])
         self.decisions.append(HeadDecision(name, True, "a linear layer's output feeds only the loss", vocab,
-                                           False, chunk, in_forward, _rows(chunk, vocab, origin.linear_output.dtype)))
+                                           False, chunk, in_forward, _rows(chunk, vocab, origin.linear_output.dtype),
+                                           rows_cap(self.config)[1]))
         return loss
 
     def settle(self, outputs: tuple, inputs: tuple) -> tuple:

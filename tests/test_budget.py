@@ -245,7 +245,7 @@ def test_settings_from_the_environment(monkeypatch, variable, field, value, pars
 
 
 def test_loss_head_chunk_defaults():
-    assert memfuse.Config().loss_head_chunk_rows == 1024
+    assert memfuse.Config().loss_head_chunk_rows is None     # 1024 on one process: memfuse.head.rows_cap
     assert memfuse.Config().loss_head_chunk_bytes == 256 * 2**20
 
 

@@ -235,6 +235,20 @@ def test_chunks_follow_the_byte_budget_and_the_memory_budget():
     assert loss_head.chunk_rows(8192, *wider, chunk_bytes(Config(), *wider)) == 256
 
 
+def test_under_torch_distributed_the_default_chunk_is_the_bytes_alone(monkeypatch):
+    """More than one rank: no rows cap unless set (steps there are host-paced, and each chunk costs
+    the host), said in explain(); a set one still holds."""
+    llama = (32000, torch.bfloat16)
+    monkeypatch.setattr(memfuse.head, "_ranks", lambda: 2)
+    assert chunk_bytes(Config(), *llama) == 256 * 2**20
+    assert chunk_bytes(Config(loss_head_chunk_rows=1024), *llama) == 1024 * loss_head.row_bytes(*llama)
+    x, weight, _, target = head_inputs(72, 16, 101, dtype=torch.float32)
+    [head] = memfuse.explain(linear_head, x, weight, target).loss_heads
+    assert head.chunked and "no rows cap by default under torch.distributed's 2 ranks" in str(head)
+    monkeypatch.setattr(memfuse.head, "_ranks", lambda: 1)
+    assert chunk_bytes(Config(), *llama) == 1024 * loss_head.row_bytes(*llama)
+
+
 def test_a_chunk_of_so_many_token_rows_when_they_are_set():
     """loss_head_chunk_rows sets a chunk's rows at any vocabulary (Llama's 32000 and GPT-2's 50257
     words alike), fewer where they would take more than loss_head_chunk_bytes: the smaller wins;
