@@ -407,8 +407,9 @@ class _ChunkBuffers:
         rows = hidden[first:last]
         return rows if self.hidden is None else _cast(rows, dtype, out=_first_rows(self.hidden, last - first))
 
-    def logits_rows(self, count: int) -> torch.Tensor:
-        return _first_rows(self.logits, count)
+    def logits_rows(self, count: int) -> Optional[torch.Tensor]:
+        """The buffer's first `count` rows; None without a logits buffer."""
+        return None if self.logits is None else _first_rows(self.logits, count)
 
 
 def _first_rows(buffer: torch.Tensor, count: int) -> torch.Tensor:
@@ -543,7 +544,7 @@ def linear_cross_entropy_impl(hidden: torch.Tensor, weight: torch.Tensor, bias: 
                                       with_logits=not return_logits or with_gradients)
         for index, (first, last) in enumerate(_chunks(tokens, rows)):
             chunk_hidden = buffers.hidden_rows(hidden, dtype, first, last)   # a chunk's rows cast, not all [tokens, H]
-            own = buffers.logits_rows(last - first) if buffers.logits is not None else None
+            own = buffers.logits_rows(last - first)
             chunk = _chunk_logits(chunk_hidden, aligned_t, aligned_bias,
                                   out=logits[first:last] if return_logits else own)
             if gradients is None:
