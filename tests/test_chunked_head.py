@@ -756,20 +756,34 @@ def _wrapped(compile_with: str, fn):
     return torch.compile(fn, backend="memfuse", dynamic=False)
 
 
+@pytest.mark.parametrize("loss_gradient", [3.0, 1.0])
 @pytest.mark.parametrize("compile_with", ["memory_efficient_fusion", "backend"])
-def test_the_backward_scales_the_gradients_its_forward_formed_in_place(compile_with):
+def test_the_backward_scales_the_gradients_its_forward_formed_in_place(compile_with, loss_gradient):
     """The formed gradients are saved values only the head's backward reads (memfuse.reinplace): the
     weight's gradient it returns is that tensor, scaled where it lies, no second [vocab, H] one."""
     x, weight, _, target = head_inputs(40, 16, 37, dtype=torch.float32)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         loss = _wrapped(compile_with, linear_head)(x, weight, target)
-    grads = torch.autograd.grad(loss, (x, weight), torch.tensor(3.0))
+    grads = torch.autograd.grad(loss, (x, weight), torch.tensor(loss_gradient))
     formed = {t.data_ptr() for t in saved if t.shape == weight.shape}
     assert grads[1].data_ptr() in formed, "the weight's gradient is the one the forward formed"
-    expected = torch.autograd.grad(linear_head(x, weight, target), (x, weight), torch.tensor(3.0))
+    expected = torch.autograd.grad(linear_head(x, weight, target), (x, weight), torch.tensor(loss_gradient))
     for ours, theirs in zip(grads, expected):
         assert relative(ours, theirs) < 1e-5
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_a_scale_of_one_in_place_reads_and_writes_nothing(in_place):
+    """The in-place scale skips a loss gradient of 1 (x * 1 is x): given another output the in-place
+    kernel leaves it as it was, where the out-of-place one writes the source into it; any other
+    scale is written either way."""
+    source = torch.randn(5000)
+    for scale, written in ((1.0, not in_place), (0.5, True)):
+        out = torch.zeros(5000)
+        loss_head.SCALE[in_place](-(-source.numel() // loss_head.SCALE_BLOCK), source, out, source.numel(),
+                                  torch.tensor(scale))
+        assert torch.equal(out, source * scale if written else torch.zeros(5000)), (scale, in_place)
 
 
 @pytest.mark.parametrize("compile_with", ["memory_efficient_fusion", "backend"])
