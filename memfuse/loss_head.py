@@ -295,18 +295,21 @@ def _finish_loss(row_loss_ptr, tokens, count_ptr, loss_ptr, MEAN: tl.constexpr, 
 
 @triton.jit
 def _scale(source_ptr, out_ptr, numel, scale_ptr, IN_PLACE: tl.constexpr, BLOCK: tl.constexpr):
-    """out = source * scale[0], in fp32, rounded once to out's dtype. In place, a scale of 1 reads
-    and writes nothing (x * 1 rounds back to x): the usual `loss.backward()` then costs the formed
-    weight gradient no pass over its bytes (the standalone head's: 1 GB each way, 0.5 ms)."""
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    """out = source * scale[0], in fp32, rounded once to out's dtype; each program takes every
+    num_programs-th block. In place, a scale of 1 reads and writes nothing (x * 1 rounds back to x):
+    the usual `loss.backward()` then costs the formed weight gradient no pass over its bytes (the
+    standalone head's: 1 GB each way, 0.5 ms), and the launch few programs that loop zero times."""
     scale = tl.load(scale_ptr).to(tl.float32)
     written = numel
     if IN_PLACE:
         written = tl.where(scale != 1.0, numel, 0)
-    inside = offsets < written
-    values = tl.load(source_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offsets, (values * scale).to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
-             mask=inside)
+    first = tl.program_id(0).to(tl.int64) * BLOCK
+    for start in range(first, written, tl.num_programs(0) * BLOCK):
+        offsets = start + tl.arange(0, BLOCK)
+        inside = offsets < written
+        values = tl.load(source_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offsets, (values * scale).to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
+                 mask=inside)
 
 
 @triton.jit
@@ -343,6 +346,10 @@ COLUMN_SUMS_BLOCK = 256
 ADD_COLUMN_SUMS = {overwrite: DirectKernel(_add_column_sums, {"num_warps": 4}, OVERWRITE=overwrite, BLOCK_ROWS=16,
                                            BLOCK=COLUMN_SUMS_BLOCK) for overwrite in (False, True)}
 SCALE_BLOCK = 2048
+# _scale's most programs, each looping over its blocks: enough to fill an H200 (132 SMs x 8 programs of
+# 8 warps) for a copy; a launch of them costs microseconds where one program a block cost 0.2 ms on
+# the standalone head's weight gradient (256K programs that found a scale of 1).
+SCALE_PROGRAMS = 2048
 SCALE = {in_place: DirectKernel(_scale, {"num_warps": 8}, IN_PLACE=in_place, BLOCK=SCALE_BLOCK)
          for in_place in (False, True)}
 DIRECT_KERNELS = (*ROW_STATISTICS.values(), *ROW_STATISTICS_AND_GRADIENT.values(), *LOGITS_GRADIENT.values(),
@@ -659,7 +666,8 @@ def _times(unit: torch.Tensor, loss_gradient: torch.Tensor, in_place: bool,
         scale = loss_gradient.to(torch.float32)
         return unit.mul_(scale) if in_place else (unit.to(torch.float32) * scale).to(dtype)
     out = unit if in_place else torch.empty_like(unit, dtype=dtype)
-    SCALE[in_place](triton.cdiv(unit.numel(), SCALE_BLOCK), unit, out, unit.numel(), loss_gradient)
+    programs = min(triton.cdiv(unit.numel(), SCALE_BLOCK), SCALE_PROGRAMS)
+    SCALE[in_place](programs, unit, out, unit.numel(), loss_gradient)
     return out
 
 

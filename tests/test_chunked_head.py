@@ -781,9 +781,16 @@ def test_a_scale_of_one_in_place_reads_and_writes_nothing(in_place):
     source = torch.randn(5000)
     for scale, written in ((1.0, not in_place), (0.5, True)):
         out = torch.zeros(5000)
-        loss_head.SCALE[in_place](-(-source.numel() // loss_head.SCALE_BLOCK), source, out, source.numel(),
-                                  torch.tensor(scale))
+        loss_head.SCALE[in_place](2, source, out, source.numel(), torch.tensor(scale))    # 3 blocks, 2 programs
         assert torch.equal(out, source * scale if written else torch.zeros(5000)), (scale, in_place)
+
+
+def test_the_scale_takes_a_tensor_of_more_blocks_than_programs(monkeypatch):
+    """_times launches at most SCALE_PROGRAMS programs, each looping over its blocks."""
+    monkeypatch.setattr(loss_head, "SCALE_PROGRAMS", 3)
+    unit = torch.randn(7 * loss_head.SCALE_BLOCK + 5)
+    scaled = loss_head._times(unit, torch.tensor(1.5), in_place=False)
+    assert torch.equal(scaled, unit * 1.5)
 
 
 @pytest.mark.parametrize("compile_with", ["memory_efficient_fusion", "backend"])
