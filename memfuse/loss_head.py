@@ -298,7 +298,7 @@ def _scale(source_ptr, out_ptr, numel, scale_ptr, IN_PLACE: tl.constexpr, BLOCK:
     """out = source * scale[0], in fp32, rounded once to out's dtype; each program takes every
     num_programs-th block. In place, a scale of 1 reads and writes nothing (x * 1 rounds back to x):
     the usual `loss.backward()` then costs the formed weight gradient no pass over its bytes (the
-    standalone head's: 1 GB each way, 0.5 ms), and the launch few programs that loop zero times."""
+    standalone head's: 1 GB each way, 0.5 ms), its launch a few programs that loop zero times."""
     scale = tl.load(scale_ptr).to(tl.float32)
     written = numel
     if IN_PLACE:
