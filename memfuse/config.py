@@ -30,6 +30,7 @@ def _env_budget() -> float:
 # in 1024-row chunks too (263 MB), a wider one in fewer rows.
 DEFAULT_LOSS_HEAD_CHUNK_ROWS = 1024
 DEFAULT_LOSS_HEAD_CHUNK_BYTES = 256 * 2**20
+LOSS_HEAD_PLANS = ("auto", "rows", "vocabulary")
 
 
 def _env_whole_number(name: str, default: Optional[int], example: str) -> Optional[int]:
@@ -108,6 +109,13 @@ class Config:
         "MEMFUSE_LOSS_HEAD_CHUNK_ROWS", None, "1024 (token rows)"))
     loss_head_chunk_bytes: int = field(default_factory=lambda: _env_whole_number(
         "MEMFUSE_LOSS_HEAD_CHUNK_BYTES", DEFAULT_LOSS_HEAD_CHUNK_BYTES, "33554432 (32 MiB)"))
+    # The loss head's plan where its forward forms the gradients (a mean or sum loss, logits not
+    # returned): "rows" chunks token rows; "vocabulary" forms the logits transposed, keeping what fits
+    # in the weight gradient's storage and forming the rest again (memfuse.loss_head, "the
+    # vocabulary-major plan"); "auto" takes the vocabulary-major plan per call where it lowers the
+    # head's peak at no more than 1.1x the rows plan's predicted time. MEMFUSE_LOSS_HEAD_PLAN sets
+    # it; options={"loss_head_plan": "rows"} under torch.compile.
+    loss_head_plan: str = field(default_factory=lambda: os.environ.get("MEMFUSE_LOSS_HEAD_PLAN", "auto").strip())
     # A [batch, 1, q, q] boolean mask a backend graph returns is marked causal for the FusedModules
     # that receive it (memfuse.attention), looked at once per set of sizes where the graph built it
     # from sizes alone. HuggingFace's mask also reads position ids made in eager code; with this on it
@@ -124,6 +132,8 @@ class Config:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"memfuse: {name} must be a positive whole number of {what}, got {value!r}")
+        if self.loss_head_plan not in LOSS_HEAD_PLANS:
+            raise ValueError(f"memfuse: loss_head_plan must be one of {LOSS_HEAD_PLANS}, got {self.loss_head_plan!r}")
         budget = self.memory_budget
         if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget <= 1:
             raise ValueError(f"memfuse: memory_budget must be a number in (0, 1] (a fraction of the default "
@@ -132,7 +142,7 @@ class Config:
 
 # torch.compile(model, backend="memfuse", options={...}): the Config fields an option may set.
 OPTIONS = ("memory_budget", "chunk_loss_head", "loss_head_chunk_rows", "loss_head_chunk_bytes",
-           "check_returned_masks")
+           "loss_head_plan", "check_returned_masks")
 
 
 def config_with_options(config: Config, options: dict | None) -> Config:

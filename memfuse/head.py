@@ -57,6 +57,7 @@ class HeadDecision:
     gradients_in_forward: bool = False   # formed while each chunk's logits are at hand, scaled in the backward
     chunk_rows: Optional[int] = None     # token rows a chunk (fewer where there are fewer tokens)
     chunk_note: str = ""                 # why the chunk's size is not the default's (head.rows_cap)
+    plan: str = ""                       # the plan at the traced sizes, where the forward forms the gradients
 
     def __str__(self) -> str:
         if not self.chunked:
@@ -66,6 +67,8 @@ class HeadDecision:
         note = f"; {self.chunk_note}" if self.chunk_note else ""
         gradients = ("; gradients formed in the forward, scaled in the backward" if self.gradients_in_forward
                      else "; the backward forms each chunk's logits again")
+        if self.plan:
+            gradients += f"; {self.plan}"
         return (f"loss head {self.loss}: chunked linear + cross-entropy over vocab {self.vocab}, chunks of "
                 f"{self.chunk_rows} token rows ({self.chunk_bytes / 2**20:.0f} MiB of logits{note})"
                 f"{logits}{gradients}: {self.reason}")
@@ -207,7 +210,8 @@ def _rewrite(graph: torch.fx.Graph, loss: torch.fx.Node, config: Config) -> tupl
         head = graph.call_function(torch.ops.memfuse.linear_cross_entropy.default, (
             hidden, weight, bias, arguments["target"], arguments.get("ignore_index", -100),
             arguments.get("reduction", "mean"), float(arguments.get("label_smoothing", 0.0)), logits_value.dtype,
-            returns_logits, in_forward, chunk_bytes(config, vocab, logits_value.dtype), not only_returned))
+            returns_logits, in_forward, chunk_bytes(config, vocab, logits_value.dtype), not only_returned,
+            config.loss_head_plan))
         head_loss = graph.call_function(operator.getitem, (head, 0))
     loss.replace_all_uses_with(head_loss)
     graph.erase_node(loss)
@@ -230,7 +234,9 @@ def _rewrite(graph: torch.fx.Graph, loss: torch.fx.Node, config: Config) -> tupl
     return HeadDecision(loss.name, True, "a linear layer's output feeds only the loss"
                         + (" and readers past it (returned logits)" if returns_logits else ""),
                         vocab, returns_logits, chunk, in_forward, _rows(chunk, vocab, logits_value.dtype),
-                        rows_cap(config)[1]), returned
+                        rows_cap(config)[1], _plan_note(config, logits_value, _example(hidden_input),
+                                                        _example(weight), chunk, in_forward and not returns_logits)
+                        ), returned
 
 
 def _return_without_gradient(graph: torch.fx.Graph, logits: torch.fx.Node, positions: list, hidden: torch.fx.Node,
@@ -274,6 +280,27 @@ def _whole(index) -> bool:
     """An index that keeps its dim whole: `...`, or a slice from 0 to the end by 1."""
     return index is Ellipsis or (isinstance(index, slice) and index.start in (None, 0) and index.stop is None
                                  and index.step in (None, 1))
+
+
+def _plan_note(config: Config, logits, hidden, weight, chunk: int, formed: bool) -> str:
+    """The plan loss_head.choose_plan picks at the traced sizes where the forward forms the
+    gradients (it picks per call: another token count may pick the other); "" elsewhere."""
+    if not formed or not all(isinstance(t, torch.Tensor) for t in (logits, hidden, weight)):
+        return ""
+    vocab, hidden_size = (_hint(size) for size in weight.shape)
+    tokens = _hint(logits.numel()) // max(1, vocab)
+    choice = loss_head.choose_plan(tokens, hidden_size, vocab, logits.dtype, weight.dtype, hidden.dtype, chunk,
+                                   config.loss_head_plan)
+    return f"at {tokens} tokens the {choice} (picked per call)"
+
+
+def _hint(size) -> int:
+    """A size's value at the trace (a symbolic size's hint)."""
+    return size if isinstance(size, int) else int(size.node.hint)
+
+
+def _example(node) -> Optional[torch.Tensor]:
+    return getattr(node, "meta", {}).get("example_value") if isinstance(node, torch.fx.Node) else None
 
 
 def _gradients_in_forward(reduction: str, operands: list) -> bool:
@@ -443,13 +470,15 @@ class LossHeadMode(TorchFunctionMode):
         loss, _, logits, *_ = torch.ops.memfuse.linear_cross_entropy(
             hidden, origin.weight, origin.bias, arguments["target"], arguments.get("ignore_index", -100),
             arguments.get("reduction", "mean"), float(arguments.get("label_smoothing", 0.0)),
-            origin.linear_output.dtype, True, in_forward, chunk, False)
+            origin.linear_output.dtype, True, in_forward, chunk, False, self.config.loss_head_plan)
         self.chunked[name] = origin
         self.logits[name] = logits
         vocab = int(origin.weight.shape[0])
         self.decisions.append(HeadDecision(name, True, "a linear layer's output feeds only the loss", vocab,
                                            False, chunk, in_forward, _rows(chunk, vocab, origin.linear_output.dtype),
-                                           rows_cap(self.config)[1]))
+                                           rows_cap(self.config)[1],
+                                           _plan_note(self.config, origin.linear_output, origin.hidden, origin.weight,
+                                                      chunk, in_forward)))
         return loss
 
     def settle(self, outputs: tuple, inputs: tuple) -> tuple:
@@ -579,7 +608,7 @@ def capture_chunked(trace: Callable, fn: Callable, config: Config, returned_logi
 
 LOGITS = 2             # linear_cross_entropy's outputs: loss, log_sum_exp, logits, the formed gradients
 RETURN_LOGITS = 8      # its arguments: ..., dtype, return_logits, with_gradients, chunk_bytes,
-DIFFERENTIABLE = 11    # differentiable_logits
+DIFFERENTIABLE = 11    # differentiable_logits, plan
 
 
 def unread_logits_unwritten(captured) -> None:
@@ -604,4 +633,4 @@ def unread_logits_unwritten(captured) -> None:
 
 
 def _unwritten(args: tuple) -> tuple:
-    return (*args[:RETURN_LOGITS], False, *args[RETURN_LOGITS + 1:DIFFERENTIABLE])
+    return (*args[:RETURN_LOGITS], False, *args[RETURN_LOGITS + 1:DIFFERENTIABLE], True, *args[DIFFERENTIABLE + 1:])

@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .config import LOSS_HEAD_PLANS
 from .launch import DirectKernel
 
 # A matmul dimension that is a multiple of this many elements runs cuBLAS's aligned kernels.
@@ -325,6 +326,134 @@ def _cast_rows(source_ptr, source_row_stride, source_rows, columns, out_ptr, BLO
                  mask=offsets < columns)
 
 
+# -- the vocabulary-major plan's kernels: logits transposed, [vocabulary rows, tokens] ------------
+@triton.jit
+def _vocabulary_statistics(logits_ptr, rows, tokens, row_stride, first_vocab, target_ptr, rows_per_part, part_ptr,
+                           SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Program (token block, part), token blocks varying fastest, over a [rows, tokens] tile of
+    logits whose first row is vocabulary row `first_vocab`: over the part's rows, each token's max,
+    sum of exps from it, target's logit (0 where the target is another part's row) and sum of
+    logits, into part_ptr [4, parts, tokens]. Each of the BLOCK_V x BLOCK_T lanes keeps its own
+    statistics, combined once after the loop; a block's loads run along the tokens (contiguous)."""
+    token_blocks = tl.cdiv(tokens, BLOCK_T)
+    program = tl.program_id(0)
+    part = program // token_blocks
+    plane = tl.num_programs(0) // token_blocks * tokens
+    token = (program % token_blocks) * BLOCK_T + tl.arange(0, BLOCK_T)
+    token_inside = token < tokens
+    target_row = tl.load(target_ptr + token, mask=token_inside, other=-1) - first_vocab
+    lane_max = tl.full((BLOCK_V, BLOCK_T), float("-inf"), tl.float32)
+    lane_sum_of_exp = tl.zeros((BLOCK_V, BLOCK_T), tl.float32)
+    lane_logit_sum = tl.zeros((BLOCK_V, BLOCK_T), tl.float32)
+    lane_target_logit = tl.zeros((BLOCK_V, BLOCK_T), tl.float32)
+    first_row = part * rows_per_part
+    last_row = tl.minimum(first_row + rows_per_part, rows)
+    for start in range(first_row, last_row, BLOCK_V):
+        row = start + tl.arange(0, BLOCK_V)
+        inside = (row < last_row)[:, None] & token_inside[None, :]
+        logits = tl.load(logits_ptr + row[:, None].to(tl.int64) * row_stride + token[None, :], mask=inside,
+                         other=float("-inf")).to(tl.float32)
+        summed = tl.where(inside, logits, 0.0)
+        lane_max, lane_sum_of_exp, lane_logit_sum = _add_to_lanes(lane_max, lane_sum_of_exp, lane_logit_sum,
+                                                                  logits, summed, SMOOTHING)
+        lane_target_logit += tl.where(row[:, None] == target_row[None, :], summed, 0.0)
+    token_max = tl.max(lane_max, axis=0)
+    shift = tl.where(token_max == float("-inf"), 0.0, token_max)
+    out = part_ptr + part * tokens + token
+    tl.store(out, token_max, mask=token_inside)
+    tl.store(out + plane, tl.sum(lane_sum_of_exp * tl.exp(lane_max - shift[None, :]), axis=0), mask=token_inside)
+    tl.store(out + 2 * plane, tl.sum(lane_target_logit, axis=0), mask=token_inside)
+    tl.store(out + 3 * plane, tl.sum(lane_logit_sum, axis=0), mask=token_inside)
+
+
+@triton.jit
+def _merge_statistics(part_ptr, parts, tokens, running_ptr, FIRST: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per BLOCK tokens: the parts' statistics ([4, parts, tokens]) merged into the
+    running ones ([4, tokens]: max, sum of exps from it, target's logit, sum of logits), which the
+    first call writes."""
+    token = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = token < tokens
+    if FIRST:
+        top = tl.full((BLOCK,), float("-inf"), tl.float32)
+        total = tl.zeros((BLOCK,), tl.float32)
+        target_logit = tl.zeros((BLOCK,), tl.float32)
+        logit_sum = tl.zeros((BLOCK,), tl.float32)
+    else:
+        top = tl.load(running_ptr + token, mask=inside, other=float("-inf"))
+        total = tl.load(running_ptr + tokens + token, mask=inside, other=0.0)
+        target_logit = tl.load(running_ptr + 2 * tokens + token, mask=inside, other=0.0)
+        logit_sum = tl.load(running_ptr + 3 * tokens + token, mask=inside, other=0.0)
+    plane = parts * tokens
+    for part in range(0, parts):
+        at = part_ptr + part * tokens + token
+        part_max = tl.load(at, mask=inside, other=float("-inf"))
+        new_top = tl.maximum(top, part_max)
+        shift = tl.where(new_top == float("-inf"), 0.0, new_top)
+        total = total * tl.exp(top - shift) + tl.load(at + plane, mask=inside, other=0.0) * tl.exp(part_max - shift)
+        top = new_top
+        target_logit += tl.load(at + 2 * plane, mask=inside, other=0.0)
+        logit_sum += tl.load(at + 3 * plane, mask=inside, other=0.0)
+    tl.store(running_ptr + token, top, mask=inside)
+    tl.store(running_ptr + tokens + token, total, mask=inside)
+    tl.store(running_ptr + 2 * tokens + token, target_logit, mask=inside)
+    tl.store(running_ptr + 3 * tokens + token, logit_sum, mask=inside)
+
+
+@triton.jit
+def _finish_statistics(running_ptr, tokens, target_ptr, ignore_index, vocab, smoothing, log_sum_exp_ptr,
+                       row_loss_ptr, SMOOTHING: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per BLOCK tokens: each token's log-sum-exp and loss from its merged statistics."""
+    token = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = token < tokens
+    top = tl.load(running_ptr + token, mask=inside, other=0.0)
+    shift = tl.where(top == float("-inf"), 0.0, top)
+    log_sum_exp = shift + tl.log(tl.load(running_ptr + tokens + token, mask=inside, other=1.0))
+    target_logit = tl.load(running_ptr + 2 * tokens + token, mask=inside, other=0.0)
+    logit_sum = tl.load(running_ptr + 3 * tokens + token, mask=inside, other=0.0)
+    target = tl.load(target_ptr + token, mask=inside, other=ignore_index)
+    tl.store(log_sum_exp_ptr + token, log_sum_exp, mask=inside)
+    tl.store(row_loss_ptr + token, _loss_of_row(log_sum_exp, target_logit, logit_sum, target != ignore_index, vocab,
+                                                smoothing, SMOOTHING), mask=inside)
+
+
+@triton.jit
+def _vocabulary_gradient(logits_ptr, rows, tokens, row_stride, first_vocab, log_sum_exp_ptr, target_ptr, count_ptr,
+                         ignore_index, vocab, smoothing, bias_gradient_ptr, MEAN: tl.constexpr,
+                         SMOOTHING: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_V: tl.constexpr,
+                         BLOCK_T: tl.constexpr):
+    """One program per BLOCK_V rows of a [rows, padded tokens] tile of logits (vocabulary rows
+    `first_vocab` on), looping over the tokens: the logits' gradient for an upstream gradient of 1,
+    (softmax - (1 - smoothing) * one_hot - smoothing / vocab) * d loss / d row loss, written over
+    them; 0 at the padding tokens past `tokens` (the weight gradient's matmul reads them). With a
+    bias, the rows' sums over the tokens are its gradient's rows (each row is formed once)."""
+    row = tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)
+    row_inside = row < rows
+    if MEAN:
+        unit = 1.0 / tl.load(count_ptr)
+    else:
+        unit = 1.0
+    row_sums = tl.zeros((BLOCK_V,), tl.float32)
+    for start in range(0, row_stride, BLOCK_T):
+        token = start + tl.arange(0, BLOCK_T)
+        token_inside = token < tokens
+        mask = row_inside[:, None] & (token < row_stride)[None, :]
+        pointers = logits_ptr + row[:, None].to(tl.int64) * row_stride + token[None, :]
+        logits = tl.load(pointers, mask=mask, other=0.0).to(tl.float32)
+        log_sum_exp = tl.load(log_sum_exp_ptr + token, mask=token_inside, other=0.0)
+        target = tl.load(target_ptr + token, mask=token_inside, other=ignore_index)
+        scale = tl.where(target != ignore_index, unit, 0.0)
+        gradient = tl.exp(logits - log_sum_exp[None, :]) - tl.where(
+            row[:, None] == (target - first_vocab)[None, :], 1.0 - smoothing, 0.0)
+        if SMOOTHING:
+            gradient -= smoothing / vocab
+        gradient = tl.where(token_inside[None, :], gradient * scale[None, :], 0.0)
+        tl.store(pointers, gradient.to(logits_ptr.dtype.element_ty), mask=mask)
+        if HAS_BIAS:
+            row_sums += tl.sum(gradient, axis=1)
+    if HAS_BIAS:
+        tl.store(bias_gradient_ptr + first_vocab + row, row_sums, mask=row_inside)
+
+
 # Launched straight through their compiled launchers (memfuse.launch): on an H200 host Triton's own
 # launch path cost 47 us a launch, and aten's calls this replaces 36-60 us each (a cast, a pad, a sum,
 # a division; 2026-11-28), a launch here about 8.
@@ -345,6 +474,24 @@ CAST_ROWS = DirectKernel(_cast_rows, {"num_warps": 4}, BLOCK=1024)
 COLUMN_SUMS_BLOCK = 256
 ADD_COLUMN_SUMS = {overwrite: DirectKernel(_add_column_sums, {"num_warps": 4}, OVERWRITE=overwrite, BLOCK_ROWS=16,
                                            BLOCK=COLUMN_SUMS_BLOCK) for overwrite in (False, True)}
+# the vocabulary-major plan's kernels; tiles: the fastest on the standalone head's [62184, 8192] kept
+# logits and [5888, 8192] chunks, one H200, its inputs (2026-11-28): statistics 0.545 and 0.069 ms,
+# the gradient 0.51 ms on the kept logits, a copy of them 0.48
+STATISTICS_BLOCK_V, STATISTICS_BLOCK_T, STATISTICS_ROWS_PER_PART = 16, 64, 1024
+STATISTICS_PARTS_MAX = 64       # a call's parts at most (more rows a part where there are more rows)
+VOCABULARY_STATISTICS = {smoothing: DirectKernel(_vocabulary_statistics, {"num_warps": 4}, SMOOTHING=smoothing,
+                                                 BLOCK_V=STATISTICS_BLOCK_V, BLOCK_T=STATISTICS_BLOCK_T)
+                         for smoothing in SMOOTHINGS}
+MERGE_BLOCK = 1024
+MERGE_STATISTICS = {first: DirectKernel(_merge_statistics, {"num_warps": 4}, FIRST=first, BLOCK=MERGE_BLOCK)
+                    for first in (False, True)}
+FINISH_STATISTICS = {smoothing: DirectKernel(_finish_statistics, {"num_warps": 4}, SMOOTHING=smoothing,
+                                             BLOCK=MERGE_BLOCK) for smoothing in SMOOTHINGS}
+GRADIENT_BLOCK_V, GRADIENT_BLOCK_T = 8, 512
+VOCABULARY_GRADIENT = {(mean, smoothing, bias): DirectKernel(
+    _vocabulary_gradient, {"num_warps": 4}, MEAN=mean, SMOOTHING=smoothing, HAS_BIAS=bias,
+    BLOCK_V=GRADIENT_BLOCK_V, BLOCK_T=GRADIENT_BLOCK_T)
+    for mean in (False, True) for smoothing in SMOOTHINGS for bias in (False, True)}
 SCALE_BLOCK = 2048
 # _scale's most programs, each looping over its blocks: enough to fill an H200 (132 SMs x 8 programs of
 # 8 warps) for a copy; a launch of them costs microseconds where one program a block cost 0.2 ms on
@@ -354,7 +501,8 @@ SCALE = {in_place: DirectKernel(_scale, {"num_warps": 8}, IN_PLACE=in_place, BLO
          for in_place in (False, True)}
 DIRECT_KERNELS = (*ROW_STATISTICS.values(), *ROW_STATISTICS_AND_GRADIENT.values(), *LOGITS_GRADIENT.values(),
                   COUNT_TARGETS, *FINISH_LOSS.values(), CAST_ROWS, *ADD_COLUMN_SUMS.values(),
-                  *SCALE.values())
+                  *SCALE.values(), *VOCABULARY_STATISTICS.values(), *MERGE_STATISTICS.values(),
+                  *FINISH_STATISTICS.values(), *VOCABULARY_GRADIENT.values())
 
 
 # -- the op --------------------------------------------------------------------------------------
@@ -526,7 +674,7 @@ def _launch_gradient(chunk, first: int, gradient, log_sum_exp, target, scales, i
 def linear_cross_entropy_impl(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                               target: torch.Tensor, ignore_index: int, reduction: str, label_smoothing: float,
                               dtype: torch.dtype, return_logits: bool, with_gradients: bool, chunk_bytes: int,
-                              differentiable_logits: bool = True
+                              differentiable_logits: bool = True, plan: str = "auto"
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                          torch.Tensor]:
     """(loss, log_sum_exp [tokens] fp32, logits, d loss / d hidden, d weight, d bias) of
@@ -537,12 +685,21 @@ def linear_cross_entropy_impl(hidden: torch.Tensor, weight: torch.Tensor, bias: 
     (logits a graph only returns: memfuse.head gives them ReturnedLogits). With `with_gradients` (a
     mean or sum loss) the forward also forms the gradients for an upstream gradient of 1 while each
     chunk's logits are at hand: the backward then only scales them, three matmuls in all instead of
-    four. Else they are empty and the backward recomputes each chunk's logits."""
+    four. Else they are empty and the backward recomputes each chunk's logits.
+
+    `plan` (formed gradients only): "rows" chunks token rows, "vocabulary" runs the vocabulary-major
+    plan where it keeps any logits, "auto" picks (choose_plan)."""
     _check(hidden, weight, bias, target, reduction)
     _check_sizes(hidden, weight, bias, target)
     tokens, vocab = hidden.shape[0], weight.shape[0]
     target = target.contiguous()       # the kernels read one target per row
     with _no_autocast(hidden.device):
+        if with_gradients and not return_logits:
+            choice = choose_plan(tokens, hidden.shape[1], vocab, dtype, weight.dtype, hidden.dtype, chunk_bytes, plan)
+            if choice.vocabulary is not None:
+                loss, log_sum_exp, *gradients = _vocabulary_major(hidden, weight, bias, target, ignore_index, reduction,
+                                                                  label_smoothing, dtype, choice.vocabulary)
+                return loss, log_sum_exp, _logits_buffer(hidden, vocab, dtype, False), *gradients
         aligned, aligned_bias = _aligned_weight(weight, bias, dtype)
         logits = _logits_buffer(hidden, vocab, dtype, return_logits)
         log_sum_exp, row_losses = (hidden.new_empty(tokens, dtype=torch.float32) for _ in range(2))
@@ -593,6 +750,262 @@ def _chunks(tokens: int, rows: int) -> list:
     return [(first, min(first + rows, tokens)) for first in range(0, tokens, rows)]
 
 
+# -- the vocabulary-major plan --------------------------------------------------------------------
+# The rows plan's chunks hold whole rows of logits (a row's gradient needs its log-sum-exp over the
+# whole vocabulary), so each chunk's product adds into the whole [vocab, H] weight gradient, reading
+# and writing it: at small chunks that traffic is most of the head's time (the standalone head in
+# Liger's memory, 256-row chunks: 32 x 0.81 ms of cuBLAS addmm). The vocabulary-major plan never
+# adds into the weight gradient. The forward forms the logits transposed, [vocabulary rows, tokens],
+# and keeps as many rows of them as fit in the weight gradient's own storage (allocated then, as
+# the rows plan does); the rest it forms in a small transient buffer for their statistics only.
+# Once every token's log-sum-exp is known, the kept rows' gradient is formed over them, goes into
+# the hidden states' gradient (one matmul), then into the weight gradient's rows, each write over
+# logits already read. The rows not kept are formed again in rounds, each in the part of the
+# storage not yet written (about half of what is left a round), the last in the transient. Cost:
+# the rows not kept take a fourth matmul (the standalone head keeps 48%); nothing is added into
+# the weight gradient, and the head's transient is a small buffer, not a chunk of logits.
+VOCABULARY_LEAD = 16          # a step's first write is 1/16 of its rows: its logits start that far in
+# A logits matmul's most vocabulary rows: cuBLAS ran [rows, 4096] x [4096, 8192] at 10.98 ms per 128256
+# rows in matmuls of 16384 rows, 11.07 of 8192, 12.09 of 62184 at once, 12.49 of 5908, one H200,
+# the standalone head's inputs (2026-11-28)
+LOGITS_MATMUL_ROWS = 16384
+VOCABULARY_TRANSIENT_SHARE = 32   # the transient buffer: at most 1/32 of the weight gradient's bytes
+# Matmul FLOPs worth one byte of memory traffic in the plans' predicted times: an H200 ran the
+# standalone head's [8192, 4096] x [4096, 128256] bf16 product at about 820 TFLOP/s and copied 1 GB
+# at 4.2 TB/s (2026-11-28).
+FLOPS_PER_BYTE = 195
+# The vocabulary-major plan's matmuls took this many times their FLOPs' worth at the rows plan's rate:
+# more, smaller matmuls (the standalone head: 42.5 ms of matmuls for 3.5 products, one H200,
+# 2026-11-28). With it the predicted ratio of the plans' times was 1.18 at 1024-row chunks (measured
+# 1.155) and 0.885 at 256-row chunks (measured 0.856).
+VOCABULARY_MATMUL_OVERHEAD = 1.11
+# "auto" takes the vocabulary-major plan where it lowers the head's peak at no more than this many
+# times the rows plan's predicted time: memory first, within issue 18's bar for time.
+VOCABULARY_TIME_RATIO = 1.1
+
+
+@dataclasses.dataclass(frozen=True)
+class VocabularyStep:
+    """Vocabulary rows first..first+rows: their logits [rows, padded tokens] at byte `logits_at` of
+    the weight gradient's storage (None: in the transient buffer), their gradient written over them,
+    then the weight gradient's rows, `writes` rows a matmul in order, each over logits read already."""
+    first: int
+    rows: int
+    logits_at: Optional[int]
+    writes: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class VocabularyPlan:
+    """The steps over the vocabulary: steps[0]'s logits the forward keeps, the others' the backward
+    forms again. `tokens`: padded to ALIGN, the logits' row stride."""
+    tokens: int
+    steps: tuple
+    forward_rows: int       # the forward's transient rows: the hidden states' gradient is not allocated yet
+    tail_rows: int          # the backward's
+
+    @property
+    def kept_rows(self) -> int:
+        return self.steps[0].rows
+
+
+def vocabulary_plan(tokens: int, hidden_size: int, vocab: int, dtype: torch.dtype, weight_dtype: torch.dtype,
+                    transient_bytes: int) -> Optional[VocabularyPlan]:
+    """The vocabulary-major plan's steps; None where it keeps nothing: a vocabulary row's logits
+    ([tokens] in `dtype`) take no more bytes than its row of the weight gradient ([H] in the
+    weight's dtype), or the weight gradient's storage holds fewer rows of logits than the
+    transient. Steps in the storage until one would hold fewer rows than the transient."""
+    padded = _padded(tokens)
+    logits_row = padded * dtype.itemsize
+    gradient_row = hidden_size * weight_dtype.itemsize
+    if not tokens or logits_row <= gradient_row or gradient_row % dtype.itemsize:
+        return None
+    tail_rows = transient_bytes // logits_row
+    tail_rows = tail_rows // ALIGN * ALIGN if tail_rows >= ALIGN else max(1, tail_rows)
+    steps, first = [], 0
+    while first < vocab:
+        left = vocab - first
+        rows, lead = _step_rows(left, logits_row, gradient_row)
+        if rows < max(ALIGN, tail_rows):      # the transient holds more: fewer, larger steps
+            rows = min(left, tail_rows)
+            steps.append(VocabularyStep(first, rows, None, (rows,)))
+        else:
+            steps.append(VocabularyStep(first, rows, (first + lead) * gradient_row,
+                                        _writes(rows, lead, logits_row, gradient_row)))
+        first += rows
+    if steps[0].logits_at is None:
+        return None
+    # the forward's transient may take the bytes of the hidden states' gradient, not allocated yet
+    forward_rows = (transient_bytes + padded * hidden_size * dtype.itemsize) // logits_row
+    forward_rows = forward_rows // ROW_TILE * ROW_TILE if forward_rows >= ROW_TILE else max(1, forward_rows)
+    return VocabularyPlan(padded, tuple(steps), forward_rows, tail_rows)
+
+
+def _step_rows(left: int, logits_row: int, gradient_row: int) -> tuple[int, int]:
+    """(rows, lead) of a step in the storage of the weight gradient's `left` last rows: its logits
+    start `lead` gradient rows in and end inside; rows a multiple of ALIGN, (0, 0) where none fit."""
+    rows = left * gradient_row // (logits_row + gradient_row // VOCABULARY_LEAD) // ALIGN * ALIGN
+    while rows > 0:
+        lead = min(rows, -(-rows // (VOCABULARY_LEAD * ALIGN)) * ALIGN)
+        if rows * logits_row + lead * gradient_row <= left * gradient_row:
+            return rows, lead
+        rows -= ALIGN
+    return 0, 0
+
+
+def _writes(rows: int, lead: int, logits_row: int, gradient_row: int) -> tuple:
+    """The weight gradient's rows a matmul: after `done` rows the next write may reach the logits'
+    start (`lead` rows in) plus the logits rows read by then, less the rows written."""
+    writes, done = [], 0
+    while done < rows:
+        write = min(rows - done, lead + done * (logits_row - gradient_row) // gradient_row)
+        writes.append(write)
+        done += write
+    return tuple(writes)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanChoice:
+    """Which plan a call runs ("rows" or "vocabulary") and why; the vocabulary-major plan's steps."""
+    name: str
+    reason: str
+    vocabulary: Optional[VocabularyPlan] = None
+
+    def __str__(self) -> str:
+        return f"{self.name} plan: {self.reason}"
+
+
+def choose_plan(tokens: int, hidden_size: int, vocab: int, dtype: torch.dtype, weight_dtype: torch.dtype,
+                hidden_dtype: torch.dtype, chunk_bytes: int, requested: str = "auto") -> PlanChoice:
+    """The plan of a head whose forward forms the gradients (a mean or sum loss, logits not
+    returned). "auto": the vocabulary-major plan where it lowers the head's transient bytes at no
+    more than VOCABULARY_TIME_RATIO times the rows plan's predicted time (3 matmuls, passes over the
+    logits, the rows plan's adds into the weight gradient, the other's fourth matmul over the rows
+    it does not keep), else the rows plan."""
+    if requested not in LOSS_HEAD_PLANS:
+        raise ValueError(f"memfuse.linear_cross_entropy: plan {requested!r}, expected one of {LOSS_HEAD_PLANS}")
+    if requested == "rows":
+        return PlanChoice("rows", "asked for")
+    gradient_bytes = vocab * hidden_size * weight_dtype.itemsize
+    transient = min(chunk_bytes, gradient_bytes // VOCABULARY_TRANSIENT_SHARE)
+    plan = vocabulary_plan(tokens, hidden_size, vocab, dtype, weight_dtype, transient)
+    if plan is None:
+        return PlanChoice("rows", "the vocabulary-major plan would keep no logits (a vocabulary row's logits "
+                                  "take no more bytes than its row of the weight gradient)")
+    if requested == "vocabulary":
+        return PlanChoice("vocabulary", "asked for", plan)
+    product = 2 * plan.tokens * vocab * hidden_size
+    logits_bytes = plan.tokens * vocab * dtype.itemsize
+    rows = chunk_rows(tokens, vocab, dtype, chunk_bytes)
+    cast_row = hidden_size * dtype.itemsize if hidden_dtype != dtype else 0
+    rows_time = 3 * product + FLOPS_PER_BYTE * (2 * logits_bytes + 2 * (-(-tokens // rows) - 1) * gradient_bytes)
+    rows_transient = rows * (row_bytes(vocab, dtype) + cast_row)
+    recomputed = vocab - plan.kept_rows
+    vocabulary_time = (VOCABULARY_MATMUL_OVERHEAD * (3 + recomputed / vocab) * product
+                       + FLOPS_PER_BYTE * 3 * logits_bytes)
+    needs_cast = hidden_dtype != dtype or plan.tokens != tokens
+    vocabulary_transient = (plan.tail_rows * plan.tokens * dtype.itemsize
+                            + (plan.tokens * hidden_size * dtype.itemsize if needs_cast else 0))
+    ratio = vocabulary_time / rows_time
+    saved = (rows_transient - vocabulary_transient) / 2**20
+    if saved > 0 and ratio <= VOCABULARY_TIME_RATIO:
+        return PlanChoice("vocabulary", f"{saved:.0f} MiB less at the head's peak at {ratio:.2f}x the rows plan's "
+                                        f"predicted time (keeps {plan.kept_rows} of {vocab} vocabulary rows' "
+                                        f"logits; forms {recomputed} again)", plan)
+    if saved <= 0:
+        return PlanChoice("rows", "the vocabulary-major plan would not lower the head's peak")
+    return PlanChoice("rows", f"the vocabulary-major plan would take {ratio:.2f}x the rows plan's predicted time "
+                              f"(above {VOCABULARY_TIME_RATIO}x) to save {saved:.0f} MiB")
+
+
+def _vocabulary_major(hidden, weight, bias, target, ignore_index: int, reduction: str, label_smoothing: float,
+                      dtype: torch.dtype, plan: VocabularyPlan) -> tuple:
+    """linear_cross_entropy_impl's results with the gradients formed, by the vocabulary-major plan."""
+    tokens, hidden_size = hidden.shape
+    vocab = weight.shape[0]
+    smoothing = label_smoothing != 0.0
+    hidden_rows = _cast(hidden, dtype, plan.tokens)     # hidden itself where nothing changes
+    hidden_t = hidden_rows.t()
+    weight_rows = _cast(weight, dtype)
+    bias_rows = None if bias is None else _cast(bias.unsqueeze(1), dtype)
+    count = _counted_targets(target, ignore_index, vocab)
+    weight_gradient = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+    storage = weight_gradient.view(-1).view(dtype)      # the kept logits' home until the gradient's rows come
+    log_sum_exp, row_losses = (hidden.new_empty(tokens, dtype=torch.float32) for _ in range(2))
+    running = hidden.new_empty((4, tokens), dtype=torch.float32)
+    kept = plan.steps[0]
+    kept_logits = _stored_logits(storage, kept, plan.tokens)
+    _vocabulary_logits(weight_rows, bias_rows, hidden_t, kept.first, kept.rows, kept_logits)
+    _add_statistics(kept_logits, kept.first, target, running, smoothing, first_call=True)
+    transient = hidden.new_empty(plan.forward_rows * plan.tokens, dtype=dtype)
+    for first in range(kept.rows, vocab, plan.forward_rows):
+        rows = min(plan.forward_rows, vocab - first)
+        logits = transient[:rows * plan.tokens].view(rows, plan.tokens)
+        _vocabulary_logits(weight_rows, bias_rows, hidden_t, first, rows, logits)
+        _add_statistics(logits, first, target, running, smoothing, first_call=False)
+    del transient, logits       # the backward's tail is smaller: its peak holds the hidden states' gradient
+    FINISH_STATISTICS[smoothing](triton.cdiv(tokens, MERGE_BLOCK), running, tokens, target, ignore_index, vocab,
+                                 label_smoothing, log_sum_exp, row_losses)
+    loss = _reduced(row_losses, count, reduction)
+    hidden_gradient = hidden.new_empty((plan.tokens, hidden_size), dtype=dtype)
+    bias_gradient = torch.empty(vocab if bias is not None else 0, dtype=torch.float32, device=weight.device)
+    gradient_kernel = VOCABULARY_GRADIENT[reduction == "mean", smoothing, bias is not None]
+    tail = None
+    for index, step in enumerate(plan.steps):
+        if index == 0:
+            logits = kept_logits
+        else:
+            if step.logits_at is not None:
+                logits = _stored_logits(storage, step, plan.tokens)
+            else:
+                tail = hidden.new_empty(plan.tail_rows * plan.tokens, dtype=dtype) if tail is None else tail
+                logits = tail[:step.rows * plan.tokens].view(step.rows, plan.tokens)
+            _vocabulary_logits(weight_rows, bias_rows, hidden_t, step.first, step.rows, logits)
+        gradient_kernel(triton.cdiv(step.rows, GRADIENT_BLOCK_V), logits, step.rows, tokens, plan.tokens, step.first,
+                        log_sum_exp, target, count, ignore_index, vocab, label_smoothing, bias_gradient)
+        _accumulate(hidden_gradient, logits.t(), weight_rows[step.first:step.first + step.rows], overwrite=index == 0)
+        done = 0
+        for rows in step.writes:    # each over logits read already
+            first = step.first + done
+            _accumulate(weight_gradient[first:first + rows], logits[done:done + rows], hidden_rows, overwrite=True)
+            done += rows
+    bias_gradient = bias_gradient.to(bias.dtype) if bias is not None else bias_gradient
+    hidden_gradient = hidden_gradient if plan.tokens == tokens else hidden_gradient[:tokens]
+    return loss, log_sum_exp, hidden_gradient, weight_gradient, bias_gradient
+
+
+def _stored_logits(storage: torch.Tensor, step: VocabularyStep, tokens: int) -> torch.Tensor:
+    start = step.logits_at // storage.element_size()
+    return storage[start:start + step.rows * tokens].view(step.rows, tokens)
+
+
+def _vocabulary_logits(weight, bias, hidden_t, first: int, rows: int, out: torch.Tensor) -> None:
+    """Vocabulary rows first..first+rows' logits, transposed: weight rows @ hidden.T (+ bias), in
+    matmuls of at most LOGITS_MATMUL_ROWS rows, as even as multiples of ALIGN make them."""
+    matmuls = -(-rows // LOGITS_MATMUL_ROWS)
+    size = -(-rows // (matmuls * ALIGN)) * ALIGN
+    for start in range(0, rows, size):
+        end = min(start + size, rows)
+        weight_rows = weight[first + start:first + end]
+        if bias is None:
+            torch.mm(weight_rows, hidden_t, out=out[start:end])
+        else:
+            torch.addmm(bias[first + start:first + end], weight_rows, hidden_t, out=out[start:end])
+
+
+def _add_statistics(logits: torch.Tensor, first: int, target: torch.Tensor, running: torch.Tensor, smoothing: bool,
+                    first_call: bool) -> None:
+    """The tokens' statistics over vocabulary rows first.. ([rows, padded tokens] logits) merged into
+    `running` (written by the first call)."""
+    rows = logits.shape[0]
+    tokens = running.shape[1]
+    parts = min(STATISTICS_PARTS_MAX, triton.cdiv(rows, STATISTICS_ROWS_PER_PART))
+    part_statistics = running.new_empty((4, parts, tokens))
+    VOCABULARY_STATISTICS[smoothing](triton.cdiv(tokens, STATISTICS_BLOCK_T) * parts, logits, rows, tokens,
+                                     logits.stride(0), first, target, triton.cdiv(rows, parts), part_statistics)
+    MERGE_STATISTICS[first_call](triton.cdiv(tokens, MERGE_BLOCK), part_statistics, parts, tokens, running)
+
+
 def _no_gradients(hidden: torch.Tensor) -> tuple:
     return tuple(hidden.new_empty((0,)) for _ in range(3))
 
@@ -603,7 +1016,7 @@ def _logits_buffer(hidden: torch.Tensor, vocab: int, dtype: torch.dtype, return_
 
 @linear_cross_entropy.register_fake
 def _(hidden, weight, bias, target, ignore_index, reduction, label_smoothing, dtype, return_logits, with_gradients,
-      chunk_bytes, differentiable_logits=True):
+      chunk_bytes, differentiable_logits=True, plan="auto"):
     _check(hidden, weight, bias, target, reduction)
     tokens, vocab = hidden.shape[0], weight.shape[0]
     loss = hidden.new_empty((tokens,) if reduction == "none" else (), dtype=torch.float32)
@@ -785,7 +1198,7 @@ def _(loss_gradient, logits_gradient, hidden, weight, bias, target, log_sum_exp,
 
 def _setup_context(ctx, inputs, output) -> None:
     (hidden, weight, bias, target, ignore_index, reduction, label_smoothing, dtype, return_logits, _,
-     chunk_bytes, differentiable_logits) = inputs
+     chunk_bytes, differentiable_logits, _plan) = inputs
     _, log_sum_exp, logits, *units = output
     ctx.save_for_backward(hidden, weight, bias, target, log_sum_exp, *units)
     ctx.settings = (ignore_index, reduction, label_smoothing, dtype, chunk_bytes)
@@ -802,7 +1215,7 @@ def _backward(ctx, loss_gradient, _log_sum_exp_gradient, logits_gradient, *_unit
     hidden_gradient, weight_gradient, bias_gradient = linear_cross_entropy_backward(
         loss_gradient, incoming, hidden, weight, bias, target, log_sum_exp, *units, *ctx.settings)
     return (hidden_gradient, weight_gradient, bias_gradient if bias is not None else None,
-            None, None, None, None, None, None, None, None, None)
+            None, None, None, None, None, None, None, None, None, None)
 
 
 linear_cross_entropy.register_autograd(_backward, setup_context=_setup_context)

@@ -34,9 +34,12 @@ def as_fp32(*tensors):
 
 
 def op_loss(x, weight, b, target, reduction, smoothing, return_logits=False, chunk=4096, dtype=torch.float32,
-            with_gradients=False):
+            with_gradients=False, plan="rows"):
+    if plan == "vocabulary" and with_gradients and not return_logits and x.shape[0]:   # it runs, not the rows plan
+        assert loss_head.choose_plan(x.shape[0], x.shape[1], weight.shape[0], dtype, weight.dtype, x.dtype, chunk,
+                                     plan).vocabulary is not None
     loss, log_sum_exp, logits, *_ = torch.ops.memfuse.linear_cross_entropy(
-        x, weight, b, target, IGNORE, reduction, smoothing, dtype, return_logits, with_gradients, chunk)
+        x, weight, b, target, IGNORE, reduction, smoothing, dtype, return_logits, with_gradients, chunk, True, plan)
     return loss, log_sum_exp, logits
 
 
@@ -45,16 +48,21 @@ def relative(a, b):
 
 
 # -- the op ----------------------------------------------------------------------------------------
-GRADIENTS = pytest.mark.parametrize("with_gradients", [False, True], ids=["backward_recomputes", "forward_forms"])
+# the gradients formed by the backward (recomputing each chunk), or by the forward: in chunks of token
+# rows, or by the vocabulary-major plan
+GRADIENTS = pytest.mark.parametrize("with_gradients, plan", [(False, "rows"), (True, "rows"), (True, "vocabulary")],
+                                    ids=["backward_recomputes", "forward_forms", "vocabulary_major"])
+ROWS_GRADIENTS = pytest.mark.parametrize("with_gradients", [False, True], ids=["backward_recomputes", "forward_forms"])
 
 
-@pytest.mark.parametrize("reduction, with_gradients", [
-    ("mean", False), ("mean", True), ("sum", False), ("sum", True),
-    ("none", False),     # a per-row loss has per-row upstream gradients: only the recomputing backward
+@pytest.mark.parametrize("reduction, with_gradients, plan", [
+    ("mean", False, "rows"), ("mean", True, "rows"), ("mean", True, "vocabulary"), ("sum", False, "rows"),
+    ("sum", True, "rows"), ("sum", True, "vocabulary"),
+    ("none", False, "rows"),     # a per-row loss has per-row upstream gradients: only the recomputing backward
 ])
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 @pytest.mark.parametrize("bias", [False, True])
-def test_op_matches_cross_entropy_of_the_linear(reduction, with_gradients, smoothing, bias):
+def test_op_matches_cross_entropy_of_the_linear(reduction, with_gradients, plan, smoothing, bias):
     """Odd vocabulary (37: the aligned weight has 3 rows of padding), 45 tokens in chunks of 8
     rows (the last chunk short), every fifth target ignored; fp32 against fp64. The gradients
     formed in the forward (mean, sum) or by recomputing each chunk in the backward."""
@@ -62,7 +70,7 @@ def test_op_matches_cross_entropy_of_the_linear(reduction, with_gradients, smoot
     assert loss_head.chunk_rows(45, 37, torch.float32, 2048) == 8
     x32, w32, b32 = as_fp32(x, weight, b)
     loss, log_sum_exp, logits = op_loss(x32, w32, b32, target, reduction, smoothing, chunk=2048,
-                                        with_gradients=with_gradients)
+                                        with_gradients=with_gradients, plan=plan)
     reference = F.cross_entropy(F.linear(x, weight, b), target, ignore_index=IGNORE, reduction=reduction,
                                 label_smoothing=smoothing)
     assert logits.numel() == 0
@@ -77,22 +85,22 @@ def test_op_matches_cross_entropy_of_the_linear(reduction, with_gradients, smoot
 
 
 @GRADIENTS
-def test_masked_columns_and_rows_wider_than_a_block_match_eager(with_gradients):
+def test_masked_columns_and_rows_wider_than_a_block_match_eager(with_gradients, plan):
     """Rows longer than the kernels' block of columns (each lane of the running statistics sees
     two columns), with a bias of -inf over the whole first block and the last columns (masked
     words: every lane's first column is -inf): the loss, the log-sum-exps and every gradient as
     eager's, none NaN."""
     block = loss_head.BLOCK_COLUMNS
     vocab = block + 13
-    x, weight, b, target = head_inputs(6, 8, vocab, bias=True)
+    x, weight, b, target = head_inputs(20, 8, vocab, bias=True)
     with torch.no_grad():
         b[:block] = float("-inf")
         b[-5:] = float("-inf")
-        target.copy_(block + torch.arange(6) % 8)
+        target.copy_(block + torch.arange(20) % 8)
         target[::5] = IGNORE
     x32, w32, b32 = as_fp32(x, weight, b)
     loss, log_sum_exp, _ = op_loss(x32, w32, b32, target, "mean", 0.0, chunk=4 * loss_head.row_bytes(vocab,
-                                   torch.float32), with_gradients=with_gradients)
+                                   torch.float32), with_gradients=with_gradients, plan=plan)
     reference = F.cross_entropy(F.linear(x, weight, b), target, ignore_index=IGNORE)
     assert relative(loss, reference) < 1e-6
     assert relative(log_sum_exp, torch.logsumexp(F.linear(x, weight, b), -1)) < 1e-6
@@ -103,14 +111,15 @@ def test_masked_columns_and_rows_wider_than_a_block_match_eager(with_gradients):
         assert relative(ours.grad, theirs.grad) < 1e-5
 
 
-@pytest.mark.parametrize("reduction, with_gradients", [("mean", True), ("sum", False), ("none", False)])
-def test_label_smoothing_over_rows_wider_than_a_block_matches_eager(reduction, with_gradients):
+@pytest.mark.parametrize("reduction, with_gradients, plan", [("mean", True, "rows"), ("mean", True, "vocabulary"),
+                                                             ("sum", False, "rows"), ("none", False, "rows")])
+def test_label_smoothing_over_rows_wider_than_a_block_matches_eager(reduction, with_gradients, plan):
     """Smoothing's sum of logits over whole blocks (loaded unmasked) and the masked last one."""
     vocab = loss_head.BLOCK_COLUMNS + 3
-    x, weight, b, target = head_inputs(4, 8, vocab, bias=True)
+    x, weight, b, target = head_inputs(12, 8, vocab, bias=True)
     x32, w32, b32 = as_fp32(x, weight, b)
     loss, _, _ = op_loss(x32, w32, b32, target, reduction, 0.1, chunk=3 * loss_head.row_bytes(vocab, torch.float32),
-                         with_gradients=with_gradients)
+                         with_gradients=with_gradients, plan=plan)
     reference = F.cross_entropy(F.linear(x, weight, b), target, ignore_index=IGNORE, reduction=reduction,
                                 label_smoothing=0.1)
     assert relative(loss, reference) < 1e-6
@@ -123,11 +132,11 @@ def test_label_smoothing_over_rows_wider_than_a_block_matches_eager(reduction, w
 
 @GRADIENTS
 @pytest.mark.parametrize("bias", [False, True])
-def test_no_tokens_give_eager_losses_and_zero_gradients(with_gradients, bias):
+def test_no_tokens_give_eager_losses_and_zero_gradients(with_gradients, plan, bias):
     """A batch of no tokens: no chunk runs; the sum is 0 and the gradients are zeros, as eager's."""
     x, weight, b, target = head_inputs(0, 16, 37, bias, ignored_every=0)
     x32, w32, b32 = as_fp32(x, weight, b)
-    loss, _, _ = op_loss(x32, w32, b32, target, "sum", 0.0, chunk=2048, with_gradients=with_gradients)
+    loss, _, _ = op_loss(x32, w32, b32, target, "sum", 0.0, chunk=2048, with_gradients=with_gradients, plan=plan)
     reference = F.cross_entropy(F.linear(x, weight, b), target, ignore_index=IGNORE, reduction="sum")
     assert loss.item() == reference.item() == 0.0
     loss.backward()
@@ -137,7 +146,7 @@ def test_no_tokens_give_eager_losses_and_zero_gradients(with_gradients, bias):
             assert ours.grad.shape == theirs.grad.shape and not ours.grad.any() and not theirs.grad.any()
 
 
-@GRADIENTS
+@ROWS_GRADIENTS      # returned logits: the rows plan
 def test_returned_logits_and_their_gradient(with_gradients):
     """With return_logits the op also returns the [tokens, vocab] logits (rows aligned to 8, a
     view of the padded buffer) and adds the gradient they receive to each chunk's (recomputing)
@@ -158,7 +167,7 @@ def test_returned_logits_and_their_gradient(with_gradients):
 
 
 @GRADIENTS
-def test_bf16_no_further_from_fp64_than_eager(with_gradients):
+def test_bf16_no_further_from_fp64_than_eager(with_gradients, plan):
     """bf16 operands: loss and gradients no further from fp64 than eager's bf16 linear + fp32 loss
     (the op accumulates the bf16 weight's gradient over chunks in bf16, as eager's one matmul
     rounds it once: a margin of 3x)."""
@@ -169,7 +178,7 @@ def test_bf16_no_further_from_fp64_than_eager(with_gradients):
     eager = F.cross_entropy(F.linear(xb, wb).float(), target, ignore_index=IGNORE)
     eager_grads = torch.autograd.grad(eager, (xb, wb))
     ours, _, _ = op_loss(xb, wb, None, target, "mean", 0.0, chunk=1024, dtype=torch.bfloat16,
-                         with_gradients=with_gradients)
+                         with_gradients=with_gradients, plan=plan)
     our_grads = torch.autograd.grad(ours, (xb, wb))
     assert abs(ours.double() - exact) <= 3 * abs(eager.double() - exact) + 1e-6
     for mine, theirs, truth in zip(our_grads, eager_grads, exact_grads):
@@ -183,17 +192,17 @@ def test_all_targets_ignored_gives_nan_as_eager():
     assert torch.isnan(loss) and torch.isnan(F.cross_entropy(F.linear(x, weight), target, ignore_index=IGNORE))
 
 
-@pytest.mark.parametrize("bad", [10, -1, 12345])
+@pytest.mark.parametrize("bad", [40, -1, 12345])
 @GRADIENTS
-def test_a_target_outside_the_vocabulary_is_an_error(bad, with_gradients):
-    """As aten's nll_loss: a target not ignored outside [0, vocab) (vocab 10 here) is an error; the
+def test_a_target_outside_the_vocabulary_is_an_error(bad, with_gradients, plan):
+    """As aten's nll_loss: a target not ignored outside [0, vocab) (vocab 40 here) is an error; the
     ignored -100 is not."""
-    x, weight, _, target = head_inputs(8, 4, 10, ignored_every=0)
+    x, weight, _, target = head_inputs(16, 4, 40, ignored_every=0)
     target[5] = IGNORE
-    op_loss(*as_fp32(x, weight), None, target, "mean", 0.0, with_gradients=with_gradients)
+    op_loss(*as_fp32(x, weight), None, target, "mean", 0.0, with_gradients=with_gradients, plan=plan)
     target[3] = bad
     with pytest.raises(RuntimeError, match="outside"):
-        op_loss(*as_fp32(x, weight), None, target, "mean", 0.0, with_gradients=with_gradients)
+        op_loss(*as_fp32(x, weight), None, target, "mean", 0.0, with_gradients=with_gradients, plan=plan)
 
 
 @pytest.mark.parametrize("target_dtype", [torch.int64, torch.int32])
@@ -310,7 +319,7 @@ def train_head_in_chunks_of_8_rows(dtype: torch.dtype, with_gradients: bool) -> 
     target = torch.randint(0, 101, (40,))
     chunk = loss_head.row_bytes(101, dtype) * 8
     loss, *_ = torch.ops.memfuse.linear_cross_entropy(hidden, weight, None, target, -100, "mean", 0.0,
-                                                      dtype, False, with_gradients, chunk)
+                                                      dtype, False, with_gradients, chunk, True, "rows")
     loss.backward()
 
 

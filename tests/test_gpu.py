@@ -700,10 +700,24 @@ def _head_inputs(device):
     return generator, x, weight, target
 
 
+# the chunked loss head's forms: the gradients formed by the backward (rows) or by the forward (in chunks
+# of token rows, or by the vocabulary-major plan)
+HEAD_FORMS = pytest.mark.parametrize("with_gradients, plan", [(False, "rows"), (True, "rows"), (True, "vocabulary")],
+                                     ids=["backward_recomputes", "forward_forms", "vocabulary_major"])
+
+
+def _vocabulary_plan_runs(x, weight, dtype, chunk) -> None:
+    """The vocabulary-major plan runs at these sizes, not the rows plan in its place."""
+    choice = memfuse.loss_head.choose_plan(x.shape[0], x.shape[1], weight.shape[0], dtype, weight.dtype, x.dtype,
+                                           chunk, "vocabulary")
+    assert choice.vocabulary is not None and len(choice.vocabulary.steps) > 2
+
+
 @pytest.mark.parametrize("master_fp32", [False, True], ids=["bf16_weight", "fp32_weight"])
-@pytest.mark.parametrize("with_gradients", [False, True])
-@pytest.mark.parametrize("return_logits", [False, True])
-def test_chunked_loss_head_bf16_on_the_gpu(return_logits, with_gradients, master_fp32):
+@pytest.mark.parametrize("return_logits, with_gradients, plan", [
+    (False, False, "rows"), (False, True, "rows"), (False, True, "vocabulary"), (True, False, "rows"),
+    (True, True, "rows")])
+def test_chunked_loss_head_bf16_on_the_gpu(return_logits, with_gradients, plan, master_fp32):
     """memfuse.loss_head's op with its Triton kernels compiled for the GPU: an odd vocabulary (the
     padded weight), 3000 tokens in chunks of 504 rows, bf16 operands: loss and gradients no
     further from fp64 than eager's bf16 linear + fp32 cross-entropy (3x margin)."""
@@ -717,7 +731,8 @@ def test_chunked_loss_head_bf16_on_the_gpu(return_logits, with_gradients, master
         x, weight = x.detach().requires_grad_(), weight.detach().requires_grad_()
         if chunked:
             loss, _, logits, *_ = torch.ops.memfuse.linear_cross_entropy(
-                x, weight, None, target, -100, "mean", 0.0, x.dtype, return_logits, with_gradients, 8 * 2**20)
+                x, weight, None, target, -100, "mean", 0.0, x.dtype, return_logits, with_gradients, 8 * 2**20, True,
+                plan)
         else:
             logits = F.linear(x, weight.to(x.dtype))
             loss = F.cross_entropy(logits.float(), target)
@@ -726,14 +741,16 @@ def test_chunked_loss_head_bf16_on_the_gpu(return_logits, with_gradients, master
 
     exact = run(x, weight, chunked=False)
     matmul_weight = weight.float() if master_fp32 else weight.bfloat16()
+    if plan == "vocabulary":
+        _vocabulary_plan_runs(x.bfloat16(), matmul_weight, torch.bfloat16, 8 * 2**20)
     eager = run(x.bfloat16(), matmul_weight, chunked=False)
     ours = run(x.bfloat16(), matmul_weight, chunked=True)
     for mine, theirs, truth in zip(ours, eager, exact):
         assert relative_error(mine.double(), truth) <= 3 * relative_error(theirs.double(), truth) + 1e-6
 
 
-@pytest.mark.parametrize("with_gradients", [False, True])
-def test_chunked_loss_head_fp32_hidden_under_a_bf16_matmul_on_the_gpu(with_gradients, device="cuda"):
+@HEAD_FORMS
+def test_chunked_loss_head_fp32_hidden_under_a_bf16_matmul_on_the_gpu(with_gradients, plan, device="cuda"):
     """fp32 hidden states and weight, the matmuls in bf16 (autocast's head, as in Llama): the hidden
     states' gradient rows written by the matmul (fp32 in the recomputing backward; bf16 formed in
     the forward, as eager's product, and scaled into fp32 in the backward), the weight's added up
@@ -748,11 +765,14 @@ def test_chunked_loss_head_fp32_hidden_under_a_bf16_matmul_on_the_gpu(with_gradi
         x, weight = x.detach().requires_grad_(), weight.detach().requires_grad_()
         if chunked:
             loss, *_ = torch.ops.memfuse.linear_cross_entropy(
-                x, weight, None, target, -100, "mean", 0.0, matmul_dtype, False, with_gradients, 8 * 2**20)
+                x, weight, None, target, -100, "mean", 0.0, matmul_dtype, False, with_gradients, 8 * 2**20, True,
+                plan)
         else:
             loss = F.cross_entropy(F.linear(x.to(matmul_dtype), weight.to(matmul_dtype)).float(), target)
         return (loss.double(), *torch.autograd.grad(loss, (x, weight)))
 
+    if plan == "vocabulary":
+        _vocabulary_plan_runs(x.float(), weight.float(), torch.bfloat16, 8 * 2**20)
     exact = run(x, weight, torch.float64, chunked=False)
     eager = run(x.float(), weight.float(), torch.bfloat16, chunked=False)
     ours = run(x.float(), weight.float(), torch.bfloat16, chunked=True)
@@ -762,8 +782,8 @@ def test_chunked_loss_head_fp32_hidden_under_a_bf16_matmul_on_the_gpu(with_gradi
 
 
 @pytest.mark.parametrize("smoothing, masked", [(0.0, True), (0.1, False)], ids=["masked_words", "smoothing"])
-@pytest.mark.parametrize("with_gradients", [False, True])
-def test_chunked_loss_head_rows_wider_than_a_block_on_the_gpu(with_gradients, smoothing, masked):
+@HEAD_FORMS
+def test_chunked_loss_head_rows_wider_than_a_block_on_the_gpu(with_gradients, plan, smoothing, masked):
     """fp32, rows of 2 blocks and an odd tail (the whole blocks loaded unmasked, compiled for the
     GPU): masked words (a -inf bias over the first block) or label smoothing; loss and every
     gradient within 1e-5 of fp64's, none NaN."""
@@ -783,11 +803,13 @@ def test_chunked_loss_head_rows_wider_than_a_block_on_the_gpu(with_gradients, sm
         operands = [t.detach().requires_grad_() for t in operands]
         if chunked:
             loss, *_ = torch.ops.memfuse.linear_cross_entropy(*operands, target, -100, "mean", smoothing,
-                                                              torch.float32, False, with_gradients, 2**20)
+                                                              torch.float32, False, with_gradients, 2**20, True, plan)
         else:
             loss = F.cross_entropy(F.linear(*operands), target, label_smoothing=smoothing)
         return (loss, *torch.autograd.grad(loss, operands))
 
+    if plan == "vocabulary":
+        _vocabulary_plan_runs(x.float(), weight.float(), torch.float32, 2**20)
     exact = run((x, weight, bias), chunked=False)
     ours = run((x.float(), weight.float(), bias.float()), chunked=True)
     for mine, truth in zip(ours, exact):
@@ -795,19 +817,21 @@ def test_chunked_loss_head_rows_wider_than_a_block_on_the_gpu(with_gradients, sm
         assert relative_error(mine.double(), truth) < 1e-5
 
 
-@pytest.mark.parametrize("with_gradients", [False, True])
-def test_chunked_loss_head_direct_launches_match_tritons_own(monkeypatch, with_gradients):
+@HEAD_FORMS
+def test_chunked_loss_head_direct_launches_match_tritons_own(monkeypatch, with_gradients, plan):
     """The loss head's row kernels launched straight through their compiled launchers
     (memfuse.launch.DirectKernel, once a chunk) give bit for bit what Triton's launch path gives,
     and the later chunks and calls do take that path."""
     from memfuse import launch, loss_head
     _, x, weight, target = _head_inputs("cuda")
     x, weight = x.bfloat16(), weight.bfloat16()
+    if plan == "vocabulary":
+        _vocabulary_plan_runs(x, weight, torch.bfloat16, 8 * 2**20)
 
     def run():
         x_, weight_ = x.detach().requires_grad_(), weight.detach().requires_grad_()
         loss, *_ = torch.ops.memfuse.linear_cross_entropy(
-            x_, weight_, None, target, -100, "mean", 0.0, torch.bfloat16, False, with_gradients, 8 * 2**20)
+            x_, weight_, None, target, -100, "mean", 0.0, torch.bfloat16, False, with_gradients, 8 * 2**20, True, plan)
         return (loss, *torch.autograd.grad(loss, (x_, weight_)))
 
     monkeypatch.setattr(launch, "launch_hooks_installed", lambda: True)      # Triton's own path
