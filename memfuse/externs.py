@@ -42,4 +42,6 @@ SUBSTITUTES = {
     torch.ops.memfuse.linear_cross_entropy.default: loss_head.linear_cross_entropy_impl,
     torch.ops.memfuse.linear_cross_entropy_backward.default: loss_head.linear_cross_entropy_backward_impl,
     torch.ops.memfuse.linear_cross_entropy_backward_.default: loss_head.linear_cross_entropy_backward_in_place_impl,
+    torch.ops.memfuse.linear_cross_entropy_backward_all_.default:
+        loss_head.linear_cross_entropy_backward_all_in_place_impl,
 }

@@ -769,7 +769,11 @@ VOCABULARY_LEAD = 16          # a step's first write is 1/16 of its rows: its lo
 # rows in matmuls of 16384 rows, 11.07 of 8192, 12.09 of 62184 at once, 12.49 of 5908, one H200,
 # the standalone head's inputs (2026-11-28)
 LOGITS_MATMUL_ROWS = 16384
-VOCABULARY_TRANSIENT_SHARE = 32   # the transient buffer: at most 1/32 of the weight gradient's bytes
+VOCABULARY_TRANSIENT_SHARE = 32   # the transient buffer: 1/32 of the weight gradient's bytes, ...
+# ... or more (up to the chunk's bytes) where the plan would take more steps than this: the hidden states'
+# gradient adds up in the matmul's dtype, one rounding a step (the rows plan's weight gradient, one a
+# chunk: 8 at the standalone head's default), and each step costs the host its launches
+VOCABULARY_STEPS_MAX = 12
 # Matmul FLOPs worth one byte of memory traffic in the plans' predicted times: an H200 ran the
 # standalone head's [8192, 4096] x [4096, 128256] bf16 product at about 820 TFLOP/s and copied 1 GB
 # at 4.2 TB/s (2026-11-28).
@@ -875,6 +879,7 @@ class PlanChoice:
         return f"{self.name} plan: {self.reason}"
 
 
+@functools.lru_cache(maxsize=256)      # a call's sizes: the same every step of a training loop
 def choose_plan(tokens: int, hidden_size: int, vocab: int, dtype: torch.dtype, weight_dtype: torch.dtype,
                 hidden_dtype: torch.dtype, chunk_bytes: int, requested: str = "auto") -> PlanChoice:
     """The plan of a head whose forward forms the gradients (a mean or sum loss, logits not
@@ -889,6 +894,11 @@ def choose_plan(tokens: int, hidden_size: int, vocab: int, dtype: torch.dtype, w
     gradient_bytes = vocab * hidden_size * weight_dtype.itemsize
     transient = min(chunk_bytes, gradient_bytes // VOCABULARY_TRANSIENT_SHARE)
     plan = vocabulary_plan(tokens, hidden_size, vocab, dtype, weight_dtype, transient)
+    while plan is not None and len(plan.steps) > VOCABULARY_STEPS_MAX and transient < chunk_bytes:
+        larger = vocabulary_plan(tokens, hidden_size, vocab, dtype, weight_dtype, min(chunk_bytes, 2 * transient))
+        if larger is None:      # the transient would hold more rows than the storage: keep the steps
+            break
+        transient, plan = min(chunk_bytes, 2 * transient), larger
     if plan is None:
         return PlanChoice("rows", "the vocabulary-major plan would keep no logits (a vocabulary row's logits "
                                   "take no more bytes than its row of the weight gradient)")
@@ -1054,12 +1064,13 @@ linear_cross_entropy_backward = torch.library.custom_op("memfuse::linear_cross_e
     linear_cross_entropy_backward_impl)
 
 
-def _scaled(loss_gradient, logits_gradient, hidden, weight, units: tuple, dtype, in_place: bool) -> tuple:
+def _scaled(loss_gradient, logits_gradient, hidden, weight, units: tuple, dtype, in_place: bool,
+            hidden_in_place: bool = False) -> tuple:
     """The gradients the forward formed for an upstream gradient of 1, times the loss's gradient
-    (the weight's and the bias's in their units themselves `in_place`), plus what the returned
-    logits received."""
+    (the weight's and the bias's in their units themselves `in_place`, the hidden states' too where
+    `hidden_in_place` as well), plus what the returned logits received."""
     hidden_unit, *parameter_units = units
-    gradients = (_times(hidden_unit, loss_gradient, in_place=False, dtype=hidden.dtype),
+    gradients = (_times(hidden_unit, loss_gradient, in_place=in_place and hidden_in_place, dtype=hidden.dtype),
                  *(_times(u, loss_gradient, in_place) for u in parameter_units))
     if logits_gradient is not None:
         _add_incoming(*gradients, logits_gradient, hidden, weight, dtype)
@@ -1087,9 +1098,10 @@ def _times(unit: torch.Tensor, loss_gradient: torch.Tensor, in_place: bool,
 # The same backward where the forward formed the gradients, scaling the weight's and the bias's in
 # place: memfuse's backward program calls it (memfuse.reinplace) where the formed gradients are saved
 # values only that call reads, so the backward allocates no second [vocab, H] weight gradient. Those two
-# results alias their units, as the schema says (the hidden states' gradient, [tokens, H], is a new
-# tensor: a returned view of it is no alias of a saved value); a backward run that keeps its graph for
-# another (retain_graph, create_graph) needs the units again and gets scaled copies instead.
+# results alias their units, as the schema says (the hidden states' gradient is a new tensor: this form
+# is for a unit in the matmul's dtype, not hidden's, as autocast's fp32 hidden states); a backward run
+# that keeps its graph for another (retain_graph, create_graph) needs the units again and gets scaled
+# copies instead.
 torch.library.define(
     "memfuse::linear_cross_entropy_backward_",
     "(Tensor loss_gradient, Tensor? logits_gradient, Tensor hidden, Tensor weight, Tensor? bias, Tensor target, "
@@ -1107,6 +1119,29 @@ def linear_cross_entropy_backward_in_place_impl(loss_gradient, logits_gradient, 
 
 torch.library.impl("memfuse::linear_cross_entropy_backward_", "CompositeExplicitAutograd")(
     linear_cross_entropy_backward_in_place_impl)
+
+# The same, the hidden states' gradient scaled in place too: where the forward formed it in hidden's own
+# dtype (the unit's bytes then are the result's), memfuse.reinplace calls this form, and the backward
+# allocates no second [tokens, H] gradient (the standalone head's peak: 64 MiB, the scaled copy of it,
+# beside the formed one). Its first result aliases hidden_unit, as the schema says, so memfuse's buffer
+# plan holds the unit for as long as the result (or a returned view of it) lives.
+torch.library.define(
+    "memfuse::linear_cross_entropy_backward_all_",
+    "(Tensor loss_gradient, Tensor? logits_gradient, Tensor hidden, Tensor weight, Tensor? bias, Tensor target, "
+    "Tensor log_sum_exp, Tensor(c!) hidden_unit, Tensor(a!) weight_unit, Tensor(b!) bias_unit, int ignore_index, "
+    "str reduction, float label_smoothing, ScalarType dtype, int chunk_bytes) -> (Tensor(c!), Tensor(a!), Tensor(b!))")
+
+
+def linear_cross_entropy_backward_all_in_place_impl(loss_gradient, logits_gradient, hidden, weight, bias, target,
+                                                    log_sum_exp, hidden_unit, weight_unit, bias_unit, ignore_index,
+                                                    reduction, label_smoothing, dtype, chunk_bytes):
+    with _no_autocast(hidden.device):
+        return _scaled(loss_gradient, logits_gradient, hidden, weight, (hidden_unit, weight_unit, bias_unit), dtype,
+                       in_place=not _graph_kept(), hidden_in_place=hidden_unit.dtype == hidden.dtype)
+
+
+torch.library.impl("memfuse::linear_cross_entropy_backward_all_", "CompositeExplicitAutograd")(
+    linear_cross_entropy_backward_all_in_place_impl)
 
 
 def _graph_kept() -> bool:

@@ -10,7 +10,8 @@
 - The chunked loss head's backward (memfuse.loss_head) scales the gradients its forward formed by
   the loss's gradient: out of place, a second [vocab, H] weight gradient is allocated while the
   first is alive (1 GB for a vocabulary of 128256 at H = 4096 in bf16). When those formed gradients
-  are saved values the backward reads only there, the in-place op scales them where they lie; a
+  are saved values the backward reads only there, the in-place op scales them where they lie (the
+  hidden states' too where the forward formed it in their dtype: no second [tokens, H] gradient); a
   backward run that keeps its graph for another gets scaled copies (the op checks at run time).
 
 The result aliases what it was written into, as the in-place op's schema says, which memfuse.buffers
@@ -43,7 +44,10 @@ FRESH_FILLS = {aten.full.default, aten.zeros.default, aten.full_like.default, at
 # the loss head's backward -> the form that scales the formed gradients in place (same arguments)
 LOSS_HEAD_BACKWARD = torch.ops.memfuse.linear_cross_entropy_backward.default
 LOSS_HEAD_BACKWARD_IN_PLACE = torch.ops.memfuse.linear_cross_entropy_backward_.default
-WRITTEN_GRADIENTS = slice(8, 10)    # the arguments its in-place form writes: weight_unit, bias_unit
+# ... and the form that scales the hidden states' gradient in place too, where it is in hidden's dtype
+LOSS_HEAD_BACKWARD_ALL_IN_PLACE = torch.ops.memfuse.linear_cross_entropy_backward_all_.default
+HIDDEN, HIDDEN_UNIT = 2, 7          # its arguments hidden and hidden_unit
+WRITTEN_GRADIENTS = slice(8, 10)    # the arguments its in-place forms write: weight_unit, bias_unit (and hidden_unit)
 
 
 @dataclass(frozen=True)
@@ -72,13 +76,12 @@ def reinplace(graph: Graph, *, replayed: bool = False) -> tuple:
         if node.op is not Op.EXTERN:
             continue
         if node.attr.target in IN_PLACE:
-            record = _scatter_into_fill(graph, node, users, outputs)
+            record, target = _scatter_into_fill(graph, node, users, outputs), IN_PLACE[node.attr.target]
         elif node.attr.target is LOSS_HEAD_BACKWARD and not replayed:
-            record = _formed_gradients_scaled(graph, node, users, outputs)
+            record, target = _formed_gradients_scaled(graph, node, users, outputs)
         else:
             continue
         if record is not None:
-            target = IN_PLACE.get(node.attr.target, LOSS_HEAD_BACKWARD_IN_PLACE)
             changed[name] = Node(name, node.op, node.inputs, node.value, Extern(target, node.attr.args, node.attr.kwargs))
             records.append(record)
     if not changed:
@@ -100,18 +103,32 @@ def _scatter_into_fill(graph: Graph, node: Node, users: dict, outputs: set) -> O
                    f"{base.name} is {fill} that only {node.name} reads: written in place, not cloned")
 
 
-def _formed_gradients_scaled(graph: Graph, node: Node, users: dict, outputs: set) -> Optional[InPlace]:
+def _formed_gradients_scaled(graph: Graph, node: Node, users: dict, outputs: set) -> tuple:
+    """(InPlace or None, the in-place form): the weight's and the bias's formed gradients scaled in
+    place; the hidden states' too where it is a saved value only this reads, in hidden's dtype."""
     formed = node.attr.args[WRITTEN_GRADIENTS]
     if not all(isinstance(f, ValueRef) for f in formed):
-        return None
+        return None, None
     names = [f.name for f in formed]
-    if not all(n in graph.inputs and _only_reader(node, n, users, outputs) for n in names):
-        return None       # computed here, or read by another step: the copies stay
+    if not all(_saved_only_here(graph, node, n, users, outputs) for n in names):
+        return None, None       # computed here, or read by another step: the copies stay
     if not graph[names[0]].value.shape or 0 in graph[names[0]].value.shape:
-        return None       # the forward formed none: the backward recomputes them, nothing to scale
+        return None, None       # the forward formed none: the backward recomputes them, nothing to scale
+    hidden, hidden_unit = node.attr.args[HIDDEN], node.attr.args[HIDDEN_UNIT]
+    if (isinstance(hidden, ValueRef) and isinstance(hidden_unit, ValueRef)
+            and _saved_only_here(graph, node, hidden_unit.name, users, outputs)
+            and graph[hidden_unit.name].value.dtype == graph[hidden.name].value.dtype):
+        return InPlace(node.name, str(node.attr.target), ", ".join([hidden_unit.name, *names]),
+                       "the gradients the forward formed (the hidden states' in their dtype) are saved values only "
+                       "it reads: scaled in place (copies where a backward keeps its graph), no second weight or "
+                       "hidden states' gradient"), LOSS_HEAD_BACKWARD_ALL_IN_PLACE
     return InPlace(node.name, str(node.attr.target), ", ".join(names),
                    "the gradients the forward formed are saved values only it reads: scaled in place (copies "
-                   "where a backward keeps its graph), no second weight gradient")
+                   "where a backward keeps its graph), no second weight gradient"), LOSS_HEAD_BACKWARD_IN_PLACE
+
+
+def _saved_only_here(graph: Graph, node: Node, name: str, users: dict, outputs: set) -> bool:
+    return name in graph.inputs and _only_reader(node, name, users, outputs)
 
 
 def _only_reader(node: Node, name: str, users: dict, outputs: set) -> bool:

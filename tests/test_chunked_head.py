@@ -636,8 +636,8 @@ def test_programs_call_the_head_implementation_past_the_dispatcher(fn):
     backward = set(map(id, graph.function.backward.run.__globals__.values()))
     assert id(loss_head.linear_cross_entropy_impl) in forward
     assert id(torch.ops.memfuse.linear_cross_entropy.default) not in forward
-    assert id(loss_head.linear_cross_entropy_backward_in_place_impl) in backward
-    assert id(torch.ops.memfuse.linear_cross_entropy_backward_.default) not in backward
+    assert id(loss_head.linear_cross_entropy_backward_all_in_place_impl) in backward
+    assert id(torch.ops.memfuse.linear_cross_entropy_backward_all_.default) not in backward
     reference_loss, _ = fn(x, weight, target)
     assert relative(loss, reference_loss) < 1e-6
     for ours, theirs in zip(grads, torch.autograd.grad(reference_loss, (x, weight))):
@@ -819,11 +819,12 @@ def test_a_retained_graph_keeps_the_formed_gradients_for_its_next_backward(compi
 def test_the_backward_plan_counts_the_gradients_it_allocates_at_the_call(in_place, monkeypatch):
     """memfuse.buffers counts an aten call's new tuple elements at the call's step, while its inputs
     are held: out of place the head's backward holds two weight gradients there (the formed one and
-    its scaled copy), in place one, and the hidden states' new gradient either way."""
+    its scaled copy) and two of the hidden states, in place one of each (fp32 hidden states: the
+    forward formed their gradient in their dtype)."""
     from memfuse import reinplace
     from memfuse.buffers import memory_timeline
     if not in_place:
-        monkeypatch.setattr(reinplace, "_formed_gradients_scaled", lambda *args: None)
+        monkeypatch.setattr(reinplace, "_formed_gradients_scaled", lambda *args: (None, None))
     x, weight, _, target = head_inputs(40, 16, 37, dtype=torch.float32)
     fused = memfuse.memory_efficient_fusion(linear_head)
     torch.autograd.grad(fused(x, weight, target), (x, weight))
@@ -833,7 +834,7 @@ def test_the_backward_plan_counts_the_gradients_it_allocates_at_the_call(in_plac
     points = {p.step: p for p in memory_timeline(backward.buffers, entry.captured.hints)}
     entry_bytes = points["entry"].during
     x_bytes, weight_bytes = 40 * 16 * 4, 37 * 16 * 4
-    assert points[call].during == entry_bytes + x_bytes + (0 if in_place else weight_bytes)
+    assert points[call].during == entry_bytes + (0 if in_place else x_bytes + weight_bytes)
 
 
 def test_cuda_graph_programs_keep_the_formed_gradients():
