@@ -47,6 +47,9 @@ LOSS_HEAD_BACKWARD_IN_PLACE = torch.ops.memfuse.linear_cross_entropy_backward_.d
 # ... and the form that scales the hidden states' gradient in place too, where it is in hidden's dtype
 LOSS_HEAD_BACKWARD_ALL_IN_PLACE = torch.ops.memfuse.linear_cross_entropy_backward_all_.default
 HIDDEN, HIDDEN_UNIT = 2, 7          # its arguments hidden and hidden_unit
+# results of in-place calls that alias a saved value only that call reads (the rewrite checks it): the
+# program's own memory, not the caller's, so a returned reshape of one may alias it (no copy kernel)
+OWN_ALIASES = {LOSS_HEAD_BACKWARD_ALL_IN_PLACE: (0,)}
 WRITTEN_GRADIENTS = slice(8, 10)    # the arguments its in-place forms write: weight_unit, bias_unit (and hidden_unit)
 
 

@@ -40,7 +40,7 @@ from .ops import TRITON_DTYPES
 from .ir import (EXTERNAL, FUSIBLE, LEAF, MEMORY_VIEWS, POINTWISE, RANDOM, REDUCTION, Extern, Graph, Kind, Node, Op,
                  Reduce, Reshape, Value, aten_schema, column_padding, verify)
 from .padding import pad_matmuls
-from .reinplace import reinplace
+from .reinplace import OWN_ALIASES, reinplace
 from .row_order import order_rows
 
 
@@ -681,13 +681,16 @@ def _made_by_aten(graph: Graph, name: str) -> bool:
     """Whether `name` is an aten call's result in storage of its own, or an aliasing view of one
     (never of a program input: a reshape of it returned would alias what the caller passed in).
     An element of an aten call's tuple (the chunked loss head's logits) counts as its result: its
-    own where the schema says that element aliases nothing."""
+    own where the schema says that element aliases nothing, or aliases a saved value memfuse.reinplace
+    found only that call reads (OWN_ALIASES: the loss head's hidden states' gradient, scaled in place)."""
     node = graph[name]
     if node.op is Op.GETITEM and graph[node.inputs[0]].op is Op.EXTERN:
         call = graph[node.inputs[0]]
         schema = aten_schema(call.attr.target)
         if schema is not None and call.attr.target not in ALIASING_CALLS \
                 and schema.returns[node.attr.index].alias_info is None:
+            return True
+        if node.attr.index in OWN_ALIASES.get(call.attr.target, ()):
             return True
         node = call
     while node.op is Op.EXTERN and aten_schema(node.attr.target) is not None:

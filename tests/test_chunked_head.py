@@ -837,6 +837,22 @@ def test_the_backward_plan_counts_the_gradients_it_allocates_at_the_call(in_plac
     assert points[call].during == entry_bytes + (0 if in_place else x_bytes + weight_bytes)
 
 
+def test_the_hidden_states_gradient_is_scaled_in_place_and_returned_without_a_copy():
+    """fp32 hidden states, the head in fp32: the forward formed their gradient in their dtype, the
+    backward scales it where it lies (memfuse.reinplace's all-in-place form) and returns a reshape
+    of it: the backward program runs the op and no kernel (no copy of [tokens, H]); its result
+    still matches eager's at a loss gradient of 3."""
+    x, weight, _, target = head_inputs(40, 16, 37, dtype=torch.float32)
+    fused = memfuse.memory_efficient_fusion(linear_head)
+    grads = torch.autograd.grad(fused(x, weight, target) * 3.0, (x, weight))
+    backward = fused.compiled_for(x, weight, target).function.backward
+    [record] = [r for r in backward.schedule.in_place if "linear_cross_entropy_backward" in r.name]
+    assert "the hidden states' in their dtype" in record.reason
+    assert not [s for s in backward.steps if getattr(s, "kernel", None) is not None]
+    for ours, theirs in zip(grads, torch.autograd.grad(linear_head(x, weight, target) * 3.0, (x, weight))):
+        assert relative(ours, theirs) < 1e-5
+
+
 def test_cuda_graph_programs_keep_the_formed_gradients():
     """Under CUDA graphs (Config.seed_from_memory) the backward is replayed over the same saved
     buffers, and a retained graph's next replay reads them again: no in-place scaling there."""
