@@ -1095,53 +1095,40 @@ def _times(unit: torch.Tensor, loss_gradient: torch.Tensor, in_place: bool,
     return out
 
 
-# The same backward where the forward formed the gradients, scaling the weight's and the bias's in
-# place: memfuse's backward program calls it (memfuse.reinplace) where the formed gradients are saved
-# values only that call reads, so the backward allocates no second [vocab, H] weight gradient. Those two
-# results alias their units, as the schema says (the hidden states' gradient is a new tensor: this form
-# is for a unit in the matmul's dtype, not hidden's, as autocast's fp32 hidden states); a backward run
-# that keeps its graph for another (retain_graph, create_graph) needs the units again and gets scaled
-# copies instead.
-torch.library.define(
-    "memfuse::linear_cross_entropy_backward_",
-    "(Tensor loss_gradient, Tensor? logits_gradient, Tensor hidden, Tensor weight, Tensor? bias, Tensor target, "
-    "Tensor log_sum_exp, Tensor hidden_unit, Tensor(a!) weight_unit, Tensor(b!) bias_unit, int ignore_index, "
-    "str reduction, float label_smoothing, ScalarType dtype, int chunk_bytes) -> (Tensor, Tensor(a!), Tensor(b!))")
+# The same backward where the forward formed the gradients, scaling them in place: memfuse's backward
+# program calls it (memfuse.reinplace) where the formed gradients are saved values only that call reads,
+# so the backward allocates no second [vocab, H] weight gradient. `linear_cross_entropy_backward_` scales
+# the weight's and the bias's (the hidden states' gradient is a new tensor: the form for a unit in the
+# matmul's dtype, not hidden's, as autocast's fp32 hidden states); `linear_cross_entropy_backward_all_`
+# the hidden states' too, where the forward formed it in their dtype: no second [tokens, H] gradient
+# either (the standalone head's peak: 64 MiB, the scaled copy beside the formed one). The results
+# written in place alias their units, as the schemas say, so memfuse's buffer plan holds a unit as long
+# as its result (or a returned view of it) lives. A backward run that keeps its graph for another
+# (retain_graph, create_graph) needs the units again and gets scaled copies instead.
+def _in_place_backward(name: str, hidden_written: bool):
+    """Defines memfuse::`name` and returns its implementation."""
+    hidden_unit, hidden_result = ("Tensor(c!) hidden_unit", "Tensor(c!)") if hidden_written else ("Tensor hidden_unit",
+                                                                                                  "Tensor")
+    torch.library.define(
+        f"memfuse::{name}",
+        "(Tensor loss_gradient, Tensor? logits_gradient, Tensor hidden, Tensor weight, Tensor? bias, Tensor target, "
+        f"Tensor log_sum_exp, {hidden_unit}, Tensor(a!) weight_unit, Tensor(b!) bias_unit, int ignore_index, "
+        f"str reduction, float label_smoothing, ScalarType dtype, int chunk_bytes) -> ({hidden_result}, Tensor(a!), "
+        "Tensor(b!))")
+
+    def implementation(loss_gradient, logits_gradient, hidden, weight, bias, target, log_sum_exp, hidden_unit,
+                       weight_unit, bias_unit, ignore_index, reduction, label_smoothing, dtype, chunk_bytes):
+        with _no_autocast(hidden.device):
+            return _scaled(loss_gradient, logits_gradient, hidden, weight, (hidden_unit, weight_unit, bias_unit),
+                           dtype, in_place=not _graph_kept(),
+                           hidden_in_place=hidden_written and hidden_unit.dtype == hidden.dtype)
+
+    torch.library.impl(f"memfuse::{name}", "CompositeExplicitAutograd")(implementation)
+    return implementation
 
 
-def linear_cross_entropy_backward_in_place_impl(loss_gradient, logits_gradient, hidden, weight, bias, target,
-                                                log_sum_exp, hidden_unit, weight_unit, bias_unit, ignore_index,
-                                                reduction, label_smoothing, dtype, chunk_bytes):
-    with _no_autocast(hidden.device):
-        return _scaled(loss_gradient, logits_gradient, hidden, weight, (hidden_unit, weight_unit, bias_unit), dtype,
-                       in_place=not _graph_kept())
-
-
-torch.library.impl("memfuse::linear_cross_entropy_backward_", "CompositeExplicitAutograd")(
-    linear_cross_entropy_backward_in_place_impl)
-
-# The same, the hidden states' gradient scaled in place too: where the forward formed it in hidden's own
-# dtype (the unit's bytes then are the result's), memfuse.reinplace calls this form, and the backward
-# allocates no second [tokens, H] gradient (the standalone head's peak: 64 MiB, the scaled copy of it,
-# beside the formed one). Its first result aliases hidden_unit, as the schema says, so memfuse's buffer
-# plan holds the unit for as long as the result (or a returned view of it) lives.
-torch.library.define(
-    "memfuse::linear_cross_entropy_backward_all_",
-    "(Tensor loss_gradient, Tensor? logits_gradient, Tensor hidden, Tensor weight, Tensor? bias, Tensor target, "
-    "Tensor log_sum_exp, Tensor(c!) hidden_unit, Tensor(a!) weight_unit, Tensor(b!) bias_unit, int ignore_index, "
-    "str reduction, float label_smoothing, ScalarType dtype, int chunk_bytes) -> (Tensor(c!), Tensor(a!), Tensor(b!))")
-
-
-def linear_cross_entropy_backward_all_in_place_impl(loss_gradient, logits_gradient, hidden, weight, bias, target,
-                                                    log_sum_exp, hidden_unit, weight_unit, bias_unit, ignore_index,
-                                                    reduction, label_smoothing, dtype, chunk_bytes):
-    with _no_autocast(hidden.device):
-        return _scaled(loss_gradient, logits_gradient, hidden, weight, (hidden_unit, weight_unit, bias_unit), dtype,
-                       in_place=not _graph_kept(), hidden_in_place=hidden_unit.dtype == hidden.dtype)
-
-
-torch.library.impl("memfuse::linear_cross_entropy_backward_all_", "CompositeExplicitAutograd")(
-    linear_cross_entropy_backward_all_in_place_impl)
+linear_cross_entropy_backward_in_place_impl = _in_place_backward("linear_cross_entropy_backward_", False)
+linear_cross_entropy_backward_all_in_place_impl = _in_place_backward("linear_cross_entropy_backward_all_", True)
 
 
 def _graph_kept() -> bool:
