@@ -282,16 +282,20 @@ def _whole(index) -> bool:
                                  and index.step in (None, 1))
 
 
-def _plan_note(config: Config, logits, hidden, weight, chunk: int, formed: bool) -> str:
+def _plan_note(config: Config, logits, hidden, weight, chunk: int, formed: bool, returned_unknown: bool = False
+               ) -> str:
     """The plan loss_head.choose_plan picks at the traced sizes where the forward forms the
-    gradients (it picks per call: another token count may pick the other); "" elsewhere."""
+    gradients (it picks per call: another token count may pick the other); "" elsewhere.
+    `returned_unknown`: whether the logits are returned is known only after the trace (a returned
+    head's op writes them and runs the rows plan)."""
     if not formed or not all(isinstance(t, torch.Tensor) for t in (logits, hidden, weight)):
         return ""
     vocab, hidden_size = (_hint(size) for size in weight.shape)
     tokens = _hint(logits.numel()) // max(1, vocab)
     choice = loss_head.choose_plan(tokens, hidden_size, vocab, logits.dtype, weight.dtype, hidden.dtype, chunk,
                                    config.loss_head_plan)
-    return f"at {tokens} tokens the {choice} (picked per call)"
+    unless = ", unless the logits are returned" if returned_unknown and choice.name != "rows" else ""
+    return f"at {tokens} tokens the {choice} (picked per call{unless})"
 
 
 def _hint(size) -> int:
@@ -478,7 +482,7 @@ class LossHeadMode(TorchFunctionMode):
                                            False, chunk, in_forward, _rows(chunk, vocab, origin.linear_output.dtype),
                                            rows_cap(self.config)[1],
                                            _plan_note(self.config, origin.linear_output, origin.hidden, origin.weight,
-                                                      chunk, in_forward)))
+                                                      chunk, in_forward, returned_unknown=True)))
         return loss
 
     def settle(self, outputs: tuple, inputs: tuple) -> tuple:
