@@ -756,8 +756,8 @@ def _chunks(tokens: int, rows: int) -> list:
 # and writing it: at small chunks that traffic is most of the head's time (the standalone head in
 # Liger's memory, 256-row chunks: 32 x 0.81 ms of cuBLAS addmm). The vocabulary-major plan never
 # adds into the weight gradient. The forward forms the logits transposed, [vocabulary rows, tokens],
-# and keeps as many rows of them as fit in the weight gradient's own storage (allocated then, as
-# the rows plan does); the rest it forms in a small transient buffer for their statistics only.
+# in the weight gradient's own storage (allocated then, as the rows plan does): first the rows it
+# will not keep, a storage-full at a time, for their statistics only, then as many rows as it keeps.
 # Once every token's log-sum-exp is known, the kept rows' gradient is formed over them, goes into
 # the hidden states' gradient (one matmul), then into the weight gradient's rows, each write over
 # logits already read. The rows not kept are formed again in rounds, each in the part of the
@@ -805,7 +805,7 @@ class VocabularyPlan:
     forms again. `tokens`: padded to ALIGN, the logits' row stride."""
     tokens: int
     steps: tuple
-    forward_rows: int       # the forward's transient rows: the hidden states' gradient is not allocated yet
+    forward_rows: int       # the forward's rows a piece for those not kept, formed first in the empty storage
     tail_rows: int          # the backward's
 
     @property
@@ -839,9 +839,12 @@ def vocabulary_plan(tokens: int, hidden_size: int, vocab: int, dtype: torch.dtyp
         first += rows
     if steps[0].logits_at is None:
         return None
-    # the forward's transient may take the bytes of the hidden states' gradient, not allocated yet
-    forward_rows = (transient_bytes + padded * hidden_size * dtype.itemsize) // logits_row
-    forward_rows = forward_rows // ROW_TILE * ROW_TILE if forward_rows >= ROW_TILE else max(1, forward_rows)
+    # the forward forms the rows not kept first, in the storage while it is empty (no transient, and
+    # matmuls as large as it holds), in even pieces, then the kept rows over them
+    capacity = vocab * gradient_row // logits_row // ALIGN * ALIGN
+    not_kept = vocab - steps[0].rows
+    pieces = -(-not_kept // capacity)
+    forward_rows = min(capacity, -(-not_kept // (pieces * ALIGN)) * ALIGN)
     return VocabularyPlan(padded, tuple(steps), forward_rows, tail_rows)
 
 
@@ -944,16 +947,14 @@ def _vocabulary_major(hidden, weight, bias, target, ignore_index: int, reduction
     log_sum_exp, row_losses = (hidden.new_empty(tokens, dtype=torch.float32) for _ in range(2))
     running = hidden.new_empty((4, tokens), dtype=torch.float32)
     kept = plan.steps[0]
+    for first in range(kept.rows, vocab, plan.forward_rows):      # the rows not kept, in the empty storage
+        rows = min(plan.forward_rows, vocab - first)
+        logits = storage[:rows * plan.tokens].view(rows, plan.tokens)
+        _vocabulary_logits(weight_rows, bias_rows, hidden_t, first, rows, logits)
+        _add_statistics(logits, first, target, running, smoothing, first_call=first == kept.rows)
     kept_logits = _stored_logits(storage, kept, plan.tokens)
     _vocabulary_logits(weight_rows, bias_rows, hidden_t, kept.first, kept.rows, kept_logits)
-    _add_statistics(kept_logits, kept.first, target, running, smoothing, first_call=True)
-    transient = hidden.new_empty(plan.forward_rows * plan.tokens, dtype=dtype)
-    for first in range(kept.rows, vocab, plan.forward_rows):
-        rows = min(plan.forward_rows, vocab - first)
-        logits = transient[:rows * plan.tokens].view(rows, plan.tokens)
-        _vocabulary_logits(weight_rows, bias_rows, hidden_t, first, rows, logits)
-        _add_statistics(logits, first, target, running, smoothing, first_call=False)
-    del transient, logits       # the backward's tail is smaller: its peak holds the hidden states' gradient
+    _add_statistics(kept_logits, kept.first, target, running, smoothing, first_call=kept.rows == vocab)
     FINISH_STATISTICS[smoothing](triton.cdiv(tokens, MERGE_BLOCK), running, tokens, target, ignore_index, vocab,
                                  label_smoothing, log_sum_exp, row_losses)
     loss = _reduced(row_losses, count, reduction)
