@@ -24,6 +24,8 @@ log = logging.getLogger("memfuse")
 COUNTERS = {
     "compiles": "programs compiled (api.FusedFunction._compile), recompiles included",
     "loss_heads_chunked": "cross-entropies of a linear's output computed chunked, logits never whole (memfuse.head)",
+    "loss_head_vocabulary_calls": "calls of the chunked loss head that ran the vocabulary-major plan "
+                                  "(memfuse.loss_head.choose_plan), every call",
     "recompiles": "compiles of a function that already had a compiled program (a cache miss on a new key)",
     "cache_hits": "calls that found their compiled program in the cache",
     "front_misses": "calls the front cache (api._Front: generated code binding the arguments, unpacking tuple, "

@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from .config import LOSS_HEAD_PLANS
+from .debug import STATS
 from .launch import DirectKernel
 
 # A matmul dimension that is a multiple of this many elements runs cuBLAS's aligned kernels.
@@ -697,6 +698,7 @@ def linear_cross_entropy_impl(hidden: torch.Tensor, weight: torch.Tensor, bias: 
         if with_gradients and not return_logits:
             choice = choose_plan(tokens, hidden.shape[1], vocab, dtype, weight.dtype, hidden.dtype, chunk_bytes, plan)
             if choice.vocabulary is not None:
+                STATS["loss_head_vocabulary_calls"] += 1
                 loss, log_sum_exp, *gradients = _vocabulary_major(hidden, weight, bias, target, ignore_index, reduction,
                                                                   label_smoothing, dtype, choice.vocabulary)
                 return loss, log_sum_exp, _logits_buffer(hidden, vocab, dtype, False), *gradients

@@ -218,9 +218,11 @@ def test_a_compiled_head_runs_the_configured_plan_and_explain_says_which(compile
         fused = torch.compile(linear_head, backend="memfuse", options={"loss_head_plan": plan})
     else:
         fused = memfuse.memory_efficient_fusion(linear_head, config=config)
+    memfuse.reset_stats()
     loss = fused(x, weight, target)
     grads = torch.autograd.grad(loss, (x, weight))
     assert bool(ran) == (plan == "vocabulary")
+    assert memfuse.stats()["loss_head_vocabulary_calls"] == (plan == "vocabulary")
     reference = linear_head(x, weight, target)
     assert relative(loss, reference) < 1e-6
     for ours, theirs in zip(grads, torch.autograd.grad(reference, (x, weight))):
