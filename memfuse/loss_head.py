@@ -17,6 +17,9 @@ computes the same loss a chunk of tokens at a time:
   gradient of 1, while each chunk's logits are at hand (the hidden states' in the matmul's dtype,
   as eager's product); the backward scales them by the loss's gradient (in place in memfuse's
   programs: `linear_cross_entropy_backward_`, memfuse.reinplace).
+- or, by the vocabulary-major plan (`choose_plan` picks per call): the logits transposed, kept in
+  the weight gradient's own storage as far as it holds them and formed again for the rest, so that
+  no chunk adds into the whole [vocab, H] weight gradient (the section of that name below).
 
 A chunk's rows follow a byte budget (`chunk_rows`), so the head's transient is the same at any
 token count: one [rows, vocab] buffer, the gradient written over the logits. Where the logits are
@@ -123,6 +126,16 @@ def _statistics_of_row(row_logits, target, vocab, padded_vocab, SMOOTHING: tl.co
 
 
 @triton.jit
+def _unit_gradient(logits, log_sum_exp, is_target, vocab, smoothing, SMOOTHING: tl.constexpr):
+    """d row loss / d logits: softmax - (1 - smoothing) * one_hot - smoothing / vocab (both plans'
+    kernels; past the vocabulary their callers write 0)."""
+    gradient = tl.exp(logits - log_sum_exp) - tl.where(is_target, 1.0 - smoothing, 0.0)
+    if SMOOTHING:
+        gradient -= smoothing / vocab
+    return gradient
+
+
+@triton.jit
 def _gradient_of_block(row_logits, row_gradient, row_incoming, columns, log_sum_exp, target, row_scale, vocab,
                        padded_vocab, smoothing, MASKED: tl.constexpr, SMOOTHING: tl.constexpr,
                        HAS_INCOMING: tl.constexpr):
@@ -135,13 +148,7 @@ def _gradient_of_block(row_logits, row_gradient, row_incoming, columns, log_sum_
         logits = tl.where(inside, logits, float("-inf"))
     else:
         logits = tl.load(row_logits + columns).to(tl.float32)
-    gradient = tl.exp(logits - log_sum_exp) - tl.where(columns == target, 1.0 - smoothing, 0.0)
-    if SMOOTHING:
-        if MASKED:
-            gradient -= tl.where(inside, smoothing / vocab, 0.0)
-        else:
-            gradient -= smoothing / vocab
-    gradient *= row_scale
+    gradient = _unit_gradient(logits, log_sum_exp, columns == target, vocab, smoothing, SMOOTHING) * row_scale
     if HAS_INCOMING:
         if MASKED:
             gradient += tl.load(row_incoming + columns, mask=inside, other=0.0).to(tl.float32)
@@ -443,10 +450,8 @@ def _vocabulary_gradient(logits_ptr, rows, tokens, row_stride, first_vocab, log_
         log_sum_exp = tl.load(log_sum_exp_ptr + token, mask=token_inside, other=0.0)
         target = tl.load(target_ptr + token, mask=token_inside, other=ignore_index)
         scale = tl.where(target != ignore_index, unit, 0.0)
-        gradient = tl.exp(logits - log_sum_exp[None, :]) - tl.where(
-            row[:, None] == (target - first_vocab)[None, :], 1.0 - smoothing, 0.0)
-        if SMOOTHING:
-            gradient -= smoothing / vocab
+        gradient = _unit_gradient(logits, log_sum_exp[None, :], row[:, None] == (target - first_vocab)[None, :],
+                                  vocab, smoothing, SMOOTHING)
         gradient = tl.where(token_inside[None, :], gradient * scale[None, :], 0.0)
         tl.store(pointers, gradient.to(logits_ptr.dtype.element_ty), mask=mask)
         if HAS_BIAS:
@@ -771,10 +776,11 @@ VOCABULARY_LEAD = 16          # a step's first write is 1/16 of its rows: its lo
 # rows in matmuls of 16384 rows, 11.07 of 8192, 12.09 of 62184 at once, 12.49 of 5908, one H200,
 # the standalone head's inputs (2026-11-28)
 LOGITS_MATMUL_ROWS = 16384
-VOCABULARY_TRANSIENT_SHARE = 32   # the transient buffer: 1/32 of the weight gradient's bytes, ...
-# ... or more (up to the chunk's bytes) where the plan would take more steps than this: the hidden states'
-# gradient adds up in the matmul's dtype, one rounding a step (the rows plan's weight gradient, one a
-# chunk: 8 at the standalone head's default), and each step costs the host its launches
+# The backward's transient buffer: 1/32 of the weight gradient's bytes, or more (up to the chunk's
+# bytes) where the plan would take more steps than VOCABULARY_STEPS_MAX: the hidden states' gradient
+# adds up in the matmul's dtype, one rounding a step (the rows plan's weight gradient, one a chunk:
+# 8 at the standalone head's default), and each step costs the host its launches.
+VOCABULARY_TRANSIENT_SHARE = 32
 VOCABULARY_STEPS_MAX = 12
 # Matmul FLOPs worth one byte of memory traffic in the plans' predicted times: an H200 ran the
 # standalone head's [8192, 4096] x [4096, 128256] bf16 product at about 820 TFLOP/s and copied 1 GB
@@ -845,7 +851,7 @@ def vocabulary_plan(tokens: int, hidden_size: int, vocab: int, dtype: torch.dtyp
     # matmuls as large as it holds), in even pieces, then the kept rows over them
     capacity = vocab * gradient_row // logits_row // ALIGN * ALIGN
     not_kept = vocab - steps[0].rows
-    pieces = -(-not_kept // capacity)
+    pieces = max(1, -(-not_kept // capacity))
     forward_rows = min(capacity, -(-not_kept // (pieces * ALIGN)) * ALIGN)
     return VocabularyPlan(padded, tuple(steps), forward_rows, tail_rows)
 
