@@ -37,6 +37,7 @@ WEIGHTS = ((32000, 1024, 4192), (50264, 768, 2664))
 TINY_WEIGHTS = ((104, 64, 16),)
 BLOCK_SIZES = (1024, 2048, 4096, 8192)
 WARPS = (4, 8, 16)
+NO_TRANSFORM = (0,)     # loss_head.LogitTransform().constexpr: the logits as the matmul made them
 
 
 def kernel_variants(rows: int, vocab: int, device: torch.device, dtype: torch.dtype) -> dict:
@@ -51,15 +52,16 @@ def kernel_variants(rows: int, vocab: int, device: torch.device, dtype: torch.dt
 
     def separate(block, warps):
         loss_head._row_statistics[(rows,)](logits, logits.stride(0), 0, target, log_sum_exp, row_loss, vocab, padded,
-                                           -100, 0.0, SMOOTHING=False, BLOCK=block, num_warps=warps)
+                                           -100, 0.0, SMOOTHING=False, TRANSFORM=NO_TRANSFORM, BLOCK=block,
+                                           num_warps=warps)
         loss_head._logits_gradient[(rows,)](logits, logits.stride(0), 0, log_sum_exp, target, scales, logits, 0,
                                             logits, logits.stride(0), vocab, padded, 0.0, SMOOTHING=False,
-                                            HAS_INCOMING=False, BLOCK=block, num_warps=warps)
+                                            HAS_INCOMING=False, TRANSFORM=NO_TRANSFORM, BLOCK=block, num_warps=warps)
 
     def fused(block, warps):
         loss_head._row_statistics_and_gradient[(rows,)](
             logits, logits.stride(0), 0, target, log_sum_exp, row_loss, count, logits, logits.stride(0), vocab,
-            padded, -100, 0.0, MEAN=True, SMOOTHING=False, BLOCK=block, num_warps=warps)
+            padded, -100, 0.0, MEAN=True, SMOOTHING=False, TRANSFORM=NO_TRANSFORM, BLOCK=block, num_warps=warps)
     variants = {("clone", None, None): logits.clone}
     for block in BLOCK_SIZES:
         for warps in WARPS:

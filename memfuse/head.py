@@ -1,9 +1,10 @@
 """Finds the loss head in a model and computes it chunked (memfuse.loss_head), unchanged user code.
 
 The pattern: `cross_entropy(x, target)` where x is a linear layer's output (or `hidden @ w.T` of a
-2-D w), optionally cast (`.float()`, `.to(float32)`) and flattened to [tokens, vocab] (`view`,
-`reshape`, `contiguous`), with no other reader on the way. It is replaced by
-`torch.ops.memfuse.linear_cross_entropy` on the linear's input, weight and bias. Where the
+2-D w), optionally transformed by constants (`* s`, `/ s`, `tanh`: Gemma's soft cap, Cohere's and
+Granite's scales; loss_head.LogitTransform), cast (`.float()`, `.to(float32)`) and flattened to
+[tokens, vocab] (`view`, `reshape`, `contiguous`), with no other reader on the way. It is replaced
+by `torch.ops.memfuse.linear_cross_entropy` on the linear's input, weight and bias. Where the
 linear's output is also read in the graph, the op returns the logits too and takes their gradient
 into its backward; where a cast or flattened copy is read elsewhere, the head is left as it is,
 with the reason. Logits the graph only returns (a HuggingFace model's) come out of the op without
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import operator
 import sys
 from typing import Callable, Optional
@@ -41,6 +43,12 @@ LINEARS = (torch._C._nn.linear, F.linear)
 MATMULS = (operator.matmul, torch.matmul, torch.mm)
 CASTS = ("float", "to")
 FLATTENS = ("view", "reshape", "contiguous")
+# the logits' transforms by a constant, by call: Dynamo's graphs hold operator.mul / truediv,
+# torch.tanh and methods; a traced function's mode sees torch's and Tensor's functions
+TRANSFORM_FUNCTIONS = {operator.mul: "mul", torch.mul: "mul", torch.multiply: "mul", operator.truediv: "div",
+                       torch.div: "div", torch.true_divide: "div", torch.tanh: "tanh", F.tanh: "tanh"}
+TRANSFORM_METHODS = {"mul": "mul", "multiply": "mul", "div": "div", "true_divide": "div", "tanh": "tanh",
+                     "__mul__": "mul", "__rmul__": "mul", "__truediv__": "div"}
 CROSS_ENTROPY_PARAMETERS = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction",
                             "label_smoothing")
 
@@ -58,6 +66,7 @@ class HeadDecision:
     chunk_rows: Optional[int] = None     # token rows a chunk (fewer where there are fewer tokens)
     chunk_note: str = ""                 # why the chunk's size is not the default's (head.rows_cap)
     plan: str = ""                       # the plan at the traced sizes, where the forward forms the gradients
+    transform: str = ""                  # what the model does to the logits before the loss (LogitTransform)
 
     def __str__(self) -> str:
         if not self.chunked:
@@ -69,7 +78,8 @@ class HeadDecision:
                      else "; the backward forms each chunk's logits again")
         if self.plan:
             gradients += f"; {self.plan}"
-        return (f"loss head {self.loss}: chunked linear + cross-entropy over vocab {self.vocab}, chunks of "
+        transform = f" of the logits through {self.transform}" if self.transform else ""
+        return (f"loss head {self.loss}: chunked linear + cross-entropy{transform} over vocab {self.vocab}, chunks of "
                 f"{self.chunk_rows} token rows ({self.chunk_bytes / 2**20:.0f} MiB of logits{note})"
                 f"{logits}{gradients}: {self.reason}")
 
@@ -189,20 +199,29 @@ def _rewrite(graph: torch.fx.Graph, loss: torch.fx.Node, config: Config) -> tupl
     chain, linear = _chain_to_linear(arguments["input"])
     if linear is None:
         return HeadDecision(loss.name, False, "its input is not a linear layer's output or x @ w.T "
-                                              "(cast and flattened at most)"), None
+                                              "(transformed by constants, cast and flattened at most)"), None
     problem = _chain_problem(chain, linear) or _loss_problem(loss)
+    if problem:
+        return HeadDecision(loss.name, False, problem), None
+    transform, problem = _graph_transform(chain, linear)
     if problem:
         return HeadDecision(loss.name, False, problem), None
     hidden_input, weight, bias = _graph_operands(linear)
     logits_value = linear.meta["example_value"]
     vocab = int(logits_value.shape[-1])
-    first_reader = chain[0] if chain else loss
-    returned_at = [i for i, value in enumerate(_output_values(graph)) if value is linear]
-    read_in_graph = [u for u in linear.users if u is not first_reader and u.op != "output"]
-    returns_logits = len(linear.users) > 1
-    returned_anywhere = sum(leaf is linear for leaf in torch.utils._pytree.tree_leaves(_output_values(graph)))
+    # the logits as the model has them: the linear's output, or the last step of its transform
+    logits_node = max((n for n in chain if _transform_step(n)), key=chain.index, default=linear)
+    position = chain.index(logits_node) if logits_node in chain else -1
+    next_reader = chain[position + 1] if position + 1 < len(chain) else loss
+    returned_at = [i for i, value in enumerate(_output_values(graph)) if value is logits_node]
+    read_in_graph = [u for u in logits_node.users if u is not next_reader and u.op != "output"]
+    returns_logits = len(logits_node.users) > 1
+    returned_anywhere = sum(leaf is logits_node for leaf in torch.utils._pytree.tree_leaves(_output_values(graph)))
     # returned at top level only: a nested one would keep the op's logits, without their gradient path
     only_returned = bool(returned_at) and not read_in_graph and returned_anywhere == len(returned_at)
+    if transform.steps and returns_logits and (read_in_graph or not transform.returns_in(logits_value.dtype)):
+        return HeadDecision(loss.name, False, f"the logits through {transform} are also "
+                            + ("read in the graph" if read_in_graph else "returned in float32, not their dtype")), None
     in_forward = _gradients_in_forward(arguments.get("reduction", "mean"), [
         getattr(n, "meta", {}).get("example_value") for n in (hidden_input, weight, bias)])
     with graph.inserting_before(loss):
@@ -211,11 +230,11 @@ def _rewrite(graph: torch.fx.Graph, loss: torch.fx.Node, config: Config) -> tupl
             hidden, weight, bias, arguments["target"], arguments.get("ignore_index", -100),
             arguments.get("reduction", "mean"), float(arguments.get("label_smoothing", 0.0)), logits_value.dtype,
             returns_logits, in_forward, chunk_bytes(config, vocab, logits_value.dtype), not only_returned,
-            config.loss_head_plan))
+            config.loss_head_plan, transform.spec))
         head_loss = graph.call_function(operator.getitem, (head, 0))
     loss.replace_all_uses_with(head_loss)
     graph.erase_node(loss)
-    for node in reversed(chain):
+    for node in reversed(chain[position + 1:]):     # the casts and flattens past the model's logits
         graph.erase_node(node)
     returned = None
     if returns_logits:
@@ -224,8 +243,10 @@ def _rewrite(graph: torch.fx.Graph, loss: torch.fx.Node, config: Config) -> tupl
         with graph.inserting_after(flat_logits):
             logits = graph.call_function(_rows_like, (flat_logits, hidden_input))
         if only_returned:
-            returned = _return_without_gradient(graph, logits, returned_at, hidden_input, weight, bias)
-        linear.replace_all_uses_with(logits)
+            returned = _return_without_gradient(graph, logits, returned_at, hidden_input, weight, bias, transform.spec)
+        logits_node.replace_all_uses_with(logits)
+    for node in reversed(chain[:position + 1]):     # the transform's steps and casts before them
+        graph.erase_node(node)
     transposed = linear.args[1] if len(linear.args) > 1 else None
     graph.erase_node(linear)
     if isinstance(transposed, torch.fx.Node) and transposed is not weight and not transposed.users:
@@ -235,12 +256,13 @@ def _rewrite(graph: torch.fx.Graph, loss: torch.fx.Node, config: Config) -> tupl
                         + (" and readers past it (returned logits)" if returns_logits else ""),
                         vocab, returns_logits, chunk, in_forward, _rows(chunk, vocab, logits_value.dtype),
                         rows_cap(config)[1], _plan_note(config, logits_value, _example(hidden_input),
-                                                        _example(weight), chunk, in_forward and not returns_logits)
-                        ), returned
+                                                        _example(weight), chunk, in_forward and not returns_logits),
+                        str(transform) if transform.steps else ""), returned
 
 
 def _return_without_gradient(graph: torch.fx.Graph, logits: torch.fx.Node, positions: list, hidden: torch.fx.Node,
-                     weight: torch.fx.Node, bias: Optional[torch.fx.Node]) -> loss_head.LogitsReturn:
+                             weight: torch.fx.Node, bias: Optional[torch.fx.Node], transform: str
+                             ) -> loss_head.LogitsReturn:
     """The graph returns `logits` (the op's, which carry no gradient) at `positions`; the linear's
     operands go to attach_returned_logits as the graph's inputs where they are inputs (or a whole
     view of one: HuggingFace's `hidden_states[:, slice(0, None), :]`), else as outputs after the
@@ -263,7 +285,7 @@ def _return_without_gradient(graph: torch.fx.Graph, logits: torch.fx.Node, posit
         return "output", len(values) - 1
     places = [place(operand) for operand in (hidden, weight, bias)]
     output.args = (tuple(values),)
-    return loss_head.LogitsReturn(tuple(positions), *places)
+    return loss_head.LogitsReturn(tuple(positions), *places, transform)
 
 
 def _whole_view_source(node: torch.fx.Node) -> torch.fx.Node:
@@ -328,16 +350,68 @@ def _settings_problem(arguments: dict) -> Optional[str]:
 
 
 def _chain_to_linear(node) -> tuple[list, Optional[torch.fx.Node]]:
-    """The casts and flattens between the loss and a linear, nearest to the linear first."""
+    """The transform's steps, casts and flattens between the loss and a linear, nearest to the
+    linear first."""
     chain = []
     while isinstance(node, torch.fx.Node):
         if _graph_operands(node) is not None:
             return list(reversed(chain)), node
+        step = _transform_step(node)
+        if step is not None:
+            chain.append(node)
+            node = step[0]
+            continue
         if node.op != "call_method" or node.target not in CASTS + FLATTENS:
             return [], None
         chain.append(node)
         node = node.args[0]
     return [], None
+
+
+def _transform_step(node: torch.fx.Node) -> Optional[tuple]:
+    """(the node it transforms, kind, factor) of `x * c`, `c * x`, `x / c` (a number c) or
+    `tanh(x)` in a Dynamo graph; None for anything else."""
+    if node.op == "call_function":
+        kind = TRANSFORM_FUNCTIONS.get(node.target)
+    elif node.op == "call_method":
+        kind = TRANSFORM_METHODS.get(node.target)
+    else:
+        return None
+    if kind is None or node.kwargs:
+        return None
+    return _step_of(kind, node.args, torch.fx.Node)
+
+
+def _step_of(kind: str, args: tuple, tensor_type) -> Optional[tuple]:
+    """(the tensor, kind, factor) of a transform's call on `args`: tanh of one tensor, or a multiply
+    (either order) or divide (tensor first) of a tensor by a finite number (not 0 for a divide)."""
+    if kind == "tanh":
+        return (args[0], "tanh", None) if len(args) == 1 and isinstance(args[0], tensor_type) else None
+    if len(args) != 2:
+        return None
+    tensor, factor = args if isinstance(args[0], tensor_type) else (args[1], args[0]) if kind == "mul" else (None, None)
+    if not isinstance(tensor, tensor_type) or isinstance(factor, bool) or not isinstance(factor, (int, float)) \
+            or not math.isfinite(factor) or (kind == "div" and factor == 0):
+        return None
+    return tensor, kind, float(factor)
+
+
+def _graph_transform(chain: list, linear: torch.fx.Node) -> tuple:
+    """(the LogitTransform of the chain's steps, a problem or None): each step rounds to the dtype of
+    the value it makes (the logits' half dtype before the loss's float cast, fp32 after)."""
+    steps = [(n, _transform_step(n)) for n in chain if _transform_step(n)]
+    dtypes = {n.meta["example_value"].dtype for n, _ in steps if "example_value" in n.meta}
+    return _transform_of([step[1:] for _, step in steps], dtypes, linear.meta["example_value"].dtype)
+
+
+def _transform_of(steps: list, dtypes: set, logits_dtype: torch.dtype) -> tuple:
+    """(LogitTransform, problem or None) of steps (kind, factor) whose results were of `dtypes`."""
+    if not steps:
+        return loss_head.LogitTransform(), None
+    if len(dtypes) != 1 or not dtypes <= {torch.float32, logits_dtype}:
+        return loss_head.LogitTransform(), "the logits' transform changes dtype between its steps"
+    (dtype,) = dtypes
+    return loss_head.LogitTransform(tuple(steps), None if dtype == torch.float32 else dtype), None
 
 
 def _graph_operands(node: torch.fx.Node) -> Optional[tuple]:
@@ -372,9 +446,12 @@ def _transposed_base(node: torch.fx.Node) -> Optional[torch.fx.Node]:
 def _chain_problem(chain: list, linear: torch.fx.Node) -> Optional[str]:
     if "example_value" not in linear.meta:
         return "the linear's traced value is unknown"
+    steps = [n for n in chain if _transform_step(n)]
+    if steps and len(linear.users) != 1:
+        return "the linear's output is also read besides its transform"
     for node in chain:
         value = node.meta.get("example_value")
-        if len(node.users) != 1:
+        if len(node.users) != 1 and not (steps and node is steps[-1]):
             return f"{node.name} ({node.target}) between the linear and the loss is also read elsewhere"
         if node.target == "to" and (value is None or value.dtype != torch.float32):
             return f"{node.name} converts to something other than float32"
@@ -406,7 +483,7 @@ def _rows_like(flat_logits: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
 # -- while memfuse traces a function (memory_efficient_fusion) -------------------------------------
 @dataclasses.dataclass
 class _Logits:
-    """A tensor the mode follows: a linear's output, or a cast or flattened form of one."""
+    """A tensor the mode follows: a linear's output, or a transformed, cast or flattened form of one."""
     linear_output: torch.Tensor
     hidden: torch.Tensor
     weight: torch.Tensor
@@ -418,8 +495,8 @@ class LogitsReturned(Exception):
 
 
 class LossHeadMode(TorchFunctionMode):
-    """Follows each linear's output through casts and flattens; a cross_entropy of one becomes the
-    chunked op, called as though the function returned the logits: whether it does is known only
+    """Follows each linear's output through its transform, casts and flattens; a cross_entropy of
+    one becomes the chunked op, called as though the function returned the logits: whether it does is known only
     once it has (`settle`). A followed tensor read by anything else marks its head as read past
     the loss, which this path does not chunk (`LogitsReturned` after the trace)."""
 
@@ -431,6 +508,10 @@ class LossHeadMode(TorchFunctionMode):
         self.transposed: dict[int, torch.Tensor] = {}   # id(w.T) -> w, for x @ w.T
         self.chunked: dict[str, _Logits] = {}     # by the decision's name
         self.read_elsewhere: set[int] = set()     # id() of linear outputs read past their loss
+        # id(a followed tensor) -> (its transform's steps (kind, factor, dtype), the last step's result)
+        self.lineage: dict[int, tuple] = {}
+        self.model_logits: dict[str, torch.Tensor] = {}    # by name: the logits as the model has them
+        self.transforms: dict[str, loss_head.LogitTransform] = {}
         self.decisions: list[HeadDecision] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -447,12 +528,28 @@ class LossHeadMode(TorchFunctionMode):
             self._follow(result, _Logits(result, args[0], self.transposed[id(args[1])], None))
         elif args and id(args[0]) in self.followed and _keeps_logits(func, args[0], result):
             self._follow(result, self.followed[id(args[0])])
+            self.lineage[id(result)] = self.lineage.get(id(args[0]), ((), None))
+        elif self._transform_step(func, args, kwargs, result):
+            pass
         elif isinstance(result, (torch.Tensor, tuple, list)) and not isinstance(result, torch.Size):
             self._note_reads(args, kwargs)
         return result
 
     def _follow(self, tensor: torch.Tensor, origin: _Logits) -> None:
         self.followed[id(tensor)] = origin
+
+    def _transform_step(self, func, args, kwargs, result) -> bool:
+        """Follows `result` where it is a step of a transform (loss_head.LogitTransform) of a followed
+        tensor: `x * c`, `x / c` (a number c), `tanh(x)`."""
+        name = getattr(func, "__name__", None)
+        kind = TRANSFORM_FUNCTIONS.get(func) or (TRANSFORM_METHODS.get(name) if _is_method(func, (name,)) else None)
+        step = _step_of(kind, args, torch.Tensor) if kind is not None and not kwargs else None
+        if step is None or id(step[0]) not in self.followed or not isinstance(result, torch.Tensor):
+            return False
+        self._follow(result, self.followed[id(step[0])])
+        steps, _ = self.lineage.get(id(step[0]), ((), None))
+        self.lineage[id(result)] = (steps + ((kind, step[2], result.dtype),), result)
+        return True
 
     def _note_reads(self, args, kwargs) -> None:
         for leaf in torch.utils._pytree.tree_leaves((args, kwargs)):
@@ -463,7 +560,11 @@ class LossHeadMode(TorchFunctionMode):
         arguments = dict(zip(CROSS_ENTROPY_PARAMETERS, args)) | kwargs
         origin = self.followed[id(arguments["input"])]
         name = f"cross_entropy_{len(self.decisions)}"
-        problem = _settings_problem(arguments) or _value_problem(arguments["input"], origin.linear_output)
+        steps, transformed = self.lineage.get(id(arguments["input"]), ((), None))
+        transform, transform_problem = _transform_of([step[:2] for step in steps], {step[2] for step in steps},
+                                                     origin.linear_output.dtype)
+        problem = (_settings_problem(arguments) or _value_problem(arguments["input"], origin.linear_output)
+                   or transform_problem)
         if problem:
             self.decisions.append(HeadDecision(name, False, problem))
             return F.cross_entropy(*args, **kwargs)
@@ -474,15 +575,18 @@ class LossHeadMode(TorchFunctionMode):
         loss, _, logits, *_ = torch.ops.memfuse.linear_cross_entropy(
             hidden, origin.weight, origin.bias, arguments["target"], arguments.get("ignore_index", -100),
             arguments.get("reduction", "mean"), float(arguments.get("label_smoothing", 0.0)),
-            origin.linear_output.dtype, True, in_forward, chunk, False, self.config.loss_head_plan)
+            origin.linear_output.dtype, True, in_forward, chunk, False, self.config.loss_head_plan, transform.spec)
         self.chunked[name] = origin
         self.logits[name] = logits
+        self.model_logits[name] = origin.linear_output if transformed is None else transformed
+        self.transforms[name] = transform
         vocab = int(origin.weight.shape[0])
         self.decisions.append(HeadDecision(name, True, "a linear layer's output feeds only the loss", vocab,
                                            False, chunk, in_forward, _rows(chunk, vocab, origin.linear_output.dtype),
                                            rows_cap(self.config)[1],
                                            _plan_note(self.config, origin.linear_output, origin.hidden, origin.weight,
-                                                      chunk, in_forward, returned_unknown=True)))
+                                                      chunk, in_forward, returned_unknown=True),
+                                           str(transform) if transform.steps else ""))
         return loss
 
     def settle(self, outputs: tuple, inputs: tuple) -> tuple:
@@ -498,22 +602,25 @@ class LossHeadMode(TorchFunctionMode):
         for name, logits in self.logits.items():
             if name not in returned:
                 continue
-            origin = self.chunked[name]
-            positions = tuple(i for i, t in enumerate(outputs) if t is origin.linear_output)
+            origin, model_logits, transform = self.chunked[name], self.model_logits[name], self.transforms[name]
+            positions = tuple(i for i, t in enumerate(outputs) if t is model_logits)
             weight, bias = _input_index(origin.weight, inputs), _input_index(origin.bias, inputs)
             if not positions or id(origin.linear_output) in self.read_elsewhere or weight is None or \
                     (origin.bias is not None and bias is None) or \
-                    any(self.followed.get(id(t)) is origin and t is not origin.linear_output for t in outputs):
+                    any(self.followed.get(id(t)) is origin and t is not model_logits for t in outputs):
                 raise LogitsReturned([name], "its logits leave cast, reshaped or read past the loss, or its "
                                              "weight is not an input of the traced function")
+            if not transform.returns_in(origin.linear_output.dtype):
+                raise LogitsReturned([name], f"its logits through {transform} are returned in float32, not "
+                                             "their dtype")
             for position in positions:
-                outputs[position] = logits.view(origin.linear_output.shape)
+                outputs[position] = logits.view(model_logits.shape)
             hidden = _input_index(origin.hidden, inputs)
             if hidden is None:      # an intermediate: returned too, as a value of its own (AOTAutograd's
                 extras.append(origin.hidden.clone())   # export takes no output that aliases another)
             returns.append(loss_head.LogitsReturn(
                 positions, ("input", hidden) if hidden is not None else ("output", len(outputs) + len(extras) - 1),
-                ("input", weight), None if bias is None else ("input", bias)))
+                ("input", weight), None if bias is None else ("input", bias), transform.spec))
         return (*outputs, *extras), returns
 
     def returned_logits(self, outputs) -> list[str]:

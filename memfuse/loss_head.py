@@ -40,6 +40,7 @@ from typing import Optional, Sequence
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
 
 from .config import LOSS_HEAD_PLANS
 from .debug import STATS
@@ -80,7 +81,159 @@ def _padded(vocab: int) -> int:
     return -(-vocab // ALIGN) * ALIGN
 
 
+# -- the model's transform of the logits ----------------------------------------------------------
+# What a model does to the linear's output before its loss, elementwise with constants: Gemma's soft
+# cap (`logits / cap`, `tanh`, `* cap`), Cohere's `logits * scale`, Granite's `logits / scale`. The
+# kernels apply it wherever they read logits and multiply the logits' gradient by its derivative;
+# returned logits are written transformed.
+STEP_KINDS = {"mul": 1, "div": 2, "tanh": 3}
+ROUNDINGS = {None: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class LogitTransform:
+    """Steps in order, each ("mul", factor), ("div", factor) or ("tanh", None), each rounded to
+    `rounded_to` (the logits' half dtype, where the model transforms them before its float cast:
+    eager's ops on them round so) or kept in fp32 (None). The op takes it as a string, `spec`."""
+    steps: tuple = ()
+    rounded_to: Optional[torch.dtype] = None
+
+    @property
+    def spec(self) -> str:
+        """'div 30.0, tanh, mul 30.0 in bfloat16'; '' for none. Factors as repr(float): exact."""
+        if not self.steps:
+            return ""
+        text = ", ".join(kind if factor is None else f"{kind} {factor!r}" for kind, factor in self.steps)
+        return text + (f" in {_dtype_name(self.rounded_to)}" if self.rounded_to is not None else "")
+
+    @staticmethod
+    @functools.lru_cache(maxsize=64)
+    def parse(spec: str) -> "LogitTransform":
+        """The transform of `spec` (LogitTransform.spec's form); ValueError naming it otherwise."""
+        if not spec:
+            return LogitTransform()
+        text, _, dtype_name = spec.partition(" in ")
+        rounded_to = getattr(torch, dtype_name, None) if dtype_name else None
+        steps = []
+        for step in text.split(", "):
+            kind, _, factor = step.partition(" ")
+            number = _number(factor)
+            if kind not in STEP_KINDS or (kind == "tanh") != (factor == "") or (factor and number is None) or \
+                    (dtype_name and rounded_to not in ROUNDINGS):
+                raise ValueError(f"memfuse.linear_cross_entropy: transform {spec!r}: expected steps 'mul F', "
+                                 "'div F' or 'tanh' joined by ', ', then ' in bfloat16' or ' in float16' or nothing")
+            steps.append((kind, number))
+        return LogitTransform(tuple(steps), rounded_to)
+
+    @property
+    def constexpr(self) -> tuple:
+        """The kernels' TRANSFORM: (rounding, kind, factor, kind, factor, ...); (0,) for none."""
+        flat = [ROUNDINGS[self.rounded_to]]
+        for kind, factor in self.steps:
+            flat += [STEP_KINDS[kind], 0.0 if factor is None else factor]
+        return tuple(flat)
+
+    def returns_in(self, dtype: torch.dtype) -> bool:
+        """Whether logits of `dtype` hold the transformed ones as eager has them (the op writes
+        returned logits in their dtype): the steps round to it, or run in fp32 on fp32 logits."""
+        return self.rounded_to == dtype or (self.rounded_to is None and dtype == torch.float32)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """The steps as eager's ops, on the logits in their dtype (differentiable)."""
+        for kind, factor in self.steps:
+            logits = logits * factor if kind == "mul" else logits / factor if kind == "div" else torch.tanh(logits)
+        return logits
+
+    def gradient_through(self, logits: torch.Tensor, gradient: torch.Tensor) -> torch.Tensor:
+        """gradient (of the transformed logits) times the transform's derivative at `logits`, in fp32,
+        as the kernels form it (`_transformed`): each step rounded as eager's, tanh's derivative from
+        its rounded output. Torch ops: a custom op's backward runs below autograd."""
+        value, slope = logits.float(), gradient.float()
+        for kind, factor in self.steps:
+            value = value * factor if kind == "mul" else value / factor if kind == "div" else torch.tanh(value)
+            if self.rounded_to is not None:
+                value = value.to(self.rounded_to).float()
+            slope = slope * factor if kind == "mul" else slope / factor if kind == "div" else slope * (1 - value * value)
+        return slope
+
+    def __str__(self) -> str:
+        return " then ".join(f"{'*' if kind == 'mul' else '/'} {factor!r}" if factor is not None else kind
+                             for kind, factor in self.steps) + (
+            f" (in {_dtype_name(self.rounded_to)})" if self.rounded_to is not None else " (in float32)")
+
+
+def _number(text: str) -> Optional[float]:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 # -- the kernels ---------------------------------------------------------------------------------
+# A transform's steps as the kernels read them (LogitTransform.constexpr)
+STEP_MUL = tl.constexpr(STEP_KINDS["mul"])
+STEP_DIV = tl.constexpr(STEP_KINDS["div"])
+ROUNDED_BF16 = tl.constexpr(ROUNDINGS[torch.bfloat16])
+ROUNDED_FP16 = tl.constexpr(ROUNDINGS[torch.float16])
+INTERPRETED = tl.constexpr(bool(knobs.runtime.interpret))     # Triton's interpreter runs the kernels
+
+
+@triton.jit
+def _tanh(x):
+    """fp32 tanh, the fp32 branch of memfuse.ops' mf_tanh (Cephes' tanhf, a few ulps; the
+    interpreter has no libdevice): an odd polynomial below |x| = 0.625, 1 - 2 / (exp(2|x|) + 1) above."""
+    a = tl.abs(x)
+    z = x * x
+    poly = (((-5.70498872745e-3 * z + 2.06390887954e-2) * z - 5.37397155531e-2) * z
+            + 1.33314422036e-1) * z - 3.33332819422e-1
+    small = tl.where(a < 1.1754943508222875e-38, x, poly * z * x + x)
+    large = 1.0 - 2.0 / (tl.exp(2.0 * a) + 1.0)
+    return tl.where(a < 0.625, small, tl.where(x < 0, -large, large))
+
+
+@triton.jit
+def _rounded(value, ROUNDING: tl.constexpr):
+    """value (fp32) rounded to the logits' half dtype where the model's transform runs in it, to the
+    nearest (ties to even). Triton's interpreter truncates fp32 -> bf16 where the GPU's cast rounds:
+    there the bits are rounded here (memfuse.ops' mf_rne_bf16)."""
+    if ROUNDING == ROUNDED_BF16:
+        if INTERPRETED:
+            bits = value.to(tl.uint32, bitcast=True)
+            rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+            value = tl.where(value != value, value, rounded)
+        else:
+            value = value.to(tl.bfloat16).to(tl.float32)
+    elif ROUNDING == ROUNDED_FP16:
+        value = value.to(tl.float16, fp_downcast_rounding="rtne").to(tl.float32)
+    return value
+
+
+@triton.jit
+def _transformed(logits, TRANSFORM: tl.constexpr):
+    """(the logits through the model's transform, its derivative d transformed / d logits), fp32.
+    TRANSFORM: LogitTransform.constexpr, (rounding, kind, factor, kind, factor, ...); (rounding,)
+    alone is no transform (the derivative a constant 1, which no caller multiplies by). Each step
+    rounds as eager's op on the logits' dtype does; tanh's derivative takes its rounded output, as
+    eager's tanh_backward."""
+    value = logits
+    slope = 1.0
+    for i in tl.static_range(1, len(TRANSFORM), 2):
+        if TRANSFORM[i] == STEP_MUL:
+            value = _rounded(value * TRANSFORM[i + 1], TRANSFORM[0])
+            slope = slope * TRANSFORM[i + 1]
+        elif TRANSFORM[i] == STEP_DIV:
+            value = _rounded(value / TRANSFORM[i + 1], TRANSFORM[0])
+            slope = slope / TRANSFORM[i + 1]
+        else:
+            value = _rounded(_tanh(value), TRANSFORM[0])
+            slope = slope * (1.0 - value * value)
+    return value, slope
+
+
 @triton.jit
 def _add_to_lanes(lane_max, lane_sum_of_exp, lane_logit_sum, logits, summed, SMOOTHING: tl.constexpr):
     """One block of a row into each lane's running max and sum of exps (rescaled as its max grows:
@@ -95,25 +248,28 @@ def _add_to_lanes(lane_max, lane_sum_of_exp, lane_logit_sum, logits, summed, SMO
 
 
 @triton.jit
-def _statistics_of_row(row_logits, target, vocab, padded_vocab, SMOOTHING: tl.constexpr, BLOCK: tl.constexpr):
+def _statistics_of_row(row_logits, target, vocab, padded_vocab, SMOOTHING: tl.constexpr, TRANSFORM: tl.constexpr,
+                       BLOCK: tl.constexpr):
     """(log-sum-exp, target's logit, sum of logits: 0 without smoothing) of one row in fp32, reading
     it once. Each of the BLOCK lanes keeps its own statistics, combined once after the loop: no
     reduction across the program's warps at each step. The blocks inside the vocabulary load
     unmasked; only the last, to the padded end, is masked (a mask that ends at an odd vocabulary,
     GPT-2's 50257, is not provably aligned: masked throughout, the kernel took 2.9x a copy's time on
-    GPT-2's rows against 1.9x on Llama's, one H200, 2026-11-28). The target's logit is one load."""
+    GPT-2's rows against 1.9x on Llama's, one H200, 2026-11-28). The target's logit is one load. The
+    statistics are of the logits through the model's TRANSFORM."""
     lane_max = tl.full((BLOCK,), float("-inf"), tl.float32)
     lane_sum_of_exp = tl.zeros((BLOCK,), tl.float32)
     lane_logit_sum = tl.zeros((BLOCK,), tl.float32)
     whole_blocks_end = vocab // BLOCK * BLOCK
     for start in range(0, whole_blocks_end, BLOCK):
-        logits = tl.load(row_logits + start + tl.arange(0, BLOCK)).to(tl.float32)
+        logits, _ = _transformed(tl.load(row_logits + start + tl.arange(0, BLOCK)).to(tl.float32), TRANSFORM)
         lane_max, lane_sum_of_exp, lane_logit_sum = _add_to_lanes(lane_max, lane_sum_of_exp, lane_logit_sum,
                                                                   logits, logits, SMOOTHING)
     for start in range(whole_blocks_end, padded_vocab, BLOCK):
         columns = start + tl.arange(0, BLOCK)
         inside = columns < vocab
-        logits = tl.load(row_logits + columns, mask=columns < padded_vocab, other=0.0).to(tl.float32)
+        logits, _ = _transformed(tl.load(row_logits + columns, mask=columns < padded_vocab, other=0.0).to(tl.float32),
+                                 TRANSFORM)
         lane_max, lane_sum_of_exp, lane_logit_sum = _add_to_lanes(
             lane_max, lane_sum_of_exp, lane_logit_sum, tl.where(inside, logits, float("-inf")),
             tl.where(inside, logits, 0.0), SMOOTHING)
@@ -121,7 +277,7 @@ def _statistics_of_row(row_logits, target, vocab, padded_vocab, SMOOTHING: tl.co
     shift = tl.where(row_max == float("-inf"), 0.0, row_max)
     sum_of_exp = tl.sum(lane_sum_of_exp * tl.exp(lane_max - shift), axis=0)
     known = (target >= 0) & (target < vocab)        # an ignored target (-100) reads column 0, unused
-    target_logit = tl.load(row_logits + tl.where(known, target, 0)).to(tl.float32)
+    target_logit, _ = _transformed(tl.load(row_logits + tl.where(known, target, 0)).to(tl.float32), TRANSFORM)
     return shift + tl.log(sum_of_exp), tl.where(known, target_logit, 0.0), tl.sum(lane_logit_sum, axis=0)
 
 
@@ -138,22 +294,25 @@ def _unit_gradient(logits, log_sum_exp, is_target, vocab, smoothing, SMOOTHING: 
 @triton.jit
 def _gradient_of_block(row_logits, row_gradient, row_incoming, columns, log_sum_exp, target, row_scale, vocab,
                        padded_vocab, smoothing, MASKED: tl.constexpr, SMOOTHING: tl.constexpr,
-                       HAS_INCOMING: tl.constexpr):
+                       HAS_INCOMING: tl.constexpr, TRANSFORM: tl.constexpr):
     """(softmax - (1 - smoothing) * one_hot - smoothing / vocab) * row_scale, plus what the logits
-    received from other readers, at `columns`; 0 past the vocabulary, so the matmuls can read the
-    padding. MASKED: the block reaches past the vocabulary."""
+    received from other readers, at `columns`, times the model's TRANSFORM's derivative; 0 past the
+    vocabulary, so the matmuls can read the padding. MASKED: the block reaches past the vocabulary."""
     if MASKED:
         inside = columns < vocab
         logits = tl.load(row_logits + columns, mask=columns < padded_vocab, other=0.0).to(tl.float32)
+        logits, slope = _transformed(logits, TRANSFORM)
         logits = tl.where(inside, logits, float("-inf"))
     else:
-        logits = tl.load(row_logits + columns).to(tl.float32)
+        logits, slope = _transformed(tl.load(row_logits + columns).to(tl.float32), TRANSFORM)
     gradient = _unit_gradient(logits, log_sum_exp, columns == target, vocab, smoothing, SMOOTHING) * row_scale
     if HAS_INCOMING:
         if MASKED:
             gradient += tl.load(row_incoming + columns, mask=inside, other=0.0).to(tl.float32)
         else:
             gradient += tl.load(row_incoming + columns).to(tl.float32)
+    if len(TRANSFORM) > 1:
+        gradient = gradient * slope
     if MASKED:
         gradient = tl.where(inside, gradient, 0.0)
         tl.store(row_gradient + columns, gradient.to(row_gradient.dtype.element_ty), mask=columns < padded_vocab)
@@ -163,16 +322,17 @@ def _gradient_of_block(row_logits, row_gradient, row_incoming, columns, log_sum_
 
 @triton.jit
 def _gradient_of_row(row_logits, row_gradient, row_incoming, log_sum_exp, target, row_scale, vocab, padded_vocab,
-                     smoothing, SMOOTHING: tl.constexpr, HAS_INCOMING: tl.constexpr, BLOCK: tl.constexpr):
+                     smoothing, SMOOTHING: tl.constexpr, HAS_INCOMING: tl.constexpr, TRANSFORM: tl.constexpr,
+                     BLOCK: tl.constexpr):
     """Writes one row's d loss / d logits over its padded columns: whole blocks inside the
     vocabulary unmasked, the rest masked (`_gradient_of_block`)."""
     whole_blocks_end = vocab // BLOCK * BLOCK
     for start in range(0, whole_blocks_end, BLOCK):
         _gradient_of_block(row_logits, row_gradient, row_incoming, start + tl.arange(0, BLOCK), log_sum_exp, target,
-                           row_scale, vocab, padded_vocab, smoothing, False, SMOOTHING, HAS_INCOMING)
+                           row_scale, vocab, padded_vocab, smoothing, False, SMOOTHING, HAS_INCOMING, TRANSFORM)
     for start in range(whole_blocks_end, padded_vocab, BLOCK):
         _gradient_of_block(row_logits, row_gradient, row_incoming, start + tl.arange(0, BLOCK), log_sum_exp, target,
-                           row_scale, vocab, padded_vocab, smoothing, True, SMOOTHING, HAS_INCOMING)
+                           row_scale, vocab, padded_vocab, smoothing, True, SMOOTHING, HAS_INCOMING, TRANSFORM)
 
 
 @triton.jit
@@ -212,14 +372,15 @@ def _count_targets(target_ptr, tokens, ignore_index, vocab, count_ptr, inside_pt
 
 @triton.jit
 def _row_statistics(logits_ptr, logits_row_stride, first_token, target_ptr, log_sum_exp_ptr, row_loss_ptr, vocab,
-                    padded_vocab, ignore_index, smoothing, SMOOTHING: tl.constexpr, BLOCK: tl.constexpr):
+                    padded_vocab, ignore_index, smoothing, SMOOTHING: tl.constexpr, TRANSFORM: tl.constexpr,
+                    BLOCK: tl.constexpr):
     """One program per row of a chunk's logits (the token `first_token` + row): its log-sum-exp
     (kept for the backward) and its loss."""
     row = tl.program_id(0).to(tl.int64)
     token = first_token + row
     target = tl.load(target_ptr + token)
     log_sum_exp, target_logit, logit_sum = _statistics_of_row(
-        _row_start(logits_ptr, row, logits_row_stride), target, vocab, padded_vocab, SMOOTHING, BLOCK)
+        _row_start(logits_ptr, row, logits_row_stride), target, vocab, padded_vocab, SMOOTHING, TRANSFORM, BLOCK)
     tl.store(log_sum_exp_ptr + token, log_sum_exp)
     tl.store(row_loss_ptr + token,
              _loss_of_row(log_sum_exp, target_logit, logit_sum, target != ignore_index, vocab, smoothing, SMOOTHING))
@@ -228,7 +389,8 @@ def _row_statistics(logits_ptr, logits_row_stride, first_token, target_ptr, log_
 @triton.jit
 def _logits_gradient(logits_ptr, logits_row_stride, first_token, log_sum_exp_ptr, target_ptr, row_scale_ptr,
                      incoming_ptr, incoming_row_stride, gradient_ptr, gradient_row_stride, vocab, padded_vocab,
-                     smoothing, SMOOTHING: tl.constexpr, HAS_INCOMING: tl.constexpr, BLOCK: tl.constexpr):
+                     smoothing, SMOOTHING: tl.constexpr, HAS_INCOMING: tl.constexpr, TRANSFORM: tl.constexpr,
+                     BLOCK: tl.constexpr):
     """One program per row of a chunk: the gradient of its logits (the backward that recomputes
     them); the incoming gradient is the whole [tokens, vocab] one, read at the row's token."""
     row = tl.program_id(0).to(tl.int64)
@@ -237,14 +399,14 @@ def _logits_gradient(logits_ptr, logits_row_stride, first_token, log_sum_exp_ptr
                      _row_start(gradient_ptr, row, gradient_row_stride),
                      incoming_ptr + token * incoming_row_stride, tl.load(log_sum_exp_ptr + token),
                      tl.load(target_ptr + token), tl.load(row_scale_ptr + token), vocab, padded_vocab, smoothing,
-                     SMOOTHING, HAS_INCOMING, BLOCK)
+                     SMOOTHING, HAS_INCOMING, TRANSFORM, BLOCK)
 
 
 @triton.jit
 def _row_statistics_and_gradient(logits_ptr, logits_row_stride, first_token, target_ptr, log_sum_exp_ptr,
                                  row_loss_ptr, count_ptr, gradient_ptr, gradient_row_stride, vocab, padded_vocab,
                                  ignore_index, smoothing, MEAN: tl.constexpr, SMOOTHING: tl.constexpr,
-                                 BLOCK: tl.constexpr):
+                                 TRANSFORM: tl.constexpr, BLOCK: tl.constexpr):
     """One program per row of a chunk, the forward that forms the gradients for an upstream gradient
     of 1: the row's statistics and loss, then its gradient scaled by d loss / d row loss (1 over the
     count of counted targets for a mean, 1 for a sum, 0 where ignored), in place where gradient is
@@ -255,7 +417,7 @@ def _row_statistics_and_gradient(logits_ptr, logits_row_stride, first_token, tar
     target = tl.load(target_ptr + token)
     valid = target != ignore_index
     log_sum_exp, target_logit, logit_sum = _statistics_of_row(row_logits, target, vocab, padded_vocab, SMOOTHING,
-                                                              BLOCK)
+                                                              TRANSFORM, BLOCK)
     tl.store(log_sum_exp_ptr + token, log_sum_exp)
     tl.store(row_loss_ptr + token,
              _loss_of_row(log_sum_exp, target_logit, logit_sum, valid, vocab, smoothing, SMOOTHING))
@@ -265,7 +427,7 @@ def _row_statistics_and_gradient(logits_ptr, logits_row_stride, first_token, tar
         row_scale = 1.0
     row_scale = tl.where(valid, row_scale, 0.0)
     _gradient_of_row(row_logits, _row_start(gradient_ptr, row, gradient_row_stride), row_logits, log_sum_exp, target,
-                     row_scale, vocab, padded_vocab, smoothing, SMOOTHING, False, BLOCK)
+                     row_scale, vocab, padded_vocab, smoothing, SMOOTHING, False, TRANSFORM, BLOCK)
 
 
 @triton.jit
@@ -334,10 +496,25 @@ def _cast_rows(source_ptr, source_row_stride, source_rows, columns, out_ptr, BLO
                  mask=offsets < columns)
 
 
+@triton.jit
+def _transform_rows(logits_ptr, row_stride, columns, TRANSFORM: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per row of returned logits: the model's TRANSFORM written over them, in place
+    (the op's statistics and gradients read them before, untransformed)."""
+    row_logits = _row_start(logits_ptr, tl.program_id(0).to(tl.int64), row_stride)
+    for start in range(0, columns, BLOCK):
+        offsets = start + tl.arange(0, BLOCK)
+        inside = offsets < columns
+        logits = tl.load(row_logits + offsets, mask=inside, other=0.0).to(tl.float32)
+        transformed, _ = _transformed(logits, TRANSFORM)
+        tl.store(row_logits + offsets, transformed.to(logits_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
+                 mask=inside)
+
+
 # -- the vocabulary-major plan's kernels: logits transposed, [vocabulary rows, tokens] ------------
 @triton.jit
 def _vocabulary_statistics(logits_ptr, rows, tokens, row_stride, first_vocab, target_ptr, rows_per_part, part_ptr,
-                           SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_T: tl.constexpr):
+                           SMOOTHING: tl.constexpr, TRANSFORM: tl.constexpr, BLOCK_V: tl.constexpr,
+                           BLOCK_T: tl.constexpr):
     """Program (token block, part), token blocks varying fastest, over a [rows, tokens] tile of
     logits whose first row is vocabulary row `first_vocab`: over the part's rows, each token's max,
     sum of exps from it, target's logit (0 where the target is another part's row) and sum of
@@ -360,8 +537,10 @@ def _vocabulary_statistics(logits_ptr, rows, tokens, row_stride, first_vocab, ta
         row = start + tl.arange(0, BLOCK_V)
         inside = (row < last_row)[:, None] & token_inside[None, :]
         logits = tl.load(logits_ptr + row[:, None].to(tl.int64) * row_stride + token[None, :], mask=inside,
-                         other=float("-inf")).to(tl.float32)
+                         other=0.0).to(tl.float32)
+        logits, _ = _transformed(logits, TRANSFORM)
         summed = tl.where(inside, logits, 0.0)
+        logits = tl.where(inside, logits, float("-inf"))
         lane_max, lane_sum_of_exp, lane_logit_sum = _add_to_lanes(lane_max, lane_sum_of_exp, lane_logit_sum,
                                                                   logits, summed, SMOOTHING)
         lane_target_logit += tl.where(row[:, None] == target_row[None, :], summed, 0.0)
@@ -427,8 +606,8 @@ def _finish_statistics(running_ptr, tokens, target_ptr, ignore_index, vocab, smo
 @triton.jit
 def _vocabulary_gradient(logits_ptr, rows, tokens, row_stride, first_vocab, log_sum_exp_ptr, target_ptr, count_ptr,
                          ignore_index, vocab, smoothing, bias_gradient_ptr, MEAN: tl.constexpr,
-                         SMOOTHING: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_V: tl.constexpr,
-                         BLOCK_T: tl.constexpr):
+                         SMOOTHING: tl.constexpr, HAS_BIAS: tl.constexpr, TRANSFORM: tl.constexpr,
+                         BLOCK_V: tl.constexpr, BLOCK_T: tl.constexpr):
     """One program per BLOCK_V rows of a [rows, padded tokens] tile of logits (vocabulary rows
     `first_vocab` on), looping over the tokens: the logits' gradient for an upstream gradient of 1,
     (softmax - (1 - smoothing) * one_hot - smoothing / vocab) * d loss / d row loss, written over
@@ -446,12 +625,14 @@ def _vocabulary_gradient(logits_ptr, rows, tokens, row_stride, first_vocab, log_
         token_inside = token < tokens
         mask = row_inside[:, None] & (token < row_stride)[None, :]
         pointers = logits_ptr + row[:, None].to(tl.int64) * row_stride + token[None, :]
-        logits = tl.load(pointers, mask=mask, other=0.0).to(tl.float32)
+        logits, slope = _transformed(tl.load(pointers, mask=mask, other=0.0).to(tl.float32), TRANSFORM)
         log_sum_exp = tl.load(log_sum_exp_ptr + token, mask=token_inside, other=0.0)
         target = tl.load(target_ptr + token, mask=token_inside, other=ignore_index)
         scale = tl.where(target != ignore_index, unit, 0.0)
         gradient = _unit_gradient(logits, log_sum_exp[None, :], row[:, None] == (target - first_vocab)[None, :],
                                   vocab, smoothing, SMOOTHING)
+        if len(TRANSFORM) > 1:
+            gradient = gradient * slope
         gradient = tl.where(token_inside[None, :], gradient * scale[None, :], 0.0)
         tl.store(pointers, gradient.to(logits_ptr.dtype.element_ty), mask=mask)
         if HAS_BIAS:
@@ -463,17 +644,32 @@ def _vocabulary_gradient(logits_ptr, rows, tokens, row_stride, first_vocab, log_
 # Launched straight through their compiled launchers (memfuse.launch): on an H200 host Triton's own
 # launch path cost 47 us a launch, and aten's calls this replaces 36-60 us each (a cast, a pad, a sum,
 # a division; 2026-11-28), a launch here about 8.
+class KernelFamily:
+    """The DirectKernels of one @triton.jit kernel, one per value of its varying constexprs (`varying`,
+    in order: family[values]), each made on first use: a model's logit transform is one more
+    constexpr, with any constant in it."""
+
+    def __init__(self, fn, options: dict, varying: tuple, **fixed):
+        self.fn, self.options, self.varying, self.fixed = fn, options, varying, fixed
+        self.made: dict = {}
+
+    def __getitem__(self, values) -> DirectKernel:
+        values = values if isinstance(values, tuple) and len(self.varying) > 1 else (values,)
+        kernel = self.made.get(values)
+        if kernel is None:
+            kernel = DirectKernel(self.fn, self.options, **dict(zip(self.varying, values)), **self.fixed)
+            self.made[values] = kernel
+        return kernel
+
+
 _ROW_OPTIONS = {"num_warps": NUM_WARPS}
-SMOOTHINGS = (False, True)      # compiled without and with label smoothing's terms
-ROW_STATISTICS = {smoothing: DirectKernel(_row_statistics, _ROW_OPTIONS, SMOOTHING=smoothing, BLOCK=BLOCK_COLUMNS)
-                  for smoothing in SMOOTHINGS}
-ROW_STATISTICS_AND_GRADIENT = {(mean, smoothing): DirectKernel(_row_statistics_and_gradient, _ROW_OPTIONS, MEAN=mean,
-                                                               SMOOTHING=smoothing, BLOCK=BLOCK_COLUMNS)
-                               for mean in (False, True) for smoothing in SMOOTHINGS}
+ROW_STATISTICS = KernelFamily(_row_statistics, _ROW_OPTIONS, ("SMOOTHING", "TRANSFORM"), BLOCK=BLOCK_COLUMNS)
+ROW_STATISTICS_AND_GRADIENT = KernelFamily(_row_statistics_and_gradient, _ROW_OPTIONS,
+                                           ("MEAN", "SMOOTHING", "TRANSFORM"), BLOCK=BLOCK_COLUMNS)
 COUNT_TARGETS = DirectKernel(_count_targets, {"num_warps": 4}, BLOCK=1024)
-LOGITS_GRADIENT = {(incoming, smoothing): DirectKernel(_logits_gradient, _ROW_OPTIONS, SMOOTHING=smoothing,
-                                                      HAS_INCOMING=incoming, BLOCK=BLOCK_COLUMNS)
-                   for incoming in (False, True) for smoothing in SMOOTHINGS}
+LOGITS_GRADIENT = KernelFamily(_logits_gradient, _ROW_OPTIONS, ("HAS_INCOMING", "SMOOTHING", "TRANSFORM"),
+                               BLOCK=BLOCK_COLUMNS)
+TRANSFORM_ROWS = KernelFamily(_transform_rows, {"num_warps": 4}, ("TRANSFORM",), BLOCK=1024)
 FINISH_LOSS = {mean: DirectKernel(_finish_loss, {"num_warps": 4}, MEAN=mean, BLOCK=4096) for mean in (False, True)}
 CAST_ROWS = DirectKernel(_cast_rows, {"num_warps": 4}, BLOCK=1024)
 # the bias's gradient a chunk: one launch where aten took a sum and an add
@@ -485,19 +681,16 @@ ADD_COLUMN_SUMS = {overwrite: DirectKernel(_add_column_sums, {"num_warps": 4}, O
 # the gradient 0.51 ms on the kept logits, a copy of them 0.48
 STATISTICS_BLOCK_V, STATISTICS_BLOCK_T, STATISTICS_ROWS_PER_PART = 16, 64, 1024
 STATISTICS_PARTS_MAX = 64       # a call's parts at most (more rows a part where there are more rows)
-VOCABULARY_STATISTICS = {smoothing: DirectKernel(_vocabulary_statistics, {"num_warps": 4}, SMOOTHING=smoothing,
-                                                 BLOCK_V=STATISTICS_BLOCK_V, BLOCK_T=STATISTICS_BLOCK_T)
-                         for smoothing in SMOOTHINGS}
+VOCABULARY_STATISTICS = KernelFamily(_vocabulary_statistics, {"num_warps": 4}, ("SMOOTHING", "TRANSFORM"),
+                                     BLOCK_V=STATISTICS_BLOCK_V, BLOCK_T=STATISTICS_BLOCK_T)
 MERGE_BLOCK = 1024
 MERGE_STATISTICS = {first: DirectKernel(_merge_statistics, {"num_warps": 4}, FIRST=first, BLOCK=MERGE_BLOCK)
                     for first in (False, True)}
 FINISH_STATISTICS = {smoothing: DirectKernel(_finish_statistics, {"num_warps": 4}, SMOOTHING=smoothing,
-                                             BLOCK=MERGE_BLOCK) for smoothing in SMOOTHINGS}
+                                             BLOCK=MERGE_BLOCK) for smoothing in (False, True)}
 GRADIENT_BLOCK_V, GRADIENT_BLOCK_T = 8, 512
-VOCABULARY_GRADIENT = {(mean, smoothing, bias): DirectKernel(
-    _vocabulary_gradient, {"num_warps": 4}, MEAN=mean, SMOOTHING=smoothing, HAS_BIAS=bias,
-    BLOCK_V=GRADIENT_BLOCK_V, BLOCK_T=GRADIENT_BLOCK_T)
-    for mean in (False, True) for smoothing in SMOOTHINGS for bias in (False, True)}
+VOCABULARY_GRADIENT = KernelFamily(_vocabulary_gradient, {"num_warps": 4}, ("MEAN", "SMOOTHING", "HAS_BIAS", "TRANSFORM"),
+                                   BLOCK_V=GRADIENT_BLOCK_V, BLOCK_T=GRADIENT_BLOCK_T)
 SCALE_BLOCK = 2048
 # _scale's most programs, each looping over its blocks: enough to fill an H200 (132 SMs x 8 programs of
 # 8 warps) for a copy; a launch of them costs microseconds where one program a block cost 0.2 ms on
@@ -505,10 +698,15 @@ SCALE_BLOCK = 2048
 SCALE_PROGRAMS = 2048
 SCALE = {in_place: DirectKernel(_scale, {"num_warps": 8}, IN_PLACE=in_place, BLOCK=SCALE_BLOCK)
          for in_place in (False, True)}
-DIRECT_KERNELS = (*ROW_STATISTICS.values(), *ROW_STATISTICS_AND_GRADIENT.values(), *LOGITS_GRADIENT.values(),
-                  COUNT_TARGETS, *FINISH_LOSS.values(), CAST_ROWS, *ADD_COLUMN_SUMS.values(),
-                  *SCALE.values(), *VOCABULARY_STATISTICS.values(), *MERGE_STATISTICS.values(),
-                  *FINISH_STATISTICS.values(), *VOCABULARY_GRADIENT.values())
+KERNEL_FAMILIES = (ROW_STATISTICS, ROW_STATISTICS_AND_GRADIENT, LOGITS_GRADIENT, TRANSFORM_ROWS, VOCABULARY_STATISTICS,
+                   VOCABULARY_GRADIENT)
+FIXED_KERNELS = (COUNT_TARGETS, *FINISH_LOSS.values(), CAST_ROWS, *ADD_COLUMN_SUMS.values(), *SCALE.values(),
+                 *MERGE_STATISTICS.values(), *FINISH_STATISTICS.values())
+
+
+def direct_kernels() -> tuple:
+    """Every DirectKernel of the op made so far."""
+    return (*FIXED_KERNELS, *(kernel for family in KERNEL_FAMILIES for kernel in family.made.values()))
 
 
 # -- the op --------------------------------------------------------------------------------------
@@ -668,10 +866,10 @@ class _Gradients:
 
 
 def _launch_gradient(chunk, first: int, gradient, log_sum_exp, target, scales, incoming, vocab: int,
-                     smoothing: float) -> None:
+                     smoothing: float, transform: tuple) -> None:
     """The gradient of the chunk's logits (tokens `first` on); without incoming gradient the kernel
     is handed the chunk in its place, never read."""
-    LOGITS_GRADIENT[incoming is not None, smoothing != 0.0](
+    LOGITS_GRADIENT[incoming is not None, smoothing != 0.0, transform](
         chunk.shape[0], chunk, chunk.stride(0), first, log_sum_exp, target, scales,
         chunk if incoming is None else incoming, 0 if incoming is None else incoming.stride(0),
         gradient, gradient.stride(0), vocab, gradient.shape[1], smoothing)
@@ -680,7 +878,7 @@ def _launch_gradient(chunk, first: int, gradient, log_sum_exp, target, scales, i
 def linear_cross_entropy_impl(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                               target: torch.Tensor, ignore_index: int, reduction: str, label_smoothing: float,
                               dtype: torch.dtype, return_logits: bool, with_gradients: bool, chunk_bytes: int,
-                              differentiable_logits: bool = True, plan: str = "auto"
+                              differentiable_logits: bool = True, plan: str = "auto", transform: str = ""
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                          torch.Tensor]:
     """(loss, log_sum_exp [tokens] fp32, logits, d loss / d hidden, d weight, d bias) of
@@ -694,9 +892,12 @@ def linear_cross_entropy_impl(hidden: torch.Tensor, weight: torch.Tensor, bias: 
     four. Else they are empty and the backward recomputes each chunk's logits.
 
     `plan` (formed gradients only): "rows" chunks token rows, "vocabulary" runs the vocabulary-major
-    plan where it keeps any logits, "auto" picks (choose_plan)."""
+    plan where it keeps any logits, "auto" picks (choose_plan). `transform` (LogitTransform.spec):
+    what the model does to the logits before the loss (a soft cap, a scale); returned logits are
+    written transformed, and their incoming gradient is the transformed ones'."""
     _check(hidden, weight, bias, target, reduction)
     _check_sizes(hidden, weight, bias, target)
+    steps = LogitTransform.parse(transform).constexpr
     tokens, vocab = hidden.shape[0], weight.shape[0]
     target = target.contiguous()       # the kernels read one target per row
     with _no_autocast(hidden.device):
@@ -705,7 +906,7 @@ def linear_cross_entropy_impl(hidden: torch.Tensor, weight: torch.Tensor, bias: 
             if choice.vocabulary is not None:
                 STATS["loss_head_vocabulary_calls"] += 1
                 loss, log_sum_exp, *gradients = _vocabulary_major(hidden, weight, bias, target, ignore_index, reduction,
-                                                                  label_smoothing, dtype, choice.vocabulary)
+                                                                  label_smoothing, dtype, choice.vocabulary, steps)
                 return loss, log_sum_exp, _logits_buffer(hidden, vocab, dtype, False), *gradients
         aligned, aligned_bias = _aligned_weight(weight, bias, dtype)
         logits = _logits_buffer(hidden, vocab, dtype, return_logits)
@@ -726,16 +927,18 @@ def linear_cross_entropy_impl(hidden: torch.Tensor, weight: torch.Tensor, bias: 
             chunk = _chunk_logits(chunk_hidden, aligned_t, aligned_bias,
                                   out=logits[first:last] if return_logits else own)
             if gradients is None:
-                ROW_STATISTICS[label_smoothing != 0.0](
+                ROW_STATISTICS[label_smoothing != 0.0, steps](
                     chunk.shape[0], chunk, chunk.stride(0), first, target, log_sum_exp, row_losses, vocab,
                     chunk.shape[1], ignore_index, label_smoothing)
             else:
                 gradient = own          # over the chunk's logits, unless those are returned
-                ROW_STATISTICS_AND_GRADIENT[reduction == "mean", label_smoothing != 0.0](
+                ROW_STATISTICS_AND_GRADIENT[reduction == "mean", label_smoothing != 0.0, steps](
                     chunk.shape[0], chunk, chunk.stride(0), first, target, log_sum_exp, row_losses, count, gradient,
                     gradient.stride(0), vocab, gradient.shape[1], ignore_index, label_smoothing)
                 gradients.add_chunk(gradients.hidden[first:last], index == 0, gradient, chunk_hidden, aligned,
                                     bias is not None)
+            if return_logits and len(steps) > 1:     # the user's logits are the transformed ones
+                TRANSFORM_ROWS[steps](chunk.shape[0], chunk, chunk.stride(0), chunk.shape[1])
         loss = _reduced(row_losses, count, reduction)
         precomputed = gradients.finished(bias) if gradients is not None else _no_gradients(hidden)
     return loss, log_sum_exp, logits[:, :vocab] if return_logits else logits, *precomputed
@@ -940,7 +1143,7 @@ def choose_plan(tokens: int, hidden_size: int, vocab: int, dtype: torch.dtype, w
 
 
 def _vocabulary_major(hidden, weight, bias, target, ignore_index: int, reduction: str, label_smoothing: float,
-                      dtype: torch.dtype, plan: VocabularyPlan) -> tuple:
+                      dtype: torch.dtype, plan: VocabularyPlan, steps: tuple) -> tuple:
     """linear_cross_entropy_impl's results with the gradients formed, by the vocabulary-major plan."""
     tokens, hidden_size = hidden.shape
     vocab = weight.shape[0]
@@ -959,16 +1162,16 @@ def _vocabulary_major(hidden, weight, bias, target, ignore_index: int, reduction
         rows = min(plan.forward_rows, vocab - first)
         logits = storage[:rows * plan.tokens].view(rows, plan.tokens)
         _vocabulary_logits(weight_rows, bias_rows, hidden_t, first, rows, logits)
-        _add_statistics(logits, first, target, running, smoothing, first_call=first == kept.rows)
+        _add_statistics(logits, first, target, running, smoothing, steps, first_call=first == kept.rows)
     kept_logits = _stored_logits(storage, kept, plan.tokens)
     _vocabulary_logits(weight_rows, bias_rows, hidden_t, kept.first, kept.rows, kept_logits)
-    _add_statistics(kept_logits, kept.first, target, running, smoothing, first_call=kept.rows == vocab)
+    _add_statistics(kept_logits, kept.first, target, running, smoothing, steps, first_call=kept.rows == vocab)
     FINISH_STATISTICS[smoothing](triton.cdiv(tokens, MERGE_BLOCK), running, tokens, target, ignore_index, vocab,
                                  label_smoothing, log_sum_exp, row_losses)
     loss = _reduced(row_losses, count, reduction)
     hidden_gradient = hidden.new_empty((plan.tokens, hidden_size), dtype=dtype)
     bias_gradient = torch.empty(vocab if bias is not None else 0, dtype=torch.float32, device=weight.device)
-    gradient_kernel = VOCABULARY_GRADIENT[reduction == "mean", smoothing, bias is not None]
+    gradient_kernel = VOCABULARY_GRADIENT[reduction == "mean", smoothing, bias is not None, steps]
     tail = None
     for index, step in enumerate(plan.steps):
         if index == 0:
@@ -1013,14 +1216,14 @@ def _vocabulary_logits(weight, bias, hidden_t, first: int, rows: int, out: torch
 
 
 def _add_statistics(logits: torch.Tensor, first: int, target: torch.Tensor, running: torch.Tensor, smoothing: bool,
-                    first_call: bool) -> None:
+                    steps: tuple, first_call: bool) -> None:
     """The tokens' statistics over vocabulary rows first.. ([rows, padded tokens] logits) merged into
     `running` (written by the first call)."""
     rows = logits.shape[0]
     tokens = running.shape[1]
     parts = min(STATISTICS_PARTS_MAX, triton.cdiv(rows, STATISTICS_ROWS_PER_PART))
     part_statistics = running.new_empty((4, parts, tokens))
-    VOCABULARY_STATISTICS[smoothing](triton.cdiv(tokens, STATISTICS_BLOCK_T) * parts, logits, rows, tokens,
+    VOCABULARY_STATISTICS[smoothing, steps](triton.cdiv(tokens, STATISTICS_BLOCK_T) * parts, logits, rows, tokens,
                                      logits.stride(0), first, target, triton.cdiv(rows, parts), part_statistics)
     MERGE_STATISTICS[first_call](triton.cdiv(tokens, MERGE_BLOCK), part_statistics, parts, tokens, running)
 
@@ -1035,8 +1238,9 @@ def _logits_buffer(hidden: torch.Tensor, vocab: int, dtype: torch.dtype, return_
 
 @linear_cross_entropy.register_fake
 def _(hidden, weight, bias, target, ignore_index, reduction, label_smoothing, dtype, return_logits, with_gradients,
-      chunk_bytes, differentiable_logits=True, plan="auto"):
+      chunk_bytes, differentiable_logits=True, plan="auto", transform=""):
     _check(hidden, weight, bias, target, reduction)
+    LogitTransform.parse(transform)
     tokens, vocab = hidden.shape[0], weight.shape[0]
     loss = hidden.new_empty((tokens,) if reduction == "none" else (), dtype=torch.float32)
     log_sum_exp = hidden.new_empty((tokens,), dtype=torch.float32)
@@ -1053,8 +1257,8 @@ def linear_cross_entropy_backward_impl(loss_gradient: torch.Tensor, logits_gradi
                                        hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                                        target: torch.Tensor, log_sum_exp: torch.Tensor, hidden_unit: torch.Tensor,
                                        weight_unit: torch.Tensor, bias_unit: torch.Tensor, ignore_index: int,
-                                       reduction: str, label_smoothing: float, dtype: torch.dtype, chunk_bytes: int
-                                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                                       reduction: str, label_smoothing: float, dtype: torch.dtype, chunk_bytes: int,
+                                       transform: str = "") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(d hidden, d weight, d bias) of linear_cross_entropy. Where the forward formed the gradients
     (`hidden_unit` not empty) they are scaled by the loss's gradient; else each chunk's logits are
     formed again, then their gradient and the two matmuls. The weight's gradient adds up over the
@@ -1063,10 +1267,11 @@ def linear_cross_entropy_backward_impl(loss_gradient: torch.Tensor, logits_gradi
     the graph, or None."""
     with _no_autocast(hidden.device):
         if weight_unit.numel():    # the forward formed them
-            return _scaled(loss_gradient, logits_gradient, hidden, weight, (hidden_unit, weight_unit, bias_unit),
-                           dtype, in_place=False)
+            return _scaled(loss_gradient, _through_transform(logits_gradient, hidden, weight, bias, dtype, transform),
+                           hidden, weight, (hidden_unit, weight_unit, bias_unit), dtype, in_place=False)
         return _recomputed_backward(loss_gradient, logits_gradient, hidden, weight, bias, target, log_sum_exp,
-                                    ignore_index, reduction, label_smoothing, dtype, chunk_bytes)
+                                    ignore_index, reduction, label_smoothing, dtype, chunk_bytes,
+                                    LogitTransform.parse(transform).constexpr)
 
 
 linear_cross_entropy_backward = torch.library.custom_op("memfuse::linear_cross_entropy_backward", mutates_args=())(
@@ -1084,6 +1289,19 @@ def _scaled(loss_gradient, logits_gradient, hidden, weight, units: tuple, dtype,
     if logits_gradient is not None:
         _add_incoming(*gradients, logits_gradient, hidden, weight, dtype)
     return gradients
+
+
+def _through_transform(gradient: Optional[torch.Tensor], hidden, weight, bias, dtype: torch.dtype,
+                       transform: str) -> Optional[torch.Tensor]:
+    """The gradient of transformed logits ([tokens, vocab], or None) taken back through the model's
+    transform to the linear's output: the logits formed again whole (hidden @ weight.T + bias in
+    `dtype`; only a backward that differentiates logits the op returned, which are whole already).
+    The gradient itself where there is no transform."""
+    steps = LogitTransform.parse(transform)
+    if gradient is None or not steps.steps:
+        return gradient
+    logits = _chunk_logits(hidden.to(dtype), weight.to(dtype).t(), None if bias is None else bias.to(dtype))
+    return steps.gradient_through(logits, gradient.reshape(logits.shape)).to(dtype)
 
 
 def _times(unit: torch.Tensor, loss_gradient: torch.Tensor, in_place: bool,
@@ -1122,14 +1340,15 @@ def _in_place_backward(name: str, hidden_written: bool):
         f"memfuse::{name}",
         "(Tensor loss_gradient, Tensor? logits_gradient, Tensor hidden, Tensor weight, Tensor? bias, Tensor target, "
         f"Tensor log_sum_exp, {hidden_unit}, Tensor(a!) weight_unit, Tensor(b!) bias_unit, int ignore_index, "
-        f"str reduction, float label_smoothing, ScalarType dtype, int chunk_bytes) -> ({hidden_result}, Tensor(a!), "
-        "Tensor(b!))")
+        f"str reduction, float label_smoothing, ScalarType dtype, int chunk_bytes, str transform=\"\") -> "
+        f"({hidden_result}, Tensor(a!), Tensor(b!))")
 
     def implementation(loss_gradient, logits_gradient, hidden, weight, bias, target, log_sum_exp, hidden_unit,
-                       weight_unit, bias_unit, ignore_index, reduction, label_smoothing, dtype, chunk_bytes):
+                       weight_unit, bias_unit, ignore_index, reduction, label_smoothing, dtype, chunk_bytes,
+                       transform=""):
         with _no_autocast(hidden.device):
-            return _scaled(loss_gradient, logits_gradient, hidden, weight, (hidden_unit, weight_unit, bias_unit),
-                           dtype, in_place=not _graph_kept(),
+            return _scaled(loss_gradient, _through_transform(logits_gradient, hidden, weight, bias, dtype, transform),
+                           hidden, weight, (hidden_unit, weight_unit, bias_unit), dtype, in_place=not _graph_kept(),
                            hidden_in_place=hidden_written and hidden_unit.dtype == hidden.dtype)
 
     torch.library.impl(f"memfuse::{name}", "CompositeExplicitAutograd")(implementation)
@@ -1156,7 +1375,7 @@ def _add_incoming(hidden_gradient, weight_gradient, bias_gradient, logits_gradie
 
 
 def _recomputed_backward(loss_gradient, logits_gradient, hidden, weight, bias, target, log_sum_exp, ignore_index,
-                         reduction, label_smoothing, dtype, chunk_bytes) -> tuple:
+                         reduction, label_smoothing, dtype, chunk_bytes, steps: tuple) -> tuple:
     tokens, vocab = hidden.shape[0], weight.shape[0]
     target = target.contiguous()
     aligned, aligned_bias = _aligned_weight(weight, bias, dtype)
@@ -1169,7 +1388,7 @@ def _recomputed_backward(loss_gradient, logits_gradient, hidden, weight, bias, t
     for index, (first, last) in enumerate(_chunks(tokens, rows)):
         chunk_hidden = buffers.hidden_rows(hidden, dtype, first, last)
         chunk = _chunk_logits(chunk_hidden, aligned_t, aligned_bias, out=buffers.logits_rows(last - first))
-        _launch_gradient(chunk, first, chunk, log_sum_exp, target, scales, incoming, vocab, label_smoothing)
+        _launch_gradient(chunk, first, chunk, log_sum_exp, target, scales, incoming, vocab, label_smoothing, steps)
         gradients.add_chunk(gradients.hidden[first:last], index == 0, chunk, chunk_hidden, aligned, bias is not None)
     return gradients.finished(bias)
 
@@ -1222,17 +1441,17 @@ def _row_scales(loss_gradient: torch.Tensor, target: torch.Tensor, ignore_index:
 
 @linear_cross_entropy_backward.register_fake
 def _(loss_gradient, logits_gradient, hidden, weight, bias, target, log_sum_exp, hidden_unit, weight_unit, bias_unit,
-      ignore_index, reduction, label_smoothing, dtype, chunk_bytes):
+      ignore_index, reduction, label_smoothing, dtype, chunk_bytes, transform=""):
     bias_gradient = bias.new_empty(bias.shape) if bias is not None else hidden.new_empty((0,))
     return hidden.new_empty(hidden.shape), weight.new_empty(weight.shape), bias_gradient
 
 
 def _setup_context(ctx, inputs, output) -> None:
     (hidden, weight, bias, target, ignore_index, reduction, label_smoothing, dtype, return_logits, _,
-     chunk_bytes, differentiable_logits, _plan) = inputs
+     chunk_bytes, differentiable_logits, _plan, transform) = inputs
     _, log_sum_exp, logits, *units = output
     ctx.save_for_backward(hidden, weight, bias, target, log_sum_exp, *units)
-    ctx.settings = (ignore_index, reduction, label_smoothing, dtype, chunk_bytes)
+    ctx.settings = (ignore_index, reduction, label_smoothing, dtype, chunk_bytes, transform)
     ctx.return_logits = return_logits and differentiable_logits
     ctx.mark_non_differentiable(log_sum_exp, *units, *([] if differentiable_logits else [logits]))
     ctx.set_materialize_grads(False)    # logits nobody differentiates: None, not [tokens, vocab] zeros
@@ -1246,7 +1465,7 @@ def _backward(ctx, loss_gradient, _log_sum_exp_gradient, logits_gradient, *_unit
     hidden_gradient, weight_gradient, bias_gradient = linear_cross_entropy_backward(
         loss_gradient, incoming, hidden, weight, bias, target, log_sum_exp, *units, *ctx.settings)
     return (hidden_gradient, weight_gradient, bias_gradient if bias is not None else None,
-            None, None, None, None, None, None, None, None, None, None)
+            None, None, None, None, None, None, None, None, None, None, None)
 
 
 linear_cross_entropy.register_autograd(_backward, setup_context=_setup_context)
@@ -1255,13 +1474,15 @@ linear_cross_entropy.register_autograd(_backward, setup_context=_setup_context)
 class ReturnedLogits(torch.autograd.Function):
     """Logits the op wrote whole and a Dynamo graph returned detached, given their gradient path
     back: d hidden = g @ W, d weight = g.T @ hidden, d bias = the column sums of g, in the
-    logits' dtype as the linear's own backward. Autograd runs it only when something
-    differentiates the returned logits: unread, they cost the backward nothing."""
+    logits' dtype as the linear's own backward (g taken back through the model's transform first,
+    where the logits went through one). Autograd runs it only when something differentiates the
+    returned logits: unread, they cost the backward nothing."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
-                bias: Optional[torch.Tensor]) -> torch.Tensor:
+                bias: Optional[torch.Tensor], transform: str = "") -> torch.Tensor:
         ctx.save_for_backward(hidden, weight, bias)
+        ctx.transform = transform
         return logits.view_as(logits)
 
     @staticmethod
@@ -1269,6 +1490,8 @@ class ReturnedLogits(torch.autograd.Function):
         hidden, weight, bias = ctx.saved_tensors
         with _no_autocast(gradient.device):
             rows = _unit_stride(gradient.reshape(-1, gradient.shape[-1]))
+            rows = _through_transform(rows, hidden.reshape(-1, hidden.shape[-1]), weight, bias, rows.dtype,
+                                      ctx.transform)
             hidden_gradient = weight_gradient = bias_gradient = None
             if ctx.needs_input_grad[1]:
                 hidden_gradient = torch.mm(rows, weight.to(rows.dtype)).view(hidden.shape).to(hidden.dtype)
@@ -1277,18 +1500,20 @@ class ReturnedLogits(torch.autograd.Function):
                 weight_gradient = torch.mm(rows.t(), flat_hidden).to(weight.dtype)
             if bias is not None and ctx.needs_input_grad[3]:
                 bias_gradient = rows.sum(0).to(bias.dtype)
-        return None, hidden_gradient, weight_gradient, bias_gradient
+        return None, hidden_gradient, weight_gradient, bias_gradient, None
 
 
 @dataclasses.dataclass(frozen=True)
 class LogitsReturn:
     """Where a compiled graph returns a chunked head's logits without gradient (its outputs at
     `positions`), and where the linear's operands are for ReturnedLogits: each an ("output", i)
-    or ("input", i) of the compiled call; `bias` None without a bias."""
+    or ("input", i) of the compiled call; `bias` None without a bias; the head's `transform`
+    (LogitTransform.spec), which the returned logits went through."""
     positions: tuple
     hidden: tuple
     weight: tuple
     bias: Optional[tuple]
+    transform: str = ""
 
 
 def attach_returned_logits(outputs: Sequence, inputs: Sequence, returns: list, count: int) -> list:
@@ -1302,7 +1527,7 @@ def attach_returned_logits(outputs: Sequence, inputs: Sequence, returns: list, c
     results = list(outputs[:count])
     for returned in returns:
         logits = ReturnedLogits.apply(outputs[returned.positions[0]], found(returned.hidden),
-                                      found(returned.weight), found(returned.bias))
+                                      found(returned.weight), found(returned.bias), returned.transform)
         for position in returned.positions:
             results[position] = logits
     return results

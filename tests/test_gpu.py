@@ -838,7 +838,7 @@ def test_chunked_loss_head_direct_launches_match_tritons_own(monkeypatch, with_g
     generic = run()
     monkeypatch.setattr(launch, "launch_hooks_installed", lambda: False)
     direct_calls = _counted_direct_launches(monkeypatch, launch)
-    for kernel in loss_head.DIRECT_KERNELS:
+    for kernel in loss_head.direct_kernels():
         monkeypatch.setattr(kernel, "compiled", {})
     results = [run() for _ in range(2)]
     assert len(direct_calls) >= 4, "the chunks after each kernel's first launch go direct"
