@@ -65,16 +65,32 @@ def loss_head(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) 
     return F.cross_entropy((hidden @ weight.T).float(), target)
 
 
-class LossHead(nn.Module):
-    """The same head as a model writes it: the LM head's linear layer, then the loss."""
+def soft_capped_loss_head(cap: float) -> Callable:
+    """The head as Gemma 2 writes it (--soft-cap): the logits soft-capped in their dtype,
+    `cap * tanh(logits / cap)`, then the loss. `soft_cap` tells Liger's rewrite."""
+    def loss_head_soft_capped(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        logits = hidden @ weight.T
+        logits = torch.tanh(logits / cap) * cap
+        return F.cross_entropy(logits.float(), target)
+    loss_head_soft_capped.soft_cap = cap
+    return loss_head_soft_capped
 
-    def __init__(self, weight: torch.Tensor):
+
+class LossHead(nn.Module):
+    """The same head as a model writes it: the LM head's linear layer (soft-capped where
+    `soft_cap`), then the loss."""
+
+    def __init__(self, weight: torch.Tensor, soft_cap: float | None = None):
         super().__init__()
         self.linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
         self.linear.weight = nn.Parameter(weight.detach())  # shares the function form's storage
+        self.soft_cap = soft_cap
 
     def forward(self, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(self.linear(hidden).float(), target)
+        logits = self.linear(hidden)
+        if self.soft_cap is not None:
+            logits = torch.tanh(logits / self.soft_cap) * self.soft_cap
+        return F.cross_entropy(logits.float(), target)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,10 +103,13 @@ class Workload:
     autocast: bool  # fp32 weight under torch.autocast(bfloat16)
     chunk_mib: int | None = None  # memfuse peers: Config.loss_head_chunk_bytes in MiB (None: the default)
     chunk_rows: int | None = None  # memfuse peers: Config.loss_head_chunk_rows (None: the default)
+    soft_cap: float | None = None  # the logits soft-capped before the loss (Gemma 2's 30.0), or not
 
     @property
     def variant(self) -> str:
         name = "autocast" if self.autocast else self.dtype
+        if self.soft_cap is not None:
+            name += f"-softcap{self.soft_cap:g}"
         if self.chunk_mib is not None:
             name += f"-chunk{self.chunk_mib}mib"
         return name if self.chunk_rows is None else f"{name}-rows{self.chunk_rows}"
@@ -137,16 +156,17 @@ class Head:
     leaves: tuple
 
 
-def function_head(inputs: Inputs) -> Head:
-    return Head("function", loss_head, (inputs.hidden, inputs.weight, inputs.target), (inputs.hidden, inputs.weight))
+def function_head(inputs: Inputs, soft_cap: float | None = None) -> Head:
+    fn = loss_head if soft_cap is None else soft_capped_loss_head(soft_cap)
+    return Head("function", fn, (inputs.hidden, inputs.weight, inputs.target), (inputs.hidden, inputs.weight))
 
 
-def module_head(inputs: Inputs) -> Head:
-    module = LossHead(inputs.weight)
+def module_head(inputs: Inputs, soft_cap: float | None = None) -> Head:
+    module = LossHead(inputs.weight, soft_cap)
     return Head("module", module, (inputs.hidden, inputs.target), (inputs.hidden, module.linear.weight))
 
 
-FORMS: dict[str, Callable[[Inputs], Head]] = {"function": function_head, "module": module_head}
+FORMS: dict[str, Callable[..., Head]] = {"function": function_head, "module": module_head}
 
 
 def autocast(workload: Workload, device: torch.device):
@@ -174,7 +194,7 @@ def liger_rewrite(fn: Callable) -> Callable:
     (ignore_index -100 and the mean, as cross_entropy's defaults)."""
     from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
-    fused = LigerFusedLinearCrossEntropyLoss()
+    fused = LigerFusedLinearCrossEntropyLoss(softcap=getattr(fn, "soft_cap", None))
     if isinstance(fn, LossHead):
         return lambda hidden, target: fused(fn.linear.weight, hidden, target)
     return lambda hidden, weight, target: fused(weight, hidden, target)
@@ -222,11 +242,14 @@ class Reference:
     grads: tuple  # of the leaves, in the reference dtype
 
 
-def reference(inputs: Inputs, device: torch.device) -> Reference:
+def reference(inputs: Inputs, device: torch.device, soft_cap: float | None = None) -> Reference:
     """The head in fp32 (fp64 on CPU) from the same values, no autocast."""
     dtype = torch.float32 if device.type == "cuda" else torch.float64
     hidden, weight = (t.detach().to(dtype).requires_grad_() for t in (inputs.hidden, inputs.weight))
-    loss = F.cross_entropy(hidden @ weight.T, inputs.target)
+    logits = hidden @ weight.T
+    if soft_cap is not None:
+        logits = torch.tanh(logits / soft_cap) * soft_cap
+    loss = F.cross_entropy(logits, inputs.target)
     return Reference(loss.item(), torch.autograd.grad(loss, (hidden, weight)))
 
 
@@ -396,7 +419,7 @@ def target_lines(rows: list[Row]) -> list[str]:
 def run_form(form: str, inputs: Inputs, ref: Reference, workload: Workload, setup: models.Setup,
              missing: dict) -> list[Row]:
     """Every peer on one form of the head, or a row saying why it is missing."""
-    case = Case(workload, setup, FORMS[form](inputs), ref)
+    case = Case(workload, setup, FORMS[form](inputs, workload.soft_cap), ref)
     return with_ratios([run_peer(case, peer, reason) for peer, reason in missing.items()])
 
 
@@ -503,6 +526,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--chunk-rows", type=int,
                         help="the most token rows of memfuse's loss-head chunk (Config.loss_head_chunk_rows; "
                              "default: its default, 1024); the smaller of the two wins")
+    parser.add_argument("--soft-cap", type=float,
+                        help="soft-cap the logits before the loss, cap * tanh(logits / cap), in their dtype, as "
+                             "Gemma 2 does (its cap: 30)")
     parser.add_argument("--timed-steps", type=int,
                         help=f"timed steps per peer (GPU default {GPU_SETTINGS.timed_steps})")
     parser.add_argument("--tiny", action="store_true", help="a tiny head on CPU through the Triton interpreter")
@@ -511,6 +537,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in ("tokens", "hidden", "vocab", "timed_steps", "chunk_mib", "chunk_rows"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+    if args.soft_cap is not None and not args.soft_cap > 0:
+        parser.error(f"--soft-cap must be positive, got {args.soft_cap}")
     if not 0 <= args.ignore_fraction < 1:
         parser.error(f"--ignore-fraction must be in [0, 1) (some target must count), got {args.ignore_fraction}")
     return args
@@ -520,7 +548,7 @@ def workload_of(args: argparse.Namespace, tiny: bool) -> Workload:
     size = TINY_SIZE if tiny else GPU_SIZE
     return Workload(args.tokens or size["tokens"], args.hidden or size["hidden"], args.vocab or size["vocab"],
                     args.dtype or size["dtype"], args.ignore_fraction, args.autocast, args.chunk_mib,
-                    args.chunk_rows)
+                    args.chunk_rows, args.soft_cap)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -540,7 +568,7 @@ def main(argv: list[str] | None = None) -> None:
     if tiny:
         print(TINY_BANNER, flush=True)
     inputs = make_inputs(workload, setup.device)
-    ref = reference(inputs, setup.device)
+    ref = reference(inputs, setup.device, workload.soft_cap)
     rows = [row for form in forms for row in run_form(form, inputs, ref, workload, setup, missing)]
     result = {"metadata": metadata(workload, setup, inputs), "rows": [dataclasses.asdict(r) for r in rows],
               "targets": [line for form in forms for line in target_lines([r for r in rows if r.form == form])]}

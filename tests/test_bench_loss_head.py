@@ -54,6 +54,22 @@ def test_chunk_mib_and_rows_reach_the_memfuse_peers_only(tmp_path):
     assert rows["eager"]["error"] is None and not rows["eager"]["explain"]
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the tiny run needs Triton's interpreter")
+def test_a_soft_capped_head_is_chunked_through_its_cap(tmp_path):
+    """--soft-cap: both forms soft-cap their logits (as Gemma 2), the reference too; memfuse chunks
+    the head through the cap (explain names it) within the fp64 reference's reach; the files say so."""
+    bench.main(["--tiny", "--peers", "eager,liger,memfuse,memfuse_backend", "--soft-cap", "2", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "loss-head-tiny-float32-softcap2.json").read_text())
+    assert result["metadata"]["workload"]["soft_cap"] == 2.0
+    for row in result["rows"]:
+        assert row["error"] is None, row
+        if row["missing"]:
+            continue
+        assert row["loss_error"] < 1e-5 and row["grad_error"] < 1e-5, row
+        if row["peer"] in bench.MEMFUSE_PEERS:
+            assert any("through / 2.0 then tanh then * 2.0" in line for line in row["explain"]), row["explain"]
+
+
 def _row(peer, ms, mb):
     return Row("function", peer, step_s=ms * 1e-3, peak_bytes=int(mb * bench.MB))
 
@@ -82,7 +98,7 @@ def test_explain_text_is_read_for_a_chunked_loss_head(text, chunked):
 
 
 @pytest.mark.parametrize("argv, named", [(["--ignore-fraction", "1"], "--ignore-fraction"),
-                                          (["--vocab", "0"], "--vocab")])
+                                          (["--vocab", "0"], "--vocab"), (["--soft-cap", "0"], "--soft-cap")])
 def test_bad_arguments_are_named(argv, named, capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(argv)

@@ -749,6 +749,42 @@ def test_chunked_loss_head_bf16_on_the_gpu(return_logits, with_gradients, plan, 
         assert relative_error(mine.double(), truth) <= 3 * relative_error(theirs.double(), truth) + 1e-6
 
 
+@pytest.mark.parametrize("return_logits, with_gradients, plan", [
+    (False, False, "rows"), (False, True, "rows"), (False, True, "vocabulary"), (True, True, "rows")])
+def test_soft_capped_loss_head_bf16_on_the_gpu(return_logits, with_gradients, plan):
+    """The head through Gemma's soft cap (`5 * tanh(logits / 5)` in bf16, loss_head.LogitTransform)
+    with its kernels compiled for the GPU: loss and gradients no further from fp64 than eager's
+    (3x margin), returned logits the transformed ones, their gradient back through the cap."""
+    import torch.nn.functional as F
+    from memfuse.loss_head import LogitTransform
+    generator, x, weight, target = _head_inputs("cuda")
+    tokens, vocab = x.shape[0], weight.shape[0]
+    upstream = torch.randn(tokens, vocab, device="cuda", dtype=torch.float64, generator=generator) / tokens
+    cap = (("div", 5.0), ("tanh", None), ("mul", 5.0))
+
+    def run(x, weight, chunked):
+        x, weight = x.detach().requires_grad_(), weight.detach().requires_grad_()
+        transform = LogitTransform(cap, x.dtype if x.dtype != torch.float64 else None)
+        if chunked:
+            loss, _, logits, *_ = torch.ops.memfuse.linear_cross_entropy(
+                x, weight, None, target, -100, "mean", 0.0, x.dtype, return_logits, with_gradients, 8 * 2**20, True,
+                plan, transform.spec)
+        else:
+            logits = transform.apply(F.linear(x, weight))
+            loss = F.cross_entropy(logits.float(), target)
+        total = loss + ((logits.double() * upstream).sum() if return_logits else 0)
+        return (loss.double(), *torch.autograd.grad(total, (x, weight)), logits.double() if return_logits else None)
+
+    exact = run(x, weight, chunked=False)
+    if plan == "vocabulary":
+        _vocabulary_plan_runs(x.bfloat16(), weight.bfloat16(), torch.bfloat16, 8 * 2**20)
+    eager = run(x.bfloat16(), weight.bfloat16(), chunked=False)
+    ours = run(x.bfloat16(), weight.bfloat16(), chunked=True)
+    for mine, theirs, truth in zip(ours, eager, exact):
+        if truth is not None:
+            assert relative_error(mine.double(), truth) <= 3 * relative_error(theirs.double(), truth) + 1e-6
+
+
 @HEAD_FORMS
 def test_chunked_loss_head_fp32_hidden_under_a_bf16_matmul_on_the_gpu(with_gradients, plan, device="cuda"):
     """fp32 hidden states and weight, the matmuls in bf16 (autocast's head, as in Llama): the hidden
