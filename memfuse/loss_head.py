@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 from triton import knobs
+from triton.language.extra import libdevice
 
 from .config import LOSS_HEAD_PLANS
 from .debug import STATS
@@ -127,10 +128,13 @@ class LogitTransform:
 
     @property
     def constexpr(self) -> tuple:
-        """The kernels' TRANSFORM: (rounding, kind, factor, kind, factor, ...); (0,) for none."""
+        """The kernels' TRANSFORM: (rounding, kind, factor, reciprocal, kind, ...); (0,) for none. A
+        divide's reciprocal is fp32's 1 / factor: CUDA's eager divides by a number so, multiplying
+        by it (aten's div_true_kernel_cuda), and the compiled kernels do as it does."""
         flat = [ROUNDINGS[self.rounded_to]]
         for kind, factor in self.steps:
-            flat += [STEP_KINDS[kind], 0.0 if factor is None else factor]
+            reciprocal = (torch.tensor(1.0) / torch.tensor(factor)).item() if kind == "div" else 0.0
+            flat += [STEP_KINDS[kind], 0.0 if factor is None else factor, reciprocal]
         return tuple(flat)
 
     def returns_in(self, dtype: torch.dtype) -> bool:
@@ -184,15 +188,20 @@ INTERPRETED = tl.constexpr(bool(knobs.runtime.interpret))     # Triton's interpr
 
 @triton.jit
 def _tanh(x):
-    """fp32 tanh, the fp32 branch of memfuse.ops' mf_tanh (Cephes' tanhf, a few ulps; the
-    interpreter has no libdevice): an odd polynomial below |x| = 0.625, 1 - 2 / (exp(2|x|) + 1) above."""
-    a = tl.abs(x)
-    z = x * x
-    poly = (((-5.70498872745e-3 * z + 2.06390887954e-2) * z - 5.37397155531e-2) * z
-            + 1.33314422036e-1) * z - 3.33332819422e-1
-    small = tl.where(a < 1.1754943508222875e-38, x, poly * z * x + x)
-    large = 1.0 - 2.0 / (tl.exp(2.0 * a) + 1.0)
-    return tl.where(a < 0.625, small, tl.where(x < 0, -large, large))
+    """fp32 tanh: CUDA's tanhf compiled (libdevice's, which eager's tanh on the GPU runs); in the
+    interpreter, which has no libdevice, the fp32 branch of memfuse.ops' mf_tanh (Cephes' tanhf, a
+    few ulps): an odd polynomial below |x| = 0.625, 1 - 2 / (exp(2|x|) + 1) above."""
+    if INTERPRETED:
+        a = tl.abs(x)
+        z = x * x
+        poly = (((-5.70498872745e-3 * z + 2.06390887954e-2) * z - 5.37397155531e-2) * z
+                + 1.33314422036e-1) * z - 3.33332819422e-1
+        small = tl.where(a < 1.1754943508222875e-38, x, poly * z * x + x)
+        large = 1.0 - 2.0 / (tl.exp(2.0 * a) + 1.0)
+        result = tl.where(a < 0.625, small, tl.where(x < 0, -large, large))
+    else:
+        result = libdevice.tanh(x)
+    return result
 
 
 @triton.jit
@@ -215,18 +224,22 @@ def _rounded(value, ROUNDING: tl.constexpr):
 @triton.jit
 def _transformed(logits, TRANSFORM: tl.constexpr):
     """(the logits through the model's transform, its derivative d transformed / d logits), fp32.
-    TRANSFORM: LogitTransform.constexpr, (rounding, kind, factor, kind, factor, ...); (rounding,)
-    alone is no transform (the derivative a constant 1, which no caller multiplies by). Each step
-    rounds as eager's op on the logits' dtype does; tanh's derivative takes its rounded output, as
-    eager's tanh_backward."""
+    TRANSFORM: LogitTransform.constexpr, (rounding, kind, factor, reciprocal, kind, ...);
+    (rounding,) alone is no transform (the derivative a constant 1, which no caller multiplies by).
+    Each step rounds as eager's op on the logits' dtype does (a divide multiplies by the reciprocal
+    compiled, as CUDA's eager does, and divides in the interpreter, as the CPU's does); tanh's
+    derivative takes its rounded output, as eager's tanh_backward."""
     value = logits
     slope = 1.0
-    for i in tl.static_range(1, len(TRANSFORM), 2):
+    for i in tl.static_range(1, len(TRANSFORM), 3):
         if TRANSFORM[i] == STEP_MUL:
             value = _rounded(value * TRANSFORM[i + 1], TRANSFORM[0])
             slope = slope * TRANSFORM[i + 1]
         elif TRANSFORM[i] == STEP_DIV:
-            value = _rounded(value / TRANSFORM[i + 1], TRANSFORM[0])
+            if INTERPRETED:
+                value = _rounded(value / TRANSFORM[i + 1], TRANSFORM[0])
+            else:
+                value = _rounded(value * TRANSFORM[i + 2], TRANSFORM[0])
             slope = slope / TRANSFORM[i + 1]
         else:
             value = _rounded(_tanh(value), TRANSFORM[0])

@@ -749,6 +749,22 @@ def test_chunked_loss_head_bf16_on_the_gpu(return_logits, with_gradients, plan, 
         assert relative_error(mine.double(), truth) <= 3 * relative_error(theirs.double(), truth) + 1e-6
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("steps", [(("div", 30.0), ("tanh", None), ("mul", 30.0)), (("mul", 0.0625),),
+                                   (("div", 7.0),)], ids=["soft_cap", "scale", "divisor"])
+def test_the_loss_heads_logit_transform_is_eagers_bit_for_bit_on_the_gpu(dtype, steps):
+    """The kernels' transform of the logits (loss_head.LogitTransform) against eager's ops on CUDA:
+    a divide by a number as its multiply by the fp32 reciprocal, tanh as CUDA's tanhf, each step
+    rounded to the logits' dtype."""
+    from memfuse.loss_head import TRANSFORM_ROWS, LogitTransform
+    transform = LogitTransform(steps, None if dtype == torch.float32 else dtype)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    logits = (torch.randn(64, 4096, device="cuda", generator=generator) * 40).to(dtype)
+    written = logits.clone()
+    TRANSFORM_ROWS[transform.constexpr](64, written, written.stride(0), written.shape[1])
+    assert torch.equal(written, transform.apply(logits))
+
+
 @pytest.mark.parametrize("return_logits, with_gradients, plan", [
     (False, False, "rows"), (False, True, "rows"), (False, True, "vocabulary"), (True, True, "rows")])
 def test_soft_capped_loss_head_bf16_on_the_gpu(return_logits, with_gradients, plan):

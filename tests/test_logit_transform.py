@@ -48,7 +48,7 @@ STEP = st.one_of(st.tuples(st.sampled_from(["mul", "div"]),
 def test_a_transform_survives_its_spec_exactly(steps, rounded_to):
     transform = LogitTransform(tuple(steps), rounded_to)
     assert LogitTransform.parse(transform.spec) == transform
-    assert len(transform.constexpr) == 1 + 2 * len(steps)
+    assert len(transform.constexpr) == 1 + 3 * len(steps)
 
 
 @pytest.mark.parametrize("spec", ["tanh 3.0", "mul", "exp", "mul 2.0 in float64", "mul 2.0,tanh"])
