@@ -245,11 +245,12 @@ def _huggingface(family: str):
     return transformers.GraniteForCausalLM(transformers.GraniteConfig(**common, logits_scaling=4.0)), "/ 4.0"
 
 
+@pytest.mark.parametrize("compile_with", ["backend", "memory_efficient_fusion"])
 @pytest.mark.parametrize("family", ["gemma2", "cohere", "granite"])
-def test_huggingface_heads_with_a_transform_are_found_and_match_eager(family, caplog):
+def test_huggingface_heads_with_a_transform_are_found_and_match_eager(family, compile_with, caplog):
     """Gemma 2's soft cap, Cohere's scale, Granite's divisor: under torch.compile(backend="memfuse")
-    the head is found through the transform, the loss and every gradient as eager's, and the
-    returned logits are the model's."""
+    and with the whole model wrapped, the head is found through the transform, the loss and every
+    gradient as eager's, and the returned logits are the model's."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model, described = _huggingface(family)
@@ -257,8 +258,10 @@ def test_huggingface_heads_with_a_transform_are_found_and_match_eager(family, ca
     reference, _ = _huggingface(family)
     reference.load_state_dict(model.state_dict())
     ids = torch.randint(0, 101, (2, 12), generator=torch.Generator().manual_seed(1))
+    wrapped = torch.compile(model, backend="memfuse") if compile_with == "backend" else \
+        memfuse.memory_efficient_fusion(model)
     with caplog.at_level(logging.INFO, logger="memfuse"):
-        out = torch.compile(model, backend="memfuse")(input_ids=ids, labels=ids, use_cache=False)
+        out = wrapped(input_ids=ids, labels=ids, use_cache=False)
     expected = reference(input_ids=ids, labels=ids, use_cache=False)
     out.loss.backward()
     expected.loss.backward()
