@@ -219,9 +219,9 @@ def _rewrite(graph: torch.fx.Graph, loss: torch.fx.Node, config: Config) -> tupl
     returned_anywhere = sum(leaf is logits_node for leaf in torch.utils._pytree.tree_leaves(_output_values(graph)))
     # returned at top level only: a nested one would keep the op's logits, without their gradient path
     only_returned = bool(returned_at) and not read_in_graph and returned_anywhere == len(returned_at)
-    if transform.steps and returns_logits and (read_in_graph or not transform.returns_in(logits_value.dtype)):
-        return HeadDecision(loss.name, False, f"the logits through {transform} are also "
-                            + ("read in the graph" if read_in_graph else "returned in float32, not their dtype")), None
+    if transform.steps and returns_logits and not transform.returns_in(logits_value.dtype):
+        return HeadDecision(loss.name, False, f"the logits through {transform} are also read or returned, in "
+                                              "float32, not their dtype"), None
     in_forward = _gradients_in_forward(arguments.get("reduction", "mean"), [
         getattr(n, "meta", {}).get("example_value") for n in (hidden_input, weight, bias)])
     with graph.inserting_before(loss):
@@ -243,7 +243,8 @@ def _rewrite(graph: torch.fx.Graph, loss: torch.fx.Node, config: Config) -> tupl
         with graph.inserting_after(flat_logits):
             logits = graph.call_function(_rows_like, (flat_logits, hidden_input))
         if only_returned:
-            returned = _return_without_gradient(graph, logits, returned_at, hidden_input, weight, bias, transform.spec)
+            returned = _return_without_gradient(graph, logits, returned_at, hidden_input, weight, bias, transform.spec,
+                                                chunk_bytes(config, vocab, logits_value.dtype))
         logits_node.replace_all_uses_with(logits)
     for node in reversed(chain[:position + 1]):     # the transform's steps and casts before them
         graph.erase_node(node)
@@ -261,7 +262,7 @@ def _rewrite(graph: torch.fx.Graph, loss: torch.fx.Node, config: Config) -> tupl
 
 
 def _return_without_gradient(graph: torch.fx.Graph, logits: torch.fx.Node, positions: list, hidden: torch.fx.Node,
-                             weight: torch.fx.Node, bias: Optional[torch.fx.Node], transform: str
+                             weight: torch.fx.Node, bias: Optional[torch.fx.Node], transform: str, chunk: int
                              ) -> loss_head.LogitsReturn:
     """The graph returns `logits` (the op's, which carry no gradient) at `positions`; the linear's
     operands go to attach_returned_logits as the graph's inputs where they are inputs (or a whole
@@ -285,7 +286,7 @@ def _return_without_gradient(graph: torch.fx.Graph, logits: torch.fx.Node, posit
         return "output", len(values) - 1
     places = [place(operand) for operand in (hidden, weight, bias)]
     output.args = (tuple(values),)
-    return loss_head.LogitsReturn(tuple(positions), *places, transform)
+    return loss_head.LogitsReturn(tuple(positions), *places, transform, chunk)
 
 
 def _whole_view_source(node: torch.fx.Node) -> torch.fx.Node:
@@ -511,7 +512,7 @@ class LossHeadMode(TorchFunctionMode):
         # id(a followed tensor) -> (its transform's steps (kind, factor, dtype), the last step's result)
         self.lineage: dict[int, tuple] = {}
         self.model_logits: dict[str, torch.Tensor] = {}    # by name: the logits as the model has them
-        self.transforms: dict[str, loss_head.LogitTransform] = {}
+        self.transforms: dict[str, tuple] = {}   # by name: (its LogitTransform, its chunks' bytes)
         self.decisions: list[HeadDecision] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -579,7 +580,7 @@ class LossHeadMode(TorchFunctionMode):
         self.chunked[name] = origin
         self.logits[name] = logits
         self.model_logits[name] = origin.linear_output if transformed is None else transformed
-        self.transforms[name] = transform
+        self.transforms[name] = transform, chunk
         vocab = int(origin.weight.shape[0])
         self.decisions.append(HeadDecision(name, True, "a linear layer's output feeds only the loss", vocab,
                                            False, chunk, in_forward, _rows(chunk, vocab, origin.linear_output.dtype),
@@ -602,7 +603,7 @@ class LossHeadMode(TorchFunctionMode):
         for name, logits in self.logits.items():
             if name not in returned:
                 continue
-            origin, model_logits, transform = self.chunked[name], self.model_logits[name], self.transforms[name]
+            origin, model_logits, (transform, chunk) = self.chunked[name], self.model_logits[name], self.transforms[name]
             positions = tuple(i for i, t in enumerate(outputs) if t is model_logits)
             weight, bias = _input_index(origin.weight, inputs), _input_index(origin.bias, inputs)
             if not positions or id(origin.linear_output) in self.read_elsewhere or weight is None or \
@@ -620,7 +621,7 @@ class LossHeadMode(TorchFunctionMode):
                 extras.append(origin.hidden.clone())   # export takes no output that aliases another)
             returns.append(loss_head.LogitsReturn(
                 positions, ("input", hidden) if hidden is not None else ("output", len(outputs) + len(extras) - 1),
-                ("input", weight), None if bias is None else ("input", bias), transform.spec))
+                ("input", weight), None if bias is None else ("input", bias), transform.spec, chunk))
         return (*outputs, *extras), returns
 
     def returned_logits(self, outputs) -> list[str]:

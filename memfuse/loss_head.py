@@ -1280,8 +1280,8 @@ def linear_cross_entropy_backward_impl(loss_gradient: torch.Tensor, logits_gradi
     the graph, or None."""
     with _no_autocast(hidden.device):
         if weight_unit.numel():    # the forward formed them
-            return _scaled(loss_gradient, _through_transform(logits_gradient, hidden, weight, bias, dtype, transform),
-                           hidden, weight, (hidden_unit, weight_unit, bias_unit), dtype, in_place=False)
+            return _scaled(loss_gradient, logits_gradient, (hidden, weight, bias), (hidden_unit, weight_unit, bias_unit),
+                           dtype, transform, chunk_bytes, in_place=False)
         return _recomputed_backward(loss_gradient, logits_gradient, hidden, weight, bias, target, log_sum_exp,
                                     ignore_index, reduction, label_smoothing, dtype, chunk_bytes,
                                     LogitTransform.parse(transform).constexpr)
@@ -1291,30 +1291,18 @@ linear_cross_entropy_backward = torch.library.custom_op("memfuse::linear_cross_e
     linear_cross_entropy_backward_impl)
 
 
-def _scaled(loss_gradient, logits_gradient, hidden, weight, units: tuple, dtype, in_place: bool,
-            hidden_in_place: bool = False) -> tuple:
+def _scaled(loss_gradient, logits_gradient, operands: tuple, units: tuple, dtype, transform: str, chunk_bytes: int,
+            in_place: bool, hidden_in_place: bool = False) -> tuple:
     """The gradients the forward formed for an upstream gradient of 1, times the loss's gradient
     (the weight's and the bias's in their units themselves `in_place`, the hidden states' too where
-    `hidden_in_place` as well), plus what the returned logits received."""
+    `hidden_in_place` as well), plus what the returned logits received (`operands`: hidden, weight,
+    bias)."""
     hidden_unit, *parameter_units = units
-    gradients = (_times(hidden_unit, loss_gradient, in_place=in_place and hidden_in_place, dtype=hidden.dtype),
+    gradients = (_times(hidden_unit, loss_gradient, in_place=in_place and hidden_in_place, dtype=operands[0].dtype),
                  *(_times(u, loss_gradient, in_place) for u in parameter_units))
     if logits_gradient is not None:
-        _add_incoming(*gradients, logits_gradient, hidden, weight, dtype)
+        _add_incoming(gradients, logits_gradient, operands, dtype, transform, chunk_bytes)
     return gradients
-
-
-def _through_transform(gradient: Optional[torch.Tensor], hidden, weight, bias, dtype: torch.dtype,
-                       transform: str) -> Optional[torch.Tensor]:
-    """The gradient of transformed logits ([tokens, vocab], or None) taken back through the model's
-    transform to the linear's output: the logits formed again whole (hidden @ weight.T + bias in
-    `dtype`; only a backward that differentiates logits the op returned, which are whole already).
-    The gradient itself where there is no transform."""
-    steps = LogitTransform.parse(transform)
-    if gradient is None or not steps.steps:
-        return gradient
-    logits = _chunk_logits(hidden.to(dtype), weight.to(dtype).t(), None if bias is None else bias.to(dtype))
-    return steps.gradient_through(logits, gradient.reshape(logits.shape)).to(dtype)
 
 
 def _times(unit: torch.Tensor, loss_gradient: torch.Tensor, in_place: bool,
@@ -1360,8 +1348,8 @@ def _in_place_backward(name: str, hidden_written: bool):
                        weight_unit, bias_unit, ignore_index, reduction, label_smoothing, dtype, chunk_bytes,
                        transform=""):
         with _no_autocast(hidden.device):
-            return _scaled(loss_gradient, _through_transform(logits_gradient, hidden, weight, bias, dtype, transform),
-                           hidden, weight, (hidden_unit, weight_unit, bias_unit), dtype, in_place=not _graph_kept(),
+            return _scaled(loss_gradient, logits_gradient, (hidden, weight, bias), (hidden_unit, weight_unit, bias_unit),
+                           dtype, transform, chunk_bytes, in_place=not _graph_kept(),
                            hidden_in_place=hidden_written and hidden_unit.dtype == hidden.dtype)
 
     torch.library.impl(f"memfuse::{name}", "CompositeExplicitAutograd")(implementation)
@@ -1378,13 +1366,31 @@ def _graph_kept() -> bool:
     return torch._C._autograd._get_current_graph_task_keep_graph()
 
 
-def _add_incoming(hidden_gradient, weight_gradient, bias_gradient, logits_gradient, hidden, weight, dtype) -> None:
-    """The returned logits' own gradient through the matmul: hidden += g @ W, weight += g.T @ hidden."""
-    incoming = _unit_stride(logits_gradient).to(dtype)
-    hidden_gradient += torch.mm(incoming, weight.to(dtype))
-    _accumulate(weight_gradient, incoming.t(), hidden.to(dtype))
-    if bias_gradient.numel():
-        bias_gradient += incoming.sum(0, dtype=torch.float32).to(bias_gradient.dtype)
+def _add_incoming(gradients: tuple, logits_gradient: torch.Tensor, operands: tuple, dtype: torch.dtype,
+                  transform: str, chunk_bytes: int) -> None:
+    """The returned logits' own gradient g through the matmul, into `gradients` (hidden, weight, bias:
+    an empty bias gradient for none): hidden += g @ W, weight += g.T @ hidden, bias += g's column
+    sums. Where the logits went through the model's transform, g is taken back through it first, a
+    chunk of token rows at a time (`chunk_bytes` of logits formed again, then
+    LogitTransform.gradient_through): no [tokens, vocab] logits, nor fp32 ones, whole."""
+    hidden_gradient, weight_gradient, bias_gradient = gradients
+    hidden, weight, bias = operands
+    steps = LogitTransform.parse(transform)
+    incoming = _unit_stride(logits_gradient.reshape(-1, logits_gradient.shape[-1]))
+    weight_rows = weight.to(dtype)
+    tokens = hidden.shape[0]
+    rows = chunk_rows(tokens, weight.shape[0], dtype, chunk_bytes) if steps.steps else max(1, tokens)
+    for first, last in _chunks(tokens, rows):
+        hidden_rows = hidden[first:last].to(dtype)
+        chunk = incoming[first:last]
+        if steps.steps:
+            logits = _chunk_logits(hidden_rows, weight_rows.t(), None if bias is None else bias.to(dtype))
+            chunk = steps.gradient_through(logits, chunk)
+        chunk = chunk.to(dtype)
+        hidden_gradient[first:last] += torch.mm(chunk, weight_rows)
+        _accumulate(weight_gradient, chunk.t(), hidden_rows)
+        if bias_gradient.numel():
+            bias_gradient += chunk.sum(0, dtype=torch.float32).to(bias_gradient.dtype)
 
 
 def _recomputed_backward(loss_gradient, logits_gradient, hidden, weight, bias, target, log_sum_exp, ignore_index,
@@ -1493,9 +1499,9 @@ class ReturnedLogits(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
-                bias: Optional[torch.Tensor], transform: str = "") -> torch.Tensor:
+                bias: Optional[torch.Tensor], transform: str = "", chunk_bytes: int = 0) -> torch.Tensor:
         ctx.save_for_backward(hidden, weight, bias)
-        ctx.transform = transform
+        ctx.transform, ctx.chunk_bytes = transform, chunk_bytes
         return logits.view_as(logits)
 
     @staticmethod
@@ -1503,8 +1509,14 @@ class ReturnedLogits(torch.autograd.Function):
         hidden, weight, bias = ctx.saved_tensors
         with _no_autocast(gradient.device):
             rows = _unit_stride(gradient.reshape(-1, gradient.shape[-1]))
-            rows = _through_transform(rows, hidden.reshape(-1, hidden.shape[-1]), weight, bias, rows.dtype,
-                                      ctx.transform)
+            if ctx.transform:       # back through it a chunk of rows at a time, into zeros
+                flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+                gradients = (torch.zeros_like(flat_hidden), torch.zeros_like(weight),
+                             weight.new_zeros(bias.shape if bias is not None else (0,), dtype=torch.float32))
+                _add_incoming(gradients, rows, (flat_hidden, weight, bias), rows.dtype, ctx.transform, ctx.chunk_bytes)
+                hidden_gradient, weight_gradient, bias_gradient = gradients
+                return (None, hidden_gradient.view(hidden.shape), weight_gradient,
+                        bias_gradient.to(bias.dtype) if bias is not None else None, None, None)
             hidden_gradient = weight_gradient = bias_gradient = None
             if ctx.needs_input_grad[1]:
                 hidden_gradient = torch.mm(rows, weight.to(rows.dtype)).view(hidden.shape).to(hidden.dtype)
@@ -1513,7 +1525,7 @@ class ReturnedLogits(torch.autograd.Function):
                 weight_gradient = torch.mm(rows.t(), flat_hidden).to(weight.dtype)
             if bias is not None and ctx.needs_input_grad[3]:
                 bias_gradient = rows.sum(0).to(bias.dtype)
-        return None, hidden_gradient, weight_gradient, bias_gradient, None
+        return None, hidden_gradient, weight_gradient, bias_gradient, None, None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1521,12 +1533,14 @@ class LogitsReturn:
     """Where a compiled graph returns a chunked head's logits without gradient (its outputs at
     `positions`), and where the linear's operands are for ReturnedLogits: each an ("output", i)
     or ("input", i) of the compiled call; `bias` None without a bias; the head's `transform`
-    (LogitTransform.spec), which the returned logits went through."""
+    (LogitTransform.spec), which the returned logits went through, and its chunks' bytes (the
+    backward through the transform forms the logits again a chunk at a time)."""
     positions: tuple
     hidden: tuple
     weight: tuple
     bias: Optional[tuple]
     transform: str = ""
+    chunk_bytes: int = 256 * 2**20
 
 
 def attach_returned_logits(outputs: Sequence, inputs: Sequence, returns: list, count: int) -> list:
@@ -1540,7 +1554,8 @@ def attach_returned_logits(outputs: Sequence, inputs: Sequence, returns: list, c
     results = list(outputs[:count])
     for returned in returns:
         logits = ReturnedLogits.apply(outputs[returned.positions[0]], found(returned.hidden),
-                                      found(returned.weight), found(returned.bias), returned.transform)
+                                      found(returned.weight), found(returned.bias), returned.transform,
+                                      returned.chunk_bytes)
         for position in returned.positions:
             results[position] = logits
     return results

@@ -197,7 +197,29 @@ def test_a_transformed_head_is_found_and_matches_eager(compile_with, fn, dtype):
 
 def soft_capped_z_loss(x, weight, target):
     logits = 3.0 * torch.tanh(F.linear(x, weight) / 3.0)
-    return F.cross_entropy(logits, target, ignore_index=IGNORE) + 1e-4 * logits.square().mean()
+    return F.cross_entropy(logits, target, ignore_index=IGNORE) + 0.1 * logits.logsumexp(-1).square().mean()
+
+
+def soft_capped_row_losses_and_z_loss(x, weight, target):
+    logits = 3.0 * torch.tanh(F.linear(x, weight) / 3.0)
+    row_losses = F.cross_entropy(logits, target, ignore_index=IGNORE, reduction="none")
+    return (row_losses * torch.linspace(0.5, 1.5, row_losses.shape[0])).sum() + 0.1 * logits.square().mean()
+
+
+@pytest.mark.parametrize("fn", [soft_capped_z_loss, soft_capped_row_losses_and_z_loss],
+                         ids=["formed_gradients", "recomputing_backward"])
+def test_transformed_logits_also_read_in_the_graph_take_their_gradient_back_through_it(fn):
+    """A z-loss on the capped logits (the backend: the op returns them capped, and their gradient
+    goes back through the cap: in the forward-formed head's backward a chunk of 8 rows at a time,
+    in the recomputing backward inside its kernel)."""
+    torch._dynamo.reset()
+    x, weight, _, target = head_inputs(40, 16, 37, dtype=torch.float32)
+    loss = torch.compile(fn, backend="memfuse", options={"loss_head_chunk_bytes": 8 * 40 * 4})(x, weight, target)
+    expected = fn(x, weight, target)
+    assert relative(loss, expected) < 1e-6
+    for mine, truth in zip(torch.autograd.grad(loss, (x, weight)), torch.autograd.grad(expected, (x, weight))):
+        assert relative(mine, truth) < 1e-5
+    assert memfuse.stats()["loss_heads_chunked"] == 1
 
 
 def tensor_scaled_head(x, weight, target):
@@ -214,15 +236,20 @@ def raw_and_transformed_head(x, weight, target):
     return F.cross_entropy(torch.tanh(logits), target, ignore_index=IGNORE) + logits.mean()
 
 
+def fp32_capped_z_loss(x, weight, target):
+    logits = torch.tanh(F.linear(x, weight).float() / 3.0) * 3.0
+    return F.cross_entropy(logits, target, ignore_index=IGNORE) + 1e-4 * logits.square().mean()
+
+
 @pytest.mark.parametrize("fn, reason", [
-    (soft_capped_z_loss, "are also read in the graph"),
+    (fp32_capped_z_loss, "are also read or returned, in float32, not their dtype"),
     (tensor_scaled_head, "its input is not a linear layer's output"),
     (dtype_changing_head, "the logits' transform changes dtype between its steps"),
     (raw_and_transformed_head, "the linear's output is also read besides its transform"),
 ])
 def test_a_near_miss_is_left_with_its_reason_and_matches_eager(fn, reason, caplog):
     torch._dynamo.reset()
-    dtype = torch.bfloat16 if fn is dtype_changing_head else torch.float32     # a bf16 step, then fp32 ones
+    dtype = torch.bfloat16 if fn in (dtype_changing_head, fp32_capped_z_loss) else torch.float32   # half logits
     x, weight, _, target = head_inputs(40, 16, 37, dtype=dtype)
     with caplog.at_level(logging.INFO, logger="memfuse.fallbacks"):
         loss = torch.compile(fn, backend="memfuse")(x, weight, target)
