@@ -497,8 +497,8 @@ class LogitsReturned(Exception):
 
 class LossHeadMode(TorchFunctionMode):
     """Follows each linear's output through its transform, casts and flattens; a cross_entropy of
-    one becomes the chunked op, called as though the function returned the logits: whether it does is known only
-    once it has (`settle`). A followed tensor read by anything else marks its head as read past
+    one becomes the chunked op, called as though the function returned the logits: whether it does
+    is known only once it has (`settle`). A followed tensor read by anything else marks its head as read past
     the loss, which this path does not chunk (`LogitsReturned` after the trace)."""
 
     def __init__(self, config: Config):
@@ -530,8 +530,9 @@ class LossHeadMode(TorchFunctionMode):
         elif args and id(args[0]) in self.followed and _keeps_logits(func, args[0], result):
             self._follow(result, self.followed[id(args[0])])
             self.lineage[id(result)] = self.lineage.get(id(args[0]), ((), None))
-        elif self._transform_step(func, args, kwargs, result):
-            pass
+        elif (step := _called_step(func, args, kwargs)) is not None and id(step[0]) in self.followed and \
+                isinstance(result, torch.Tensor):
+            self._follow_step(result, step)
         elif isinstance(result, (torch.Tensor, tuple, list)) and not isinstance(result, torch.Size):
             self._note_reads(args, kwargs)
         return result
@@ -539,18 +540,13 @@ class LossHeadMode(TorchFunctionMode):
     def _follow(self, tensor: torch.Tensor, origin: _Logits) -> None:
         self.followed[id(tensor)] = origin
 
-    def _transform_step(self, func, args, kwargs, result) -> bool:
-        """Follows `result` where it is a step of a transform (loss_head.LogitTransform) of a followed
-        tensor: `x * c`, `x / c` (a number c), `tanh(x)`."""
-        name = getattr(func, "__name__", None)
-        kind = TRANSFORM_FUNCTIONS.get(func) or (TRANSFORM_METHODS.get(name) if _is_method(func, (name,)) else None)
-        step = _step_of(kind, args, torch.Tensor) if kind is not None and not kwargs else None
-        if step is None or id(step[0]) not in self.followed or not isinstance(result, torch.Tensor):
-            return False
-        self._follow(result, self.followed[id(step[0])])
-        steps, _ = self.lineage.get(id(step[0]), ((), None))
-        self.lineage[id(result)] = (steps + ((kind, step[2], result.dtype),), result)
-        return True
+    def _follow_step(self, result: torch.Tensor, step: tuple) -> None:
+        """Follows a step of a transform (loss_head.LogitTransform) of a followed tensor: `result`
+        carries its steps so far and is the last one's result."""
+        tensor, kind, factor = step
+        self._follow(result, self.followed[id(tensor)])
+        steps, _ = self.lineage.get(id(tensor), ((), None))
+        self.lineage[id(result)] = (steps + ((kind, factor, result.dtype),), result)
 
     def _note_reads(self, args, kwargs) -> None:
         for leaf in torch.utils._pytree.tree_leaves((args, kwargs)):
@@ -603,7 +599,8 @@ class LossHeadMode(TorchFunctionMode):
         for name, logits in self.logits.items():
             if name not in returned:
                 continue
-            origin, model_logits, (transform, chunk) = self.chunked[name], self.model_logits[name], self.transforms[name]
+            origin, model_logits = self.chunked[name], self.model_logits[name]
+            transform, chunk = self.transforms[name]
             positions = tuple(i for i, t in enumerate(outputs) if t is model_logits)
             weight, bias = _input_index(origin.weight, inputs), _input_index(origin.bias, inputs)
             if not positions or id(origin.linear_output) in self.read_elsewhere or weight is None or \
@@ -630,6 +627,14 @@ class LossHeadMode(TorchFunctionMode):
         returned |= {id(self.followed[i].linear_output) for i in returned if i in self.followed}
         return [name for name, o in self.chunked.items()
                 if id(o.linear_output) in returned or id(o.linear_output) in self.read_elsewhere]
+
+
+def _called_step(func, args, kwargs) -> Optional[tuple]:
+    """(the tensor, kind, factor) where a call is a step of a transform: `x * c`, `x / c` (a number
+    c), `tanh(x)` as torch's or Tensor's functions; None for anything else."""
+    name = getattr(func, "__name__", None)
+    kind = TRANSFORM_FUNCTIONS.get(func) or (TRANSFORM_METHODS.get(name) if _is_method(func, (name,)) else None)
+    return _step_of(kind, args, torch.Tensor) if kind is not None and not kwargs else None
 
 
 def _is_transpose(func, args) -> bool:

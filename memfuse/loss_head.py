@@ -157,7 +157,10 @@ class LogitTransform:
             value = value * factor if kind == "mul" else value / factor if kind == "div" else torch.tanh(value)
             if self.rounded_to is not None:
                 value = value.to(self.rounded_to).float()
-            slope = slope * factor if kind == "mul" else slope / factor if kind == "div" else slope * (1 - value * value)
+            if kind == "tanh":
+                slope = slope * (1 - value * value)
+            else:
+                slope = slope * factor if kind == "mul" else slope / factor
         return slope
 
     def __str__(self) -> str:
@@ -702,8 +705,9 @@ MERGE_STATISTICS = {first: DirectKernel(_merge_statistics, {"num_warps": 4}, FIR
 FINISH_STATISTICS = {smoothing: DirectKernel(_finish_statistics, {"num_warps": 4}, SMOOTHING=smoothing,
                                              BLOCK=MERGE_BLOCK) for smoothing in (False, True)}
 GRADIENT_BLOCK_V, GRADIENT_BLOCK_T = 8, 512
-VOCABULARY_GRADIENT = KernelFamily(_vocabulary_gradient, {"num_warps": 4}, ("MEAN", "SMOOTHING", "HAS_BIAS", "TRANSFORM"),
-                                   BLOCK_V=GRADIENT_BLOCK_V, BLOCK_T=GRADIENT_BLOCK_T)
+VOCABULARY_GRADIENT = KernelFamily(_vocabulary_gradient, {"num_warps": 4},
+                                   ("MEAN", "SMOOTHING", "HAS_BIAS", "TRANSFORM"), BLOCK_V=GRADIENT_BLOCK_V,
+                                   BLOCK_T=GRADIENT_BLOCK_T)
 SCALE_BLOCK = 2048
 # _scale's most programs, each looping over its blocks: enough to fill an H200 (132 SMs x 8 programs of
 # 8 warps) for a copy; a launch of them costs microseconds where one program a block cost 0.2 ms on
@@ -1280,8 +1284,8 @@ def linear_cross_entropy_backward_impl(loss_gradient: torch.Tensor, logits_gradi
     the graph, or None."""
     with _no_autocast(hidden.device):
         if weight_unit.numel():    # the forward formed them
-            return _scaled(loss_gradient, logits_gradient, (hidden, weight, bias), (hidden_unit, weight_unit, bias_unit),
-                           dtype, transform, chunk_bytes, in_place=False)
+            return _scaled(loss_gradient, logits_gradient, (hidden, weight, bias),
+                           (hidden_unit, weight_unit, bias_unit), dtype, transform, chunk_bytes, in_place=False)
         return _recomputed_backward(loss_gradient, logits_gradient, hidden, weight, bias, target, log_sum_exp,
                                     ignore_index, reduction, label_smoothing, dtype, chunk_bytes,
                                     LogitTransform.parse(transform).constexpr)
@@ -1348,8 +1352,9 @@ def _in_place_backward(name: str, hidden_written: bool):
                        weight_unit, bias_unit, ignore_index, reduction, label_smoothing, dtype, chunk_bytes,
                        transform=""):
         with _no_autocast(hidden.device):
-            return _scaled(loss_gradient, logits_gradient, (hidden, weight, bias), (hidden_unit, weight_unit, bias_unit),
-                           dtype, transform, chunk_bytes, in_place=not _graph_kept(),
+            return _scaled(loss_gradient, logits_gradient, (hidden, weight, bias),
+                           (hidden_unit, weight_unit, bias_unit), dtype, transform, chunk_bytes,
+                           in_place=not _graph_kept(),
                            hidden_in_place=hidden_written and hidden_unit.dtype == hidden.dtype)
 
     torch.library.impl(f"memfuse::{name}", "CompositeExplicitAutograd")(implementation)
