@@ -52,8 +52,8 @@ def kernel_variants(rows: int, vocab: int, device: torch.device, dtype: torch.dt
 
     def separate(block, warps):
         loss_head._row_statistics[(rows,)](logits, logits.stride(0), 0, target, log_sum_exp, row_loss, vocab, padded,
-                                           -100, 0.0, SMOOTHING=False, TRANSFORM=NO_TRANSFORM, BLOCK=block,
-                                           num_warps=warps)
+                                           -100, 0.0, SMOOTHING=False, TRANSFORM=NO_TRANSFORM,
+                                           WRITE_TRANSFORMED=False, BLOCK=block, num_warps=warps)
         loss_head._logits_gradient[(rows,)](logits, logits.stride(0), 0, log_sum_exp, target, scales, logits, 0,
                                             logits, logits.stride(0), vocab, padded, 0.0, SMOOTHING=False,
                                             HAS_INCOMING=False, TRANSFORM=NO_TRANSFORM, BLOCK=block, num_warps=warps)
@@ -61,7 +61,8 @@ def kernel_variants(rows: int, vocab: int, device: torch.device, dtype: torch.dt
     def fused(block, warps):
         loss_head._row_statistics_and_gradient[(rows,)](
             logits, logits.stride(0), 0, target, log_sum_exp, row_loss, count, logits, logits.stride(0), vocab,
-            padded, -100, 0.0, MEAN=True, SMOOTHING=False, TRANSFORM=NO_TRANSFORM, BLOCK=block, num_warps=warps)
+            padded, -100, 0.0, MEAN=True, SMOOTHING=False, TRANSFORM=NO_TRANSFORM, WRITE_TRANSFORMED=False,
+            BLOCK=block, num_warps=warps)
     variants = {("clone", None, None): logits.clone}
     for block in BLOCK_SIZES:
         for warps in WARPS:

@@ -265,20 +265,26 @@ def _add_to_lanes(lane_max, lane_sum_of_exp, lane_logit_sum, logits, summed, SMO
 
 @triton.jit
 def _statistics_of_row(row_logits, target, vocab, padded_vocab, SMOOTHING: tl.constexpr, TRANSFORM: tl.constexpr,
-                       BLOCK: tl.constexpr):
+                       WRITE_TRANSFORMED: tl.constexpr, BLOCK: tl.constexpr):
     """(log-sum-exp, target's logit, sum of logits: 0 without smoothing) of one row in fp32, reading
     it once. Each of the BLOCK lanes keeps its own statistics, combined once after the loop: no
     reduction across the program's warps at each step. The blocks inside the vocabulary load
     unmasked; only the last, to the padded end, is masked (a mask that ends at an odd vocabulary,
     GPT-2's 50257, is not provably aligned: masked throughout, the kernel took 2.9x a copy's time on
-    GPT-2's rows against 1.9x on Llama's, one H200, 2026-11-28). The target's logit is one load. The
-    statistics are of the logits through the model's TRANSFORM."""
+    GPT-2's rows against 1.9x on Llama's, one H200, 2026-11-28). The target's logit is one load,
+    first. The statistics are of the logits through the model's TRANSFORM, which WRITE_TRANSFORMED
+    writes over the row as it goes (returned logits)."""
+    known = (target >= 0) & (target < vocab)        # an ignored target (-100) reads column 0, unused
+    target_logit, _ = _transformed(tl.load(row_logits + tl.where(known, target, 0)).to(tl.float32), TRANSFORM)
     lane_max = tl.full((BLOCK,), float("-inf"), tl.float32)
     lane_sum_of_exp = tl.zeros((BLOCK,), tl.float32)
     lane_logit_sum = tl.zeros((BLOCK,), tl.float32)
     whole_blocks_end = vocab // BLOCK * BLOCK
     for start in range(0, whole_blocks_end, BLOCK):
-        logits, _ = _transformed(tl.load(row_logits + start + tl.arange(0, BLOCK)).to(tl.float32), TRANSFORM)
+        columns = start + tl.arange(0, BLOCK)
+        logits, _ = _transformed(tl.load(row_logits + columns).to(tl.float32), TRANSFORM)
+        if WRITE_TRANSFORMED:
+            tl.store(row_logits + columns, logits.to(row_logits.dtype.element_ty))
         lane_max, lane_sum_of_exp, lane_logit_sum = _add_to_lanes(lane_max, lane_sum_of_exp, lane_logit_sum,
                                                                   logits, logits, SMOOTHING)
     for start in range(whole_blocks_end, padded_vocab, BLOCK):
@@ -286,14 +292,14 @@ def _statistics_of_row(row_logits, target, vocab, padded_vocab, SMOOTHING: tl.co
         inside = columns < vocab
         logits, _ = _transformed(tl.load(row_logits + columns, mask=columns < padded_vocab, other=0.0).to(tl.float32),
                                  TRANSFORM)
+        if WRITE_TRANSFORMED:
+            tl.store(row_logits + columns, logits.to(row_logits.dtype.element_ty), mask=columns < padded_vocab)
         lane_max, lane_sum_of_exp, lane_logit_sum = _add_to_lanes(
             lane_max, lane_sum_of_exp, lane_logit_sum, tl.where(inside, logits, float("-inf")),
             tl.where(inside, logits, 0.0), SMOOTHING)
     row_max = tl.max(lane_max, axis=0)
     shift = tl.where(row_max == float("-inf"), 0.0, row_max)
     sum_of_exp = tl.sum(lane_sum_of_exp * tl.exp(lane_max - shift), axis=0)
-    known = (target >= 0) & (target < vocab)        # an ignored target (-100) reads column 0, unused
-    target_logit, _ = _transformed(tl.load(row_logits + tl.where(known, target, 0)).to(tl.float32), TRANSFORM)
     return shift + tl.log(sum_of_exp), tl.where(known, target_logit, 0.0), tl.sum(lane_logit_sum, axis=0)
 
 
@@ -310,17 +316,22 @@ def _unit_gradient(logits, log_sum_exp, is_target, vocab, smoothing, SMOOTHING: 
 @triton.jit
 def _gradient_of_block(row_logits, row_gradient, row_incoming, columns, log_sum_exp, target, row_scale, vocab,
                        padded_vocab, smoothing, MASKED: tl.constexpr, SMOOTHING: tl.constexpr,
-                       HAS_INCOMING: tl.constexpr, TRANSFORM: tl.constexpr):
+                       HAS_INCOMING: tl.constexpr, TRANSFORM: tl.constexpr, WRITE_TRANSFORMED: tl.constexpr):
     """(softmax - (1 - smoothing) * one_hot - smoothing / vocab) * row_scale, plus what the logits
     received from other readers, at `columns`, times the model's TRANSFORM's derivative; 0 past the
-    vocabulary, so the matmuls can read the padding. MASKED: the block reaches past the vocabulary."""
+    vocabulary, so the matmuls can read the padding. MASKED: the block reaches past the vocabulary.
+    WRITE_TRANSFORMED: the transformed logits written over the logits read (returned logits)."""
     if MASKED:
         inside = columns < vocab
         logits = tl.load(row_logits + columns, mask=columns < padded_vocab, other=0.0).to(tl.float32)
         logits, slope = _transformed(logits, TRANSFORM)
+        if WRITE_TRANSFORMED:
+            tl.store(row_logits + columns, logits.to(row_logits.dtype.element_ty), mask=columns < padded_vocab)
         logits = tl.where(inside, logits, float("-inf"))
     else:
         logits, slope = _transformed(tl.load(row_logits + columns).to(tl.float32), TRANSFORM)
+        if WRITE_TRANSFORMED:
+            tl.store(row_logits + columns, logits.to(row_logits.dtype.element_ty))
     gradient = _unit_gradient(logits, log_sum_exp, columns == target, vocab, smoothing, SMOOTHING) * row_scale
     if HAS_INCOMING:
         if MASKED:
@@ -339,16 +350,18 @@ def _gradient_of_block(row_logits, row_gradient, row_incoming, columns, log_sum_
 @triton.jit
 def _gradient_of_row(row_logits, row_gradient, row_incoming, log_sum_exp, target, row_scale, vocab, padded_vocab,
                      smoothing, SMOOTHING: tl.constexpr, HAS_INCOMING: tl.constexpr, TRANSFORM: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     WRITE_TRANSFORMED: tl.constexpr, BLOCK: tl.constexpr):
     """Writes one row's d loss / d logits over its padded columns: whole blocks inside the
     vocabulary unmasked, the rest masked (`_gradient_of_block`)."""
     whole_blocks_end = vocab // BLOCK * BLOCK
     for start in range(0, whole_blocks_end, BLOCK):
         _gradient_of_block(row_logits, row_gradient, row_incoming, start + tl.arange(0, BLOCK), log_sum_exp, target,
-                           row_scale, vocab, padded_vocab, smoothing, False, SMOOTHING, HAS_INCOMING, TRANSFORM)
+                           row_scale, vocab, padded_vocab, smoothing, False, SMOOTHING, HAS_INCOMING, TRANSFORM,
+                           WRITE_TRANSFORMED)
     for start in range(whole_blocks_end, padded_vocab, BLOCK):
         _gradient_of_block(row_logits, row_gradient, row_incoming, start + tl.arange(0, BLOCK), log_sum_exp, target,
-                           row_scale, vocab, padded_vocab, smoothing, True, SMOOTHING, HAS_INCOMING, TRANSFORM)
+                           row_scale, vocab, padded_vocab, smoothing, True, SMOOTHING, HAS_INCOMING, TRANSFORM,
+                           WRITE_TRANSFORMED)
 
 
 @triton.jit
@@ -389,14 +402,16 @@ def _count_targets(target_ptr, tokens, ignore_index, vocab, count_ptr, inside_pt
 @triton.jit
 def _row_statistics(logits_ptr, logits_row_stride, first_token, target_ptr, log_sum_exp_ptr, row_loss_ptr, vocab,
                     padded_vocab, ignore_index, smoothing, SMOOTHING: tl.constexpr, TRANSFORM: tl.constexpr,
-                    BLOCK: tl.constexpr):
+                    WRITE_TRANSFORMED: tl.constexpr, BLOCK: tl.constexpr):
     """One program per row of a chunk's logits (the token `first_token` + row): its log-sum-exp
-    (kept for the backward) and its loss."""
+    (kept for the backward) and its loss; the transformed logits written over the row where
+    WRITE_TRANSFORMED (returned logits)."""
     row = tl.program_id(0).to(tl.int64)
     token = first_token + row
     target = tl.load(target_ptr + token)
     log_sum_exp, target_logit, logit_sum = _statistics_of_row(
-        _row_start(logits_ptr, row, logits_row_stride), target, vocab, padded_vocab, SMOOTHING, TRANSFORM, BLOCK)
+        _row_start(logits_ptr, row, logits_row_stride), target, vocab, padded_vocab, SMOOTHING, TRANSFORM,
+        WRITE_TRANSFORMED, BLOCK)
     tl.store(log_sum_exp_ptr + token, log_sum_exp)
     tl.store(row_loss_ptr + token,
              _loss_of_row(log_sum_exp, target_logit, logit_sum, target != ignore_index, vocab, smoothing, SMOOTHING))
@@ -415,25 +430,27 @@ def _logits_gradient(logits_ptr, logits_row_stride, first_token, log_sum_exp_ptr
                      _row_start(gradient_ptr, row, gradient_row_stride),
                      incoming_ptr + token * incoming_row_stride, tl.load(log_sum_exp_ptr + token),
                      tl.load(target_ptr + token), tl.load(row_scale_ptr + token), vocab, padded_vocab, smoothing,
-                     SMOOTHING, HAS_INCOMING, TRANSFORM, BLOCK)
+                     SMOOTHING, HAS_INCOMING, TRANSFORM, False, BLOCK)
 
 
 @triton.jit
 def _row_statistics_and_gradient(logits_ptr, logits_row_stride, first_token, target_ptr, log_sum_exp_ptr,
                                  row_loss_ptr, count_ptr, gradient_ptr, gradient_row_stride, vocab, padded_vocab,
                                  ignore_index, smoothing, MEAN: tl.constexpr, SMOOTHING: tl.constexpr,
-                                 TRANSFORM: tl.constexpr, BLOCK: tl.constexpr):
+                                 TRANSFORM: tl.constexpr, WRITE_TRANSFORMED: tl.constexpr, BLOCK: tl.constexpr):
     """One program per row of a chunk, the forward that forms the gradients for an upstream gradient
     of 1: the row's statistics and loss, then its gradient scaled by d loss / d row loss (1 over the
     count of counted targets for a mean, 1 for a sum, 0 where ignored), in place where gradient is
-    logits: one launch, the row's second read from L2 while it is still there."""
+    logits: one launch, the row's second read from L2 while it is still there. WRITE_TRANSFORMED
+    (returned logits, the gradient in its own buffer): the second read writes the transformed logits
+    over the row."""
     row = tl.program_id(0).to(tl.int64)
     token = first_token + row
     row_logits = _row_start(logits_ptr, row, logits_row_stride)
     target = tl.load(target_ptr + token)
     valid = target != ignore_index
     log_sum_exp, target_logit, logit_sum = _statistics_of_row(row_logits, target, vocab, padded_vocab, SMOOTHING,
-                                                              TRANSFORM, BLOCK)
+                                                              TRANSFORM, False, BLOCK)
     tl.store(log_sum_exp_ptr + token, log_sum_exp)
     tl.store(row_loss_ptr + token,
              _loss_of_row(log_sum_exp, target_logit, logit_sum, valid, vocab, smoothing, SMOOTHING))
@@ -443,7 +460,7 @@ def _row_statistics_and_gradient(logits_ptr, logits_row_stride, first_token, tar
         row_scale = 1.0
     row_scale = tl.where(valid, row_scale, 0.0)
     _gradient_of_row(row_logits, _row_start(gradient_ptr, row, gradient_row_stride), row_logits, log_sum_exp, target,
-                     row_scale, vocab, padded_vocab, smoothing, SMOOTHING, False, TRANSFORM, BLOCK)
+                     row_scale, vocab, padded_vocab, smoothing, SMOOTHING, False, TRANSFORM, WRITE_TRANSFORMED, BLOCK)
 
 
 @triton.jit
@@ -510,20 +527,6 @@ def _cast_rows(source_ptr, source_row_stride, source_rows, columns, out_ptr, BLO
         values = tl.load(source_ptr + row * source_row_stride + offsets, mask=offsets < read_columns, other=0.0)
         tl.store(out_ptr + row * columns + offsets, values.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
                  mask=offsets < columns)
-
-
-@triton.jit
-def _transform_rows(logits_ptr, row_stride, columns, TRANSFORM: tl.constexpr, BLOCK: tl.constexpr):
-    """One program per row of returned logits: the model's TRANSFORM written over them, in place
-    (the op's statistics and gradients read them before, untransformed)."""
-    row_logits = _row_start(logits_ptr, tl.program_id(0).to(tl.int64), row_stride)
-    for start in range(0, columns, BLOCK):
-        offsets = start + tl.arange(0, BLOCK)
-        inside = offsets < columns
-        logits = tl.load(row_logits + offsets, mask=inside, other=0.0).to(tl.float32)
-        transformed, _ = _transformed(logits, TRANSFORM)
-        tl.store(row_logits + offsets, transformed.to(logits_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
-                 mask=inside)
 
 
 # -- the vocabulary-major plan's kernels: logits transposed, [vocabulary rows, tokens] ------------
@@ -679,13 +682,13 @@ class KernelFamily:
 
 
 _ROW_OPTIONS = {"num_warps": NUM_WARPS}
-ROW_STATISTICS = KernelFamily(_row_statistics, _ROW_OPTIONS, ("SMOOTHING", "TRANSFORM"), BLOCK=BLOCK_COLUMNS)
+ROW_STATISTICS = KernelFamily(_row_statistics, _ROW_OPTIONS, ("SMOOTHING", "TRANSFORM", "WRITE_TRANSFORMED"),
+                              BLOCK=BLOCK_COLUMNS)
 ROW_STATISTICS_AND_GRADIENT = KernelFamily(_row_statistics_and_gradient, _ROW_OPTIONS,
-                                           ("MEAN", "SMOOTHING", "TRANSFORM"), BLOCK=BLOCK_COLUMNS)
+                                           ("MEAN", "SMOOTHING", "TRANSFORM", "WRITE_TRANSFORMED"), BLOCK=BLOCK_COLUMNS)
 COUNT_TARGETS = DirectKernel(_count_targets, {"num_warps": 4}, BLOCK=1024)
 LOGITS_GRADIENT = KernelFamily(_logits_gradient, _ROW_OPTIONS, ("HAS_INCOMING", "SMOOTHING", "TRANSFORM"),
                                BLOCK=BLOCK_COLUMNS)
-TRANSFORM_ROWS = KernelFamily(_transform_rows, {"num_warps": 4}, ("TRANSFORM",), BLOCK=1024)
 FINISH_LOSS = {mean: DirectKernel(_finish_loss, {"num_warps": 4}, MEAN=mean, BLOCK=4096) for mean in (False, True)}
 CAST_ROWS = DirectKernel(_cast_rows, {"num_warps": 4}, BLOCK=1024)
 # the bias's gradient a chunk: one launch where aten took a sum and an add
@@ -715,7 +718,7 @@ SCALE_BLOCK = 2048
 SCALE_PROGRAMS = 2048
 SCALE = {in_place: DirectKernel(_scale, {"num_warps": 8}, IN_PLACE=in_place, BLOCK=SCALE_BLOCK)
          for in_place in (False, True)}
-KERNEL_FAMILIES = (ROW_STATISTICS, ROW_STATISTICS_AND_GRADIENT, LOGITS_GRADIENT, TRANSFORM_ROWS, VOCABULARY_STATISTICS,
+KERNEL_FAMILIES = (ROW_STATISTICS, ROW_STATISTICS_AND_GRADIENT, LOGITS_GRADIENT, VOCABULARY_STATISTICS,
                    VOCABULARY_GRADIENT)
 FIXED_KERNELS = (COUNT_TARGETS, *FINISH_LOSS.values(), CAST_ROWS, *ADD_COLUMN_SUMS.values(), *SCALE.values(),
                  *MERGE_STATISTICS.values(), *FINISH_STATISTICS.values())
@@ -934,6 +937,7 @@ def linear_cross_entropy_impl(hidden: torch.Tensor, weight: torch.Tensor, bias: 
         # of `make bench-models`); the backward's scaling writes it in hidden's dtype
         gradients = _Gradients.empty(hidden, weight, bias, dtype) if with_gradients else None
         aligned_t = aligned.t()
+        write_transformed = return_logits and len(steps) > 1      # the user's logits are the transformed ones
         rows = chunk_rows(tokens, vocab, dtype, chunk_bytes)
         # returned logits are written into the output, their gradient (if formed) into the buffer
         buffers = _ChunkBuffers.empty(hidden, aligned.shape[0], dtype, rows,
@@ -944,18 +948,16 @@ def linear_cross_entropy_impl(hidden: torch.Tensor, weight: torch.Tensor, bias: 
             chunk = _chunk_logits(chunk_hidden, aligned_t, aligned_bias,
                                   out=logits[first:last] if return_logits else own)
             if gradients is None:
-                ROW_STATISTICS[label_smoothing != 0.0, steps](
+                ROW_STATISTICS[label_smoothing != 0.0, steps, write_transformed](
                     chunk.shape[0], chunk, chunk.stride(0), first, target, log_sum_exp, row_losses, vocab,
                     chunk.shape[1], ignore_index, label_smoothing)
             else:
                 gradient = own          # over the chunk's logits, unless those are returned
-                ROW_STATISTICS_AND_GRADIENT[reduction == "mean", label_smoothing != 0.0, steps](
+                ROW_STATISTICS_AND_GRADIENT[reduction == "mean", label_smoothing != 0.0, steps, write_transformed](
                     chunk.shape[0], chunk, chunk.stride(0), first, target, log_sum_exp, row_losses, count, gradient,
                     gradient.stride(0), vocab, gradient.shape[1], ignore_index, label_smoothing)
                 gradients.add_chunk(gradients.hidden[first:last], index == 0, gradient, chunk_hidden, aligned,
                                     bias is not None)
-            if return_logits and len(steps) > 1:     # the user's logits are the transformed ones
-                TRANSFORM_ROWS[steps](chunk.shape[0], chunk, chunk.stride(0), chunk.shape[1])
         loss = _reduced(row_losses, count, reduction)
         precomputed = gradients.finished(bias) if gradients is not None else _no_gradients(hidden)
     return loss, log_sum_exp, logits[:, :vocab] if return_logits else logits, *precomputed

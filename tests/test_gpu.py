@@ -756,13 +756,12 @@ def test_the_loss_heads_logit_transform_is_eagers_bit_for_bit_on_the_gpu(dtype, 
     """The kernels' transform of the logits (loss_head.LogitTransform) against eager's ops on CUDA:
     a divide by a number as its multiply by the fp32 reciprocal, tanh as CUDA's tanhf, each step
     rounded to the logits' dtype."""
-    from memfuse.loss_head import TRANSFORM_ROWS, LogitTransform
+    from memfuse.loss_head import LogitTransform
+    from test_logit_transform import written_transformed
     transform = LogitTransform(steps, None if dtype == torch.float32 else dtype)
     generator = torch.Generator(device="cuda").manual_seed(0)
     logits = (torch.randn(64, 4096, device="cuda", generator=generator) * 40).to(dtype)
-    written = logits.clone()
-    TRANSFORM_ROWS[transform.constexpr](64, written, written.stride(0), written.shape[1])
-    assert torch.equal(written, transform.apply(logits))
+    assert torch.equal(written_transformed(logits, transform), transform.apply(logits))
 
 
 @pytest.mark.parametrize("return_logits, with_gradients, plan", [
