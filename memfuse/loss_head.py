@@ -275,7 +275,8 @@ def _statistics_of_row(row_logits, target, vocab, padded_vocab, SMOOTHING: tl.co
     first. The statistics are of the logits through the model's TRANSFORM, which WRITE_TRANSFORMED
     writes over the row as it goes (returned logits)."""
     known = (target >= 0) & (target < vocab)        # an ignored target (-100) reads column 0, unused
-    target_logit, _ = _transformed(tl.load(row_logits + tl.where(known, target, 0)).to(tl.float32), TRANSFORM)
+    target_logit, target_slope = _transformed(tl.load(row_logits + tl.where(known, target, 0)).to(tl.float32),
+                                              TRANSFORM)     # (a scalar's slope: not the loop's `_`)
     lane_max = tl.full((BLOCK,), float("-inf"), tl.float32)
     lane_sum_of_exp = tl.zeros((BLOCK,), tl.float32)
     lane_logit_sum = tl.zeros((BLOCK,), tl.float32)
