@@ -21,6 +21,10 @@ computes the same loss a chunk of tokens at a time:
   the weight gradient's own storage as far as it holds them and formed again for the rest, so that
   no chunk adds into the whole [vocab, H] weight gradient (the section of that name below).
 
+The logits may go through the model's transform before the loss (Gemma's soft cap, a scale:
+`LogitTransform`): the kernels apply it where they read them and multiply their gradient by its
+derivative; returned logits are written transformed.
+
 A chunk's rows follow a byte budget (`chunk_rows`), so the head's transient is the same at any
 token count: one [rows, vocab] buffer, the gradient written over the logits. Where the logits are
 also read elsewhere, the op writes them whole in the forward and adds their incoming gradient to
