@@ -922,7 +922,7 @@ def linear_cross_entropy_impl(hidden: torch.Tensor, weight: torch.Tensor, bias: 
     written transformed, and their incoming gradient is the transformed ones'."""
     _check(hidden, weight, bias, target, reduction)
     _check_sizes(hidden, weight, bias, target)
-    steps = LogitTransform.parse(transform).constexpr
+    kernel_transform = LogitTransform.parse(transform).constexpr
     tokens, vocab = hidden.shape[0], weight.shape[0]
     target = target.contiguous()       # the kernels read one target per row
     with _no_autocast(hidden.device):
@@ -931,7 +931,8 @@ def linear_cross_entropy_impl(hidden: torch.Tensor, weight: torch.Tensor, bias: 
             if choice.vocabulary is not None:
                 STATS["loss_head_vocabulary_calls"] += 1
                 loss, log_sum_exp, *gradients = _vocabulary_major(hidden, weight, bias, target, ignore_index, reduction,
-                                                                  label_smoothing, dtype, choice.vocabulary, steps)
+                                                                  label_smoothing, dtype, choice.vocabulary,
+                                                                  kernel_transform)
                 return loss, log_sum_exp, _logits_buffer(hidden, vocab, dtype, False), *gradients
         aligned, aligned_bias = _aligned_weight(weight, bias, dtype)
         logits = _logits_buffer(hidden, vocab, dtype, return_logits)
@@ -942,7 +943,7 @@ def linear_cross_entropy_impl(hidden: torch.Tensor, weight: torch.Tensor, bias: 
         # of `make bench-models`); the backward's scaling writes it in hidden's dtype
         gradients = _Gradients.empty(hidden, weight, bias, dtype) if with_gradients else None
         aligned_t = aligned.t()
-        write_transformed = return_logits and len(steps) > 1      # the user's logits are the transformed ones
+        write_transformed = return_logits and len(kernel_transform) > 1    # the user's are the transformed ones
         rows = chunk_rows(tokens, vocab, dtype, chunk_bytes)
         # returned logits are written into the output, their gradient (if formed) into the buffer
         buffers = _ChunkBuffers.empty(hidden, aligned.shape[0], dtype, rows,
@@ -953,12 +954,13 @@ def linear_cross_entropy_impl(hidden: torch.Tensor, weight: torch.Tensor, bias: 
             chunk = _chunk_logits(chunk_hidden, aligned_t, aligned_bias,
                                   out=logits[first:last] if return_logits else own)
             if gradients is None:
-                ROW_STATISTICS[label_smoothing != 0.0, steps, write_transformed](
+                ROW_STATISTICS[label_smoothing != 0.0, kernel_transform, write_transformed](
                     chunk.shape[0], chunk, chunk.stride(0), first, target, log_sum_exp, row_losses, vocab,
                     chunk.shape[1], ignore_index, label_smoothing)
             else:
                 gradient = own          # over the chunk's logits, unless those are returned
-                ROW_STATISTICS_AND_GRADIENT[reduction == "mean", label_smoothing != 0.0, steps, write_transformed](
+                ROW_STATISTICS_AND_GRADIENT[reduction == "mean", label_smoothing != 0.0, kernel_transform,
+                                            write_transformed](
                     chunk.shape[0], chunk, chunk.stride(0), first, target, log_sum_exp, row_losses, count, gradient,
                     gradient.stride(0), vocab, gradient.shape[1], ignore_index, label_smoothing)
                 gradients.add_chunk(gradients.hidden[first:last], index == 0, gradient, chunk_hidden, aligned,
@@ -1167,7 +1169,7 @@ def choose_plan(tokens: int, hidden_size: int, vocab: int, dtype: torch.dtype, w
 
 
 def _vocabulary_major(hidden, weight, bias, target, ignore_index: int, reduction: str, label_smoothing: float,
-                      dtype: torch.dtype, plan: VocabularyPlan, steps: tuple) -> tuple:
+                      dtype: torch.dtype, plan: VocabularyPlan, kernel_transform: tuple) -> tuple:
     """linear_cross_entropy_impl's results with the gradients formed, by the vocabulary-major plan."""
     tokens, hidden_size = hidden.shape
     vocab = weight.shape[0]
@@ -1186,16 +1188,17 @@ def _vocabulary_major(hidden, weight, bias, target, ignore_index: int, reduction
         rows = min(plan.forward_rows, vocab - first)
         logits = storage[:rows * plan.tokens].view(rows, plan.tokens)
         _vocabulary_logits(weight_rows, bias_rows, hidden_t, first, rows, logits)
-        _add_statistics(logits, first, target, running, smoothing, steps, first_call=first == kept.rows)
+        _add_statistics(logits, first, target, running, smoothing, kernel_transform, first_call=first == kept.rows)
     kept_logits = _stored_logits(storage, kept, plan.tokens)
     _vocabulary_logits(weight_rows, bias_rows, hidden_t, kept.first, kept.rows, kept_logits)
-    _add_statistics(kept_logits, kept.first, target, running, smoothing, steps, first_call=kept.rows == vocab)
+    _add_statistics(kept_logits, kept.first, target, running, smoothing, kernel_transform,
+                    first_call=kept.rows == vocab)
     FINISH_STATISTICS[smoothing](triton.cdiv(tokens, MERGE_BLOCK), running, tokens, target, ignore_index, vocab,
                                  label_smoothing, log_sum_exp, row_losses)
     loss = _reduced(row_losses, count, reduction)
     hidden_gradient = hidden.new_empty((plan.tokens, hidden_size), dtype=dtype)
     bias_gradient = torch.empty(vocab if bias is not None else 0, dtype=torch.float32, device=weight.device)
-    gradient_kernel = VOCABULARY_GRADIENT[reduction == "mean", smoothing, bias is not None, steps]
+    gradient_kernel = VOCABULARY_GRADIENT[reduction == "mean", smoothing, bias is not None, kernel_transform]
     tail = None
     for index, step in enumerate(plan.steps):
         if index == 0:
@@ -1240,15 +1243,16 @@ def _vocabulary_logits(weight, bias, hidden_t, first: int, rows: int, out: torch
 
 
 def _add_statistics(logits: torch.Tensor, first: int, target: torch.Tensor, running: torch.Tensor, smoothing: bool,
-                    steps: tuple, first_call: bool) -> None:
+                    kernel_transform: tuple, first_call: bool) -> None:
     """The tokens' statistics over vocabulary rows first.. ([rows, padded tokens] logits) merged into
     `running` (written by the first call)."""
     rows = logits.shape[0]
     tokens = running.shape[1]
     parts = min(STATISTICS_PARTS_MAX, triton.cdiv(rows, STATISTICS_ROWS_PER_PART))
     part_statistics = running.new_empty((4, parts, tokens))
-    VOCABULARY_STATISTICS[smoothing, steps](triton.cdiv(tokens, STATISTICS_BLOCK_T) * parts, logits, rows, tokens,
-                                     logits.stride(0), first, target, triton.cdiv(rows, parts), part_statistics)
+    VOCABULARY_STATISTICS[smoothing, kernel_transform](
+        triton.cdiv(tokens, STATISTICS_BLOCK_T) * parts, logits, rows, tokens, logits.stride(0), first, target,
+        triton.cdiv(rows, parts), part_statistics)
     MERGE_STATISTICS[first_call](triton.cdiv(tokens, MERGE_BLOCK), part_statistics, parts, tokens, running)
 
 
@@ -1387,17 +1391,17 @@ def _add_incoming(gradients: tuple, logits_gradient: torch.Tensor, operands: tup
     LogitTransform.gradient_through): no [tokens, vocab] logits, nor fp32 ones, whole."""
     hidden_gradient, weight_gradient, bias_gradient = gradients
     hidden, weight, bias = operands
-    steps = LogitTransform.parse(transform)
+    logit_transform = LogitTransform.parse(transform)
     incoming = _unit_stride(logits_gradient.reshape(-1, logits_gradient.shape[-1]))
     weight_rows = weight.to(dtype)
     tokens = hidden.shape[0]
-    rows = chunk_rows(tokens, weight.shape[0], dtype, chunk_bytes) if steps.steps else max(1, tokens)
+    rows = chunk_rows(tokens, weight.shape[0], dtype, chunk_bytes) if logit_transform.steps else max(1, tokens)
     for first, last in _chunks(tokens, rows):
         hidden_rows = hidden[first:last].to(dtype)
         chunk = incoming[first:last]
-        if steps.steps:
+        if logit_transform.steps:
             logits = _chunk_logits(hidden_rows, weight_rows.t(), None if bias is None else bias.to(dtype))
-            chunk = steps.gradient_through(logits, chunk)
+            chunk = logit_transform.gradient_through(logits, chunk)
         chunk = chunk.to(dtype)
         hidden_gradient[first:last] += torch.mm(chunk, weight_rows)
         _accumulate(weight_gradient, chunk.t(), hidden_rows)
@@ -1406,7 +1410,7 @@ def _add_incoming(gradients: tuple, logits_gradient: torch.Tensor, operands: tup
 
 
 def _recomputed_backward(loss_gradient, logits_gradient, hidden, weight, bias, target, log_sum_exp, ignore_index,
-                         reduction, label_smoothing, dtype, chunk_bytes, steps: tuple) -> tuple:
+                         reduction, label_smoothing, dtype, chunk_bytes, kernel_transform: tuple) -> tuple:
     tokens, vocab = hidden.shape[0], weight.shape[0]
     target = target.contiguous()
     aligned, aligned_bias = _aligned_weight(weight, bias, dtype)
@@ -1419,7 +1423,8 @@ def _recomputed_backward(loss_gradient, logits_gradient, hidden, weight, bias, t
     for index, (first, last) in enumerate(_chunks(tokens, rows)):
         chunk_hidden = buffers.hidden_rows(hidden, dtype, first, last)
         chunk = _chunk_logits(chunk_hidden, aligned_t, aligned_bias, out=buffers.logits_rows(last - first))
-        _launch_gradient(chunk, first, chunk, log_sum_exp, target, scales, incoming, vocab, label_smoothing, steps)
+        _launch_gradient(chunk, first, chunk, log_sum_exp, target, scales, incoming, vocab, label_smoothing,
+                         kernel_transform)
         gradients.add_chunk(gradients.hidden[first:last], index == 0, chunk, chunk_hidden, aligned, bias is not None)
     return gradients.finished(bias)
 
