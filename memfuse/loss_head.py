@@ -130,7 +130,7 @@ class LogitTransform:
             steps.append((kind, number))
         return LogitTransform(tuple(steps), rounded_to)
 
-    @property
+    @functools.cached_property      # the op reads it every call
     def constexpr(self) -> tuple:
         """The kernels' TRANSFORM: (rounding, kind, factor, reciprocal, kind, ...); (0,) for none. A
         divide's reciprocal is fp32's 1 / factor: CUDA's eager divides by a number so, multiplying
@@ -196,16 +196,13 @@ INTERPRETED = tl.constexpr(bool(knobs.runtime.interpret))     # Triton's interpr
 @triton.jit
 def _tanh(x):
     """fp32 tanh: CUDA's tanhf compiled (libdevice's, which eager's tanh on the GPU runs); in the
-    interpreter, which has no libdevice, the fp32 branch of memfuse.ops' mf_tanh (Cephes' tanhf, a
-    few ulps): an odd polynomial below |x| = 0.625, 1 - 2 / (exp(2|x|) + 1) above."""
+    interpreter, which has no libdevice, (e - 1) / (e + 1) with e = exp(2x) in fp64 (x - x^3 / 3
+    near 0, where e - 1 cancels), rounded once to fp32."""
     if INTERPRETED:
-        a = tl.abs(x)
-        z = x * x
-        poly = (((-5.70498872745e-3 * z + 2.06390887954e-2) * z - 5.37397155531e-2) * z
-                + 1.33314422036e-1) * z - 3.33332819422e-1
-        small = tl.where(a < 1.1754943508222875e-38, x, poly * z * x + x)
-        large = 1.0 - 2.0 / (tl.exp(2.0 * a) + 1.0)
-        result = tl.where(a < 0.625, small, tl.where(x < 0, -large, large))
+        wide = tl.minimum(tl.maximum(x.to(tl.float64), -20.0), 20.0)      # tanh(20) is 1 in fp64
+        e = tl.exp(2.0 * wide)
+        near_zero = wide - wide * wide * wide / 3.0
+        result = tl.where(tl.abs(wide) < 1e-4, near_zero, (e - 1.0) / (e + 1.0)).to(tl.float32)
     else:
         result = libdevice.tanh(x)
     return result
