@@ -38,8 +38,8 @@ from benchmarks import models  # noqa: E402  (sets TRITON_INTERPRET for --tiny b
 import torch  # noqa: E402
 
 import memfuse  # noqa: E402
-from memfuse.backend import watch  # noqa: E402
-from memfuse.debug import human_bytes  # noqa: E402
+from memfuse.fronts.backend import watch  # noqa: E402
+from memfuse.base.debug import human_bytes  # noqa: E402
 
 BUDGETS = (1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)
 MODES = ("memfuse_backend", "torch_compile")

@@ -465,7 +465,7 @@ def run_case(r: Rank, ref: Reference, wrapper: str, mode: str, result: CaseResul
     r.synchronize()
     allocated_before = torch.cuda.memory_allocated(r.device) if r.device.type == "cuda" else 0
     model, parallel, result.note, optimizer = build_case(r, wrapper, mode)
-    before, told = memfuse.stats(), set(memfuse.eager.TOLD)
+    before, told = memfuse.stats(), set(memfuse.driver.fallback.TOLD)
     start = time.perf_counter()
     for step, batch in enumerate(r.batches[:r.args.steps]):
         inspect = (lambda: _inspect_grads(model, result)) if step == 0 and wrapper.startswith("ddp") else None
@@ -475,7 +475,7 @@ def run_case(r: Rank, ref: Reference, wrapper: str, mode: str, result: CaseResul
     after = memfuse.stats()
     result.memfuse_compiles, result.eager_calls, result.graph_fallbacks = (
         after[name] - before[name] for name in ("compiles", "eager_calls", "graph_fallbacks"))
-    result.fallback_reasons = sorted(f"{name}: {reason}" for name, reason in memfuse.eager.TOLD - told)
+    result.fallback_reasons = sorted(f"{name}: {reason}" for name, reason in memfuse.driver.fallback.TOLD - told)
     _compare(r, ref, model, result)
     if r.args.timed == 0:
         return None

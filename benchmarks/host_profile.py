@@ -70,7 +70,7 @@ class StandInGenerator:
 def _stub_launches(entry) -> None:
     """From now on every kernel of `entry` (compiled and launched once) launches directly, into
     nothing, and seeds come from a stand-in CUDA generator."""
-    from memfuse import runtime
+    from memfuse.runtime import program as runtime
     cpu = torch.device("cpu")
     runtime.raw_stream = lambda index: 0
     runtime._SEED_DRAWS[cpu] = runtime.philox_seed_draw(StandInGenerator())
@@ -203,7 +203,7 @@ def profile_layer(family_name: str, steps: int, stubbed: bool) -> None:
     device = torch.device("cpu" if stubbed else "cuda")
     if stubbed:
         torch.set_num_threads(1)
-    from memfuse.backend import watch
+    from memfuse.fronts.backend import watch
     call = record_layer_call(family_name, device, stubbed)
     fused = memfuse.memory_efficient_fusion(call.layer)
     compiled = torch.compile(call.layer, backend="memfuse", fullgraph=True)
@@ -236,7 +236,7 @@ def profile_layer(family_name: str, steps: int, stubbed: bool) -> None:
 def _stub_model_launches(model, graphs: list) -> int:
     """Stub every compiled program a model runs: each FusedModule's cache entries and each backend
     graph `watch()` saw. Returns how many programs were stubbed."""
-    from memfuse.module import FusedModule
+    from memfuse.fronts.module import FusedModule
     entries = [graph for graph in graphs if graph.function is not None]
     for module in model.modules():
         if isinstance(module, FusedModule):
@@ -282,8 +282,9 @@ def profile_model(family_name: str, modes: list, steps: int, fsdp2: bool = False
     frames' caches), runs one step for real (compiles, kernels interpreted), then its launches are
     stubbed and its steps timed (process time, one torch thread, best of 10 repeats)."""
     import memfuse
-    from memfuse import loss_head, runtime
-    from memfuse.backend import watch
+    from memfuse.patterns.loss_head import op as loss_head
+    from memfuse.runtime import program as runtime
+    from memfuse.fronts.backend import watch
     from benchmarks import models
     torch.set_num_threads(1)
     cpu_allocate = runtime._allocator(torch.device("cpu"))

@@ -8,7 +8,7 @@ The model of `make bench-models`, at its own width (hidden, FFN, vocabulary) but
 wrapped whole (`memory_efficient_fusion`), trains one step on the CPU through Triton's interpreter
 under the CPU's bf16 autocast (`--fp32`: without), as the GPU runs under CUDA's. Each distinct
 kernel is then compiled by Triton for sm_90 (Triton's wheel brings ptxas and cuobjdump) at the
-launch configuration an H100 without a tuning cache uses (`memfuse.tuning.source_config`), and
+launch configuration an H100 without a tuning cache uses (`memfuse.codegen.tuning.source_config`), and
 its SASS instructions are counted. A kernel of one tile per program runs each instruction once a
 tile and warp; a persistent kernel runs its loop over tiles (the widest span a backward branch
 closes) once a tile and warp. **issue ns** is a tile's warp instructions at an H100's issue rate
@@ -64,7 +64,7 @@ def step_kernels(model_name: str, tokens: int, autocast: bool) -> list:
     (`memory_efficient_fusion`), at the model's width and `tokens` tokens: under the CPU's bf16
     autocast as the GPU runs under CUDA's (their op lists are close, not the same), or in fp32."""
     from benchmarks.models import FAMILIES, TINY_SETTINGS, WRAPPERS, Setup, Templates, fresh, make_batch
-    from memfuse.runtime import KernelLaunch
+    from memfuse.runtime.program import KernelLaunch
     family = FAMILIES[model_name]
     size = dataclasses.replace(family.size, batch=1, seq=tokens)
     setup = Setup(torch.device("cpu"), tiny=True, settings=TINY_SETTINGS)
@@ -87,9 +87,9 @@ def manifest_entry(graph, launch) -> dict:
     constexprs, an H100's default launch configuration) and what judging it needs (bytes a row,
     tile, whether one tile a program)."""
     from benchmarks.kernel_sol import _config
-    from memfuse.config import Config
-    from memfuse.precompile import warmup_arguments
-    from memfuse.tuning import source_config
+    from memfuse.base.config import Config
+    from memfuse.runtime.precompile import warmup_arguments
+    from memfuse.codegen.tuning import source_config
     source = launch.kernel.source
     chosen = source_config(source)
     launch.configs[CUDA] = chosen

@@ -45,7 +45,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import memfuse  # noqa: E402
-from memfuse.config import Config  # noqa: E402
+from memfuse.base.config import Config  # noqa: E402
 
 MB = models.MB
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

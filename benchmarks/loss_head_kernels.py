@@ -6,7 +6,7 @@ were chosen, and what its fp32 weight-gradient accumulation costs.
 
 Per chunk of bf16 logits ([rows, vocab] as `chunk_rows` makes them for the Llama and GPT-2 of
 `make bench-models` at 256 MiB, and for the 128256-word head of `make bench-loss-head`): a clone
-(one read and one write of the chunk: the copy floor), then memfuse.loss_head's row statistics and
+(one read and one write of the chunk: the copy floor), then memfuse.patterns.loss_head.op's row statistics and
 logits gradient as two kernels and as its one fused kernel, at BLOCK_SIZES columns a step and
 WARPS warps (`triton.testing.do_bench`, ms). Then the fp32 gradient of a master weight, added
 up from one chunk's bf16 product: a bf16 product added to the fp32 total, against `aten.addmm`
@@ -42,7 +42,7 @@ NO_TRANSFORM = (0,)     # loss_head.LogitTransform().constexpr: the logits as th
 
 def kernel_variants(rows: int, vocab: int, device: torch.device, dtype: torch.dtype) -> dict:
     """{(variant, block, warps): launch()} over one chunk: the kernels as the op runs them."""
-    from memfuse import loss_head
+    from memfuse.patterns.loss_head import op as loss_head
     padded = loss_head._padded(vocab)
     logits = torch.randn(rows, padded, device=device, dtype=dtype)
     target = torch.randint(0, vocab, (rows,), device=device)

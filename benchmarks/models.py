@@ -51,7 +51,7 @@ import torch._dynamo  # noqa: E402
 from torch import nn  # noqa: E402
 
 import memfuse  # noqa: E402
-from memfuse.backend import memfuse_backend  # noqa: E402
+from memfuse.fronts.backend import memfuse_backend  # noqa: E402
 from benchmarks.report import MISSING, _fmt, _table  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"

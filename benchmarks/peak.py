@@ -33,7 +33,7 @@ import torch
 import memfuse
 from benchmarks.models import (FAMILIES, GPU_SETTINGS, MODES, WRAPPERS, Setup, Templates, forward_loss, fresh,
                                make_batch)
-from memfuse.runtime import Program
+from memfuse.runtime.program import Program
 
 MB = 2 ** 20
 TOP_GROUPS = 15

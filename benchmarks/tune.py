@@ -20,8 +20,8 @@ from triton.testing import do_bench
 
 import memfuse
 from benchmarks.workloads import registry
-from memfuse.runtime import KernelLaunch
-from memfuse.tuning import LaunchConfig, TuningCache, source_config
+from memfuse.runtime.program import KernelLaunch
+from memfuse.codegen.tuning import LaunchConfig, TuningCache, source_config
 
 
 def kernel_time(launch: KernelLaunch) -> float:

@@ -4,14 +4,14 @@
     block = memfuse.memory_efficient_fusion(block) # an nn.Module: same parameters and state_dict
     model = torch.compile(model, backend="memfuse")
 """
-from . import backend as _backend
-from . import debug as _debug
-from . import explain as _explain
-from .wrap import memory_efficient_fusion
-from .module import FusedModule
-from .config import Config
-from .debug import compile_times, configure_logging, reset_stats, stats
-from .explain import draw_memory, draw_plan, explain
+from memfuse.fronts import backend as _backend
+from memfuse.base import debug as _debug
+from memfuse.reports import explain as _explain
+from memfuse.fronts.wrap import memory_efficient_fusion
+from memfuse.fronts.module import FusedModule
+from memfuse.base.config import Config
+from memfuse.base.debug import compile_times, configure_logging, reset_stats, stats
+from memfuse.reports.explain import draw_memory, draw_plan, explain
 
 configure_logging()
 _debug.add_compile_hook(_explain.report_compile)   # reports sit above the pipeline: debug calls them back

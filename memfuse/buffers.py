@@ -29,10 +29,10 @@ from typing import Optional
 import sympy
 import torch
 
-from .capture import TensorConstant
-from .debug import timed
-from .ir import Extern, Graph, Op, Value, ValueRef, aten_schema
-from .schedule import ALIASING_CALLS, ExternStep, KernelGroup, Schedule
+from memfuse.capture.lower import TensorConstant
+from memfuse.base.debug import timed
+from memfuse.ir.graph import Extern, Graph, Op, Value, ValueRef, aten_schema
+from memfuse.schedule.groups import ALIASING_CALLS, ExternStep, KernelGroup, Schedule
 
 ENTRY = "entry"      # the plan's first step: the inputs, unpacked from the caller's list
 

@@ -41,9 +41,9 @@ import sympy
 import torch
 from networkx.algorithms.flow import boykov_kolmogorov
 
-from .capture import Captured
-from .debug import human_bytes, timed
-from .ir import LEAF, REDUCTION, Graph, Kind, Matmul, Node, Op, Reduce, value_bytes
+from memfuse.capture.lower import Captured
+from memfuse.base.debug import human_bytes, timed
+from memfuse.ir.graph import LEAF, REDUCTION, Graph, Kind, Matmul, Node, Op, Reduce, value_bytes
 
 INFINITE = float("inf")
 FREE_LEAVES = {Op.SEED, Op.CONSTANT, Op.SYMBOL}   # available to both graphs at no cost

@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import memfuse  # noqa: E402
-from memfuse.debug import TOPICS, configure_logging  # noqa: E402
+from memfuse.base.debug import TOPICS, configure_logging  # noqa: E402
 
 # torch's structured trace log (tlparse) emits DEBUG records that flood failure reports.
 logging.getLogger("torch.__trace").setLevel(logging.INFO)
@@ -56,10 +56,10 @@ def _fresh_state(request):
     A compile that fails runs the original through torch, whose results then match eager: unless
     the test expects it (`compile_fails`), that hides a memfuse error, so it fails the test."""
     memfuse.reset_stats()
-    memfuse.eager.TOLD.clear()
+    memfuse.driver.fallback.TOLD.clear()
     torch.manual_seed(0)
     yield
-    failed = [f"{name}: {reason}" for name, reason in memfuse.eager.TOLD if reason.startswith("compiling it failed")]
+    failed = [f"{name}: {reason}" for name, reason in memfuse.driver.fallback.TOLD if reason.startswith("compiling it failed")]
     if failed and "compile_fails" not in request.keywords:
         pytest.fail("a compile failed and the call ran through torch: " + "; ".join(failed), pytrace=False)
 

@@ -123,7 +123,7 @@ def test_the_front_runs_its_last_function_on_a_tensor_guard(monkeypatch, guards_
     and where torch has no TensorGuards every call does. Either way each call runs its own
     program: consecutive calls that differ in one key part each get theirs."""
     if not guards_available:
-        monkeypatch.setattr(memfuse.api, "TensorGuards", None)
+        monkeypatch.setattr(memfuse.fronts.function, "TensorGuards", None)
     x, b = inputs()
     fused = memfuse.memory_efficient_fusion(scale_shift)
     variants = [(x, 2.0, b), (x.double(), 2.0, b.double()), (x.detach(), 2.0, b), (x.t().contiguous().t(), 2.0, b),
@@ -146,8 +146,8 @@ def test_no_tensor_guard_for_functorch_wrappers():
     """A guard made with a functorch wrapper would let later wrappers skip the unwrapping."""
     escaped = []
     torch.func.grad(lambda x: escaped.append(x) or x.sum())(torch.randn(3))
-    assert memfuse.api._tensor_guards([escaped[0]]) is None
-    assert memfuse.api._tensor_guards([torch.randn(3)]) is not None
+    assert memfuse.fronts.function._tensor_guards([escaped[0]]) is None
+    assert memfuse.fronts.function._tensor_guards([torch.randn(3)]) is not None
 
 
 def test_a_repeated_call_skips_the_python_half_of_autograd_apply(monkeypatch):
@@ -161,7 +161,7 @@ def test_a_repeated_call_skips_the_python_half_of_autograd_apply(monkeypatch):
     def counted(cls, *args, **kwargs):
         python_applies.append(cls)
         return python_apply(cls, *args, **kwargs)
-    monkeypatch.setattr(memfuse.runtime._MemfuseFunction, "apply", classmethod(counted))
+    monkeypatch.setattr(memfuse.runtime.program._MemfuseFunction, "apply", classmethod(counted))
     x, b = inputs()
     fused = memfuse.memory_efficient_fusion(scale_shift)
     for _ in range(3):
@@ -169,7 +169,7 @@ def test_a_repeated_call_skips_the_python_half_of_autograd_apply(monkeypatch):
     grad_fn = fused(x, 2.0, b).grad_fn
     assert len(python_applies) == 1 and type(grad_fn).__name__ == "_MemfuseFunctionBackward"
     # the engine calls the node's apply: memfuse's backward itself, not BackwardCFunction.apply's lookup
-    assert type(grad_fn).apply is memfuse.runtime._MemfuseFunction.backward
+    assert type(grad_fn).apply is memfuse.runtime.program._MemfuseFunction.backward
 
 
 @pytest.mark.parametrize("first_call", [True, False])

@@ -1,4 +1,4 @@
-"""memfuse.attention: an attention mask built from sizes alone (as HuggingFace's mask code builds
+"""memfuse.patterns.attention: an attention mask built from sizes alone (as HuggingFace's mask code builds
 one under any trace) runs as the kernel's own causal mask, or as no mask, at every size where it is
 one, and as the mask itself elsewhere. Outputs and gradients match eager either way; the counters
 say which path each call took."""
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import memfuse
-from memfuse.attention import OutputMasks, mask_form, marked_form
+from memfuse.patterns.attention import OutputMasks, mask_form, marked_form
 
 
 def causal(q, k, v):
@@ -142,7 +142,7 @@ def bidirectional(q, k, v):
 def test_a_mask_broadcast_along_its_last_dim_reaches_the_trace_dense_and_is_dropped():
     """Broadcast along kv (last stride 0), SDPA on a GPU would take its math path (fp32 matmuls and
     a softmax); memfuse's trace sees the mask contiguous, and the mask masks nothing: dropped."""
-    from memfuse.attention import dense_mask
+    from memfuse.patterns.attention import dense_mask
     mask = torch.ones(1, 1, 4, 1, dtype=torch.bool).expand(2, 1, 4, 4)
     args, kwargs = dense_mask((1, 2, 3, mask), {})
     assert args[3].is_contiguous() and torch.equal(args[3], mask)
@@ -156,7 +156,7 @@ def test_a_mask_broadcast_along_its_last_dim_reaches_the_trace_dense_and_is_drop
     assert _counts() == (checked + 1, dropped + 2)
 
 
-# -- a mask one compiled graph returns and a fused layer receives (memfuse.attention.OutputMasks) --
+# -- a mask one compiled graph returns and a fused layer receives (memfuse.patterns.attention.OutputMasks) --
 def causal_mask_of(x, positions):
     """HuggingFace's way under torch.compile: causal by position ids (a sequence's own past), as a
     [batch, 1, q, q] boolean mask the layers receive; causal when the positions count up."""

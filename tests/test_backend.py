@@ -88,15 +88,15 @@ def test_compile_under_autocast():
 
 
 def test_backend_is_registered_and_registration_is_idempotent():
-    memfuse.backend.register()
-    memfuse.backend.register()
+    memfuse.fronts.backend.register()
+    memfuse.fronts.backend.register()
     assert "memfuse" in torch._dynamo.list_backends()
 
 
 def test_backend_found_without_importing_memfuse():
     """Through the torch_dynamo_backends entry point (when installed) or registration on import."""
     code = ("from torch._dynamo.backends.registry import lookup_backend\n"
-            "assert lookup_backend('memfuse').__module__ == 'memfuse.backend'\n")
+            "assert lookup_backend('memfuse').__module__ == 'memfuse.fronts.backend'\n")
     root = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     try:

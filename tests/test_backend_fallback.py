@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import memfuse
-import memfuse.backend
+import memfuse.fronts.backend
 
 aten = torch.ops.aten
 
@@ -59,7 +59,7 @@ def test_a_graph_the_lowering_rejects_runs_through_torch(logs):
     [message] = fallback_messages(logs)
     assert "graph dynamo_0/0 runs through torch (eager)" in message
     assert "NotImplementedError: memfuse: boolean size expression" in message
-    assert "memfuse/capture.py" in message and "(lower_symbol)" in message
+    assert "memfuse/capture/lower.py" in message and "(lower_symbol)" in message
     assert "MEMFUSE_STRICT=1" in message
     record = next(r for r in logs.records if r.name == "memfuse.fallbacks")
     assert record.levelno == logging.WARNING and record.exc_info is not None   # the traceback at DEBUG
@@ -82,13 +82,13 @@ def test_strict_mode_raises_the_failure_chained(monkeypatch):
 def test_a_failure_building_the_backward_program_is_caught_before_the_forward_runs(monkeypatch, logs):
     """AOTAutograd compiles the backward lazily, but memfuse's partition builds both programs up
     front: a failure there falls back at the first call, before any memfuse forward ran."""
-    schedule = memfuse.backend.schedule
+    schedule = memfuse.fronts.backend.schedule
 
     def failing(graph, config, kind):
         if kind == "backward":
             raise RuntimeError("injected: the backward schedule failed")
         return schedule(graph, config, kind)
-    monkeypatch.setattr(memfuse.backend, "schedule", failing)
+    monkeypatch.setattr(memfuse.fronts.backend, "schedule", failing)
     compiled = torch.compile(block, backend="memfuse")
     x, w = inputs()
     compiled(x, w.requires_grad_())
@@ -101,22 +101,22 @@ def test_a_failure_building_the_backward_program_is_caught_before_the_forward_ru
 def test_a_failure_in_the_inference_compiler_runs_through_torch(monkeypatch, logs):
     def failing(captured, *budget):
         raise ValueError("injected: the plan failed")
-    monkeypatch.setattr(memfuse.backend, "plan", failing)
+    monkeypatch.setattr(memfuse.fronts.backend, "plan", failing)
     compiled = torch.compile(block, backend="memfuse")
     x, w = inputs()
     with torch.no_grad():
         torch.testing.assert_close(compiled(x, w), block(x, w))
     assert memfuse.stats()["graph_fallbacks"] == 1
     assert "ValueError: injected: the plan failed" in fallback_messages(logs)[0]
-    assert "memfuse/backend.py" in fallback_messages(logs)[0]
+    assert "memfuse/fronts/backend.py" in fallback_messages(logs)[0]
 
 
 def test_a_failure_in_aotautograds_trace_runs_through_torch(monkeypatch, logs):
     """Before memfuse's partition: a decomposition memfuse hands AOTAutograd fails."""
     def failing_sin(x):
         raise TypeError("injected: the decomposition failed")
-    table = memfuse.backend.decomposition_table()
-    monkeypatch.setattr(memfuse.backend, "decomposition_table", lambda: {**table, aten.sin.default: failing_sin})
+    table = memfuse.fronts.backend.decomposition_table()
+    monkeypatch.setattr(memfuse.fronts.backend, "decomposition_table", lambda: {**table, aten.sin.default: failing_sin})
     compiled = torch.compile(block, backend="memfuse")
     assert_matches_eager(block, compiled, *inputs())
     assert memfuse.stats()["graph_fallbacks"] == 1

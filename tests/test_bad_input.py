@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import memfuse
-from memfuse.eager import StrictModeError
+from memfuse.driver.fallback import StrictModeError
 
 from compare import assert_matches_eager, assert_same, run_both
 

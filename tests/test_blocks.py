@@ -100,7 +100,7 @@ def test_a_pipeline_too_deep_for_shared_memory_runs_unpipelined():
     which the kernel keeps from then on."""
     from triton.runtime.errors import OutOfResources
 
-    from memfuse.tuning import LaunchConfig
+    from memfuse.codegen.tuning import LaunchConfig
     tensors, consts, grad_output = block_inputs("layer_norm_block", (3, 5, 48))
     fused = memfuse.memory_efficient_fusion(BLOCKS["layer_norm_block"].fn)
     forward_backward(fused, tensors, consts, grad_output)

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 import memfuse
 from helpers import BLOCKS, block_inputs, rel_error
-from memfuse.capture import capture
+from memfuse.capture.lower import capture
 from memfuse.plan import MAX_MATMUL_CHAIN, Decision, matmul_chain, plan
 
 BUDGETS = (1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)
@@ -174,7 +174,7 @@ def test_backend_option_sets_the_budget():
     torch._dynamo.reset()
     tensors = mlp_inputs()
     compiled = torch.compile(mlp, backend="memfuse", options={"memory_budget": 0.3})
-    with memfuse.backend.watch() as records:
+    with memfuse.fronts.backend.watch() as records:
         fused_in, eager_in = leaves(tensors), leaves(tensors)
         actual, expected = compiled(*fused_in)[0], mlp(*eager_in)[0]
     actual.sum().backward()
@@ -245,7 +245,7 @@ def test_settings_from_the_environment(monkeypatch, variable, field, value, pars
 
 
 def test_loss_head_chunk_defaults():
-    assert memfuse.Config().loss_head_chunk_rows is None     # 1024 on one process: memfuse.head.rows_cap
+    assert memfuse.Config().loss_head_chunk_rows is None     # 1024 on one process: memfuse.patterns.loss_head.detect.rows_cap
     assert memfuse.Config().loss_head_chunk_bytes == 256 * 2**20
 
 

@@ -15,10 +15,11 @@ import torch.nn.functional as F
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import memfuse
-from memfuse import backend, runtime
+from memfuse.fronts import backend
+from memfuse.runtime import program as runtime
 from memfuse.buffers import ALLOCATED, BufferPlanError, Origin, memory_timeline, verify_buffer_plan
-from memfuse.explain import buffer_lines
-from memfuse.runtime import KernelLaunch
+from memfuse.reports.explain import buffer_lines
+from memfuse.runtime.program import KernelLaunch
 
 from helpers import BLOCKS, block_inputs, leaves_like
 

@@ -1,5 +1,5 @@
-"""The chunked loss head (issue 18): memfuse.loss_head's op against the unchunked math, and
-memfuse.head finding the pattern (linear -> [cast] -> [flatten] -> cross_entropy) in functions,
+"""The chunked loss head (issue 18): memfuse.patterns.loss_head.op's op against the unchunked math, and
+memfuse.patterns.loss_head.detect finding the pattern (linear -> [cast] -> [flatten] -> cross_entropy) in functions,
 in torch.compile graphs and in HuggingFace's GPT-2, BERT-MLM and Llama heads, or saying why not."""
 import dataclasses
 import functools
@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 
 import memfuse
-from memfuse import loss_head
-from memfuse.config import Config
-from memfuse.head import BUDGET_MIN_CHUNK_ROWS, chunk_bytes
+from memfuse.patterns.loss_head import op as loss_head
+from memfuse.base.config import Config
+from memfuse.patterns.loss_head.detect import BUDGET_MIN_CHUNK_ROWS, chunk_bytes
 
 IGNORE = -100
 
@@ -248,13 +248,13 @@ def test_under_torch_distributed_the_default_chunk_is_the_bytes_alone(monkeypatc
     """More than one rank: no rows cap unless set (steps there are host-paced, and each chunk costs
     the host), said in explain(); a set one still holds."""
     llama = (32000, torch.bfloat16)
-    monkeypatch.setattr(memfuse.head, "_ranks", lambda: 2)
+    monkeypatch.setattr(memfuse.patterns.loss_head.detect, "_ranks", lambda: 2)
     assert chunk_bytes(Config(), *llama) == 256 * 2**20
     assert chunk_bytes(Config(loss_head_chunk_rows=1024), *llama) == 1024 * loss_head.row_bytes(*llama)
     x, weight, _, target = head_inputs(72, 16, 101, dtype=torch.float32)
     [head] = memfuse.explain(linear_head, x, weight, target).loss_heads
     assert head.chunked and "no rows cap by default under torch.distributed's 2 ranks" in str(head)
-    monkeypatch.setattr(memfuse.head, "_ranks", lambda: 1)
+    monkeypatch.setattr(memfuse.patterns.loss_head.detect, "_ranks", lambda: 1)
     assert chunk_bytes(Config(), *llama) == 1024 * loss_head.row_bytes(*llama)
 
 
@@ -624,7 +624,7 @@ def test_programs_call_the_head_implementation_past_the_dispatcher(fn):
     """memfuse's programs run without autograd: they bind the loss head's implementations
     (externs.SUBSTITUTES), not the custom ops, whose dispatch only costs the host time; the
     forward and the backward still give eager's results."""
-    from memfuse.backend import watch
+    from memfuse.fronts.backend import watch
     torch._dynamo.reset()
     flat, weight, _, target = head_inputs(40, 16, 37, dtype=torch.float32)
     x = flat.detach().view(2, 20, 16).requires_grad_() if fn is whole_slice_head else flat
@@ -768,7 +768,7 @@ def _wrapped(compile_with: str, fn):
 @pytest.mark.parametrize("loss_gradient", [3.0, 1.0])
 @pytest.mark.parametrize("compile_with", ["memory_efficient_fusion", "backend"])
 def test_the_backward_scales_the_gradients_its_forward_formed_in_place(compile_with, loss_gradient):
-    """The formed gradients are saved values only the head's backward reads (memfuse.reinplace): the
+    """The formed gradients are saved values only the head's backward reads (memfuse.schedule.reinplace): the
     weight's gradient it returns is that tensor, scaled where it lies, no second [vocab, H] one."""
     x, weight, _, target = head_inputs(40, 16, 37, dtype=torch.float32)
     saved = []
@@ -821,7 +821,7 @@ def test_the_backward_plan_counts_the_gradients_it_allocates_at_the_call(in_plac
     are held: out of place the head's backward holds two weight gradients there (the formed one and
     its scaled copy) and two of the hidden states, in place one of each (fp32 hidden states: the
     forward formed their gradient in their dtype)."""
-    from memfuse import reinplace
+    from memfuse.schedule import reinplace
     from memfuse.buffers import memory_timeline
     if not in_place:
         monkeypatch.setattr(reinplace, "_formed_gradients_scaled", lambda *args: (None, None))
@@ -839,7 +839,7 @@ def test_the_backward_plan_counts_the_gradients_it_allocates_at_the_call(in_plac
 
 def test_the_hidden_states_gradient_is_scaled_in_place_and_returned_without_a_copy():
     """fp32 hidden states, the head in fp32: the forward formed their gradient in their dtype, the
-    backward scales it where it lies (memfuse.reinplace's all-in-place form) and returns a reshape
+    backward scales it where it lies (memfuse.schedule.reinplace's all-in-place form) and returns a reshape
     of it: the backward program runs the op and no kernel (no copy of [tokens, H]); its result
     still matches eager's at a loss gradient of 3."""
     x, weight, _, target = head_inputs(40, 16, 37, dtype=torch.float32)
@@ -868,7 +868,8 @@ def test_cuda_graph_programs_keep_the_formed_gradients():
 def test_one_trace_whether_or_not_the_logits_are_returned(fn, returns_logits, monkeypatch):
     """memory_efficient_fusion traces each head writing its logits; a head whose logits nothing reads
     (the function returned only the loss) then writes none: one trace of the function either way."""
-    from memfuse import capture, head
+    from memfuse.capture import lower as capture
+    from memfuse.patterns.loss_head import detect as head
     exports = []
     real_export = capture._export
     monkeypatch.setattr(capture, "_export", lambda *args: exports.append(1) or real_export(*args))

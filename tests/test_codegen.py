@@ -11,15 +11,15 @@ import torch.nn.functional as F
 from helpers import BLOCKS, block_inputs, forward_backward, rel_error
 
 import memfuse
-from memfuse.capture import capture
+from memfuse.capture.lower import capture
 from memfuse.codegen import generate
 from memfuse.codegen.cache import structure
-from memfuse.config import Config
-from memfuse.ir import Graph, Kind, Node, Op, Reduce, Value, verify
+from memfuse.base.config import Config
+from memfuse.ir.graph import Graph, Kind, Node, Op, Reduce, Value, verify
 from memfuse.plan import plan
-from memfuse.runtime import FINISH_GROUPS_MAX
-from memfuse.schedule import schedule
-from memfuse.tuning import cpu_config
+from memfuse.runtime.program import FINISH_GROUPS_MAX
+from memfuse.schedule.groups import schedule
+from memfuse.codegen.tuning import cpu_config
 
 SHAPE = (2, 7, 48)
 
@@ -315,7 +315,7 @@ def test_program_allocator_and_rows():
     """Programs allocate through inductor's allocator where torch has one for the device type,
     else through torch.empty_strided: a contiguous tensor of the shape and dtype, on the device.
     Rows of totals are tensors over the totals' memory: inductor's, else an as_strided view."""
-    from memfuse.runtime import _allocator, _as_strided_at, _reinterpret
+    from memfuse.runtime.program import _allocator, _as_strided_at, _reinterpret
     assert _allocator(torch.device("cpu")) is torch._C._dynamo.guards._empty_strided_cpu
     t = _allocator(torch.device("meta"))((2, 3, 4), (12, 4, 1), torch.bfloat16)
     assert (t.shape, t.stride(), t.dtype, t.device.type) == ((2, 3, 4), (12, 4, 1), torch.bfloat16, "meta")
@@ -467,7 +467,7 @@ def test_kernels_of_other_types_or_sizes_are_not_twins(tmp_path):
 def test_a_tile_of_many_values_gets_the_warps_that_hold_them():
     """The table's warps for a LayerNorm's row; more for a row of 26 [M, 768] values (BERT's rebuild:
     2 warps took 255 registers), never past MAX_WARPS; persistent kernels keep the table's."""
-    from memfuse.tuning import MAX_WARPS, default_config
+    from memfuse.codegen.tuning import MAX_WARPS, default_config
     table = default_config(1024, False)
     assert default_config(1024, False, bytes_per_row=4 * 768 * 2, d=768) == table
     heavy = default_config(1024, False, bytes_per_row=66192, d=768)
@@ -480,7 +480,7 @@ def test_a_persistent_tile_of_a_light_row_gets_the_rows_that_keep_loads_in_fligh
     """A bias gradient (a column sum that only reads one bf16 [M, 768] value) at the table's 2 rows
     and 4 programs an SM keeps 12 KB an SM in flight; it gets rows (a power of two) that reach
     PERSISTENT_BYTES_PER_SM. A LayerNorm backward's row already does at the table's rows."""
-    from memfuse.tuning import PERSISTENT_BYTES_PER_SM, default_config
+    from memfuse.codegen.tuning import PERSISTENT_BYTES_PER_SM, default_config
     table = default_config(1024, True)
     light = default_config(1024, True, bytes_per_row=768 * 2, d=768)
     assert light.block_m > table.block_m and light.block_m & (light.block_m - 1) == 0

@@ -20,10 +20,10 @@ from helpers import BLOCKS, block_inputs, forward_backward, leaves_like
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import memfuse
-from memfuse import graphs
-from memfuse.ir import Op
-from memfuse.runtime import KernelLaunch
-from memfuse.schedule import ExternStep
+from memfuse.fronts import cuda_graphs as graphs
+from memfuse.ir.graph import Op
+from memfuse.runtime.program import KernelLaunch
+from memfuse.schedule.groups import ExternStep
 
 CPU = torch.device("cpu")
 D = 40

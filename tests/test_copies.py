@@ -1,6 +1,6 @@
 """Copies nobody asked for: an aten result a kernel reads through its strides is not made
 contiguous first (attention's gradients), and a scatter into a fresh fill writes in place instead
-of into a clone of it (an embedding's backward, the cross-entropy one-hot; memfuse.reinplace).
+of into a clone of it (an embedding's backward, the cross-entropy one-hot; memfuse.schedule.reinplace).
 Counted with a dispatch mode around the fused calls; results against eager."""
 from collections import Counter
 
@@ -11,9 +11,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import memfuse
-from memfuse.explain import build_report
-from memfuse.ir import Constant, Extern, Graph, Kind, Node, Op, Reshape, Value, ValueRef, format_graph
-from memfuse.reinplace import reinplace
+from memfuse.reports.explain import build_report
+from memfuse.ir.graph import Constant, Extern, Graph, Kind, Node, Op, Reshape, Value, ValueRef, format_graph
+from memfuse.schedule.reinplace import reinplace
 
 aten = torch.ops.aten
 
@@ -71,7 +71,7 @@ class Tagger(nn.Module):
 
 
 def test_embedding_backward_adds_into_a_fill_and_no_scatter_copies_a_fill():
-    """The embedding's backward runs as one zero fill and one index_add_ (memfuse.externs; aten's
+    """The embedding's backward runs as one zero fill and one index_add_ (memfuse.runtime.externs; aten's
     embedding_dense_backward sorts the indices: about 20 CUDA launches; decomposed, it would be an
     index_put with accumulate, CUDA's sort-based kernel, slow on repeated indices); where the
     one-hot is still a scatter, it writes into its fill in place."""

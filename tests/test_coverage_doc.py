@@ -1,15 +1,15 @@
 """docs/coverage.md is generated from the lowering tables: regenerate it when they change."""
 from pathlib import Path
 
-from memfuse.capture import EXTERN_REASONS, lowering_table
-from memfuse.coverage import coverage_markdown
+from memfuse.capture.lower import EXTERN_REASONS, lowering_table
+from memfuse.reports.coverage import coverage_markdown
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "coverage.md"
 
 
 def test_coverage_doc_is_current():
     assert DOC.read_text() == coverage_markdown(), \
-        "docs/coverage.md is stale: run `python -m memfuse.coverage > docs/coverage.md`"
+        "docs/coverage.md is stale: run `python -m memfuse.reports.coverage > docs/coverage.md`"
 
 
 def test_every_table_entry_is_in_the_doc():

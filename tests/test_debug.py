@@ -11,10 +11,10 @@ import torch
 
 import memfuse
 from benchmarks.workloads import layer_norm_block, smoke_registry
-from memfuse.debug import COUNTERS, STAGES, configure_logging, describe_key_change, topic_log
-from memfuse.ir import Op
-from memfuse.runtime import KernelLaunch
-from memfuse.schedule import ExternStep
+from memfuse.base.debug import COUNTERS, STAGES, configure_logging, describe_key_change, topic_log
+from memfuse.ir.graph import Op
+from memfuse.runtime.program import KernelLaunch
+from memfuse.schedule.groups import ExternStep
 
 ROOT = Path(__file__).resolve().parent.parent
 

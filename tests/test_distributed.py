@@ -261,7 +261,7 @@ def test_fully_shard_goes_on_the_wrapper_not_the_original(one_rank_group):
 
     wrong = memfuse.memory_efficient_fusion(copy.deepcopy(plain))
     fully_shard(wrong.original, mesh=one_rank_group)    # its hooks never run: memfuse traces the forward
-    with pytest.raises(memfuse.module.ShardedParameterError, match=r"fully_shard to the FusedModule.*not to its"):
+    with pytest.raises(memfuse.fronts.module.ShardedParameterError, match=r"fully_shard to the FusedModule.*not to its"):
         wrong(x)
 
 
@@ -306,15 +306,15 @@ def test_what_memfuse_saves_from_parameters_alone_are_views_of_them():
     def depends_on(name: str) -> set:
         if name not in sources:
             node = joint[name]
-            sources[name] = {name} if node.op is memfuse.ir.Op.INPUT else \
+            sources[name] = {name} if node.op is memfuse.ir.graph.Op.INPUT else \
                 set().union(*(depends_on(i) for i in node.inputs))
         return sources[name]
 
     def is_view_chain(name: str) -> bool:
         node = joint[name]
-        if node.op is memfuse.ir.Op.INPUT:
+        if node.op is memfuse.ir.graph.Op.INPUT:
             return True
-        is_view = node.op is memfuse.ir.Op.EXTERN and getattr(node.attr.target, "is_view", False)
+        is_view = node.op is memfuse.ir.graph.Op.EXTERN and getattr(node.attr.target, "is_view", False)
         return is_view and all(is_view_chain(i) for i in node.inputs)
 
     from_params = [s.name for s in entry.plan.saved if depends_on(s.name) <= params]

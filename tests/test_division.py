@@ -18,7 +18,7 @@ import torch
 from helpers import BLOCKS, block_inputs, forward_backward, rel_error
 
 import memfuse
-from memfuse.config import Config
+from memfuse.base.config import Config
 
 MAX_ULPS = 2
 SPECIAL = [0.0, -0.0, float("inf"), float("-inf"), float("nan")]

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 import memfuse
 from benchmarks.workloads import SMOKE_SHAPE, layer_norm_block, smoke_registry
 from memfuse.buffers import memory_timeline
-from memfuse.debug import human_bytes
-from memfuse.draw import ROLES, SAVED_RING
+from memfuse.base.debug import human_bytes
+from memfuse.reports.draw import ROLES, SAVED_RING
 from memfuse.plan import Decision
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -209,7 +209,7 @@ def test_explain_a_module_and_its_wrapper():
 
 def test_explain_a_call_that_runs_through_torch_says_why():
     decision, printed = quiet_explain(NormGate(), torch.randn(4, 16), cache=object())
-    assert isinstance(decision, memfuse.eager.EagerCall)
+    assert isinstance(decision, memfuse.driver.fallback.EagerCall)
     assert "runs through torch, not compiled: argument 'cache' is a object" in printed
     assert all(v == 0 for v in memfuse.stats().values())
 

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import memfuse
-from memfuse.explain import ModelReport, Report
+from memfuse.reports.explain import ModelReport, Report
 
 
 class TwoGraphs(nn.Module):

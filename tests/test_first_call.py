@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import memfuse
-from memfuse import precompile
-from memfuse.capture import decomposition_table
-from memfuse.runtime import KernelLaunch, Launcher
-from memfuse.tuning import LaunchConfig
+from memfuse.runtime import precompile
+from memfuse.capture.lower import decomposition_table
+from memfuse.runtime.program import KernelLaunch, Launcher
+from memfuse.codegen.tuning import LaunchConfig
 
 from helpers import BLOCKS, block_inputs
 

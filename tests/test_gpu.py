@@ -179,7 +179,7 @@ def _counted_direct_launches(monkeypatch, module) -> list:
 def test_direct_launch_matches_triton_launch(monkeypatch):
     """The direct launch (runtime.DirectLaunch, every call after a function's first) computes
     bit-identical results to Triton's generic launch path."""
-    from memfuse import runtime
+    from memfuse.runtime import program as runtime
     x = torch.randn(64, 128, 1024, device="cuda", requires_grad=True)
     b = torch.randn(1024, device="cuda", requires_grad=True)
     monkeypatch.setattr(runtime, "_draw_seed", lambda device: 1234)
@@ -262,7 +262,7 @@ def test_column_sums_finish_in_one_launch_with_the_same_bits_every_time(case, pr
     last, the ticket counter back at 0, and eager's values."""
     import dataclasses
 
-    from memfuse.runtime import KernelLaunch
+    from memfuse.runtime.program import KernelLaunch
     fn, kwargs, shape, dtype, n_params = COLUMN_SUM_CASES[case]
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(*shape, device="cuda", dtype=dtype, generator=g).requires_grad_()
@@ -372,10 +372,10 @@ def test_stepped_slice_past_2_31_elements():
 
 
 def test_precompile_hands_every_kernel_to_its_launch():
-    """memfuse.precompile builds every kernel when the program is built (or loads it through its
+    """memfuse.runtime.precompile builds every kernel when the program is built (or loads it through its
     index) and hands it to the launch: the first call's launches compile nothing, and Triton's
     kernel cache holds at most the one variant precompile built."""
-    from memfuse.runtime import KernelLaunch
+    from memfuse.runtime.program import KernelLaunch
     inputs = make_inputs([8, 16, 1024], torch.float32, 3)
     fused = memfuse.memory_efficient_fusion(layer_norm_block)
     kwargs = dict(normalization_axis=2, dropout_prob=0.1)
@@ -396,7 +396,7 @@ def test_precompile_hands_every_kernel_to_its_launch():
 _WARM_RUN = """
 import sys, torch, memfuse
 from benchmarks.workloads import layer_norm_block
-from memfuse.runtime import KernelLaunch
+from memfuse.runtime.program import KernelLaunch
 torch.manual_seed(0)
 x = torch.randn(8, 16, 1024, device="cuda", requires_grad=True)
 r = torch.randn(8, 16, 1024, device="cuda", requires_grad=True)
@@ -708,7 +708,7 @@ HEAD_FORMS = pytest.mark.parametrize("with_gradients, plan", [(False, "rows"), (
 
 def _vocabulary_plan_runs(x, weight, dtype, chunk) -> None:
     """The vocabulary-major plan runs at these sizes, not the rows plan in its place."""
-    choice = memfuse.loss_head.choose_plan(x.shape[0], x.shape[1], weight.shape[0], dtype, weight.dtype, x.dtype,
+    choice = memfuse.patterns.loss_head.op.choose_plan(x.shape[0], x.shape[1], weight.shape[0], dtype, weight.dtype, x.dtype,
                                            chunk, "vocabulary")
     assert choice.vocabulary is not None and len(choice.vocabulary.steps) > 2
 
@@ -718,7 +718,7 @@ def _vocabulary_plan_runs(x, weight, dtype, chunk) -> None:
     (False, False, "rows"), (False, True, "rows"), (False, True, "vocabulary"), (True, False, "rows"),
     (True, True, "rows")])
 def test_chunked_loss_head_bf16_on_the_gpu(return_logits, with_gradients, plan, master_fp32):
-    """memfuse.loss_head's op with its Triton kernels compiled for the GPU: an odd vocabulary (the
+    """memfuse.patterns.loss_head.op's op with its Triton kernels compiled for the GPU: an odd vocabulary (the
     padded weight), 3000 tokens in chunks of 504 rows, bf16 operands: loss and gradients no
     further from fp64 than eager's bf16 linear + fp32 cross-entropy (3x margin)."""
     import torch.nn.functional as F
@@ -756,7 +756,7 @@ def test_the_loss_heads_logit_transform_is_eagers_bit_for_bit_on_the_gpu(dtype, 
     """The kernels' transform of the logits (loss_head.LogitTransform) against eager's ops on CUDA:
     a divide by a number as its multiply by the fp32 reciprocal, tanh as CUDA's tanhf, each step
     rounded to the logits' dtype."""
-    from memfuse.loss_head import LogitTransform
+    from memfuse.patterns.loss_head.op import LogitTransform
     from test_logit_transform import written_transformed
     transform = LogitTransform(steps, None if dtype == torch.float32 else dtype)
     generator = torch.Generator(device="cuda").manual_seed(0)
@@ -771,7 +771,7 @@ def test_soft_capped_loss_head_bf16_on_the_gpu(return_logits, with_gradients, pl
     with its kernels compiled for the GPU: loss and gradients no further from fp64 than eager's
     (3x margin), returned logits the transformed ones, their gradient back through the cap."""
     import torch.nn.functional as F
-    from memfuse.loss_head import LogitTransform
+    from memfuse.patterns.loss_head.op import LogitTransform
     generator, x, weight, target = _head_inputs("cuda")
     tokens, vocab = x.shape[0], weight.shape[0]
     upstream = torch.randn(tokens, vocab, device="cuda", dtype=torch.float64, generator=generator) / tokens
@@ -810,7 +810,7 @@ def test_chunked_loss_head_fp32_hidden_under_a_bf16_matmul_on_the_gpu(with_gradi
     import torch.nn.functional as F
     _, x, weight, target = _head_inputs(device)
     tokens, vocab = x.shape[0], weight.shape[0]
-    assert -(-tokens // memfuse.loss_head.chunk_rows(tokens, vocab, torch.bfloat16, 8 * 2**20)) == 3
+    assert -(-tokens // memfuse.patterns.loss_head.op.chunk_rows(tokens, vocab, torch.bfloat16, 8 * 2**20)) == 3
 
     def run(x, weight, matmul_dtype, chunked):
         x, weight = x.detach().requires_grad_(), weight.detach().requires_grad_()
@@ -839,7 +839,7 @@ def test_chunked_loss_head_rows_wider_than_a_block_on_the_gpu(with_gradients, pl
     GPU): masked words (a -inf bias over the first block) or label smoothing; loss and every
     gradient within 1e-5 of fp64's, none NaN."""
     import torch.nn.functional as F
-    from memfuse import loss_head
+    from memfuse.patterns.loss_head import op as loss_head
     generator = torch.Generator(device="cuda").manual_seed(0)
     tokens, hidden, vocab = 600, 64, 2 * loss_head.BLOCK_COLUMNS + 13
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.float64, generator=generator)
@@ -871,9 +871,10 @@ def test_chunked_loss_head_rows_wider_than_a_block_on_the_gpu(with_gradients, pl
 @HEAD_FORMS
 def test_chunked_loss_head_direct_launches_match_tritons_own(monkeypatch, with_gradients, plan):
     """The loss head's row kernels launched straight through their compiled launchers
-    (memfuse.launch.DirectKernel, once a chunk) give bit for bit what Triton's launch path gives,
+    (memfuse.base.launch.DirectKernel, once a chunk) give bit for bit what Triton's launch path gives,
     and the later chunks and calls do take that path."""
-    from memfuse import launch, loss_head
+    from memfuse.base import launch
+    from memfuse.patterns.loss_head import op as loss_head
     _, x, weight, target = _head_inputs("cuda")
     x, weight = x.bfloat16(), weight.bfloat16()
     if plan == "vocabulary":
@@ -926,7 +927,7 @@ def _drops_its_mask_as_eager(fused, attention, tensors: tuple) -> None:
 def test_a_causal_mask_built_from_sizes_runs_the_causal_kernel_on_gpu(path):
     """bf16 attention with a [batch, 1, q, kv] causal mask built from aranges (as HuggingFace's
     traced mask code builds it), GQA keys repeated as transformers repeats them: memfuse runs the
-    attention op with is_causal and no mask (memfuse.attention), output and gradients as eager's."""
+    attention op with is_causal and no mask (memfuse.patterns.attention), output and gradients as eager's."""
     import torch.nn.functional as F
 
     def attention(q, k, v):

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 import memfuse
-from memfuse import graphs, runtime
+from memfuse.fronts import cuda_graphs as graphs
+from memfuse.runtime import program as runtime
 from helpers import BLOCKS, block_inputs, forward_backward, leaves_like, rel_error
 from test_dropout import with_dropout_output, with_mask, within_rate
 

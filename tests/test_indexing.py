@@ -1,10 +1,10 @@
-"""memfuse.indexing: advanced indexing by aranges made views, exactly where it is provably the same."""
+"""memfuse.capture.indexing: advanced indexing by aranges made views, exactly where it is provably the same."""
 import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import memfuse
-from memfuse.indexing import index_by_aranges
+from memfuse.capture.indexing import index_by_aranges
 
 INDEX = torch.ops.aten.index.Tensor
 
@@ -84,7 +84,7 @@ def hf_mask(position_ids):
 @pytest.mark.parametrize("compile_with", ["memory_efficient_fusion", "backend"])
 def test_a_mask_built_by_indexing_with_aranges_runs_no_aten_index(compile_with):
     """The mask's program reads the position ids in place: no aten.index call is bound in it."""
-    from memfuse.backend import watch
+    from memfuse.fronts.backend import watch
     torch._dynamo.reset()
     position_ids = torch.arange(12)[None, :]
     if compile_with == "backend":
@@ -121,7 +121,7 @@ def test_the_gradient_through_an_index_of_aranges_matches_eager():
 def test_the_mask_at_every_length_after_dynamo_goes_dynamic():
     """Dynamo's second length compiles with a symbolic one: the aranges end at a size symbol and
     `x[None, None, :]` traces a whole slice; the index is still the views it is."""
-    from memfuse.backend import watch
+    from memfuse.fronts.backend import watch
     torch._dynamo.reset()
     compiled = torch.compile(hf_mask, backend="memfuse")
     with watch() as graphs:

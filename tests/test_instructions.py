@@ -10,7 +10,7 @@ import torch
 
 import memfuse
 from benchmarks import instructions
-from memfuse.runtime import KernelLaunch
+from memfuse.runtime.program import KernelLaunch
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,4 +1,4 @@
-"""memfuse.runtime.launch_log (each launch's must-move bytes at its sizes) and the tiny run of
+"""memfuse.runtime.program.launch_log (each launch's must-move bytes at its sizes) and the tiny run of
 benchmarks/kernel_sol.py (the per-kernel SOL table without GPU times)."""
 import contextlib
 import io
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import memfuse
-from memfuse.config import Config
+from memfuse.base.config import Config
 from benchmarks.workloads import layer_norm_block, smoke_registry
-from memfuse.runtime import launch_log
+from memfuse.runtime.program import launch_log
 
 
 def layer_norm_step(fused, inputs):
@@ -88,7 +88,7 @@ def test_tiny_table(tmp_path, capsys, mode):
     moved = [r["must_move"] for r in launches]
     assert moved == sorted(moved, reverse=True)        # no times: the most bytes first
     size = FAMILIES["gpt2"].tiny
-    # the loss head runs chunked (memfuse.loss_head's own kernels) and its returned logits are read in
+    # the loss head runs chunked (memfuse.patterns.loss_head.op's own kernels) and its returned logits are read in
     # place (GPT-2's odd vocabulary: a view of the op's padded buffer): no generated kernel reads a vocabulary row
     assert not [r for r in launches if r["d"] == size.vocab]
     table = (tmp_path / "kernel-sol-tiny-gpt2.md").read_text()

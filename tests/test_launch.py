@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import memfuse
-from memfuse import launch as launch_module, runtime
-from memfuse.runtime import DirectLaunch, KernelLaunch, Launcher
+from memfuse.base import launch as launch_module
+from memfuse.runtime import program as runtime
+from memfuse.runtime.program import DirectLaunch, KernelLaunch, Launcher
 
 from compare import assert_same
 from helpers import BLOCKS, block_inputs
@@ -278,7 +279,7 @@ class _RecordingJit:
 
 
 def test_direct_kernel_launches_what_triton_compiled_for_arguments_of_the_same_kind(monkeypatch):
-    """memfuse.launch.DirectKernel (the loss head's row kernels): the first call with arguments of
+    """memfuse.base.launch.DirectKernel (the loss head's row kernels): the first call with arguments of
     a new kind (an int's width, 1 or a multiple of 16; a tensor's dtype and 16-byte alignment)
     compiles through Triton's own path; the next calls of that kind go straight to its launcher
     with the grid, the stream, the kernel's arguments and its constexprs; a profiler's launch hooks

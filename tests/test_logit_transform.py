@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 import memfuse
-from memfuse import loss_head
-from memfuse.loss_head import LogitTransform
+from memfuse.patterns.loss_head import op as loss_head
+from memfuse.patterns.loss_head.op import LogitTransform
 from test_chunked_head import GRADIENTS, IGNORE, as_fp32, head_inputs, relative
 
 SOFT_CAP = (("div", 3.0), ("tanh", None), ("mul", 3.0))

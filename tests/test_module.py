@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import memfuse
-from memfuse.eager import StrictModeError
-from memfuse.module import FusedModule, MutatedInputError
+from memfuse.driver.fallback import StrictModeError
+from memfuse.fronts.module import FusedModule, MutatedInputError
 
 
 class Block(nn.Module):

@@ -1,4 +1,4 @@
-"""memfuse.padding: extern matmul operands aligned as torch.compile's pad_mm aligns them.
+"""memfuse.schedule.padding: extern matmul operands aligned as torch.compile's pad_mm aligns them.
 
 The decisions come from shapes alone (which of M, N, K, to what, why); forced on the CPU
 (Config.pad_matmuls="force"), padded matmuls give eager's results and gradients for odd vocabularies
@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 import memfuse
-from memfuse.config import Config
-from memfuse.explain import build_report, padding_lines
-from memfuse.ir import Op
-from memfuse.padding import decide, intensity
+from memfuse.base.config import Config
+from memfuse.reports.explain import build_report, padding_lines
+from memfuse.ir.graph import Op
+from memfuse.schedule.padding import decide, intensity
 
 aten = torch.ops.aten
 FORCE = Config(pad_matmuls="force")
@@ -252,7 +252,7 @@ def test_tiny_gpt2_with_an_odd_vocabulary_matches_eager(autocast):
     torch.manual_seed(2)
     ids = torch.randint(0, 1001, (2, 8))
     losses, grads = [], []
-    # the head unchunked: its [tokens, vocab] matmuls are the ones padded (chunked, memfuse.loss_head pads them)
+    # the head unchunked: its [tokens, vocab] matmuls are the ones padded (chunked, memfuse.patterns.loss_head.op pads them)
     eager, fused = make(), memfuse.memory_efficient_fusion(make(), config=Config(pad_matmuls="force",
                                                                                  chunk_loss_head=False))
     for model in (fused, eager):
@@ -282,7 +282,7 @@ def pad_kernels(program) -> list:
 
 def stored_padded(program) -> list:
     """(kernel, padded value) pairs where a kernel computes a value and stores it padded."""
-    from memfuse.schedule import stores_padded
+    from memfuse.schedule.groups import stores_padded
     graph = program.graph
     return [(k.name, n) for k in program.schedule.kernels for n in k.nodes
             if stores_padded(graph, graph[n], set(k.nodes))]
@@ -320,7 +320,7 @@ def test_a_tile_narrower_than_the_padded_row_copies_instead():
 
 def test_a_padded_store_in_a_group_run_through_aten(monkeypatch):
     """A group the code generator declines runs op by op; its padded store is a torch pad."""
-    import memfuse.schedule as schedule
+    import memfuse.schedule.groups as schedule
     decline = schedule._codegen_limit
     monkeypatch.setattr(schedule, "_codegen_limit", lambda graph, group, config: "declined by the test"
                         if any(schedule.stores_padded(graph, graph[n], set(group.nodes)) for n in group.nodes)

@@ -12,7 +12,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils._pytree import register_dataclass
 
 import memfuse
-from memfuse.eager import EagerCall, StrictModeError
+from memfuse.driver.fallback import EagerCall, StrictModeError
 
 
 @dataclasses.dataclass
@@ -191,8 +191,8 @@ def branchy(x):
 @pytest.mark.compile_fails
 def test_a_failed_trace_runs_the_original_decided_once_per_key(caplog, monkeypatch):
     traces = []
-    capture = memfuse.api.capture
-    monkeypatch.setattr(memfuse.api, "capture", lambda *a, **k: traces.append(1) or capture(*a, **k))
+    capture = memfuse.fronts.function.capture
+    monkeypatch.setattr(memfuse.fronts.function, "capture", lambda *a, **k: traces.append(1) or capture(*a, **k))
     fused = memfuse.memory_efficient_fusion(branchy)
     for x in (torch.ones(4, 8), -torch.ones(4, 8), torch.ones(5, 8)):
         torch.testing.assert_close(fused(x), branchy(x))
@@ -200,7 +200,7 @@ def test_a_failed_trace_runs_the_original_decided_once_per_key(caplog, monkeypat
     assert memfuse.stats()["eager_calls"] == 3
     said = [r.getMessage() for r in caplog.records if r.name == "memfuse.fallbacks"]
     assert len(said) == 1
-    assert "compiling it failed in memfuse.capture: GuardOnDataDependentSymNode: " \
+    assert "compiling it failed in memfuse.capture.lower: GuardOnDataDependentSymNode: " \
            "Could not guard on data-dependent expression" in said[0]
     assert "move that part out of the fused function" in said[0]
     strict = memfuse.memory_efficient_fusion(branchy, config=memfuse.Config(strict=True))

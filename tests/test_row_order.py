@@ -1,15 +1,15 @@
-"""memfuse.row_order: a kernel that reads a permuted view walks its rows in memory order and writes
+"""memfuse.schedule.row_order: a kernel that reads a permuted view walks its rows in memory order and writes
 its outputs in that order's layout, where nothing that reads them needs them contiguous. Results
 match eager whatever the layouts; the runtime copies a plain input that lies otherwise."""
 import torch
 import torch.nn.functional as F
 
 import memfuse
-from memfuse.capture import capture
-from memfuse.config import Config
+from memfuse.capture.lower import capture
+from memfuse.base.config import Config
 from memfuse.plan import plan
-from memfuse.runtime import _in_layout
-from memfuse.schedule import schedule
+from memfuse.runtime.program import _in_layout
+from memfuse.schedule.groups import schedule
 
 B, S, H, D = 2, 8, 2, 8
 

@@ -7,11 +7,11 @@ import torch.nn.functional as F
 import memfuse
 from helpers import BLOCKS, block_inputs, counters, delta, forward_backward, rel_error
 from memfuse.buffers import memory_timeline, plan_buffers
-from memfuse.capture import capture
-from memfuse.config import Config
-from memfuse.ir import Kind, Op, format_graph
+from memfuse.capture.lower import capture
+from memfuse.base.config import Config
+from memfuse.ir.graph import Kind, Op, format_graph
 from memfuse.plan import Decision, plan
-from memfuse.schedule import ExternStep, schedule
+from memfuse.schedule.groups import ExternStep, schedule
 
 SHAPE = (2, 7, 48)
 
@@ -176,7 +176,7 @@ def test_the_cross_entropy_backward_holds_no_fp32_logits():
 
     ids, labels = torch.randint(0, 11, (batch, seq)), torch.randint(0, vocab, (batch, seq))
     emb, w = torch.randn(11, hidden, requires_grad=True), torch.randn(vocab, hidden, requires_grad=True)
-    # the unchunked head's schedule: memfuse.head would otherwise swap in the chunked loss head
+    # the unchunked head's schedule: memfuse.patterns.loss_head.detect would otherwise swap in the chunked loss head
     fused = memfuse.memory_efficient_fusion(head, config=Config(max_row_length=32, chunk_loss_head=False))
     _grads_match_eager(head, fused, (ids, emb, w, labels), (emb, w))
     buffers, held, peak = _backward_memory(fused, (ids, emb, w, labels))
@@ -503,7 +503,7 @@ def test_a_lone_column_sum_runs_beside_a_later_kernel(monkeypatch):
     assert joint.name in reason and len(joint.nodes) > 1
     joint_peak = _backward_memory(fused, tensors)[2]
 
-    monkeypatch.setattr("memfuse.schedule._later_target", lambda *args: None)
+    monkeypatch.setattr("memfuse.schedule.groups._later_target", lambda *args: None)
     alone = memfuse.memory_efficient_fusion(conv1d_block)
     _grads_match_eager(conv1d_block, alone, tensors, tensors)
     assert len(alone.compiled_for(*tensors).function.backward.schedule.kernels) == len(backward.kernels) + 1
@@ -537,7 +537,7 @@ def test_bias_sums_of_an_aten_calls_results_join_one_kernel(monkeypatch):
     assert sum("an earlier kernel of its space" in reason for _, reason in backward.placed) == 2
     joint_peak = _backward_memory(fused, tensors)[2]
 
-    monkeypatch.setattr("memfuse.schedule._earlier_target", lambda *args: None)
+    monkeypatch.setattr("memfuse.schedule.groups._earlier_target", lambda *args: None)
     apart = memfuse.memory_efficient_fusion(projections_attention)
     _grads_match_eager(projections_attention, apart, tensors, compared)
     assert len([k for k in apart.compiled_for(*tensors).function.backward.schedule.kernels if k.column_sums]) == 3

@@ -11,9 +11,10 @@ import torch
 import torch.nn.functional as F
 
 import memfuse
-from memfuse import Config, runtime
-from memfuse import schedule as scheduling
-from memfuse.ir import Op
+from memfuse import Config
+from memfuse.runtime import program as runtime
+from memfuse.schedule import groups as scheduling
+from memfuse.ir.graph import Op
 
 from compare import assert_same, run_both
 from helpers import rel_error

@@ -1,4 +1,4 @@
-"""The loss head's vocabulary-major plan (memfuse.loss_head): its steps never write the weight
+"""The loss head's vocabulary-major plan (memfuse.patterns.loss_head.op): its steps never write the weight
 gradient over logits not yet read, the op by it against eager, where its logits live, and which
 plan "auto" picks and says it picked."""
 import pytest
@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import memfuse
-from memfuse import loss_head
-from memfuse.config import Config, config_with_options
+from memfuse.patterns.loss_head import op as loss_head
+from memfuse.base.config import Config, config_with_options
 
 IGNORE = -100
 ITEMSIZES = {1: torch.int8, 2: torch.bfloat16, 4: torch.float32}

@@ -9,13 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ..config import Config
-from ..debug import STATS, timed
-from ..ir import Graph, Op
-from ..schedule import KernelGroup
-from .cache import kernel_path, load_kernel, structure
-from .looped_kernel import loop_block_d, write_looped_kernel
-from .row_kernel import Arg, KernelSource, dtype_name, write_row_kernel
+from memfuse.base.config import Config
+from memfuse.base.debug import STATS, timed
+from memfuse.ir.graph import Graph, Op
+from memfuse.schedule.groups import KernelGroup
+from memfuse.codegen.cache import kernel_path, load_kernel, structure
+from memfuse.codegen.looped_kernel import loop_block_d, write_looped_kernel
+from memfuse.codegen.row_kernel import Arg, KernelSource, dtype_name, write_row_kernel
 
 _first_of_structure: dict = {}   # twin_key -> the first CompiledKernel of that structure
 

@@ -24,10 +24,10 @@ from typing import Optional, Union
 
 import torch
 
-from ..ir import Graph, Kind, Node, Op
-from ..ops import ARG_REDUCE, REDUCE, TRITON_DTYPES
-from ..schedule import KernelGroup
-from .row_kernel import KernelSource, RowKernelWriter, _Lines
+from memfuse.ir.graph import Graph, Kind, Node, Op
+from memfuse.ir.ops import ARG_REDUCE, REDUCE, TRITON_DTYPES
+from memfuse.schedule.groups import KernelGroup
+from memfuse.codegen.row_kernel import KernelSource, RowKernelWriter, _Lines
 
 CHUNKED = (Kind.FULL, Kind.COL)      # register kinds that live in a chunk of columns
 

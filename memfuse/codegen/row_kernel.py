@@ -16,10 +16,10 @@ from typing import Optional
 
 import torch
 
-from ..ir import Graph, Kind, Node, Op, ValueRef, column_padding
-from ..ops import (ARG_REDUCE, DIVIDE_BY_RECIPROCAL, HELPER_GLOBALS, HELPERS, OPS, REDUCE, REDUCERS, SCALED_RECIPROCAL,
+from memfuse.ir.graph import Graph, Kind, Node, Op, ValueRef, column_padding
+from memfuse.ir.ops import (ARG_REDUCE, DIVIDE_BY_RECIPROCAL, HELPER_GLOBALS, HELPERS, OPS, REDUCE, REDUCERS, SCALED_RECIPROCAL,
                    TRITON_DTYPES, accumulate_dtype, compute_dtype, helpers_for)
-from ..schedule import KernelGroup, stores_padded
+from memfuse.schedule.groups import KernelGroup, stores_padded
 
 RESERVED = {"pid", "num_programs", "cols", "col_mask", "rows", "row_mask", "mask", "offsets",
             "tile", "step", "tl", "triton", "M", "D", "BLOCK_M", "BLOCK_D", "seed", "tiles_per_program",
@@ -373,7 +373,7 @@ class RowKernelWriter:
             f"({'persistent grid, ' if self.persistent else ''}tiles of BLOCK_M rows x {self.block_d} columns)")
         out(f"# moves {self.bytes_per_row()} bytes per row (reads + writes of [M, D] and [M] tensors)")
         if g.row_order:
-            out(f"# rows run in order {g.row_order} of the leading dims, as they lie in memory (memfuse.row_order): "
+            out(f"# rows run in order {g.row_order} of the leading dims, as they lie in memory (memfuse.schedule.row_order): "
                 f"its [M, D] outputs are written in that layout")
         out(f"# ops: {', '.join(self.graph[n].op.value for n in g.nodes)}")
 

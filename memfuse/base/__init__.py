@@ -1,0 +1,1 @@
+"""The ground floor: configuration, counters and logging, kernel launching."""

@@ -1,0 +1,155 @@
+"""Named policies and thresholds: every knob of the pipeline, documented in one place."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Optional
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def _env_budget() -> float:
+    """MEMFUSE_MEMORY_BUDGET, read as Config.memory_budget (1.0 when unset)."""
+    text = os.environ.get("MEMFUSE_MEMORY_BUDGET", "").strip()
+    if not text:
+        return 1.0
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"memfuse: MEMFUSE_MEMORY_BUDGET={text!r} is not a number; expected a fraction in "
+                         f"(0, 1] of the default plan's saved bytes, e.g. 0.5") from None
+
+
+# A loss-head chunk's most token rows (where Config.loss_head_chunk_rows is unset, on one process:
+# memfuse.patterns.loss_head.detect.rows_cap) and most bytes of logits; the smaller wins (memfuse.patterns.loss_head.detect.chunk_bytes).
+# Llama's and GPT-2's heads of `make bench-models` in 16 chunks of 1024 rows: both heads at most
+# 0.25x torch.compile's peak, both steps faster than its (one H200, 2026-11-28); a 128256-word head
+# in 1024-row chunks too (263 MB), a wider one in fewer rows.
+DEFAULT_LOSS_HEAD_CHUNK_ROWS = 1024
+DEFAULT_LOSS_HEAD_CHUNK_BYTES = 256 * 2**20
+LOSS_HEAD_PLANS = ("auto", "rows", "vocabulary")
+
+
+def _env_whole_number(name: str, default: Optional[int], example: str) -> Optional[int]:
+    """The environment variable `name` as a whole number, `default` when unset."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"memfuse: {name}={text!r} is not a whole number; expected e.g. {example}") from None
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("MEMFUSE_CACHE_DIR", Path.home() / ".cache" / "memfuse"))
+
+
+@dataclass(frozen=True)
+class Config:
+    # Longest row (D) kept whole in registers by a persistent kernel; longer rows are looped.
+    max_row_length: int = 16384
+    # Columns per chunk of a looped kernel (rows longer than max_row_length); rounded down to
+    # a power of two no larger than max_row_length.
+    loop_block_d: int = 2048
+    # Without a GPU (Triton's interpreter): elements of one [BLOCK_M, BLOCK_D] tile, and the
+    # grid of kernels with reductions over M. GPU launches use memfuse.codegen.tuning's configurations.
+    tile_elements: int = 4096
+    cpu_programs: int = 2
+    # Turn every extern (aten) fallback into an error naming the op (MEMFUSE_STRICT=1).
+    strict: bool = field(default_factory=lambda: _env_flag("MEMFUSE_STRICT"))
+    # Where generated kernels are written, one content-addressed file each.
+    cache_dir: Path = field(default_factory=default_cache_dir)
+    # Run the IR verifier after every stage (tests turn it on; MEMFUSE_CHECK=1).
+    check: bool = field(default_factory=lambda: _env_flag("MEMFUSE_CHECK"))
+    # On a GPU, compile a program's Triton kernels in parallel threads when it is built, instead
+    # of one by one at their first launch (memfuse.runtime.precompile). MEMFUSE_PRECOMPILE=0 turns it off.
+    precompile: bool = field(default_factory=lambda: os.environ.get("MEMFUSE_PRECOMPILE", "1").strip().lower()
+                             not in ("0", "false", "no", "off"))
+    # Kernels read the dropout seed from a 1-element int64 tensor (`seed_ptr`) instead of taking
+    # it as a scalar argument: a CUDA-graph replay cannot take a new Python int, but the graph
+    # can advance a seed in memory. `memory_efficient_fusion(fn, cuda_graphs=True)` sets it.
+    seed_from_memory: bool = False
+    # CUDA-graph mode: most graph pairs (forward + backward) one fused function captures, over
+    # all its call signatures; calls past it run without graphs (logged once).
+    cuda_graphs_limit: int = 32
+    # Align the operands of extern matmuls (mm, bmm, addmm) as torch.compile's pad_mm does: a static
+    # M, N or K that is not a multiple of 8 elements (fp16/bf16) or 4 (fp32) is padded with zeros and
+    # the result sliced back, so cuBLAS runs its aligned kernels (an odd vocabulary of 50257 otherwise
+    # runs the LM head in `align1` kernels, several times slower). memfuse.schedule.padding; `explain` lists each
+    # matmul's decision. "auto": matmuls traced on CUDA whose static dims say it pays
+    # (pad_matmul_min_intensity); "force": every unaligned static dim, any device (tests, measurements);
+    # "off": never. MEMFUSE_PAD_MATMULS sets it.
+    pad_matmuls: str = field(default_factory=lambda: os.environ.get("MEMFUSE_PAD_MATMULS", "auto").strip().lower())
+    # "auto" pads a matmul when it is compute-bound enough for the aligned kernels' speed to pay for the
+    # pad: its arithmetic intensity MNK / (MK + KN + MN) in elements, with symbolic dims (the tokens)
+    # taken as large, is at least this. pad_mm's test: above half the machine balance, about 100-150 on
+    # an H100/H200 in bf16 (the LM head of GPT-2: 756; a [101 x 64] test matmul: 39).
+    pad_matmul_min_intensity: float = 100.0
+    # The bytes the forward may keep for the backward, as a fraction in (0, 1] of what the default
+    # plan keeps: below 1.0 the planner recomputes more in the backward, cheapest first (memfuse.plan's
+    # budget: reductions over M, then matmuls). MEMFUSE_MEMORY_BUDGET sets it; so does
+    # `memory_efficient_fusion(fn, memory_budget=0.5)` and torch.compile's options={"memory_budget": 0.5}.
+    memory_budget: float = field(default_factory=_env_budget)
+    # The loss head (a linear layer's output read only by cross_entropy) runs chunked, its
+    # [tokens, vocab] logits never whole (memfuse.patterns.loss_head.detect, memfuse.patterns.loss_head.op). MEMFUSE_CHUNK_LOSS_HEAD=0
+    # turns it off; options={"chunk_loss_head": False} under torch.compile.
+    chunk_loss_head: bool = field(default_factory=lambda: os.environ.get("MEMFUSE_CHUNK_LOSS_HEAD", "1").strip()
+                                  .lower() not in ("0", "false", "no", "off"))
+    # The most token rows a loss-head chunk holds and the most bytes its logits (their gradient
+    # written over them) may take: the smaller of the two, at memory_budget 1.0
+    # (memfuse.patterns.loss_head.detect.chunk_bytes). Rows unset: 1024 on one process, none under torch.distributed
+    # with more than one rank (memfuse.patterns.loss_head.detect.rows_cap). MEMFUSE_LOSS_HEAD_CHUNK_ROWS and
+    # MEMFUSE_LOSS_HEAD_CHUNK_BYTES set them; under torch.compile options={"loss_head_chunk_rows": n}
+    # and {"loss_head_chunk_bytes": n}.
+    loss_head_chunk_rows: Optional[int] = field(default_factory=lambda: _env_whole_number(
+        "MEMFUSE_LOSS_HEAD_CHUNK_ROWS", None, "1024 (token rows)"))
+    loss_head_chunk_bytes: int = field(default_factory=lambda: _env_whole_number(
+        "MEMFUSE_LOSS_HEAD_CHUNK_BYTES", DEFAULT_LOSS_HEAD_CHUNK_BYTES, "33554432 (32 MiB)"))
+    # The loss head's plan where its forward forms the gradients (a mean or sum loss, logits not
+    # returned): "rows" chunks token rows; "vocabulary" forms the logits transposed, keeping what fits
+    # in the weight gradient's storage and forming the rest again (memfuse.patterns.loss_head.op, "the
+    # vocabulary-major plan"); "auto" takes the vocabulary-major plan per call where it lowers the
+    # head's peak at no more than 1.1x the rows plan's predicted time. MEMFUSE_LOSS_HEAD_PLAN sets
+    # it; options={"loss_head_plan": "rows"} under torch.compile.
+    loss_head_plan: str = field(default_factory=lambda: os.environ.get("MEMFUSE_LOSS_HEAD_PLAN", "auto").strip())
+    # A [batch, 1, q, q] boolean mask a backend graph returns is marked causal for the FusedModules
+    # that receive it (memfuse.patterns.attention), looked at once per set of sizes where the graph built it
+    # from sizes alone. HuggingFace's mask also reads position ids made in eager code; with this on it
+    # is looked at every call, one wait for the GPU a step. Per layer with the backend, two H200s
+    # (2026-11-27): Llama 1.16x faster on one GPU and 1.05x under DDP, GPT-2 0.92x on one GPU, Llama
+    # 0.85x under FSDP2 (host-paced). options={"check_returned_masks": True} under torch.compile.
+    check_returned_masks: bool = False
+
+    def __post_init__(self):
+        for name, what in (("loss_head_chunk_bytes", "bytes (a loss head chunk's logits)"),
+                           ("loss_head_chunk_rows", "token rows (of a loss head chunk)")):
+            value = getattr(self, name)
+            if name == "loss_head_chunk_rows" and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"memfuse: {name} must be a positive whole number of {what}, got {value!r}")
+        if self.loss_head_plan not in LOSS_HEAD_PLANS:
+            raise ValueError(f"memfuse: loss_head_plan must be one of {LOSS_HEAD_PLANS}, got {self.loss_head_plan!r}")
+        budget = self.memory_budget
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget <= 1:
+            raise ValueError(f"memfuse: memory_budget must be a number in (0, 1] (a fraction of the default "
+                             f"plan's saved bytes; 1.0 keeps the default plan), got {budget!r}")
+
+
+# torch.compile(model, backend="memfuse", options={...}): the Config fields an option may set.
+OPTIONS = ("memory_budget", "chunk_loss_head", "loss_head_chunk_rows", "loss_head_chunk_bytes",
+           "loss_head_plan", "check_returned_masks")
+
+
+def config_with_options(config: Config, options: dict | None) -> Config:
+    """`config` with torch.compile's `options` applied; an unknown option is an error naming it."""
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise ValueError(f"memfuse: unknown torch.compile option(s) {unknown} for backend=\"memfuse\"; "
+                         f"known: {list(OPTIONS)}")
+    return replace(config, **options)

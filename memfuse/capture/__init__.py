@@ -1,0 +1,1 @@
+"""capture: trace the joint forward+backward graph with AOTAutograd and lower it to memfuse's IR."""

@@ -1,0 +1,122 @@
+"""eager: the calls memfuse runs through torch, op by op, instead of a compiled program.
+
+Each is a decision, an `EagerCall` with its reason and the way out, that api.FusedFunction makes:
+- an argument it cannot trace (`untraceable_argument`): an object the call may mutate, such as a
+  KV cache; decided per call, since the object is new in every call;
+- a functorch transform around the call (`under_transform`);
+- a compile that failed (`compile_failed`), decided once per compile key: the stage it failed in,
+  the exception's type and first line, and the way out its type calls for (WAYS_OUT).
+`say_once` logs each reason once per process on the `fallbacks` topic; in strict mode the
+decision is a StrictModeError instead.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+from memfuse.capture.lower import MutatedInputError
+from memfuse.base.debug import topic_log
+
+fallback_log = topic_log("fallbacks")
+STRICT = " (strict mode: MEMFUSE_STRICT=1 / Config.strict)"   # the end of every strict-mode error
+CONSTANT_NAMES = "bool, int, float, str, None, torch.dtype"   # api.CONSTANT_TYPES, as messages name them
+MESSAGE_LIMIT = 400   # characters of a failure's first line in its reason (the traceback: MEMFUSE_LOG=fallbacks)
+
+
+class StrictModeError(NotImplementedError):
+    """Strict mode (Config.strict, MEMFUSE_STRICT=1): something would run through aten or torch."""
+
+
+class UntraceableOutputError(TypeError):
+    """fn returns something other than a tensor or a pytree of tensors and constants."""
+
+
+@dataclass(frozen=True)
+class EagerCall:
+    """The decision to run a call of `name` through torch, op by op, instead of a compiled program:
+    why, and what the user can do about it. `memfuse.explain` returns it for such a call."""
+    name: str
+    reason: str
+    way_out: str
+
+    def __str__(self) -> str:
+        return f"memfuse: {self.name} runs through torch, not compiled: {self.reason}. Way out: {self.way_out}"
+
+
+CACHE_WAY_OUT = ("a KV cache is for generation: for training pass use_cache=False to the model "
+                 "(or set model.config.use_cache = False), so that the layers get no cache")
+UNTRACEABLE_WAY_OUT = ("pass tensors and constants, or tuples, lists, dicts or registered dataclasses of them "
+                       "(torch.utils._pytree.register_dataclass); keep objects the call may mutate out of it")
+
+# A failed compile's way out, by what failed: the first row whose exception types match.
+WAYS_OUT = (
+    ((GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException),
+     "the function depends on a tensor's values (.item(), `if t.any():`, nonzero): move that part out of "
+     "the fused function, or pass the value as a Python number"),
+    ((MutatedInputError,),
+     "write results to new tensors instead of into an input or buffer (x = x * 2, not x.mul_(2)); for "
+     "BatchNorm use eval() or track_running_stats=False, or leave that module unfused"),
+    ((UntraceableOutputError,),
+     f"return a tensor, or a pytree (tuple, list, dict, dataclass) of tensors and constants ({CONSTANT_NAMES}) "
+     f"holding at least one tensor (a HuggingFace model returns its KV cache unless use_cache=False)"),
+    ((Exception,), "MEMFUSE_STRICT=1 raises the error with its traceback; if the original runs in eager, "
+                   "this is memfuse's limit: please report it"),
+)
+
+
+def untraceable_argument(name: str, argument: str, value) -> EagerCall:
+    """`argument` (as messages name it) is `value`, which is no tensor, constant or pytree of them."""
+    reason = (f"argument {argument} is a {type(value).__name__}, which memfuse cannot trace: not a tensor, "
+              f"a constant ({CONSTANT_NAMES}) or a pytree of them")
+    cache = any(c.__name__.endswith("Cache") for c in type(value).__mro__)
+    return EagerCall(name, reason, CACHE_WAY_OUT if cache else UNTRACEABLE_WAY_OUT)
+
+
+def under_transform(name: str) -> EagerCall:
+    """memfuse's kernels read real tensors' memory, not a functorch transform's wrappers."""
+    return EagerCall(name, "a functorch transform (vmap, grad, jacrev, ...) is active",
+                     "apply the transform outside a function memfuse compiles, or call the original under it")
+
+
+def compile_failed(name: str, error: Exception) -> EagerCall:
+    """The decision for a compile that raised `error`: the stage it failed in, its type and message."""
+    way_out = next(text for types, text in WAYS_OUT if isinstance(error, types))
+    message = (str(error).strip().splitlines() or [""])[0].removeprefix("memfuse: ").rstrip(".")
+    return EagerCall(name, f"compiling it failed in {_failed_stage(error)}: {type(error).__name__}: "
+                           f"{message[:MESSAGE_LIMIT]}", way_out)
+
+
+# Functions outside api and module that call the user's code, or torch on its behalf, while capture
+# traces it: a failure under them is the trace's (memfuse.patterns.loss_head.detect's wrapper and TorchFunctionMode that
+# swap in the chunked loss head).
+USER_CODE_WRAPPERS = ("chunked", "__torch_function__")
+
+
+def _failed_stage(error: BaseException) -> str:
+    """The innermost memfuse module in the traceback, leaving out the wrappers that run the user's
+    code (fronts.function, fronts.module, USER_CODE_WRAPPERS): "memfuse.capture.lower" for a trace of the user's code that
+    fails."""
+    package = Path(__file__).resolve().parents[1]
+    stage = "memfuse"
+    tb = error.__traceback__
+    while tb is not None:
+        path = Path(tb.tb_frame.f_code.co_filename)
+        if package in path.parents:
+            name = ".".join(path.relative_to(package).with_suffix("").parts)
+            runs_user_code = name in ("fronts.function", "fronts.module") or tb.tb_frame.f_code.co_name in USER_CODE_WRAPPERS
+            stage = stage if runs_user_code else f"memfuse.{name}"
+        tb = tb.tb_next
+    return stage
+
+
+TOLD: set = set()   # (name, reason) of the decisions logged
+
+
+def say_once(decision: EagerCall) -> None:
+    """Log a decision on the `fallbacks` topic, once per name and reason in this process."""
+    if (decision.name, decision.reason) not in TOLD:
+        TOLD.add((decision.name, decision.reason))
+        fallback_log.warning("%s (said once per reason)", decision)

@@ -1,0 +1,1 @@
+"""Front doors: memory_efficient_fusion for functions and modules, and the torch.compile backend."""

@@ -1,0 +1,549 @@
+"""backend: `torch.compile(model, backend="memfuse")`. Dynamo captures, AOTAutograd traces the
+joint graph, memfuse lowers, plans, schedules and runs it.
+
+AOTAutograd owns the autograd.Function and its contract: the forward graph returns
+(*outputs, *saved), the backward graph takes (*saved, *tangents) and returns one gradient per
+primal. memfuse's partition function does the real work (lower the joint graph with capture's
+lowering, plan, build both Programs) and hands AOTAutograd two small fx graphs honouring that
+contract whose body is one call into the built Program; the compilers return those Programs.
+What the backward needs besides tensors (the dropout seed, the size symbols, saved integer
+inputs) travels in one small int64 CPU tensor: the last saved value.
+
+Size symbols come from Dynamo's ShapeEnv: each one is read per call from a SymInt argument or
+from a dim of a tensor argument (`SizeSource`). Dynamo owns the guards.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import operator
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple, Optional
+
+import sympy
+import torch
+from torch._guards import CompileContext, detect_fake_mode
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from memfuse.patterns.attention import MaskDecision, OutputMasks, dense_masks, returned_masks
+from memfuse.capture.lower import Captured, decomposition_table, lower_graph
+from memfuse.base.config import Config, config_with_options
+from memfuse.base.debug import STATS, on_compile, timed, topic_log
+from memfuse.patterns.loss_head.detect import attach_returned_logits, with_chunked_loss_heads
+from memfuse.ir.graph import Graph, Symbol, verify
+from memfuse.plan import Plan, plan
+from memfuse.runtime.precompile import precompile
+from memfuse.runtime.program import Program, _draw_seed
+from memfuse.schedule.groups import schedule
+
+log = logging.getLogger("memfuse")
+fallback_log = topic_log("fallbacks")
+_MEMFUSE_DIR = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class SizeSource:
+    """Where a call reads one size symbol: argument `input` itself (a SymInt argument, dim None)
+    or dim `dim` of tensor argument `input`."""
+    input: int
+    dim: Optional[int] = None
+
+    def read(self, args) -> int:
+        value = args[self.input]
+        return int(value) if self.dim is None else value.shape[self.dim]
+
+
+def memfuse_backend(gm: torch.fx.GraphModule, example_inputs, *, config: Optional[Config] = None,
+                    options: Optional[dict] = None):
+    """The `torch.compile` backend: AOTAutograd with memfuse's partition and compilers. A graph
+    memfuse fails to compile, wherever it fails, runs through torch (`_through_torch`); in strict
+    mode the failure is an error. `options` (torch.compile's `options=`) set Config fields
+    (config.OPTIONS: `{"memory_budget": 0.5}`); an unknown one or a bad value is an error.
+
+    Through Dynamo's `aot_autograd` helper, as torch's own AOT backends, not a bare
+    `aot_module_simplified`: Dynamo's DDPOptimizer (a graph split at DDP's bucket boundaries)
+    reads the helper's call counter to know that each piece went through AOTAutograd, whose
+    first call then returns fake outputs for the next piece's compile. Without it that fake
+    first call would reach the user at run time.
+
+    Everything memfuse does happens while this call runs: AOTAutograd traces, calls the
+    partition function (which builds the forward and the backward Program) and then the forward
+    or inference compiler, all before returning. The backward compiler, which AOTAutograd may
+    call later (at the first `.backward()`), only hands over the step the partition built."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.exc import RestartAnalysis, ShortenTraceback, SkipFrame
+    config = config_with_options(config or Config(), options)
+    record = GraphRecord(_graph_name(gm), _input_names(gm))
+    original = gm
+    chunked = with_chunked_loss_heads(gm, config)
+    gm, record.loss_heads = chunked.gm, chunked.decisions
+    compilers = _Compilers(config, record)
+    backend = aot_autograd(fw_compiler=compilers.forward, bw_compiler=compilers.backward,
+                           inference_compiler=compilers.inference, partition_fn=compilers.partition,
+                           decompositions=decomposition_table())
+    try:
+        with dense_masks():     # a broadcast mask would send the trace to SDPA's math path (memfuse.patterns.attention)
+            compiled = backend(gm, example_inputs)
+    except (RestartAnalysis, SkipFrame, ShortenTraceback):
+        raise                  # Dynamo's own signals (restart the trace, skip the frame), not failures
+    except Exception as e:
+        return _through_torch(original, record, e, config)
+    STATS["compiles"] += 1
+    on_compile(record.name, record)
+    return attach_returned_logits(compiled, chunked)
+
+
+def _through_torch(gm: torch.fx.GraphModule, record: GraphRecord, error: Exception, config: Config):
+    """A graph memfuse could not compile runs as Dynamo captured it, op by op through torch:
+    exactly what eager runs, so it fails only where eager fails, and autograd records each op as
+    in eager, so gradients are eager's. Not AOTAutograd again with torch's partition: the failure
+    may be AOTAutograd's own trace (with memfuse's decompositions), and a second trace would cost
+    a compile for nothing. Logged once (the exception, where it was raised, the way out) and
+    counted (`graph_fallbacks`); in strict mode an error, chained to the failure."""
+    reason = f"{type(error).__name__}: {error} (raised {_raised_at(error)})"
+    if config.strict:
+        raise RuntimeError(f"memfuse: could not compile graph {record.name}: {reason}; strict mode "
+                           f"(MEMFUSE_STRICT=1 / Config.strict) makes this an error, without it "
+                           f"the graph runs through torch") from error
+    record.through_torch = reason
+    STATS["graph_fallbacks"] += 1
+    fallback_log.warning("memfuse: graph %s runs through torch (eager), not memfuse: %s. MEMFUSE_STRICT=1 "
+                         "raises it with its traceback; MEMFUSE_LOG=debug logs the traceback here", record.name,
+                         reason, exc_info=error if fallback_log.isEnabledFor(logging.DEBUG) else None)
+    run = gm.forward
+
+    def through_torch(*args):
+        if _watching:
+            _saw(record)
+        return run(*args)
+    return torch._dynamo.disable(through_torch)    # Dynamo never traces the fallback itself
+
+
+def _raised_at(error: Exception) -> str:
+    """Where `error` was raised (file:line (function), the file from its package folder on) and,
+    when that is outside memfuse, the innermost memfuse stage it passed through."""
+    frames = traceback.extract_tb(error.__traceback__)
+    ours = [f for f in frames if _MEMFUSE_DIR in Path(f.filename).parents and f.name != "memfuse_backend"]
+    where = f"in {_frame(frames[-1])}"
+    if ours and ours[-1] is not frames[-1]:
+        where += f", from {_frame(ours[-1])}"
+    return where
+
+
+def _frame(frame: traceback.FrameSummary) -> str:
+    path = Path(frame.filename)
+    package = next((p for p in path.parents if p.parent.name in ("site-packages", "dist-packages")
+                    or p == _MEMFUSE_DIR), None)
+    shown = path.relative_to(package.parent) if package is not None else path.name
+    return f"{shown}:{frame.lineno} ({frame.name})"
+
+
+def _input_names(gm: torch.fx.GraphModule) -> list:
+    """The primals' names as the user knows them: Dynamo's source of each graph input (`L['x']`,
+    `L['self']._modules['fc']._parameters['weight']`), after the graph's own parameters and
+    buffers, which AOTAutograd lifts in front of them."""
+    names = [n for n, _ in gm.named_parameters()] + [n for n, _ in gm.named_buffers()]
+    for node in gm.graph.find_nodes(op="placeholder"):
+        source = getattr(node.meta.get("grapharg"), "source", None)
+        name = source.name if source is not None else node.target
+        names.append(name() if callable(name) else name)    # a method before torch 2.13
+    return names
+
+
+def _graph_name(gm: torch.fx.GraphModule) -> str:
+    """`dynamo_<frame>/<compile>`: Dynamo's compile id, as TORCH_LOGS and tlparse show it."""
+    compile_id = CompileContext.current_compile_id()
+    return f"dynamo_{compile_id}" if compile_id is not None else f"dynamo_{id(gm):x}"
+
+
+# -- what the backend made of each graph, and which graphs a call runs ------------------------------
+class Programs(NamedTuple):
+    forward: Program
+    backward: Optional[Program]          # None for an inference graph
+
+
+@dataclass
+class GraphRecord:
+    """What the backend made of one Dynamo graph, for the compile hook and `explain`: once memfuse
+    compiled it, the fields `explain.build_report` reads, named as on api's cache entry
+    (`captured`, `plan`, `function` with the `.forward` and `.backward` Programs, `input_names`);
+    else why the graph runs through torch."""
+    name: str
+    input_names: list
+    captured: Optional[Captured] = None
+    plan: Optional[Plan] = None
+    function: Optional[Programs] = None
+    through_torch: Optional[str] = None   # the failure, when the graph runs through torch
+    loss_heads: list = field(default_factory=list)   # memfuse.patterns.loss_head.detect's HeadDecisions
+
+
+_watching: list = []   # the lists of the open watch() blocks: empty but while explain runs a call
+
+
+@contextlib.contextmanager
+def watch():
+    """Collect the GraphRecords of the graphs that run inside the block, memfuse's and those run
+    through torch, each once, in the order they first ran: a graph Dynamo had cached counts as
+    much as one compiled in the block. Every forward (and inference) call of a backend graph
+    checks for open blocks: one truth test of a list."""
+    seen: list = []
+    _watching.append(seen)
+    try:
+        yield seen
+    finally:
+        _watching.remove(seen)
+
+
+def _saw(record: GraphRecord) -> None:
+    for seen in _watching:
+        if not any(r is record for r in seen):
+            seen.append(record)
+
+
+def register() -> None:
+    """Make `backend="memfuse"` known to Dynamo on `import memfuse`; idempotent. When Dynamo has
+    already found the `torch_dynamo_backends` entry point it registers the backend itself (and
+    would refuse a second registration), so this one steps aside."""
+    from torch._dynamo.backends import registry
+    if "memfuse" in registry._COMPILER_FNS or registry._BACKENDS.get("memfuse") is not None:
+        return
+    registry.register_backend(memfuse_backend, name="memfuse")
+
+
+class _Compilers:
+    """One Dynamo graph's compilers. `partition` builds both Programs; `forward` and `backward`
+    return the steps it built; `inference` compiles a forward-only graph (nothing needs a grad).
+
+    AOTAutograd calls the partition function and the compilers inside its FakeTensorMode, where an
+    operation on a real tensor is refused; memfuse's stages compute on real values (a lifted tensor
+    constant is read with `.item()`, a constant rounded through `torch.tensor`, kernels built), so
+    they run with the mode unset. The fx graphs handed back carry fakes made in that mode on
+    purpose (`_Fakes`)."""
+
+    def __init__(self, config: Config, record: GraphRecord):
+        self.config = config
+        self.record = record
+
+    def partition(self, joint: torch.fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **_):
+        with unset_fake_temporarily():   # see _Compilers: memfuse computes on real values
+            return self._partition(joint, len(joint_inputs[0]), num_fwd_outputs)
+
+    @timed("compile")
+    def _partition(self, joint: torch.fx.GraphModule, num_primals: int, num_fwd_outputs: int):
+        start = time.perf_counter()
+        placeholders = joint.graph.find_nodes(op="placeholder")
+        captured = _lower(joint, placeholders[:num_primals], trace_joint=True)
+        if captured.num_fwd_outputs != num_fwd_outputs:
+            raise RuntimeError(f"memfuse: lowered {captured.num_fwd_outputs} forward outputs, "
+                               f"AOTAutograd expects {num_fwd_outputs}")
+        the_plan = plan(captured, self.config.memory_budget)
+        self._check_fallbacks(captured)
+        device = _device(placeholders)
+        fakes = _Fakes(detect_fake_mode([n.meta.get("val") for n in placeholders]), captured, device)
+        forward = self._program(the_plan.forward, captured, "forward")
+        backward = self._program(the_plan.backward, captured, "backward")
+        precompile([forward, backward], device, self.config)
+        self._compiled(captured, the_plan, Programs(forward, backward))
+        saved = [s.name for s in the_plan.saved]
+        saved_ints = [captured.joint[n].value.dtype is None for n in saved]
+        masks = _returned_masks(joint, the_plan.num_fwd_outputs, self.record, self.config)
+        forward_step = ForwardStep(forward, captured, the_plan.num_fwd_outputs, saved_ints, device, masks=masks)
+        backward_step = BackwardStep(backward, captured, saved_ints, device)
+        fw_module = _forward_module(joint, placeholders[:num_primals], the_plan, saved_ints, forward_step, fakes)
+        bw_module = _backward_module(joint, placeholders[num_primals:], the_plan, saved_ints, backward_step, fakes)
+        log.info("memfuse: compiled %s (torch.compile) in %.3f s: saves %d bytes beyond the inputs",
+                 self.record.name, time.perf_counter() - start, the_plan.saved_bytes)
+        return fw_module, bw_module
+
+    def forward(self, gm: torch.fx.GraphModule, example_inputs):
+        return _boxed(gm.get_submodule("memfuse_forward"), self.record)
+
+    def backward(self, gm: torch.fx.GraphModule, example_inputs):
+        return _boxed(gm.get_submodule("memfuse_backward"))
+
+    def inference(self, gm: torch.fx.GraphModule, example_inputs):
+        with unset_fake_temporarily():
+            return self._inference(gm)
+
+    @timed("compile")
+    def _inference(self, gm: torch.fx.GraphModule):
+        start = time.perf_counter()
+        placeholders = gm.graph.find_nodes(op="placeholder")
+        captured = _lower(gm, placeholders, trace_joint=False)
+        the_plan = plan(captured, self.config.memory_budget)
+        self._check_fallbacks(captured)
+        forward = self._program(the_plan.forward, captured, "forward")
+        precompile([forward], _device(placeholders), self.config)
+        self._compiled(captured, the_plan, Programs(forward, None))
+        log.info("memfuse: compiled %s (torch.compile, inference) in %.3f s", self.record.name,
+                 time.perf_counter() - start)
+        masks = _returned_masks(gm, the_plan.num_fwd_outputs, self.record, self.config)
+        return _boxed(ForwardStep(forward, captured, the_plan.num_fwd_outputs, [], _device(placeholders),
+                                  inference=True, masks=masks), self.record)
+
+    def _program(self, graph: Graph, captured: Captured, kind: str) -> Program:
+        if self.config.check:
+            verify(graph)
+        return Program(schedule(graph, self.config, kind), list(captured.symbols), self.config,
+                       returns_gradients=kind == "backward")
+
+    def _check_fallbacks(self, captured: Captured) -> None:
+        """Ops without a lowering run through aten inside the program, counted as api counts them;
+        strict mode refuses them."""
+        for name, target, reason in captured.fallbacks:
+            if self.config.strict:
+                raise NotImplementedError(f"memfuse: {name} ({target}) runs through aten: {reason} "
+                                          "(strict mode: MEMFUSE_STRICT=1 / Config.strict)")
+        STATS["fallbacks"] += len(captured.fallbacks)
+
+    def _compiled(self, captured: Captured, the_plan: Plan, programs: Programs) -> None:
+        captured.loss_heads = self.record.loss_heads
+        self.record.captured, self.record.plan, self.record.function = captured, the_plan, programs
+
+
+def _returned_masks(gm: torch.fx.GraphModule, count: int, record: "GraphRecord", config: Config
+                    ) -> Optional[OutputMasks]:
+    """The marks for the graph's returned attention masks and values built from sizes
+    (memfuse.patterns.attention), or None."""
+    masks, sized = returned_masks(gm, count)
+    if not masks and not sized:
+        return None
+    log.info("memfuse: %s returns attention masks (outputs %s) and values built from sizes alone (outputs %s): "
+             "marked for the FusedModules and graphs that receive them", record.name, [m[0] for m in masks], sized)
+    names = [n.name for n in gm.graph.find_nodes(op="placeholder")]
+    for position, reads in masks:
+        read = ", ".join(names[i] for i in reads) or "sizes alone"
+        when = ("looked at every call" if config.check_returned_masks else
+                "left unmarked where one of them carries no such mark (check_returned_masks looks at it every call)")
+        record.captured.attention_masks.append(MaskDecision(
+            f"output {position}", "returned", True,
+            f"marked with its form for the fused layers that receive it: reads {read}; looked at once per set of "
+            f"sizes and of the marks of the inputs it reads (values other graphs built from sizes), {when}"))
+    return OutputMasks(masks, sized, every_call=config.check_returned_masks)
+
+
+# -- lowering with Dynamo's size symbols ---------------------------------------------------------
+@timed("capture")
+def _lower(gm: torch.fx.GraphModule, primals: list, trace_joint: bool) -> Captured:
+    sources, hints = _size_sources(primals)
+    captured = lower_graph(gm, sources, hints, num_primals=len(primals), trace_joint=trace_joint)
+    captured.aten_graph = gm
+    missing = _free_symbols(captured.joint) - set(sources)
+    if missing:
+        raise NotImplementedError(
+            f"memfuse: the graph's sizes use {sorted(map(str, missing))}, which no argument carries "
+            f"(as a SymInt argument or a dim of a tensor argument), e.g. a data-dependent size; "
+            f"memfuse cannot size its buffers from them")
+    return captured
+
+
+def _size_sources(primals: list) -> tuple[dict, dict]:
+    """sympy.Symbol -> SizeSource, preferring SymInt arguments, and the traced value of each."""
+    sources, hints = {}, {}
+
+    def note(size, source):
+        if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol) \
+                and size.node.expr not in sources:
+            sources[size.node.expr] = source
+            hints[size.node.expr] = size.node.hint
+    for i, node in enumerate(primals):
+        note(node.meta.get("val"), SizeSource(i))
+    for i, node in enumerate(primals):
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            for d, size in enumerate(val.shape):
+                note(size, SizeSource(i, d))
+    return sources, hints
+
+
+def _free_symbols(graph: Graph) -> set:
+    found = set()
+    for node in graph.nodes.values():
+        exprs = list(node.value.shape) + [node.value.m]
+        if isinstance(node.attr, Symbol):
+            exprs.append(node.attr.expr)
+        for e in exprs:
+            if isinstance(e, sympy.Expr):
+                found |= e.free_symbols
+    return found
+
+
+def _device(placeholders: list) -> torch.device:
+    """Where the program allocates: the accelerator of any tensor argument, else the CPU."""
+    devices = [n.meta["val"].device for n in placeholders if isinstance(n.meta.get("val"), torch.Tensor)]
+    return next((d for d in devices if d.type != "cpu"), torch.device("cpu"))
+
+
+# -- the steps AOTAutograd calls ----------------------------------------------------------------
+def _boxed(step, record: Optional[GraphRecord] = None):
+    """AOTAutograd's boxed calling convention: the step takes the argument list over and empties
+    it. A forward step names its graph's record, which it shows to open `watch()` blocks."""
+    def run(args):
+        if _watching and record is not None:
+            _saw(record)
+        return step.boxed(args)
+    run._boxed_call = True
+    return run
+
+
+class ForwardStep(torch.nn.Module):
+    """primals -> (*outputs, *saved tensors, context); context = [seed, *symbols, *saved ints].
+    Returned masks built from sizes leave marked with their form (`masks`, memfuse.patterns.attention)."""
+
+    def __init__(self, program: Program, captured: Captured, num_outputs: int, saved_ints: list,
+                 device: torch.device, inference: bool = False, masks: Optional[OutputMasks] = None):
+        super().__init__()
+        self.masks = masks
+        self.program = program
+        self.sources = list(captured.symbols.values())
+        self.has_seed = captured.has_seed
+        self.num_outputs = num_outputs
+        self.saved_ints = saved_ints
+        self.device = device
+        self.inference = inference
+
+    def forward(self, *args):
+        return self.boxed(list(args))
+
+    def boxed(self, args: list):
+        """Runs on `args` and empties it (the program does): a tensor nothing else holds goes after
+        its last reader."""
+        symbol_values = tuple(source.read(args) for source in self.sources)
+        seed = _draw_seed(self.device) if self.has_seed else 0
+        if self.has_seed:
+            args.append(seed)
+        input_marks = self.masks.read_marks(args) if self.masks is not None else None
+        outs = self.program.run(args, symbol_values, self.device)
+        if self.masks is not None:
+            self.masks.mark(outs, symbol_values, input_marks)
+        if self.inference:
+            return outs[:self.num_outputs]
+        saved = outs[self.num_outputs:]
+        tensors = [v for v, is_int in zip(saved, self.saved_ints) if not is_int]
+        ints = [int(v) for v, is_int in zip(saved, self.saved_ints) if is_int]
+        context = torch.tensor([seed, *symbol_values, *ints], dtype=torch.int64)
+        return (*outs[:self.num_outputs], *tensors, context)
+
+    def __deepcopy__(self, memo):
+        return self   # compiled kernels are shared, never copied (AOTAutograd deep-copies graphs)
+
+
+class BackwardStep(torch.nn.Module):
+    """(*saved tensors, context, *tangents) -> one gradient (or None) per primal."""
+
+    def __init__(self, program: Program, captured: Captured, saved_ints: list, device: torch.device):
+        super().__init__()
+        self.program = program
+        self.num_symbols = len(captured.symbols)
+        self.has_seed = captured.has_seed
+        self.saved_ints = saved_ints
+        self.num_tensors = saved_ints.count(False)
+        self.device = device
+        # per saved value: (is an int, its position among the saved ints or the saved tensors)
+        self.slots = [(is_int, saved_ints[:i].count(is_int)) for i, is_int in enumerate(saved_ints)]
+
+    def forward(self, *args):
+        return self.boxed(list(args))
+
+    def boxed(self, args: list):
+        """Moves the saved tensors and tangents out of `args` (AOTAutograd's list: it holds the only
+        references once the node's are cleared) into the program's input list, which the program
+        empties: each one goes after its last reader."""
+        context = args[self.num_tensors].tolist()
+        symbol_values, ints = tuple(context[1:1 + self.num_symbols]), context[1 + self.num_symbols:]
+        inputs = [ints[j] if is_int else args[j] for is_int, j in self.slots]
+        if self.has_seed:
+            inputs.append(context[0])
+        inputs += args[self.num_tensors + 1:]
+        args.clear()
+        return self.program.run(inputs, symbol_values, self.device)
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+# -- the fx graphs AOTAutograd reads: signatures and fake values, bodies that call the steps -----
+def _forward_module(joint, primals, the_plan, saved_ints, step, fakes) -> torch.fx.GraphModule:
+    graph = torch.fx.Graph()
+    env = {}
+    for node in primals:
+        env[node.name] = _placeholder(graph, node.name, node.meta["val"])
+    call = graph.call_module("memfuse_forward", tuple(env[n.name] for n in primals))
+    joint_outputs = joint.graph.find_nodes(op="output")[0].args[0]
+    outputs, index = [], 0
+    for fx_out in joint_outputs[:the_plan.num_fwd_outputs]:
+        outputs.append(_item(graph, call, index, _val(fx_out)))
+        index += 1
+    saved_tensors = [s for s, is_int in zip(the_plan.saved, saved_ints) if not is_int]
+    for s in saved_tensors:
+        if s.is_input:
+            outputs.append(env[s.name])
+        else:
+            outputs.append(_item(graph, call, index, fakes.value(s.name)))
+        index += 1
+    outputs.append(_item(graph, call, index, fakes.context(saved_ints)))
+    graph.output(tuple(outputs))
+    return torch.fx.GraphModule({"memfuse_forward": step}, graph)
+
+
+def _backward_module(joint, tangents, the_plan, saved_ints, step, fakes) -> torch.fx.GraphModule:
+    graph = torch.fx.Graph()
+    args = []
+    for s, is_int in zip(the_plan.saved, saved_ints):
+        if not is_int:
+            args.append(_placeholder(graph, s.name, fakes.value(s.name)))
+    args.append(_placeholder(graph, "memfuse_context", fakes.context(saved_ints)))
+    for node in tangents:
+        args.append(_placeholder(graph, node.name, node.meta["val"]))
+    call = graph.call_module("memfuse_backward", tuple(args))
+    joint_outputs = joint.graph.find_nodes(op="output")[0].args[0]
+    grads = [None if fx_out is None else _item(graph, call, i, _val(fx_out))
+             for i, fx_out in enumerate(joint_outputs[the_plan.num_fwd_outputs:])]
+    graph.output(tuple(grads))
+    return torch.fx.GraphModule({"memfuse_backward": step}, graph)
+
+
+def _placeholder(graph: torch.fx.Graph, name: str, val) -> torch.fx.Node:
+    node = graph.placeholder(name)
+    node.meta["val"] = val
+    return node
+
+
+def _item(graph: torch.fx.Graph, call: torch.fx.Node, index: int, val) -> torch.fx.Node:
+    node = graph.call_function(operator.getitem, (call, index))
+    node.meta["val"] = val
+    return node
+
+
+def _val(fx_out):
+    return fx_out.meta.get("val") if isinstance(fx_out, torch.fx.Node) else fx_out
+
+
+class _Fakes:
+    """Fake tensors for values AOTAutograd has no fx node for: saved IR values and the context."""
+
+    def __init__(self, mode, captured: Captured, device: torch.device):
+        self.mode = mode
+        self.captured = captured
+        self.device = device
+        self.made: dict = {}
+
+    def value(self, name: str):
+        """An IR value's (symbolic) shape and dtype, contiguous; one fake per value."""
+        if name not in self.made:
+            value = self.captured.joint[name].value
+            sizes = []
+            for size in value.shape:
+                expr = sympy.sympify(size)
+                sizes.append(int(expr) if expr.is_number else self.mode.shape_env.create_symintnode(
+                    expr, hint=int(expr.subs(self.captured.hints))))
+            with self.mode:
+                self.made[name] = torch.empty(sizes, dtype=value.dtype, device=self.device)
+        return self.made[name]
+
+    def context(self, saved_ints: list):
+        with self.mode:
+            return torch.empty((1 + len(self.captured.symbols) + sum(saved_ints),), dtype=torch.int64)

@@ -1,0 +1,36 @@
+"""wrap: `memory_efficient_fusion`, the public entry. A function becomes a FusedFunction
+(api.py), an nn.Module a FusedModule (module.py, which builds on api)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import torch
+
+from memfuse.fronts.function import FusedFunction
+from memfuse.base.config import Config
+from memfuse.fronts.module import FusedModule
+
+
+def memory_efficient_fusion(fn: Callable, *, config: Optional[Config] = None, cuda_graphs: bool = False,
+                            memory_budget: Optional[float] = None):
+    """Wrap `fn` (tensors, constants and pytrees of them -> the same): same signature, same
+    results as eager within float tolerance, forward and backward fused into Triton kernels.
+    An nn.Module becomes a `FusedModule` (module.py) sharing its parameters and state_dict keys.
+
+    `cuda_graphs=True` (opt-in, for static shapes): each call signature's forward and backward
+    programs are captured into CUDA graphs and replayed (graphs.py; docs/usage.md says what is
+    static). Outputs live in graph memory, rewritten by a later replay once nothing holds them.
+
+    `memory_budget` (Config.memory_budget, in (0, 1]): keep at most this fraction of the default
+    plan's saved bytes for the backward, recomputing more there (memfuse.plan)."""
+    config = config or Config()
+    if memory_budget is not None:
+        config = dataclasses.replace(config, memory_budget=memory_budget)
+    if cuda_graphs:
+        config = dataclasses.replace(config, seed_from_memory=True)
+    if isinstance(fn, torch.nn.Module):
+        return FusedModule(fn, config, cuda_graphs=cuda_graphs)
+    if not callable(fn):
+        raise TypeError(f"memfuse.memory_efficient_fusion: fn must be callable, got {type(fn).__name__}")
+    return FusedFunction(fn, config, cuda_graphs=cuda_graphs)

@@ -1,0 +1,1 @@
+"""The loss head: linear + cross-entropy found in a model and computed in chunks."""

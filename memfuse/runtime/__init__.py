@@ -1,0 +1,1 @@
+"""runtime: the programs that run scheduled graphs, their autograd.Function, kernel precompilation."""
