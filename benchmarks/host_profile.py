@@ -70,10 +70,10 @@ class StandInGenerator:
 def _stub_launches(entry) -> None:
     """From now on every kernel of `entry` (compiled and launched once) launches directly, into
     nothing, and seeds come from a stand-in CUDA generator."""
-    from memfuse.runtime import program as runtime
+    from memfuse.runtime import function, launchers as runtime
     cpu = torch.device("cpu")
     runtime.raw_stream = lambda index: 0
-    runtime._SEED_DRAWS[cpu] = runtime.philox_seed_draw(StandInGenerator())
+    function._SEED_DRAWS[cpu] = function.philox_seed_draw(StandInGenerator())
     nothing = types.SimpleNamespace(run=lambda *args: None, function=None, packed_metadata=None)
     for program in (entry.function.forward, entry.function.backward):
         for launch in program.steps if program is not None else ():    # an inference graph has no backward

@@ -64,7 +64,7 @@ def step_kernels(model_name: str, tokens: int, autocast: bool) -> list:
     (`memory_efficient_fusion`), at the model's width and `tokens` tokens: under the CPU's bf16
     autocast as the GPU runs under CUDA's (their op lists are close, not the same), or in fp32."""
     from benchmarks.models import FAMILIES, TINY_SETTINGS, WRAPPERS, Setup, Templates, fresh, make_batch
-    from memfuse.runtime.program import KernelLaunch
+    from memfuse.runtime.launchers import KernelLaunch
     family = FAMILIES[model_name]
     size = dataclasses.replace(family.size, batch=1, seq=tokens)
     setup = Setup(torch.device("cpu"), tiny=True, settings=TINY_SETTINGS)

@@ -6,7 +6,7 @@ launch's sizes over its GPU time, as a fraction of the copy bandwidth measured i
 
 A `make bench-models` model (bf16 autocast, dropout as in the benchmark) trains in a memfuse mode;
 after the warm-up steps one step runs under torch.profiler (benchmarks.profile_step) and inside
-memfuse's launch log (memfuse.runtime.program.launch_log), which records each launch's M, grid, launch
+memfuse's launch log (memfuse.runtime.launchers.launch_log), which records each launch's M, grid, launch
 configuration and must-move bytes: every [M, D], [M] and [D] value the kernel reads or writes,
 once (KernelSource.bytes_per_row x M + bytes_per_launch). A looped kernel re-reads its inputs once
 a pass, and a kernel with column sums writes and reads back fp32 partials: that traffic is listed
@@ -35,7 +35,7 @@ from benchmarks.models import FAMILIES, GPU_SETTINGS, TINY_SETTINGS, WRAPPERS, S
     train_step
 from benchmarks.long_rows import copy_bandwidth
 from benchmarks.profile_step import profiled_step
-from memfuse.runtime.program import launch_log
+from memfuse.runtime.launchers import launch_log
 
 MEMFUSE_MODES = ("memfuse_backend", "memfuse_whole", "memfuse_per_layer", "memfuse_per_layer_backend")
 KERNEL_PREFIX = "memfuse_"        # the generated kernels' names (codegen: the group's name)

@@ -20,7 +20,7 @@ from triton.testing import do_bench
 
 import memfuse
 from benchmarks.workloads import registry
-from memfuse.runtime.program import KernelLaunch
+from memfuse.runtime.launchers import KernelLaunch
 from memfuse.codegen.tuning import LaunchConfig, TuningCache, source_config
 
 

@@ -161,7 +161,7 @@ def test_a_repeated_call_skips_the_python_half_of_autograd_apply(monkeypatch):
     def counted(cls, *args, **kwargs):
         python_applies.append(cls)
         return python_apply(cls, *args, **kwargs)
-    monkeypatch.setattr(memfuse.runtime.program._MemfuseFunction, "apply", classmethod(counted))
+    monkeypatch.setattr(memfuse.runtime.function._MemfuseFunction, "apply", classmethod(counted))
     x, b = inputs()
     fused = memfuse.memory_efficient_fusion(scale_shift)
     for _ in range(3):
@@ -169,7 +169,7 @@ def test_a_repeated_call_skips_the_python_half_of_autograd_apply(monkeypatch):
     grad_fn = fused(x, 2.0, b).grad_fn
     assert len(python_applies) == 1 and type(grad_fn).__name__ == "_MemfuseFunctionBackward"
     # the engine calls the node's apply: memfuse's backward itself, not BackwardCFunction.apply's lookup
-    assert type(grad_fn).apply is memfuse.runtime.program._MemfuseFunction.backward
+    assert type(grad_fn).apply is memfuse.runtime.function._MemfuseFunction.backward
 
 
 @pytest.mark.parametrize("first_call", [True, False])

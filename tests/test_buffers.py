@@ -19,7 +19,7 @@ from memfuse.fronts import backend
 from memfuse.runtime import program as runtime
 from memfuse.buffers import ALLOCATED, BufferPlanError, Origin, memory_timeline, verify_buffer_plan
 from memfuse.reports.explain import buffer_lines
-from memfuse.runtime.program import KernelLaunch
+from memfuse.runtime.launchers import KernelLaunch
 
 from helpers import BLOCKS, block_inputs, leaves_like
 

@@ -17,7 +17,7 @@ from memfuse.codegen.cache import structure
 from memfuse.base.config import Config
 from memfuse.ir.graph import Graph, Kind, Node, Op, Reduce, Value, verify
 from memfuse.plan import plan
-from memfuse.runtime.program import FINISH_GROUPS_MAX
+from memfuse.runtime.launchers import FINISH_GROUPS_MAX
 from memfuse.schedule.groups import schedule
 from memfuse.codegen.tuning import cpu_config
 
@@ -315,7 +315,8 @@ def test_program_allocator_and_rows():
     """Programs allocate through inductor's allocator where torch has one for the device type,
     else through torch.empty_strided: a contiguous tensor of the shape and dtype, on the device.
     Rows of totals are tensors over the totals' memory: inductor's, else an as_strided view."""
-    from memfuse.runtime.program import _allocator, _as_strided_at, _reinterpret
+    from memfuse.base.torch_private import as_strided_at as _as_strided_at
+    from memfuse.runtime.program import _allocator, _reinterpret
     assert _allocator(torch.device("cpu")) is torch._C._dynamo.guards._empty_strided_cpu
     t = _allocator(torch.device("meta"))((2, 3, 4), (12, 4, 1), torch.bfloat16)
     assert (t.shape, t.stride(), t.dtype, t.device.type) == ((2, 3, 4), (12, 4, 1), torch.bfloat16, "meta")

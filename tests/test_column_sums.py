@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import memfuse
 from memfuse.fronts import cuda_graphs as graphs
 from memfuse.ir.graph import Op
-from memfuse.runtime.program import KernelLaunch
+from memfuse.runtime.launchers import KernelLaunch
 from memfuse.schedule.groups import ExternStep
 
 CPU = torch.device("cpu")

@@ -103,7 +103,7 @@ def test_philox_seed_draw_reserves_one_offset_step_per_draw():
     """On CUDA the seed comes from the device generator's (seed, offset): each draw moves the
     offset by 4, gives a seed in the kernels' int32 range, never a neighbour of the previous one
     (kernels draw from seed + stream index), and a generator reseeded the same draws the same."""
-    from memfuse.runtime.program import SEED_LIMIT, philox_seed_draw
+    from memfuse.runtime.function import SEED_LIMIT, philox_seed_draw
     generator = StandInGenerator(1234)
     draw = philox_seed_draw(generator)
     seeds = [draw() for _ in range(1000)]
@@ -121,8 +121,8 @@ def test_philox_seed_draw_reserves_one_offset_step_per_draw():
 def test_philox_seeds_are_the_same_in_every_process():
     """The seed is a hash of the generator's (seed, offset): the same in another process under
     another PYTHONHASHSEED (int and tuple hashes do not take it), so a reseeded run is reproduced."""
-    from memfuse.runtime.program import philox_seed_draw
-    script = ("from benchmarks.host_profile import StandInGenerator; from memfuse.runtime.program import philox_seed_draw; "
+    from memfuse.runtime.function import philox_seed_draw
+    script = ("from benchmarks.host_profile import StandInGenerator; from memfuse.runtime.function import philox_seed_draw; "
               "draw = philox_seed_draw(StandInGenerator(1234)); print([draw() for _ in range(5)])")
     root = Path(__file__).resolve().parent.parent
     ours = os.environ.get("PYTHONHASHSEED", "random")     # unset: random, each process its own

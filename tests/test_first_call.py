@@ -14,7 +14,7 @@ import torch
 import memfuse
 from memfuse.runtime import precompile
 from memfuse.capture.lower import decomposition_table
-from memfuse.runtime.program import KernelLaunch, Launcher
+from memfuse.runtime.launchers import KernelLaunch, Launcher
 from memfuse.codegen.tuning import LaunchConfig
 
 from helpers import BLOCKS, block_inputs

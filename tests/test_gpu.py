@@ -179,10 +179,10 @@ def _counted_direct_launches(monkeypatch, module) -> list:
 def test_direct_launch_matches_triton_launch(monkeypatch):
     """The direct launch (runtime.DirectLaunch, every call after a function's first) computes
     bit-identical results to Triton's generic launch path."""
-    from memfuse.runtime import program as runtime
+    from memfuse.runtime import function as runtime_function, launchers as runtime
     x = torch.randn(64, 128, 1024, device="cuda", requires_grad=True)
     b = torch.randn(1024, device="cuda", requires_grad=True)
-    monkeypatch.setattr(runtime, "_draw_seed", lambda device: 1234)
+    monkeypatch.setattr(runtime_function, "_draw_seed", lambda device: 1234)
 
     def step(fused):
         out = fused(x, b)
@@ -262,7 +262,7 @@ def test_column_sums_finish_in_one_launch_with_the_same_bits_every_time(case, pr
     last, the ticket counter back at 0, and eager's values."""
     import dataclasses
 
-    from memfuse.runtime.program import KernelLaunch
+    from memfuse.runtime.launchers import KernelLaunch
     fn, kwargs, shape, dtype, n_params = COLUMN_SUM_CASES[case]
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(*shape, device="cuda", dtype=dtype, generator=g).requires_grad_()
@@ -375,7 +375,7 @@ def test_precompile_hands_every_kernel_to_its_launch():
     """memfuse.runtime.precompile builds every kernel when the program is built (or loads it through its
     index) and hands it to the launch: the first call's launches compile nothing, and Triton's
     kernel cache holds at most the one variant precompile built."""
-    from memfuse.runtime.program import KernelLaunch
+    from memfuse.runtime.launchers import KernelLaunch
     inputs = make_inputs([8, 16, 1024], torch.float32, 3)
     fused = memfuse.memory_efficient_fusion(layer_norm_block)
     kwargs = dict(normalization_axis=2, dropout_prob=0.1)
@@ -396,7 +396,7 @@ def test_precompile_hands_every_kernel_to_its_launch():
 _WARM_RUN = """
 import sys, torch, memfuse
 from benchmarks.workloads import layer_norm_block
-from memfuse.runtime.program import KernelLaunch
+from memfuse.runtime.launchers import KernelLaunch
 torch.manual_seed(0)
 x = torch.randn(8, 16, 1024, device="cuda", requires_grad=True)
 r = torch.randn(8, 16, 1024, device="cuda", requires_grad=True)

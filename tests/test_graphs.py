@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import memfuse
 from memfuse.fronts import cuda_graphs as graphs
-from memfuse.runtime import program as runtime
+from memfuse.runtime import function as runtime
 from helpers import BLOCKS, block_inputs, forward_backward, leaves_like, rel_error
 from test_dropout import with_dropout_output, with_mask, within_rate
 

@@ -10,7 +10,7 @@ import torch
 
 import memfuse
 from benchmarks import instructions
-from memfuse.runtime.program import KernelLaunch
+from memfuse.runtime.launchers import KernelLaunch
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,4 +1,4 @@
-"""memfuse.runtime.program.launch_log (each launch's must-move bytes at its sizes) and the tiny run of
+"""memfuse.runtime.launchers.launch_log (each launch's must-move bytes at its sizes) and the tiny run of
 benchmarks/kernel_sol.py (the per-kernel SOL table without GPU times)."""
 import contextlib
 import io
@@ -12,7 +12,7 @@ import torch
 import memfuse
 from memfuse.base.config import Config
 from benchmarks.workloads import layer_norm_block, smoke_registry
-from memfuse.runtime.program import launch_log
+from memfuse.runtime.launchers import launch_log
 
 
 def layer_norm_step(fused, inputs):

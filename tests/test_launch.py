@@ -14,8 +14,8 @@ import torch
 
 import memfuse
 from memfuse.base import launch as launch_module
-from memfuse.runtime import program as runtime
-from memfuse.runtime.program import DirectLaunch, KernelLaunch, Launcher
+from memfuse.runtime import launchers as runtime
+from memfuse.runtime.launchers import DirectLaunch, KernelLaunch, Launcher
 
 from compare import assert_same
 from helpers import BLOCKS, block_inputs

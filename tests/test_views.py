@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import memfuse
 from memfuse import Config
-from memfuse.runtime import program as runtime
+from memfuse.runtime import aten_groups as runtime
 from memfuse.schedule import groups as scheduling
 from memfuse.ir.graph import Op
 

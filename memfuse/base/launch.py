@@ -12,11 +12,10 @@ import torch
 import triton
 from triton import knobs
 
+from memfuse.base.torch_private import raw_stream  # noqa: F401  (the current stream of a CUDA device index)
+
 TRITON_VERSION = tuple(int(part) for part in triton.__version__.split(".")[:2])
 INT32_MIN, INT32_MAX = -2 ** 31, 2 ** 31 - 1
-
-# the current stream of a CUDA device index, as the launcher takes it
-raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def launch_hooks_installed() -> bool:

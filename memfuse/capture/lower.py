@@ -25,6 +25,7 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, Stateles
 
 from memfuse.ir import views
 from memfuse.patterns.attention import AttentionCall, dense_masks, outside_trace, size_only_masks
+from memfuse.base import torch_private
 from memfuse.base.debug import timed
 from memfuse.capture.indexing import index_by_aranges
 from memfuse.patterns.loss_head import op as loss_head  # noqa: F401  (registers the chunked loss head's ops, named below)
@@ -131,12 +132,8 @@ def compiling():
     torch.compile and torch.export (non-strict export sets the same flag): libraries then take
     their trace-friendly paths. HuggingFace's attention-mask code, for one, otherwise branches on
     `mask.all()`, a data-dependent value no trace can follow."""
-    before = torch.compiler._is_compiling_flag
-    torch.compiler._is_compiling_flag = True
-    try:
+    with torch_private.compiling_flag():
         yield
-    finally:
-        torch.compiler._is_compiling_flag = before
 
 
 @timed("trace")

@@ -36,7 +36,8 @@ from memfuse.patterns.loss_head.detect import attach_returned_logits, with_chunk
 from memfuse.ir.graph import Graph, Symbol, verify
 from memfuse.plan import Plan, plan
 from memfuse.runtime.precompile import precompile
-from memfuse.runtime.program import Program, _draw_seed
+from memfuse.runtime.function import _draw_seed
+from memfuse.runtime.program import Program
 from memfuse.schedule.groups import schedule
 
 log = logging.getLogger("memfuse")

@@ -44,6 +44,7 @@ from typing import Callable, Optional
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from memfuse.base import torch_private
 from memfuse.base.debug import STATS, topic_log
 from memfuse.driver.fallback import EagerCall
 from memfuse.ir.graph import Op
@@ -344,7 +345,7 @@ class _Instance:
         return _GraphedFunction.apply(self, *tensors)
 
 
-_use_count = torch._C._storage_Use_Count
+_use_count = torch_private.storage_use_count
 
 
 def _nothing() -> None:
@@ -406,5 +407,5 @@ def _storage_counts(tensors: list) -> list:
         if ref.cdata in seen:
             continue
         seen.add(ref.cdata)
-        counts.append((ref, torch._C._storage_Use_Count(ref.cdata)))
+        counts.append((ref, _use_count(ref.cdata)))
     return counts

@@ -34,6 +34,7 @@ from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_wit
 
 from memfuse.patterns.attention import MaskDecision, mask_like, marked_form
 from memfuse.capture.lower import capture
+from memfuse.base import torch_private
 from memfuse.base.config import Config
 from memfuse.base.debug import STATS, describe_key_change, on_compile, timed, topic_log
 from memfuse.driver.fallback import (STRICT, EagerCall, StrictModeError, UntraceableOutputError, compile_failed, say_once,
@@ -43,7 +44,8 @@ from memfuse.patterns.loss_head.detect import capture_chunked
 from memfuse.ir.graph import GraphError, verify
 from memfuse.plan import plan
 from memfuse.runtime.precompile import enabled as precompile_enabled, precompile, start_driver
-from memfuse.runtime.program import SIZE_FUNCTIONS, CompiledFunction
+from memfuse.runtime.function import CompiledFunction
+from memfuse.runtime.program import SIZE_FUNCTIONS
 from memfuse.schedule.groups import schedule
 
 log = logging.getLogger("memfuse")
@@ -96,7 +98,7 @@ class FusedFunction:
                 return outputs
         STATS["front_misses"] += 1
         values = self._bind(args, kwargs)
-        if torch._C._are_functorch_transforms_active():
+        if torch_private.functorch_transforms_active():
             return self.run_eager(under_transform(self._name()), values)
         if self.graphs is not None and _flatten(values).tree is None:
             return self.graphs(values)
@@ -444,9 +446,9 @@ class _Front:
         self.entries: dict = {}          # exact key -> (compiled apply, output rebuild, tensor guards or None)
         self.last = [(None, None, None, None, None)]   # (guards, grad mode, constants, apply, output rebuild)
         namespace: dict = {"grad_enabled": torch.is_grad_enabled, "entries": self.entries, "last": self.last,
-                           "MISS": MISS, "transforms_active": torch._C._are_functorch_transforms_active,
+                           "MISS": MISS, "transforms_active": torch_private.functorch_transforms_active,
                            "any_autocast": _any_autocast,
-                           "unwrap": torch._C._functorch.unwrap_if_dead, "STATS": STATS}
+                           "unwrap": torch_private.unwrap_if_dead, "STATS": STATS}
         binds = []
         positional = sum(source == "arg" for source, _ in binding)
         if positional:
@@ -556,8 +558,7 @@ def _autocast_now():
     return (autocast_state("cpu"), autocast_state("cuda"))
 
 
-_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or \
-    (lambda: torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"))
+_any_autocast = torch_private.any_autocast_enabled
 
 
 def _tensor_guards(tensors: list):
@@ -567,7 +568,7 @@ def _tensor_guards(tensors: list):
     internal API) or refuses these tensors, and where one is a functorch wrapper (the front then
     unwraps it, as autograd's apply would; a guard made with plain tensors fails on wrappers, whose
     dispatch keys differ)."""
-    if TensorGuards is None or any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors):
+    if TensorGuards is None or any(torch_private.is_functorch_wrapped_tensor(t) for t in tensors):
         return None
     try:
         return TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
@@ -576,7 +577,7 @@ def _tensor_guards(tensors: list):
         return None
 
 
-TensorGuards = getattr(torch._C._dynamo.guards, "TensorGuards", None)
+TensorGuards = torch_private.TensorGuards
 
 
 MISS = object()   # what _Front.call returns when it ran nothing

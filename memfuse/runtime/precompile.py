@@ -45,7 +45,7 @@ from memfuse.base.config import Config
 from memfuse.base.debug import STATS, timed
 from memfuse.ir.graph import Op
 from memfuse.base.launch import TRITON_VERSION
-from memfuse.runtime.program import KernelLaunch
+from memfuse.runtime.launchers import KernelLaunch
 from memfuse.codegen.tuning import LaunchConfig
 
 log = logging.getLogger("memfuse.kernels")
