@@ -32,7 +32,8 @@ import torch
 from memfuse.capture.lower import TensorConstant
 from memfuse.base.debug import timed
 from memfuse.ir.graph import Extern, Graph, Op, Value, ValueRef, aten_schema
-from memfuse.schedule.groups import ALIASING_CALLS, ExternStep, KernelGroup, Schedule
+from memfuse.schedule.reads import ALIASING_CALLS
+from memfuse.schedule.steps import ExternStep, KernelGroup, Schedule
 
 ENTRY = "entry"      # the plan's first step: the inputs, unpacked from the caller's list
 

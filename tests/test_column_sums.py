@@ -23,7 +23,7 @@ import memfuse
 from memfuse.fronts import cuda_graphs as graphs
 from memfuse.ir.graph import Op
 from memfuse.runtime.launchers import KernelLaunch
-from memfuse.schedule.groups import ExternStep
+from memfuse.schedule.steps import ExternStep
 
 CPU = torch.device("cpu")
 D = 40

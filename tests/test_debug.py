@@ -14,7 +14,7 @@ from benchmarks.workloads import layer_norm_block, smoke_registry
 from memfuse.base.debug import COUNTERS, STAGES, configure_logging, describe_key_change, topic_log
 from memfuse.ir.graph import Op
 from memfuse.runtime.launchers import KernelLaunch
-from memfuse.schedule.groups import ExternStep
+from memfuse.schedule.steps import ExternStep
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -282,7 +282,7 @@ def pad_kernels(program) -> list:
 
 def stored_padded(program) -> list:
     """(kernel, padded value) pairs where a kernel computes a value and stores it padded."""
-    from memfuse.schedule.groups import stores_padded
+    from memfuse.schedule.reads import stores_padded
     graph = program.graph
     return [(k.name, n) for k in program.schedule.kernels for n in k.nodes
             if stores_padded(graph, graph[n], set(k.nodes))]

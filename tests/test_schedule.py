@@ -11,7 +11,8 @@ from memfuse.capture.lower import capture
 from memfuse.base.config import Config
 from memfuse.ir.graph import Kind, Op, format_graph
 from memfuse.plan import Decision, plan
-from memfuse.schedule.groups import ExternStep, schedule
+from memfuse.schedule.groups import schedule
+from memfuse.schedule.steps import ExternStep
 
 SHAPE = (2, 7, 48)
 
@@ -503,7 +504,7 @@ def test_a_lone_column_sum_runs_beside_a_later_kernel(monkeypatch):
     assert joint.name in reason and len(joint.nodes) > 1
     joint_peak = _backward_memory(fused, tensors)[2]
 
-    monkeypatch.setattr("memfuse.schedule.groups._later_target", lambda *args: None)
+    monkeypatch.setattr("memfuse.schedule.joins._later_target", lambda *args: None)
     alone = memfuse.memory_efficient_fusion(conv1d_block)
     _grads_match_eager(conv1d_block, alone, tensors, tensors)
     assert len(alone.compiled_for(*tensors).function.backward.schedule.kernels) == len(backward.kernels) + 1
@@ -537,7 +538,7 @@ def test_bias_sums_of_an_aten_calls_results_join_one_kernel(monkeypatch):
     assert sum("an earlier kernel of its space" in reason for _, reason in backward.placed) == 2
     joint_peak = _backward_memory(fused, tensors)[2]
 
-    monkeypatch.setattr("memfuse.schedule.groups._earlier_target", lambda *args: None)
+    monkeypatch.setattr("memfuse.schedule.joins._earlier_target", lambda *args: None)
     apart = memfuse.memory_efficient_fusion(projections_attention)
     _grads_match_eager(projections_attention, apart, tensors, compared)
     assert len([k for k in apart.compiled_for(*tensors).function.backward.schedule.kernels if k.column_sums]) == 3

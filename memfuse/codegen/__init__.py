@@ -12,7 +12,7 @@ from typing import Any, Optional
 from memfuse.base.config import Config
 from memfuse.base.debug import STATS, timed
 from memfuse.ir.graph import Graph, Op
-from memfuse.schedule.groups import KernelGroup
+from memfuse.schedule.steps import KernelGroup
 from memfuse.codegen.cache import kernel_path, load_kernel, structure
 from memfuse.codegen.looped_kernel import loop_block_d, write_looped_kernel
 from memfuse.codegen.row_kernel import Arg, KernelSource, dtype_name, write_row_kernel

@@ -26,7 +26,7 @@ import torch
 
 from memfuse.ir.graph import Graph, Kind, Node, Op
 from memfuse.ir.ops import ARG_REDUCE, REDUCE, TRITON_DTYPES
-from memfuse.schedule.groups import KernelGroup
+from memfuse.schedule.steps import KernelGroup
 from memfuse.codegen.row_kernel import KernelSource, RowKernelWriter, _Lines
 
 CHUNKED = (Kind.FULL, Kind.COL)      # register kinds that live in a chunk of columns

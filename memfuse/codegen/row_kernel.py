@@ -19,7 +19,8 @@ import torch
 from memfuse.ir.graph import Graph, Kind, Node, Op, ValueRef, column_padding
 from memfuse.ir.ops import (ARG_REDUCE, DIVIDE_BY_RECIPROCAL, HELPER_GLOBALS, HELPERS, OPS, REDUCE, REDUCERS, SCALED_RECIPROCAL,
                    TRITON_DTYPES, accumulate_dtype, compute_dtype, helpers_for)
-from memfuse.schedule.groups import KernelGroup, stores_padded
+from memfuse.schedule.reads import stores_padded
+from memfuse.schedule.steps import KernelGroup
 
 RESERVED = {"pid", "num_programs", "cols", "col_mask", "rows", "row_mask", "mask", "offsets",
             "tile", "step", "tl", "triton", "M", "D", "BLOCK_M", "BLOCK_D", "seed", "tiles_per_program",

@@ -32,7 +32,7 @@ from memfuse.driver.fallback import EagerCall
 from memfuse.ir.graph import EXTERNAL, LEAF, RANDOM, REDUCTION, Graph, Op, format_graph, value_bytes
 from memfuse.fronts.module import FusedModule
 from memfuse.plan import Decision
-from memfuse.schedule.groups import ExternStep, KernelGroup
+from memfuse.schedule.steps import ExternStep, KernelGroup
 from memfuse.fronts.wrap import memory_efficient_fusion
 
 

@@ -7,7 +7,7 @@ import torch
 
 from memfuse.ir.graph import Graph, Kind, Op, ValueRef
 from memfuse.ir.ops import OPS, REDUCERS, accumulate_dtype, compute_dtype
-from memfuse.schedule.groups import KernelGroup
+from memfuse.schedule.steps import KernelGroup
 
 
 class AtenGroup:

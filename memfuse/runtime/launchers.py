@@ -20,7 +20,7 @@ from memfuse.base.debug import STATS
 from memfuse.base.launch import INT32_MAX, launch_hooks_installed, launcher_call, raw_stream
 from memfuse.codegen import CompiledKernel
 from memfuse.codegen.tuning import LaunchConfig, TuningCache, cpu_config, source_config
-from memfuse.schedule.groups import KernelGroup
+from memfuse.schedule.steps import KernelGroup
 
 log = logging.getLogger("memfuse")
 

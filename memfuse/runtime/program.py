@@ -25,7 +25,7 @@ from memfuse.ir.views import VIEW_TARGETS, Layout, contiguous, view_layout
 from memfuse.runtime.aten_groups import AtenGroup
 from memfuse.runtime.externs import SUBSTITUTES
 from memfuse.runtime.launchers import KernelLaunch
-from memfuse.schedule.groups import ExternStep, KernelGroup, Schedule
+from memfuse.schedule.steps import ExternStep, KernelGroup, Schedule
 
 
 # torch's integer sympy functions (sizes traced under Dynamo hold them, e.g. FloorDiv(s0, 2)).
