@@ -15,7 +15,9 @@ from memfuse.ir.graph import Graph, Op
 from memfuse.schedule.steps import KernelGroup
 from memfuse.codegen.cache import kernel_path, load_kernel, structure
 from memfuse.codegen.looped_kernel import loop_block_d, write_looped_kernel
-from memfuse.codegen.row_kernel import Arg, KernelSource, dtype_name, write_row_kernel
+from memfuse.codegen.emit import dtype_name
+from memfuse.codegen.kernel_source import Arg, KernelSource
+from memfuse.codegen.row_kernel import write_row_kernel
 
 _first_of_structure: dict = {}   # twin_key -> the first CompiledKernel of that structure
 

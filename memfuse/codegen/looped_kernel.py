@@ -24,10 +24,12 @@ from typing import Optional, Union
 
 import torch
 
+from memfuse.base.source import Lines
 from memfuse.ir.graph import Graph, Kind, Node, Op
 from memfuse.ir.ops import ARG_REDUCE, REDUCE, TRITON_DTYPES
 from memfuse.schedule.steps import KernelGroup
-from memfuse.codegen.row_kernel import KernelSource, RowKernelWriter, _Lines
+from memfuse.codegen.kernel_source import KernelSource
+from memfuse.codegen.row_kernel import RowKernelWriter
 
 CHUNKED = (Kind.FULL, Kind.COL)      # register kinds that live in a chunk of columns
 
@@ -206,7 +208,7 @@ class LoopedKernelWriter(RowKernelWriter):
         return max(work, default=-1)
 
     # -- the kernel ----------------------------------------------------------------------
-    def header(self, out: _Lines) -> None:
+    def header(self, out: Lines) -> None:
         g = self.group
         passes = self.last_pass() + 1
         out(f"# {g.name}: {len(g.nodes)} ops over [M, D={self.d}], looped: {passes} pass(es) over each row "
@@ -229,7 +231,7 @@ class LoopedKernelWriter(RowKernelWriter):
         source.not_online = tuple(self.not_online)
         return source
 
-    def body(self, out: _Lines) -> None:
+    def body(self, out: Lines) -> None:
         g = self.group
         out("pid = tl.program_id(0)")
         out("# scalars: loaded once per program")
@@ -259,7 +261,7 @@ class LoopedKernelWriter(RowKernelWriter):
             out.dedent()
             self.finish_column_sums(out)
 
-    def row_values(self, out: _Lines, p: int) -> None:
+    def row_values(self, out: Lines, p: int) -> None:
         """Per-row values of phase p: finished reductions, then what combines them."""
         names = [n for n in self.group.nodes if self.kind_of(n) is Kind.ROW and self.phase[n] == p]
         if names:
@@ -272,7 +274,7 @@ class LoopedKernelWriter(RowKernelWriter):
             if name in self.group.outputs and self.graph[name].value.kind is Kind.ROW:
                 self.store(out, name)
 
-    def chunk_pass(self, out: _Lines, p: int) -> None:
+    def chunk_pass(self, out: Lines, p: int) -> None:
         needed = self.needed(p)
         reductions = self.accumulated(p)
         stores = self.chunk_stores(p)
@@ -304,7 +306,7 @@ class LoopedKernelWriter(RowKernelWriter):
                 self.store(out, name)
         out.dedent()
 
-    def running_max(self, out: _Lines, row_max: str, sums: list) -> None:
+    def running_max(self, out: Lines, row_max: str, sums: list) -> None:
         """The max so far and the shifts it gives the online sums (before the walk: their first values)."""
         self.finish(out, self.graph[row_max])
         for name in self.group.nodes:
@@ -321,14 +323,14 @@ class LoopedKernelWriter(RowKernelWriter):
             parts.append("store " + ", ".join(stores))
         return "; ".join(parts) or "nothing"
 
-    def chunk_indices(self, out: _Lines) -> None:
+    def chunk_indices(self, out: Lines) -> None:
         out("cols = chunk + tl.arange(0, BLOCK_D)")
         out("col_mask = cols < D")
         if self.has_rows:
             out("mask = row_mask[:, None] & col_mask[None, :]")
             out("offsets = rows[:, None] * D + cols[None, :]")
 
-    def column_pass(self, out: _Lines) -> None:
+    def column_pass(self, out: Lines) -> None:
         """A group of column vectors only (no rows): one walk over the chunks."""
         out("for chunk in range(0, D, BLOCK_D):")
         out.indent()
@@ -344,7 +346,7 @@ class LoopedKernelWriter(RowKernelWriter):
         out.dedent()
 
     # -- reductions, one chunk at a time ------------------------------------------------
-    def start_accumulator(self, out: _Lines, node: Node) -> None:
+    def start_accumulator(self, out: Lines, node: Node) -> None:
         target = self.reg(node.name)
         if self.is_col_reduction(node.name):
             return   # partials live in memory: the program's own row of the buffer
@@ -355,7 +357,7 @@ class LoopedKernelWriter(RowKernelWriter):
         else:
             out(f"{target}_acc = tl.full([BLOCK_M], {neutral}, {TRITON_DTYPES[acc]})")
 
-    def reduce(self, out: _Lines, node: Node) -> None:
+    def reduce(self, out: Lines, node: Node) -> None:
         if node.name in self.online_of:
             self.accumulate_online(out, self.online_of[node.name])
             return
@@ -381,7 +383,7 @@ class LoopedKernelWriter(RowKernelWriter):
         out(f"tl.store({partial}, {info.combine.format(f'{target}_prev', info.triton.format(masked, 0))}, "
             f"mask=col_mask)")
 
-    def open_finish_columns(self, out: _Lines) -> bool:
+    def open_finish_columns(self, out: Lines) -> bool:
         """The finish walks the row in chunks of BLOCK_D columns, as the passes do."""
         out("for chunk in range(0, D, BLOCK_D):")
         out.indent()
@@ -389,7 +391,7 @@ class LoopedKernelWriter(RowKernelWriter):
         out("col_mask = cols < D")
         return True
 
-    def accumulate_online(self, out: _Lines, online: OnlineSum) -> None:
+    def accumulate_online(self, out: Lines, online: OnlineSum) -> None:
         """The sum so far, restated against the moved shift, plus this chunk's terms; a row whose
         max is still -inf holds only -inf so far: its terms wait."""
         node = self.graph[online.sum]
@@ -400,7 +402,7 @@ class LoopedKernelWriter(RowKernelWriter):
         out(f"{target}_acc = mf_online_rescale({target}_acc, {target}_shift_before, {shift}) + "
             f"tl.sum(tl.where(mask & {waiting}, {terms}, 0.0), axis=1)")
 
-    def finish(self, out: _Lines, node: Node) -> None:
+    def finish(self, out: Lines, node: Node) -> None:
         target = self.reg(node.name)
         if node.op in ARG_REDUCE:
             out(f"{target} = {target}_index.to(tl.int64)")

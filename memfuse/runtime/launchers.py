@@ -196,7 +196,7 @@ class KernelLaunch:
 
     def counter(self, device: torch.device) -> torch.Tensor:
         """The kernel's int32 ticket counters on `device` (the groups' last, then one per group of
-        the finish: row_kernel.finish_column_sums): zeroed once here, then set back to 0 by the
+        the finish: codegen.column_sums.finish_column_sums): zeroed once here, then set back to 0 by the
         programs that finish each level (so a CUDA-graph replay also starts from 0)."""
         counter = self._counters.get(device)
         if counter is None:
