@@ -15,15 +15,17 @@ INDENT = "    "
 
 
 class Lines:
-    """Lines of Python source at a current depth: `out(text)` adds one (an empty one stays empty),
+    """Lines of Python source at a current depth: `out(text, ...)` adds each at that depth (`out()`
+    an empty line),
     `indent()` / `dedent()` or `with indented():` move the depth, `text()` is the source."""
 
     def __init__(self, depth: int = 0):
         self.lines: list = []
         self.depth = depth
 
-    def __call__(self, text: str = "") -> None:
-        self.lines.append(INDENT * self.depth + text if text else "")
+    def __call__(self, *texts: str) -> None:
+        for text in texts or ("",):
+            self.lines.append(INDENT * self.depth + text if text else "")
 
     def indent(self) -> None:
         self.depth += 1

@@ -36,6 +36,7 @@ from memfuse.patterns.attention import MaskDecision, mask_like, marked_form
 from memfuse.capture.lower import capture
 from memfuse.base import torch_private
 from memfuse.base.config import Config
+from memfuse.base.source import Lines
 from memfuse.base.debug import STATS, describe_key_change, on_compile, timed, topic_log
 from memfuse.driver.fallback import (STRICT, EagerCall, StrictModeError, UntraceableOutputError, compile_failed, say_once,
                     under_transform, untraceable_argument)
@@ -452,34 +453,39 @@ class _Front:
         binds = []
         positional = sum(source == "arg" for source, _ in binding)
         if positional:
-            binds.append(f"    {''.join(f'a{i}, ' for i in range(positional))}= args")
+            binds.append(f"{''.join(f'a{i}, ' for i in range(positional))}= args")
         key, tensors, constants = ["grad_enabled(), any_autocast()"], [], []
         for i, ((source, where), part) in enumerate(zip(binding, self.pattern)):
             v = f"a{where}" if source == "arg" else f"v{i}"
             if source == "kw":
-                binds.append(f"    {v} = kwargs[{where!r}]")
+                binds.append(f"{v} = kwargs[{where!r}]")
             elif source == "default":
                 namespace[f"default_{i}"] = where
-                binds.append(f"    {v} = default_{i}")
+                binds.append(f"{v} = default_{i}")
             for v, is_tensor in _unpacked(v, part, binds, namespace):
                 self._read_leaf(v, is_tensor, source, key, tensors, constants)
         key = f"({', '.join(key)})"
         constants = f"({', '.join(constants)})"
         tensors, unwrapped = ", ".join(tensors), ", ".join(f"unwrap({t})" for t in tensors)
         same_constants = f" and {constants} == constants" if constants != "()" else ""
-        run = ["    STATS['cache_hits'] += 1", "    return rebuild(apply({}))"]
-        self.source = "\n".join([
-            "def read(args, kwargs):", *binds, f"    return {key}, [{tensors}]",
-            "", "def call(args, kwargs):", *binds,
-            "    guards, grad, constants, apply, rebuild = last[0]",
-            f"    if grad_enabled() is grad and not any_autocast(){same_constants} and guards.check({tensors})"
-            " and not transforms_active():",
-            *("    " + line.format(tensors) for line in run),
-            "    try:", f"        key = {key}", "        apply, rebuild, guards = entries[key]",
-            "    except (AttributeError, TypeError, KeyError):", "        return MISS",
-            "    if transforms_active():", "        return MISS",
-            "    if guards is not None:", f"        last[0] = guards, key[0], {constants}, apply, rebuild",
-            *(line.format(unwrapped) for line in run)]) + "\n"
+        out = Lines()
+        out("def read(args, kwargs):")
+        with out.indented():
+            out(*binds, f"return {key}, [{tensors}]")
+        out()
+        out("def call(args, kwargs):")
+        with out.indented():
+            out(*binds, "guards, grad, constants, apply, rebuild = last[0]",
+                f"if grad_enabled() is grad and not any_autocast(){same_constants} and guards.check({tensors})"
+                " and not transforms_active():")
+            with out.indented():
+                out("STATS['cache_hits'] += 1", f"return rebuild(apply({tensors}))")
+            out("try:", f"    key = {key}", "    apply, rebuild, guards = entries[key]",
+                "except (AttributeError, TypeError, KeyError):", "    return MISS",
+                "if transforms_active():", "    return MISS",
+                "if guards is not None:", f"    last[0] = guards, key[0], {constants}, apply, rebuild",
+                "STATS['cache_hits'] += 1", f"return rebuild(apply({unwrapped}))")
+        self.source = out.text()
         exec(compile(self.source, "<memfuse front>", "exec"), namespace)
         self.read, self.call = namespace["read"], namespace["call"]
 
@@ -536,12 +542,12 @@ def _unpacked(v: str, part, binds: list, namespace: dict) -> list:
     leaves = [f"{v}_{j}" for j in range(len(part.tensors))]
     if part.kind is dict:
         namespace[f"keys_{v}"] = part.keys
-        binds.append(f"    if type({v}) is not dict or tuple({v}) != keys_{v}:\n        return MISS")
-        binds.extend(f"    {leaf} = {v}[{k!r}]" for leaf, k in zip(leaves, part.keys))
+        binds += [f"if type({v}) is not dict or tuple({v}) != keys_{v}:", "    return MISS"]
+        binds.extend(f"{leaf} = {v}[{k!r}]" for leaf, k in zip(leaves, part.keys))
     else:
-        binds.append(f"    if type({v}) is not {part.kind.__name__} or len({v}) != {len(leaves)}:\n        return MISS")
+        binds += [f"if type({v}) is not {part.kind.__name__} or len({v}) != {len(leaves)}:", "    return MISS"]
         if leaves:
-            binds.append(f"    {', '.join(leaves)}, = {v}")
+            binds.append(f"{', '.join(leaves)}, = {v}")
     return list(zip(leaves, part.tensors))
 
 

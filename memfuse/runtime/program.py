@@ -18,6 +18,7 @@ from sympy.printing.lambdarepr import LambdaPrinter
 from memfuse.base import torch_private
 from memfuse.base.config import Config
 from memfuse.base.debug import STATS, timed
+from memfuse.base.source import Lines
 from memfuse.buffers import Origin, plan_buffers, verify_buffer_plan
 from memfuse.codegen import dtype_name, generate
 from memfuse.ir.graph import Op, ValueRef
@@ -117,7 +118,7 @@ class _ProgramWriter:
                                 "mf_reinterpret": _reinterpret, "mf_check_view": _check_view, "torch": torch,
                                 "mf_in_layout": _in_layout,
                                 "floor": math.floor, "ceil": math.ceil, "copysign": math.copysign}
-        self.lines: list = []
+        self.out = Lines()
         self.plan = program.buffers
         # values memfuse allocates (aligned, contiguous)
         self.allocated = {b.name for b in self.plan.buffers.values() if b.origin in (Origin.OUTPUT, Origin.TOTALS)}
@@ -133,18 +134,19 @@ class _ProgramWriter:
     @timed("program")
     def write(self) -> tuple:
         g = self.graph
-        self.line("def run(mf_inputs, mf_sizes, device):")
+        self.out("def run(mf_inputs, mf_sizes, device):")
+        self.out.indent()          # the body: every line below
         if g.inputs:
-            self.line(f"    {', '.join(g.inputs)}, = mf_inputs")
-            self.line("    mf_inputs.clear()")
+            self.out(f"{', '.join(g.inputs)}, = mf_inputs")
+            self.out("mf_inputs.clear()")
         if self.sizes:
-            self.line(f"    {', '.join(str(s) for s in self.sizes.values())}, = mf_sizes")
+            self.out(f"{', '.join(str(s) for s in self.sizes.values())}, = mf_sizes")
         for name, node in g.nodes.items():
             if node.op is Op.CONSTANT:
                 self.namespace[name] = node.attr.value
             elif node.op is Op.SYMBOL:
                 cast = "float" if node.value.dtype.is_floating_point else "int"
-                self.line(f"    {name} = {cast}({self.expr(node.attr.expr)})")
+                self.out(f"{name} = {cast}({self.expr(node.attr.expr)})")
         self.frees(0)
         for k, (step, prepared) in enumerate(zip(self.program.schedule.steps, self.program.steps), 1):
             if isinstance(prepared, KernelLaunch):
@@ -155,16 +157,13 @@ class _ProgramWriter:
                 self.extern(step.name)
             self.frees(k)
         if self.extern_calls:
-            self.line(f"    mf_STATS['extern_calls'] += {self.extern_calls}")
+            self.out(f"mf_STATS['extern_calls'] += {self.extern_calls}")
         outputs = ", ".join(o if o is not None else "None" for o in g.outputs)
-        self.line(f"    return [{outputs}]")
-        source = "\n".join(self.lines) + "\n"
+        self.out(f"return [{outputs}]")
+        source = self.out.text()
         name = f"<memfuse program {id(self.program):x}>"
         exec(compile(source, name, "exec"), self.namespace)
         return source, self.namespace["run"]
-
-    def line(self, text: str) -> None:
-        self.lines.append(text)
 
     def expr(self, e) -> str:
         """A size expression over the leading-dim symbols, as Python."""
@@ -190,13 +189,13 @@ class _ProgramWriter:
             old = self.plan.buffers[allocation.reuses]
             same = self.layouts.get(old.name, (None,))[0] == layout
             made = old.name if same else f"mf_reinterpret({old.name}, {shape}, {strides}, 0)"
-            self.line(f"    {b.name} = {made}; del {old.name}")
+            self.out(f"{b.name} = {made}; del {old.name}")
             self.layouts[b.name] = (layout, None)
             return
         if not self.allocates:
             self.allocates = True
-            self.line("    mf_empty_strided = mf_allocators.get(device) or mf_allocator(device)")
-        self.line(f"    {b.name} = mf_empty_strided({shape}, {strides}, {b.dtype})")
+            self.out("mf_empty_strided = mf_allocators.get(device) or mf_allocator(device)")
+        self.out(f"{b.name} = mf_empty_strided({shape}, {strides}, {b.dtype})")
         self.layouts[b.name] = (layout, None)
 
     def frees(self, step: int) -> None:
@@ -209,7 +208,7 @@ class _ProgramWriter:
                 copies |= {local for (value, _), local in self.in_layouts.items() if value == f.buffer}
                 names += [f.buffer] + sorted(copies - {f.buffer})
         if names:
-            self.line(f"    del {', '.join(names)}")
+            self.out(f"del {', '.join(names)}")
 
     def bind(self, value, prefix: str) -> str:
         name = f"mf_{prefix}_{len(self.namespace)}"
@@ -217,7 +216,7 @@ class _ProgramWriter:
         return name
 
     def kernel(self, group: KernelGroup, launch: KernelLaunch, step: int) -> None:
-        self.line(f"    # {group.name}: a kernel over [M, D={group.space.d}]")
+        self.out(f"# {group.name}: a kernel over [M, D={group.space.d}]")
         for allocation in self.plan.steps[step].allocations:     # outputs, [n, D] column totals
             self.allocate(allocation, group.layouts)
         totals = {dtype_name(dtype): local for dtype, local in self.plan.totals(step).items()}
@@ -237,8 +236,8 @@ class _ProgramWriter:
                 in_place = any(b.role == "in_place" and b.value == arg.value for b in launch.kernel.source.args)
                 tensor = arg.value if in_place or arg.value in self.allocated else \
                     self.as_read(arg.value, strided_only, group.layouts.get(arg.value))
-                local = f"mf_stride{len(self.lines)}"
-                self.line(f"    {local} = {tensor}.stride({arg.dim})")
+                local = f"mf_stride{len(self.out.lines)}"
+                self.out(f"{local} = {tensor}.stride({arg.dim})")
                 values.append(local)
                 pointers.append(local)
             elif arg.role in ("read", "write"):    # memfuse allocated it
@@ -260,7 +259,7 @@ class _ProgramWriter:
         if reads:      # memfuse allocates aligned memory: only what it did not allocate is checked
             direct = f"None if ({' | '.join(reads)}) & 15 else {direct}"
         self.namespace[group.name] = launch
-        self.line(f"    {group.name}(device, {rows}, {direct}, ({', '.join(values)}{',' if len(values) == 1 else ''}))")
+        self.out(f"{group.name}(device, {rows}, {direct}, ({', '.join(values)}{',' if len(values) == 1 else ''}))")
         for name in self.plan.steps[step].made:
             if name in self.plan.rows:
                 self.row(name)
@@ -272,7 +271,7 @@ class _ProgramWriter:
         and to hand back as a gradient, than `totals[j]`; aligned only if D is)."""
         row = self.plan.rows[name]
         shape = tuple(self.graph[name].value.shape)
-        self.line(f"    {name} = mf_reinterpret({row.totals}, {self.expr(shape)}, {self.expr(_contiguous_strides(shape))}, "
+        self.out(f"{name} = mf_reinterpret({row.totals}, {self.expr(shape)}, {self.expr(_contiguous_strides(shape))}, "
                   f"{row.offset})")
         self.layouts[name] = (contiguous(shape), None)
 
@@ -281,7 +280,7 @@ class _ProgramWriter:
         local = self.pointers.get(tensor)
         if local is None:
             local = self.pointers[tensor] = f"mf_pointer{len(self.pointers)}"
-            self.line(f"    {local} = {tensor}.data_ptr()")
+            self.out(f"{local} = {tensor}.data_ptr()")
         return local
 
     def strided_only(self, group: KernelGroup) -> set:
@@ -305,7 +304,7 @@ class _ProgramWriter:
         local = self.unit_stride.get(value)
         if local is None:
             local = self.unit_stride[value] = f"mf_{value}_strided"
-            self.line(f"    {local} = {value} if {value}.stride(-1) == 1 else {value}.contiguous()")
+            self.out(f"{local} = {value} if {value}.stride(-1) == 1 else {value}.contiguous()")
         return local
 
     def made_contiguous(self, value: str) -> str:
@@ -314,7 +313,7 @@ class _ProgramWriter:
         local = self.contiguous.get(value)
         if local is None:
             local = self.contiguous[value] = f"mf_{value}"
-            self.line(f"    {local} = {value} if {value}.is_contiguous() else {value}.contiguous()")
+            self.out(f"{local} = {value} if {value}.is_contiguous() else {value}.contiguous()")
         return local
 
     def made_in_layout(self, value: str, strides: tuple) -> str:
@@ -326,28 +325,28 @@ class _ProgramWriter:
         local = self.in_layouts.get((value, strides))
         if local is None:
             local = self.in_layouts[(value, strides)] = f"mf_{value}_rows{len(self.in_layouts)}"
-            self.line(f"    {local} = mf_in_layout({value}, {self.expr(strides)})")
+            self.out(f"{local} = mf_in_layout({value}, {self.expr(strides)})")
         return local
 
     def aten_group(self, group: KernelGroup, step: AtenGroup) -> None:
         runner = self.bind(step, "aten")
         inputs = ", ".join(f"{n!r}: {n}" for n in group.inputs)
         outputs = list(step.shapes)
-        self.line(f"    # {group.name}: through aten ({group.aten_reason})")
-        self.line(f"    {', '.join(outputs)}, = {runner}({{{inputs}}}, mf_sizes, device)")
+        self.out(f"# {group.name}: through aten ({group.aten_reason})")
+        self.out(f"{', '.join(outputs)}, = {runner}({{{inputs}}}, mf_sizes, device)")
 
     def extern(self, name: str) -> None:
         node = self.graph[name]
         source = node.inputs[0] if node.inputs else None
         if node.op is Op.GETITEM:
-            self.line(f"    {name} = {source}[{node.attr.index}]")
+            self.out(f"{name} = {source}[{node.attr.index}]")
         elif name in self.plan.rows:
             self.row(name)
         elif node.op is Op.VIEW and self.graph[source].value.dtype == node.value.dtype:
             self.view(name, source, torch.ops.aten.reshape.default, (), f"{source}.reshape({self.expr(node.value.shape)})")
         elif node.op in (Op.VIEW, Op.CAST):
             cast = "" if self.graph[source].value.dtype == node.value.dtype else f".to({node.value.dtype})"
-            self.line(f"    {name} = {source}.reshape({self.expr(node.value.shape)}){cast}")
+            self.out(f"{name} = {source}.reshape({self.expr(node.value.shape)}){cast}")
         else:
             args = [self.argument(a) for a in node.attr.args]
             args += [f"{k}={self.argument(v)}" for k, v in node.attr.kwargs]
@@ -361,7 +360,7 @@ class _ProgramWriter:
             if node.attr.target in VIEW_TARGETS and not node.attr.kwargs and isinstance(node.attr.args[0], ValueRef):
                 self.view(name, node.attr.args[0].name, node.attr.target, node.attr.args[1:], call)
             else:
-                self.line(f"    {name} = {call}")
+                self.out(f"{name} = {call}")
                 if node.attr.target in MATMULS:    # a fresh row-major tensor
                     self.layouts[name] = (contiguous(node.value.shape), None)
             self.extern_calls += 1         # counted once a run, at its end (one line, not one a call)
@@ -375,17 +374,17 @@ class _ProgramWriter:
         known = self.layout(source)
         layout = view_layout(target, args, known[0], node.value.shape)
         if layout is None:
-            self.line(f"    {name} = {call}")
+            self.out(f"{name} = {call}")
             return
         flag = known[1]
         self.layouts[name] = (layout, flag)
         if name in self.graph.outputs and not self.program.returns_gradients:
-            self.line(f"    {name} = {call}")
+            self.out(f"{name} = {call}")
             return
         made = f"mf_reinterpret({source}, {self.expr(layout.shape)}, {self.expr(layout.strides)}, {self.expr(layout.offset)})"
-        self.line(f"    {name} = {made}" + (f" if {flag} else {call}" if flag else ""))
+        self.out(f"{name} = {made}" + (f" if {flag} else {call}" if flag else ""))
         if self.program.config.check:      # the tests' runs: the same view as torch makes it
-            self.line(f"    {f'if {flag}: ' if flag else ''}mf_check_view({name!r}, {name}, {call})")
+            self.out(f"{f'if {flag}: ' if flag else ''}mf_check_view({name!r}, {name}, {call})")
 
     def layout(self, value: str) -> tuple:
         """(Layout, flag) of a local a view is made from: known for what memfuse allocated or
@@ -396,7 +395,7 @@ class _ProgramWriter:
         known = self.layouts.get(value)
         if known is None:
             flag = f"mf_{value}_contiguous"
-            self.line(f"    {flag} = {value}.is_contiguous()")
+            self.out(f"{flag} = {value}.is_contiguous()")
             known = self.layouts[value] = (contiguous(self.graph[value].value.shape), flag)
         return known
 
