@@ -3,7 +3,7 @@
 A choice depends on the row length bucket (BLOCK_D), the element size, whether the kernel is
 persistent (it carries column partial sums) and, for a tile of one pass, the bytes its rows move
 (the warps that hold them: `warps_for`) — never on M, so it holds for every batch size.
-`default_config` is a table measured on an H200 (benchmarks/tune.py); a sweep's results are
+`default_config` is a table measured with benchmarks/tune.py (docs/results); a sweep's results are
 cached on disk per device and kernel, and win over the table when present.
 """
 from __future__ import annotations
@@ -24,16 +24,14 @@ class LaunchConfig:
 
 
 # (BLOCK_D upper bound, persistent) -> elements per tile, warps, programs per SM, pipeline
-# stages. Measured on an H200 with benchmarks/tune.py (2026-11-21): one row per program with few
-# warps for forwards (many small programs hide latency best); 4-8 rows and 8-16 warps, 1-2
-# programs per SM for backwards, whose programs also carry the fp32 column partials. The
-# persistent rows of BLOCK_D 1024 and 4096 were measured again on an H100 on GPT-2's backwards
-# (bf16, `benchmarks.kernel_sol --tune`, 2026-11-25): a LayerNorm backward with a regenerated
-# dropout and column sums ([16384, 768]) took 94 us at 2 rows, 4 warps, 4 programs an SM and no
-# pipeline against 161 us at the H200's 4 rows, 8 warps, one program an SM 3 deep; the GELU
-# backward after the MLP's matmul ([16384, 3072], the bias gradient's column sum) 167 against
-# 253 us at 2 rows, 16 warps, 2 an SM. More programs an SM hide latency better than a pipeline,
-# which also held one program an SM by its shared memory. Rows are tried in order.
+# stages, measured with benchmarks/tune.py and `benchmarks.kernel_sol --tune`: one row per program
+# with few warps for forwards (many small programs hide latency best); 4-8 rows and 8-16 warps, 1-2
+# programs per SM for backwards, whose programs also carry the fp32 column partials. For the
+# persistent rows of BLOCK_D 1024 and 4096 (a LayerNorm backward with a regenerated dropout and
+# column sums, a GELU backward with its bias gradient's column sum), 2 rows and several programs
+# an SM with no pipeline beat 4 rows and one program an SM 3 deep: more programs an SM hide
+# latency better than a pipeline, which also held one program an SM by its shared memory. Rows
+# are tried in order.
 TABLE = [
     # block_d <=, persistent, tile elements, warps, programs per SM, stages
     (512, False, 2048, 4, 0, 1),
@@ -50,9 +48,9 @@ TABLE = [
 
 
 # A program of one tile holds its rows' values in registers. Past about this many 32-bit words a
-# thread, Triton's code takes every register and an SM holds few warps: BERT's backward rebuild of
-# its residual stream (26 [M, 768] values a row, 1 row and 2 warps a program: 255 registers, 8 warps
-# an SM) moved 24% of bandwidth on an H200 (2026-11-27). Such a kernel gets the warps that bring it
+# thread, Triton's code takes every register and an SM holds few warps: a backward's rebuild of
+# the residual stream (26 [M, 768] values a row, 1 row and 2 warps a program: 255 registers, 8 warps
+# an SM) moves a fraction of the memory's bandwidth. Such a kernel gets the warps that bring it
 # under this, up to MAX_WARPS; the table's warps are a floor. At 128 it is the backward's first
 # kernel of each model of `make bench-models` (the rebuild of what the layers need), and no other.
 WORDS_PER_THREAD = 128
@@ -60,9 +58,9 @@ MAX_WARPS = 16
 
 # A persistent program walks its tiles one after another: load, compute, store, then the next load.
 # The bytes an SM has in flight are about its programs' tiles, and below this many they do not
-# cover the memory's latency: BERT's bias gradients (a column sum that only reads [M, 768] bf16,
-# 2 rows a tile and 4 programs an SM: 12 KB an SM) moved about 30% of an H200's bandwidth
-# (2026-11-27). Such a kernel gets the rows (a power of two) that bring its tiles to this; the
+# cover the memory's latency: a bias gradient (a column sum that only reads [M, 768] bf16, 2 rows
+# a tile and 4 programs an SM: 12 KB an SM) moves a fraction of the memory's bandwidth. Such a
+# kernel gets the rows (a power of two) that bring its tiles to this; the
 # table's rows are a floor, and its warps grow with the tile as a one-pass tile's do.
 PERSISTENT_BYTES_PER_SM = 32 * 1024
 

@@ -20,8 +20,8 @@ def embedding_dense_backward(grad_output: torch.Tensor, indices: torch.Tensor, n
                              padding_idx: int, scale_grad_by_freq: bool) -> torch.Tensor:
     """An embedding's weight gradient as one zero fill and one scatter-add (`index_add_`: atomic
     adds on CUDA), then the padding row zeroed, where aten's CUDA kernel sorts the indices and sums
-    each run of duplicates: about 20 launches an embedding (radix-sort passes, scans, segment sums;
-    BERT's three embeddings made 59 of a step's 601 on an H200) against 3. The same sums in another
+    each run of duplicates: about 20 launches an embedding (radix-sort passes, scans, segment sums:
+    a model's embeddings make a tenth of its step's launches so) against 3. The same sums in another
     order, as torch.compile's decomposition (an accumulating index_put, atomic adds in Triton).
     Aten's own where the order must not change (deterministic algorithms), where counts scale the
     gradient, and below fp32 (atomics would add in bf16 where aten adds in fp32)."""

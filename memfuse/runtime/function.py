@@ -108,8 +108,9 @@ def philox_seed_draw(generator) -> Callable[[], int]:
     call). The seed is the pair's hash (CPython's tuple hash: xxHash rounds over the ints' own
     hashes, the same in every process, PYTHONHASHSEED or not), which spreads successive offsets
     over unrelated seeds, never neighbours (kernels draw from seed + stream index), in one C call
-    where splitmix64 on Python ints cost 0.5 us. Inside a CUDA-graph capture the state is off
-    limits: the CPU generator's seed is captured, as before (a constant of the graph)."""
+    where a mixer such as splitmix64 takes several Python int operations. Inside a CUDA-graph
+    capture the state is off limits: the CPU generator's seed is captured, as before (a constant
+    of the graph)."""
     get_offset, set_offset, initial_seed = generator.get_offset, generator.set_offset, generator.initial_seed
 
     def philox_draw() -> int:

@@ -128,7 +128,7 @@ class KernelLaunch:
                 raise
             # a deeper pipeline than this kernel's tiles fit in shared memory: run unpipelined, with as
             # many programs an SM as the pipeline had tiles in flight (one program an SM, unpipelined,
-            # waits on each load: GPT-2's GELU backward ran at a third of the bandwidth so)
+            # waits on each load, and leaves most of the memory's bandwidth unused)
             fallback = dataclasses.replace(config, num_stages=1,
                                            programs_per_sm=config.programs_per_sm * config.num_stages)
             log.info("memfuse: %s: %s does not fit, launching with %s", self.kernel.source.name, config, fallback)
@@ -242,13 +242,13 @@ def launch_log():
 class Launcher:
     """Launches a @triton.jit kernel, skipping Triton's generic launch path once compiled.
 
-    Triton's `kernel[grid](...)` re-binds and re-specializes every argument on each call (10-40 us
-    on a GPU host). Every scalar of a memfuse kernel is `do_not_specialize`, so the only
-    specialization left is the 16-byte alignment of the pointers and the width of the ints (i32
-    below 2**31): memfuse allocates outputs and partials itself, so a call whose inputs are all
-    aligned and whose rows fit 32 bits (the caller says so: `direct`) runs the kernel compiled for
-    that case directly (precompile hands it over). The interpreter, unaligned inputs, 2**31 rows
-    or more and any launch hook a profiler installs take the generic path."""
+    Triton's `kernel[grid](...)` re-binds and re-specializes every argument on each call, as much
+    host time as the launch itself. Every scalar of a memfuse kernel is `do_not_specialize`, so
+    the only specialization left is the 16-byte alignment of the pointers and the width of the
+    ints (i32 below 2**31): memfuse allocates outputs and partials itself, so a call whose inputs
+    are all aligned and whose rows fit 32 bits (the caller says so: `direct`) runs the kernel
+    compiled for that case directly (precompile hands it over). The interpreter, unaligned inputs,
+    2**31 rows or more and any launch hook a profiler installs take the generic path."""
 
     def __init__(self, kernel: CompiledKernel):
         self.fn = kernel.fn

@@ -15,7 +15,7 @@ of the process. On a GPU memfuse starts both earlier:
 With a warm disk cache a kernel skips Triton's `compile` altogether: `BinaryIndex` remembers,
 per generated kernel, launch configuration and GPU, where in Triton's cache its binary lies (the
 cache hash and the argument specialization), and loads it from there. Triton's own lookup first
-hashes its whole installation (`triton_key`: 400 MB of libtriton, about 0.3 s per process); the
+hashes its whole installation (`triton_key`: hundreds of MB of libtriton, once per process); the
 index keys on the installation's version and file stamps instead. The loaded kernel is handed to
 the launch directly (runtime.Launcher.compiled), as is a kernel compiled here.
 
@@ -66,7 +66,7 @@ def enabled(device: torch.device, config: Config) -> bool:
 def start_driver(device: torch.device) -> Future:
     """Set up Triton's driver for `device` in a background thread (once per device), and hash
     Triton's installation in another (once per process: `triton_key`, the first part of every
-    key Triton's `compile` looks up, 0.3 s), so a kernel not in the BinaryIndex finds it done."""
+    key Triton's `compile` looks up), so a kernel not in the BinaryIndex finds it done."""
     with _lock:
         future = _driver.get(device.index)
         if future is None:
@@ -155,8 +155,8 @@ def _warm_up(graph, launch: KernelLaunch, device: torch.device, config: Config):
 def _launcher_built_beside(fn, device_index: int):
     """While `fn` compiles for a device, build its launcher in another thread (Triton 3.6).
 
-    Triton 3.6 builds a kernel's launcher, a C module the host compiler builds on a cold cache
-    (0.15-0.2 s), when the compiled kernel is first loaded: after the compile, on the first call's
+    Triton 3.6 builds a kernel's launcher, a C module the host compiler builds on a cold cache,
+    when the compiled kernel is first loaded: after the compile, on the first call's
     critical path. The module depends only on the kernel's specialization, which the compile
     passes to `fn.ASTSource` (set on the function with its argument binder for the device):
     wrapped for this compile, that call starts the build, and the block waits for it, so the
@@ -251,7 +251,7 @@ class BinaryIndex:
 def toolchain() -> str:
     """The Triton installation and settings a binary was built by: Triton's version, the size and
     modification time of its compiler library and package files, and the TRITON_* environment.
-    Stamps, not contents: hashing them is what costs Triton 0.3 s per process."""
+    Stamps, not contents: hashing the contents is what makes Triton's first compile of a process slow."""
     import triton
     from triton._C import libtriton
     stamps = []
@@ -269,7 +269,7 @@ def _current_target():
 
 def _triton_installation_hashed() -> None:
     """Wait for start_driver's `triton_key`: threads that call it before it is cached each hash
-    the 400 MB again, side by side."""
+    the installation again, side by side."""
     with _lock:
         future = _driver.get("triton_key")
     if future is not None:
@@ -278,10 +278,10 @@ def _triton_installation_hashed() -> None:
 
 def _triton_key() -> None:
     """Have Triton's installation hash (`triton.runtime.cache.triton_key`) ready, computed in a
-    subprocess where that works. Hashing 400 MB in a thread of this process takes 0.5-0.65 s
-    beside the trace instead of 0.3 s alone: the thread needs the GIL back after every 1 MB
-    chunk, and the tracing thread holds it. A subprocess (a fresh Python importing Triton,
-    0.45 s) runs free of that, and the value it prints is handed to Triton as Triton hands it to
+    subprocess where that works. Hashing the installation in a thread of this process takes about
+    twice as long beside the trace as alone: the thread needs the GIL back after every 1 MB
+    chunk, and the tracing thread holds it. A subprocess (a fresh Python importing Triton) runs
+    free of that, and the value it prints is handed to Triton as Triton hands it to
     its own compile workers: `get_cache_key` then reads it instead of hashing. If the subprocess
     fails, or finds another Triton, or this Triton's `get_cache_key` does not read the function
     by name, the hash is computed here as before."""

@@ -173,7 +173,7 @@ class _ProgramWriter:
         if type(e) is int:
             return str(e)
         text = self.printed.get(e)
-        if text is None:     # sympy's printer costs ~0.3 ms; a program prints the same sizes many times
+        if text is None:     # sympy's printer is slow, and a program prints the same sizes many times
             text = self.printed[e] = _SIZE_PRINTER.doprint(sympy.sympify(e).xreplace(self.sizes))
         return text
 
@@ -414,7 +414,7 @@ class _ProgramWriter:
 MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.mm.dtype, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
 
 # aten calls a program makes as the tensor's own method: the same kernel, without the Python
-# frames of an OpOverload call (2-6 us of host each on a CPU: a layer's backward makes dozens)
+# frames of an OpOverload call (host time per call, and a layer's backward makes dozens)
 TENSOR_METHODS = {
     torch.ops.aten.permute.default: "permute",
     torch.ops.aten.view.default: "view",

@@ -83,10 +83,10 @@ def fold_column_casts(graph: Graph, steps: list, placed: list) -> list:
     """The steps without the casts of finished column sums that the kernels finishing those sums
     now apply as they write their totals (KernelGroup.column_casts). Under autocast each bias
     gradient is an fp32 column sum cast to bf16 (the matmul's dtype) and back to fp32 (the
-    parameter's): as steps of their own, two `.to` calls a bias, each a launch (BERT's backward: 58
-    a step, 2 ms of its host time under cProfile on an H200 machine, 2026-11-27). A chain is folded while each value has one reader, a cast the
-    runtime would run (`_runtime_reshape`: a cast, or a reshape, free on a row of the totals), in
-    fp32, bf16 or fp16; the last may have any readers."""
+    parameter's): as steps of their own, two `.to` calls a bias, each a launch and its host time.
+    A chain is folded while each value has one reader, a cast the runtime would run
+    (`_runtime_reshape`: a cast, or a reshape, free on a row of the totals), in fp32, bf16 or fp16;
+    the last may have any readers."""
     users = graph.users()
     externs = {s.name for s in steps if isinstance(s, ExternStep)}
     folded: set = set()
