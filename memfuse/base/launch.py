@@ -1,10 +1,10 @@
 """Launching compiled Triton kernels without Triton's generic launch path.
 
 Triton's `kernel[grid](...)` binds every argument, works out its specialization and looks the
-compiled kernel up on each call: 47 us a launch on an H200 host (2026-11-28), about what two aten
-calls cost there. A kernel launched many times a step with arguments of the same kind (memfuse's
-own kernels: runtime.KernelLaunch; the loss head's row kernels, once a chunk: `DirectKernel`)
-launches the kernel Triton compiled for them through its C launcher instead.
+compiled kernel up on each call, a launch's worth of host time again. A kernel launched many times
+a step with arguments of the same kind (memfuse's own kernels: runtime.launchers.KernelLaunch; the
+loss head's row kernels, once a chunk: `DirectKernel`) binds once, and launches the kernel Triton
+compiled for them through its C launcher.
 """
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ def launcher_call(compiled) -> tuple:
 
     Triton 3.6's launcher is a Python method (`CudaLauncher.__call__`, which allocates scratch
     memory memfuse's kernels never ask for) around a C function: calling the C function with the
-    arguments that method adds saves about 3 us of host time per launch (H200 host). Launchers of
-    other Triton versions, not checked against, are called as they are."""
+    arguments that method adds saves that method's host time on every launch. Launchers of other
+    Triton versions, not checked against, are called as they are."""
     run = compiled.run
     if TRITON_VERSION == (3, 6) and type(run).__name__ == "CudaLauncher" and run.global_scratch_size == 0 \
             and run.profile_scratch_size == 0:

@@ -3,7 +3,14 @@
 A kernel whose structure (`cache.structure`), constexprs and argument types match a kernel
 generated before in this process (and cache directory) is that kernel's twin: it keeps its own
 source (its value names, for dumps and explain) but launches the first one's function, so Triton
-compiles, caches and loads one binary for both. A model's layers are such twins."""
+compiles, caches and loads one binary for both. A model's layers are such twins.
+
+row_kernel      RowKernelWriter: a kernel whose rows fit in registers; its concerns in
+                signature (arguments, bytes moved), strided_reads (access maps), column_sums
+looped_kernel   LoopedKernelWriter: rows walked in chunks, pass by pass
+emit            expression text; kernel_source: KernelSource and Arg, what codegen hands on
+cache, tuning   content-addressed kernel files; launch configurations
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass

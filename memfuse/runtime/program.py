@@ -1,4 +1,4 @@
-"""runtime: run scheduled graphs. One Program per graph (forward, backward), one autograd.Function.
+"""A scheduled graph made runnable: one Program per graph (forward, backward).
 
 Everything a step needs is worked out once, when the program is built, and written out as one
 Python function per program (`Program.source`): size expressions, allocations, kernel argument

@@ -22,7 +22,7 @@ steps it reads. Five rules then place values where they cost least memory:
 A group of [M] values alone never joins one of [D] values alone (it would walk M x D elements),
 and a returned reshape of an aten result (the logits) is the runtime's `.reshape`, not a copy.
 Why two nodes did not share a kernel, and why a node was placed where it is, are recorded for
-`explain()`.
+`explain()`. The placement rules live in schedule/placement.py, the joins in schedule/joins.py.
 """
 from __future__ import annotations
 
