@@ -15,16 +15,16 @@ RESERVED = {"pid", "num_programs", "cols", "col_mask", "rows", "row_mask", "mask
             "ticket", "first", "programs", "partials_mask", "done", "stream_base"}
 
 
-def _interpreted() -> bool:
+def interpreted() -> bool:
     """Kernels for Triton's CPU interpreter, whose fp32 -> bf16 conversion truncates."""
     return os.environ.get("TRITON_INTERPRET", "") == "1"
 
 
-def _next_pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _literal(value) -> str:
+def literal(value) -> str:
     if isinstance(value, bool):
         return "1" if value else "0"
     if isinstance(value, float):
@@ -41,15 +41,15 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def _simple(text: str) -> bool:
+def is_simple(text: str) -> bool:
     return text.lstrip("-").replace("_", "").isalnum()
 
 
-def _paren(text: str) -> str:
-    return text if _simple(text) else f"({text})"
+def paren(text: str) -> str:
+    return text if is_simple(text) else f"({text})"
 
 
-def _times(a: str, b: str) -> str:
+def times(a: str, b: str) -> str:
     """a * b as text, with the products by 0 and 1 done."""
     if a == "0" or b == "0":
         return "0"
@@ -57,15 +57,15 @@ def _times(a: str, b: str) -> str:
         return b
     if b == "1":
         return a
-    return f"{_paren(a)} * {_paren(b)}"
+    return f"{paren(a)} * {paren(b)}"
 
 
-def _sum(terms) -> str:
+def plus(terms) -> str:
     terms = [t for t in terms if t != "0"]
     return " + ".join(terms) if terms else "0"
 
 
-def _broadcast(text: str, have: Kind, want: Kind) -> str:
+def broadcast(text: str, have: Kind, want: Kind) -> str:
     """A register of kind `have` read where a `want` register is: rows and columns of a tile."""
     if want is Kind.FULL and have is Kind.ROW:
         return f"{text}[:, None]"
@@ -74,7 +74,7 @@ def _broadcast(text: str, have: Kind, want: Kind) -> str:
     return text
 
 
-def _register_kind(kinds) -> Kind:
+def register_kind(kinds) -> Kind:
     """The shape of an elementwise result: FULL if any operand is, or ROW meets COL."""
     present = {k for k in kinds if k is not Kind.SCALAR}
     if not present:

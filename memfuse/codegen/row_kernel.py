@@ -16,7 +16,7 @@ import torch
 
 from memfuse.base.source import Lines
 from memfuse.codegen.column_sums import ColumnSums
-from memfuse.codegen.emit import RESERVED, _broadcast, _interpreted, _literal, _next_pow2, _register_kind
+from memfuse.codegen.emit import RESERVED, broadcast, interpreted, literal, next_pow2, register_kind
 from memfuse.codegen.kernel_source import KernelSource
 from memfuse.codegen.signature import KernelSignature
 from memfuse.codegen.strided_reads import StridedReads
@@ -34,7 +34,7 @@ class RowKernelWriter(KernelSignature, StridedReads, ColumnSums):
         self.seed_from_memory = seed_from_memory   # the seed is a [1] tensor (CUDA graphs), not a scalar
         self.d = group.space.d
         self.has_rows = group.space.m is not None
-        self.block_d = _next_pow2(self.d) if self.d else 1
+        self.block_d = next_pow2(self.d) if self.d else 1
         self.column_origin = "0"     # first column of the block `cols` covers (looped kernels: chunk)
         self.members = set(group.nodes)
         self.names: dict = {}
@@ -77,7 +77,7 @@ class RowKernelWriter(KernelSignature, StridedReads, ColumnSums):
         result has another dtype: eager materializes it there (x_bf16 * y).float())."""
         node = self.graph[name]
         if node.op is Op.CONSTANT:
-            text = _literal(node.attr.value)
+            text = literal(node.attr.value)
             if cast_to is not None and cast_to.is_floating_point and not isinstance(node.attr.value, float):
                 text = f"{float(node.attr.value)!r}"
             return text
@@ -86,7 +86,7 @@ class RowKernelWriter(KernelSignature, StridedReads, ColumnSums):
         if consumer is not None and consumer != node.value.dtype and name in self.members \
                 and node.value.dtype in (torch.float16, torch.bfloat16):
             text = f"{self.narrow(text, node.value.dtype)}.to(tl.float32)"
-        text = _broadcast(text, kind, want)
+        text = broadcast(text, kind, want)
         have = compute_dtype(node.value.dtype) if node.value.dtype is not None else None
         if cast_to is not None and have is not None and have != cast_to:
             text = f"{text}.to({TRITON_DTYPES[cast_to]})"
@@ -114,7 +114,7 @@ class RowKernelWriter(KernelSignature, StridedReads, ColumnSums):
             elif node.op in REDUCE or node.op in ARG_REDUCE:
                 kinds[name] = node.attr.axis
             else:
-                kinds[name] = _register_kind([kinds.get(i, self.graph[i].value.kind) for i in node.inputs])
+                kinds[name] = register_kind([kinds.get(i, self.graph[i].value.kind) for i in node.inputs])
         return kinds
 
     def scaled_divisors(self) -> dict:
@@ -291,7 +291,7 @@ class RowKernelWriter(KernelSignature, StridedReads, ColumnSums):
         node = self.graph[name]
         target = self.reg(name)
         out_dtype = compute_dtype(node.value.dtype)
-        shape = _register_kind([self.kinds[i] for i in node.inputs if i in self.kinds])
+        shape = register_kind([self.kinds[i] for i in node.inputs if i in self.kinds])
         if node.op is Op.VIEW and self.graph[node.inputs[0]].op is Op.CONSTANT:   # a fill: a tensor, not a literal
             out(f"{target} = tl.full([], {self.operand(node.inputs[0], shape, out_dtype)}, {TRITON_DTYPES[out_dtype]})")
         elif node.op is Op.VIEW:
@@ -361,8 +361,8 @@ class RowKernelWriter(KernelSignature, StridedReads, ColumnSums):
         if kind is shape or self.operand(divisor, kind, torch.float32, node.value.dtype) != self.reciprocals[divisor]:
             return None   # (a bf16 divisor that eager rounds first, for a result of another dtype)
         v = self.reg(divisor)
-        return DIVIDE_BY_RECIPROCAL.format(dividend, _broadcast(f"{v}_reciprocal", kind, shape),
-                                           _broadcast(f"{v}_scale", kind, shape))
+        return DIVIDE_BY_RECIPROCAL.format(dividend, broadcast(f"{v}_reciprocal", kind, shape),
+                                           broadcast(f"{v}_scale", kind, shape))
 
     def rand(self, out: Lines, node: Node) -> None:
         """Uniform [0, 1) per element, a pure function of (seed, row * D + col): the backward
@@ -396,7 +396,7 @@ class RowKernelWriter(KernelSignature, StridedReads, ColumnSums):
 
     def narrow(self, text: str, dtype: torch.dtype) -> str:
         """`text` (fp32) converted to `dtype`, rounding to nearest even as the GPU does."""
-        if dtype == torch.bfloat16 and _interpreted():
+        if dtype == torch.bfloat16 and interpreted():
             self.use("mf_rne_bf16")
             return f"mf_rne_bf16({text}).to(tl.bfloat16)"
         return f"{text}.to({TRITON_DTYPES[dtype]})"

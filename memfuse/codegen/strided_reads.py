@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from memfuse.base.source import Lines
-from memfuse.codegen.emit import _paren, _simple, _sum, _times
+from memfuse.codegen.emit import is_simple, paren, plus, times
 from memfuse.ir.graph import Kind, Node, ValueRef
 from memfuse.ir.ops import TRITON_DTYPES, accumulate_dtype, compute_dtype
 
@@ -26,11 +26,11 @@ class StridedReads:
         if a.last_stride_one:
             root_strides[-1] = "1"
         out(f"# {node.name}: {root} read in place through {a.describe}")
-        start = _sum(_times(self.entry(const), s) for (_, const), s in zip(a.index, root_strides))
+        start = plus(times(self.entry(const), s) for (_, const), s in zip(a.index, root_strides))
         strides = {}
         for k in row_dims + ([col] if col is not None else []):
-            strides[k] = _sum(_times(self.entry(coeffs[k]), s) for (coeffs, _), s in zip(a.index, root_strides))
-            if not _simple(strides[k]):
+            strides[k] = plus(times(self.entry(coeffs[k]), s) for (coeffs, _), s in zip(a.index, root_strides))
+            if not is_simple(strides[k]):
                 out(f"{v}_stride{k} = {strides[k]}")
                 strides[k] = f"{v}_stride{k}"
         index = {}
@@ -38,23 +38,23 @@ class StridedReads:
             inner = "1"
             walk = [k for k in self.group.row_order or range(rank) if k in row_dims]   # outermost first
             for k in reversed(walk):
-                quotient = "rows" if inner == "1" else f"(rows // {_paren(inner)})"
+                quotient = "rows" if inner == "1" else f"(rows // {paren(inner)})"
                 index[k] = f"{v}_i{k}"
                 out(f"{index[k]} = {quotient}" + (f" % {self.row_size(a, k, row_dims)}" if k != walk[0] else ""))
-                inner = _times(inner, self.row_size(a, k, row_dims))
-            steps = [_times(index[k], strides[k]) for k in row_dims]
+                inner = times(inner, self.row_size(a, k, row_dims))
+            steps = [times(index[k], strides[k]) for k in row_dims]
             # a vector even for one row, or where no dim steps the rows (a broadcast: stride 0)
-            row = _sum([start] + (steps if any(step != "0" for step in steps) else ["0 * rows"]))
+            row = plus([start] + (steps if any(step != "0" for step in steps) else ["0 * rows"]))
         if col is not None:
             index[col] = "cols"
-            column = "cols" if strides[col] == "1" else f"(cols * {_paren(strides[col])})"
+            column = "cols" if strides[col] == "1" else f"(cols * {paren(strides[col])})"
         inside = self.window(out, node, index, col)
         if kind is Kind.FULL:
-            offsets, mask = f"{_paren(row)}[:, None] + {column}[None, :]", "mask"
+            offsets, mask = f"{paren(row)}[:, None] + {column}[None, :]", "mask"
         elif kind is Kind.ROW:
             offsets, mask = row, "row_mask"
         else:
-            offsets, mask = _sum([start, column]), "col_mask"
+            offsets, mask = plus([start, column]), "col_mask"
         out(f"{v}_offsets = {offsets}")
         mask = mask if inside is None else f"{mask} & {inside}"
         if a.summed:
@@ -74,8 +74,8 @@ class StridedReads:
         others = "1"
         for j in row_dims:
             if j != k:
-                others = _times(others, self.entry(a.sizes[j]))
-        return "M" if others == "1" else f"(M // {_paren(others)})"
+                others = times(others, self.entry(a.sizes[j]))
+        return "M" if others == "1" else f"(M // {paren(others)})"
 
     def summed_loads(self, out: Lines, node: Node, root_strides: list, mask: str) -> None:
         """A sum over leading dims of the root: one load per index of the summed dims (their
@@ -86,19 +86,19 @@ class StridedReads:
         block = {Kind.FULL: "[BLOCK_M, BLOCK_D]", Kind.ROW: "[BLOCK_M]", Kind.COL: "[BLOCK_D]"}[node.value.kind]
         count = "1"
         for size in a.summed:
-            count = _times(count, self.entry(size))
+            count = times(count, self.entry(size))
         out(f"{v} = tl.zeros({block}, {acc})")
         out(f"for {v}_r in tl.range(0, {count}):")
         out.indent()
         steps, inner = [], "1"
         for n in reversed(range(len(a.summed))):   # the summed index unravels like the rows do
-            stride = _sum(_times(self.entry(coeffs[rank + n]), s) for (coeffs, _), s in zip(a.index, root_strides))
-            index = f"{v}_r" if inner == "1" else f"{v}_r // {_paren(inner)}"
+            stride = plus(times(self.entry(coeffs[rank + n]), s) for (coeffs, _), s in zip(a.index, root_strides))
+            index = f"{v}_r" if inner == "1" else f"{v}_r // {paren(inner)}"
             if n:
-                index = f"{_paren(index)} % {self.entry(a.summed[n])}"
-            steps.append(_times(index, stride))
-            inner = _times(inner, self.entry(a.summed[n]))
-        out(f"{v} += tl.load({root}_ptr + {v}_offsets + {_paren(_sum(steps))}, mask={mask}, other=0).to({acc})")
+                index = f"{paren(index)} % {self.entry(a.summed[n])}"
+            steps.append(times(index, stride))
+            inner = times(inner, self.entry(a.summed[n]))
+        out(f"{v} += tl.load({root}_ptr + {v}_offsets + {paren(plus(steps))}, mask={mask}, other=0).to({acc})")
         out.dedent()
 
     def window(self, out: Lines, node: Node, index: dict, col: Optional[int]) -> Optional[str]:
