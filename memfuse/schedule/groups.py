@@ -12,13 +12,13 @@ steps it reads. Five rules then place values where they cost least memory:
 - a view read in place (a permute, slice or broadcast of a tensor in memory) that only kernels
   read is loaded by each of them through its access map, never written (`read_by_readers`);
 - a value is computed where it is read: a node whose readers all run at later stages moves to the
-  earliest reader's stage, into that reader's kernel (`_sink`), unless that would write one of
+  earliest reader's stage, into that reader's kernel (`sink`), unless that would write one of
   its inputs to memory that was not written before;
 - two kernels of one stage join (horizontal fusion) only when they run one after the other and
   read an input in common: one load, and no buffer allocated earlier than before;
 - a pointwise value a later kernel reads from memory is computed again in that kernel when it
   can be rebuilt from values in memory anyway for fewer bytes than it costs to read
-  (`_recompute_in_readers`); its owner then writes it only for readers that still load it.
+  (`recompute_in_readers`); its owner then writes it only for readers that still load it.
 A group of [M] values alone never joins one of [D] values alone (it would walk M x D elements),
 and a returned reshape of an aten result (the logits) is the runtime's `.reshape`, not a copy.
 Why two nodes did not share a kernel, and why a node was placed where it is, are recorded for
@@ -34,11 +34,10 @@ from memfuse.base.config import Config
 from memfuse.base.debug import timed
 from memfuse.ir.graph import EXTERNAL, FUSIBLE, LEAF, MEMORY_VIEWS, Graph, Reshape, verify
 from memfuse.ir.ops import TRITON_DTYPES
-from memfuse.schedule.joins import _join_column_sums, _join_later, _join_sharing, _steps_read
+from memfuse.schedule.joins import join_column_sums, join_later, join_sharing, steps_read
 from memfuse.schedule.padding import pad_matmuls
-from memfuse.schedule.placement import (_compute_free_in_readers, _recompute_in_readers, _sink, input_free,
-                                        read_by_readers)
-from memfuse.schedule.reads import _barrier, _node_space, _runtime_reshape, stores_padded
+from memfuse.schedule.placement import compute_free_in_readers, input_free, read_by_readers, recompute_in_readers, sink
+from memfuse.schedule.reads import fusion_barrier, node_space, runtime_reshape, stores_padded
 from memfuse.schedule.reinplace import reinplace
 from memfuse.schedule.reshapes import fold_column_casts, reshapes_for_aten, returned_reshapes
 from memfuse.schedule.row_order import order_rows
@@ -63,13 +62,13 @@ def schedule(graph: Graph, config: Config, kind: str) -> Schedule:
     placed: list = [(name, f"a reshape of {node.inputs[0]}, in memory, that an aten call reads: the runtime's "
                            f"`.reshape` (an alias), not a kernel copy")
                     for name, node in graph.nodes.items() if isinstance(node.attr, Reshape)]
-    _sink(graph, stage, group_of, groups, externs, placed, loads)
-    _join_sharing(graph, groups, free, placed)
+    sink(graph, stage, group_of, groups, externs, placed, loads)
+    join_sharing(graph, groups, free, placed)
     steps = _order(graph, groups, externs)
-    _recompute_in_readers(graph, groups, stage, free, loads, placed)
-    _compute_free_in_readers(graph, groups, free, loads, placed)
-    steps, joined = _join_later(graph, steps, free | loads, placed)
-    steps, summed = _join_column_sums(graph, steps, free | loads, placed)
+    recompute_in_readers(graph, groups, stage, free, loads, placed)
+    compute_free_in_readers(graph, groups, free, loads, placed)
+    steps, joined = join_later(graph, steps, free | loads, placed)
+    steps, summed = join_column_sums(graph, steps, free | loads, placed)
     joined += summed
     groups = [s for s in steps if isinstance(s, KernelGroup)]
     _name_kernels(groups, joined, kind, placed)
@@ -99,13 +98,13 @@ def _group(graph: Graph, free: set, loads: set) -> tuple:
         if node.op in LEAF or name in free:
             stage[name] = 0
             continue
-        if node.op in EXTERNAL or _runtime_reshape(graph, node):
+        if node.op in EXTERNAL or runtime_reshape(graph, node):
             # a view or cast of a finished reduction over M: a reshape by the runtime, not a kernel
-            stage[name] = max((stage[i] for i in node.inputs), default=0) + _runtime_reshape(graph, node)
+            stage[name] = max((stage[i] for i in node.inputs), default=0) + runtime_reshape(graph, node)
             externs.append(ExternStep(name, stage[name]))
             continue
         assert node.op in FUSIBLE, node.op
-        space = _node_space(graph, node, group_of)
+        space = node_space(graph, node, group_of)
         here = 0
         for inp in node.inputs:
             here = max(here, _input_stage(graph, inp, stage, group_of, space, not_fused, name))
@@ -113,7 +112,7 @@ def _group(graph: Graph, free: set, loads: set) -> tuple:
         if name in loads:
             continue
         joinable = [group_of[i] for i in node.inputs if i in group_of and group_of[i].stage == here
-                    and group_of[i].space.agrees(space) and _barrier(graph, i) is None]
+                    and group_of[i].space.agrees(space) and fusion_barrier(graph, i) is None]
         if joinable:
             group = _merge(joinable, groups, group_of)
         else:
@@ -127,7 +126,7 @@ def _group(graph: Graph, free: set, loads: set) -> tuple:
 
 
 def _input_stage(graph, inp, stage, group_of, space, not_fused, name) -> int:
-    barrier = _barrier(graph, inp)
+    barrier = fusion_barrier(graph, inp)
     if barrier is not None:
         not_fused.append((name, inp, barrier))
         return stage[inp] + 1
@@ -174,7 +173,7 @@ def _order(graph: Graph, groups: list, externs: list) -> list:
     readers: list = [set() for _ in steps]
     waiting = [0] * len(steps)
     for k, step in enumerate(steps):
-        for before in _steps_read(graph, step, owner) - {k}:
+        for before in steps_read(graph, step, owner) - {k}:
             readers[before].add(k)
             waiting[k] += 1
     ready = [(first[k], k) for k in range(len(steps)) if waiting[k] == 0]
@@ -232,7 +231,7 @@ def _fill_io(graph: Graph, group: KernelGroup, free: set, computed_in: dict) -> 
     group.inputs = inputs
     local = free | set(group.recomputed)
     for name in group.nodes:
-        if _barrier(graph, name) is not None:
+        if fusion_barrier(graph, name) is not None:
             group.column_sums.append(name)
         elif name not in local and (name in outputs or any(
                 _reads_from(name, u, group, computed_in) for u in users[name])):

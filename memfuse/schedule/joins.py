@@ -1,18 +1,18 @@
 """Kernels joined after grouping: two of one stage that read an input in common (horizontal
-fusion, `_join_sharing`), a kernel joined into a later one it runs right before (`_join_later`), and
-a lone column-sum kernel hosted by another (`_join_column_sums`); each join recorded with its reason."""
+fusion, `join_sharing`), a kernel joined into a later one it runs right before (`join_later`), and
+a lone column-sum kernel hosted by another (`join_column_sums`); each join recorded with its reason."""
 from __future__ import annotations
 
 from typing import Optional
 
 from memfuse.ir.graph import Graph, Kind, Op
-from memfuse.schedule.reads import (SOURCES, _barrier, _is_view, _loaded, _reads_from_memory, _row_bytes,
-                                    _runtime_reshape)
+from memfuse.schedule.reads import (SOURCES, fusion_barrier, is_view, reads_from_memory, row_bytes, runtime_reshape,
+                                    values_loaded)
 from memfuse.schedule.steps import KernelGroup
 
 
 # -- horizontal fusion --------------------------------------------------------------------------------
-def _join_sharing(graph: Graph, groups: list, free: set, placed: list) -> None:
+def join_sharing(graph: Graph, groups: list, free: set, placed: list) -> None:
     """Join two kernels of one stage that run one after the other, agree on their space and read an
     input in common (the column sums of a backward land in its main kernel): the input is loaded
     once, and no buffer is allocated before another step runs that ran before it."""
@@ -46,7 +46,7 @@ def _shared_input(graph: Graph, a: KernelGroup, b: KernelGroup, free: set) -> Op
 
 
 
-def _steps_read(graph: Graph, step, owner: dict, skip: frozenset = frozenset()) -> set:
+def steps_read(graph: Graph, step, owner: dict, skip: frozenset = frozenset()) -> set:
     """The steps (indices in `owner`) whose results `step` reads: through a value no step
     computes (a view loaded in place, a value computed where it is read), its inputs'. `skip`:
     inputs left out."""
@@ -74,7 +74,7 @@ def _values_read(graph: Graph, step, owner: dict, skip: frozenset = frozenset())
 
 
 
-def _join_later(graph: Graph, steps: list, in_readers: set, placed: list) -> tuple:
+def join_later(graph: Graph, steps: list, in_readers: set, placed: list) -> tuple:
     """(steps, joined): a kernel joins the next kernel of its space that loads an input it loads or
     reads its values, where only aten calls between read its results: those run after the joint
     kernel. BERT's backward computes GELU(h) again for the down projection's weight gradient, then
@@ -126,19 +126,19 @@ def _joinable_after(graph: Graph, steps: list, k: int, in_readers: set):
     first = steps[k]
     owner = _owners(steps, in_readers)
     in_registers = {n for n in first.nodes if n not in first.recomputed and n not in in_readers
-                    and _barrier(graph, n) is None}
+                    and fusion_barrier(graph, n) is None}
     first_loads = _load_bytes(graph, first, in_readers)
     after: set = set()                       # the steps from k on that read what the kernel at k computes
     for j in range(k + 1, len(steps)):
         second = steps[j]
-        reads = _steps_read(graph, second, owner) - {j}
+        reads = steps_read(graph, second, owner) - {j}
         joinable = isinstance(second, KernelGroup) and not reads & after and first.space.agrees(second.space) \
             and first.space.m is not None and first.space.m == second.space.m \
             and first_loads <= _load_bytes(graph, second, in_readers)
         # joined, a kernel reads the first one's values in registers, except through a view in memory
         direct = {n for n in in_registers if any(
-            n in graph[r].inputs and not _reads_from_memory(graph, r, n) for r in second.nodes)} if joinable else set()
-        if joinable and k in reads and k in _steps_read(graph, second, owner, skip=direct):
+            n in graph[r].inputs and not reads_from_memory(graph, r, n) for r in second.nodes)} if joinable else set()
+        if joinable and k in reads and k in steps_read(graph, second, owner, skip=direct):
             joinable = False                 # it reads the first one's results from memory too
         shared = _shared_input(graph, first, second, in_readers) if joinable else None
         if joinable and (shared is not None or direct):
@@ -151,7 +151,7 @@ def _joinable_after(graph: Graph, steps: list, k: int, in_readers: set):
 
 
 
-def _join_column_sums(graph: Graph, steps: list, in_readers: set, placed: list) -> tuple:
+def join_column_sums(graph: Graph, steps: list, in_readers: set, placed: list) -> tuple:
     """(steps, joined): a kernel that writes only column sums (a bias's gradient, summed over the
     rows) joins another kernel of its space where that costs no memory, for one launch fewer:
     - the latest earlier kernel after which everything it reads is ready (the aten views it reads
@@ -163,7 +163,7 @@ def _join_column_sums(graph: Graph, steps: list, in_readers: set, placed: list) 
       stays in memory until then anyway: GPT-2's output bias sums the incoming gradient through the
       reshape its matmul reads, then the next kernel reads that gradient as the residual's.
     The joint kernel runs at the other kernel's launch configuration, so the sum may load no more a
-    row than that kernel does. Run after `_join_later`, so that it joins the kernels as they end up.
+    row than that kernel does. Run after `join_later`, so that it joins the kernels as they end up.
     `joined`: (the kernel that joined, the kernel it joined)."""
     users = graph.users()
     outputs = set(graph.outputs)
@@ -249,7 +249,7 @@ def _ready_before(graph: Graph, steps: list, step, k: int, owner: dict) -> Optio
     """The aten views (indices, in run order) to run before step `k` so that everything `step`
     reads is ready there, or None where something it reads is computed at or after `k`."""
     moved: set = set()
-    pending = list(_steps_read(graph, step, owner))
+    pending = list(steps_read(graph, step, owner))
     while pending:
         i = pending.pop()
         if i < k or i in moved:
@@ -257,7 +257,7 @@ def _ready_before(graph: Graph, steps: list, step, k: int, owner: dict) -> Optio
         if not _aliases(graph, steps[i]):
             return None
         moved.add(i)
-        pending.extend(_steps_read(graph, steps[i], owner) - {i})
+        pending.extend(steps_read(graph, steps[i], owner) - {i})
     return sorted(moved)
 
 
@@ -267,7 +267,7 @@ def _later_target(graph: Graph, steps: list, j: int, in_readers: set, owner: dic
     dependent = {j}          # it and the views of its totals
     for k in range(j + 1, len(steps)):
         step = steps[k]
-        if _steps_read(graph, step, owner) & dependent:
+        if steps_read(graph, step, owner) & dependent:
             if not _aliases(graph, step):
                 return None  # a step reads its totals: it would wait for the joint kernel
             dependent.add(k)
@@ -284,7 +284,7 @@ def _views_of(graph: Graph, steps: list, j: int, k: int, owner: dict) -> list:
     """The steps between `j` and `k` that read step `j`'s results, themselves or through each other."""
     dependent = {j}
     for i in range(j + 1, k):
-        if _steps_read(graph, steps[i], owner) & dependent:
+        if steps_read(graph, steps[i], owner) & dependent:
             dependent.add(i)
     return sorted(dependent - {j})
 
@@ -302,14 +302,14 @@ def _aliases(graph: Graph, step) -> bool:
     if isinstance(step, KernelGroup):
         return False
     node = graph[step.name]
-    return _runtime_reshape(graph, node) or (node.op is Op.EXTERN and _is_view(node))
+    return runtime_reshape(graph, node) or (node.op is Op.EXTERN and is_view(node))
 
 
 
 def _aliased(graph: Graph, name: str) -> str:
     """The tensor whose memory `name` is: through aten views and the runtime's reshapes."""
     node = graph[name]
-    while node.inputs and (_runtime_reshape(graph, node) or (node.op is Op.EXTERN and _is_view(node))):
+    while node.inputs and (runtime_reshape(graph, node) or (node.op is Op.EXTERN and is_view(node))):
         node = graph[node.inputs[0]]
     return node.name
 
@@ -317,4 +317,4 @@ def _aliased(graph: Graph, name: str) -> str:
 
 def _load_bytes(graph: Graph, group: KernelGroup, in_readers: set) -> int:
     """Bytes a row a kernel loads from memory."""
-    return sum(_row_bytes(graph[i].value) for i in _loaded(graph, set(group.nodes), in_readers))
+    return sum(row_bytes(graph[i].value) for i in values_loaded(graph, set(group.nodes), in_readers))

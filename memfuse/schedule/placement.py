@@ -1,13 +1,14 @@
 """Where a value is computed: inside every kernel that reads it when it has no input
 (`input_free`), loaded through its access map by each reader (`read_by_readers`), moved into its
-earliest reader's kernel (`_sink`), or computed again by a later reader for fewer bytes than
-reading it (`_recompute_in_readers`). Each move is recorded with its reason for `explain()`."""
+earliest reader's kernel (`sink`), or computed again by a later reader for fewer bytes than
+reading it (`recompute_in_readers`). Each move is recorded with its reason for `explain()`."""
 from __future__ import annotations
 
 from typing import Optional
 
 from memfuse.ir.graph import FUSIBLE, MEMORY_VIEWS, POINTWISE, RANDOM, Graph, Op, column_padding
-from memfuse.schedule.reads import SOURCES, _barrier, _is_view, _loaded, _node_space, _reads_from_memory, _row_bytes
+from memfuse.schedule.reads import (SOURCES, fusion_barrier, is_view, node_space, reads_from_memory, row_bytes,
+                                    values_loaded)
 from memfuse.schedule.steps import ExternStep, KernelGroup, Space
 
 
@@ -20,10 +21,10 @@ def input_free(graph: Graph) -> set:
     outputs = set(graph.outputs)
     free: set = set()
     for name, node in graph.nodes.items():
-        if node.op in FUSIBLE and node.op not in MEMORY_VIEWS and _barrier(graph, name) is None \
+        if node.op in FUSIBLE and node.op not in MEMORY_VIEWS and fusion_barrier(graph, name) is None \
                 and all(graph[i].op in SOURCES or i in free for i in node.inputs) \
                 and name not in outputs and users[name] \
-                and all(graph[u].op in FUSIBLE and not _reads_from_memory(graph, u, name) for u in users[name]):
+                and all(graph[u].op in FUSIBLE and not reads_from_memory(graph, u, name) for u in users[name]):
             free.add(name)
     return free
 
@@ -45,13 +46,13 @@ def read_by_readers(graph: Graph, free: set) -> set:
             continue
         rest = node.inputs[1:]      # the fallback of a windowed read, the sizes of the map
         if all(graph[i].op in SOURCES or i in free or i in loads for i in rest) and all(
-                graph[u].op in FUSIBLE and not _reads_from_memory(graph, u, name) for u in users[name]):
+                graph[u].op in FUSIBLE and not reads_from_memory(graph, u, name) for u in users[name]):
             loads.add(name)
     return loads
 
 
 
-def _compute_free_in_readers(graph: Graph, groups: list, free: set, loads: set, placed: list) -> None:
+def compute_free_in_readers(graph: Graph, groups: list, free: set, loads: set, placed: list) -> None:
     """Add to each group the input-free values and the views in `loads` its nodes read (and
     theirs), in graph order."""
     position = {name: i for i, name in enumerate(graph.nodes)}
@@ -83,7 +84,7 @@ MAX_RECOMPUTED = 32                    # nodes one value may bring into a reader
 
 
 
-def _recompute_in_readers(graph: Graph, groups: list, stage: dict, free: set, loads: set, placed: list) -> None:
+def recompute_in_readers(graph: Graph, groups: list, stage: dict, free: set, loads: set, placed: list) -> None:
     """A value one kernel computes and a kernel of a later stage reads from memory is computed
     again in the reader when the reader can rebuild it from what is in memory anyway for fewer
     bytes a row than reading it: GPT-2's GELU backward read three fp32 [tokens, 3072]
@@ -98,7 +99,7 @@ def _recompute_in_readers(graph: Graph, groups: list, stage: dict, free: set, lo
     for group in sorted(groups, key=lambda g: g.stage):
         members = set(group.nodes)
         while True:
-            loaded = _loaded(graph, members, free)
+            loaded = values_loaded(graph, members, free)
             rebuilds = {}
             for name in sorted(loaded, key=position.__getitem__):
                 home = owner.get(name)
@@ -110,8 +111,8 @@ def _recompute_in_readers(graph: Graph, groups: list, stage: dict, free: set, lo
             best = None
             for name, (_, new_loads) in rebuilds.items():
                 together = [m for m, (_, theirs) in rebuilds.items() if theirs <= new_loads]
-                saved = sum(_row_bytes(graph[m].value) for m in together)
-                cost = sum(_row_bytes(graph[n].value) for n in new_loads)
+                saved = sum(row_bytes(graph[m].value) for m in together)
+                cost = sum(row_bytes(graph[n].value) for n in new_loads)
                 if cost < saved and (best is None or saved - cost > best[0]):
                     best = (saved - cost, together, cost)
             if best is None:
@@ -122,13 +123,13 @@ def _recompute_in_readers(graph: Graph, groups: list, stage: dict, free: set, lo
             group.recomputed.extend(nodes)
             members.update(nodes)
             for n in nodes:
-                group.space = group.space.join(_node_space(graph, graph[n], owner))
-            sources = sorted(_loaded(graph, members, free) - loaded)
+                group.space = group.space.join(node_space(graph, graph[n], owner))
+            sources = sorted(values_loaded(graph, members, free) - loaded)
             for name in together:
                 placed.append((name, f"computed again in {group.name} from "
                                      f"{', '.join(sources) or 'what it loads already'} "
                                      f"({cost} B a row for {len(together)} value(s), {len(nodes)} ops) instead of "
-                                     f"read from memory ({_row_bytes(graph[name].value)} B a row)"))
+                                     f"read from memory ({row_bytes(graph[name].value)} B a row)"))
 
 
 
@@ -138,9 +139,9 @@ def _rebuild(graph, name, group, members, owner, stage, free, loads, loaded, use
     a read from memory on the way not yet in memory, another space, too many nodes, or a reader
     of `name` in `group` that reads it as a view's root in memory)."""
     node = graph[name]
-    if node.op not in RECOMPUTABLE or _barrier(graph, name) is not None:
+    if node.op not in RECOMPUTABLE or fusion_barrier(graph, name) is not None:
         return None
-    if any(u in members and _reads_from_memory(graph, u, name) for u in users[name]):
+    if any(u in members and reads_from_memory(graph, u, name) for u in users[name]):
         return None
     nodes: set = set()
     leaves: set = set()
@@ -151,8 +152,8 @@ def _rebuild(graph, name, group, members, owner, stage, free, loads, loaded, use
             continue
         node = graph[n]
         home = owner.get(n)
-        if home is not None and n not in loads and node.op in RECOMPUTABLE and _barrier(graph, n) is None \
-                and column_padding(graph, node) is None and group.space.agrees(_node_space(graph, node, owner)):
+        if home is not None and n not in loads and node.op in RECOMPUTABLE and fusion_barrier(graph, n) is None \
+                and column_padding(graph, node) is None and group.space.agrees(node_space(graph, node, owner)):
             nodes.add(n)
             if len(nodes) > MAX_RECOMPUTED:
                 return None
@@ -182,7 +183,7 @@ def _in_memory_before(graph, name, group, owner, stage, loads, users) -> bool:
 
 
 # -- values computed where they are read ------------------------------------------------------------
-def _sink(graph: Graph, stage: dict, group_of: dict, groups: list, externs: list, placed: list, loads: set) -> None:
+def sink(graph: Graph, stage: dict, group_of: dict, groups: list, externs: list, placed: list, loads: set) -> None:
     """Move every node whose readers all run at later stages to the earliest reader's stage: into
     that reader's kernel (or a new kernel at that stage when only externs read it there), last node
     first, so a chain moves whole; an aten view moves to just before its first reader likewise. A
@@ -201,7 +202,7 @@ def _sink(graph: Graph, stage: dict, group_of: dict, groups: list, externs: list
             target = _latest_place(graph, name, stage, group_of, users, groups)
             if target is not None:
                 _move(name, *target, stage, group_of)
-        elif _is_view(graph[name]):
+        elif is_view(graph[name]):
             stage[name] = max(stage[name], min(stage[r] - (r in group_of) for r in users[name]))
     while True:
         undo = {n for n in group_of if stage[n] != origin[n] and _forces_write(graph, n, group_of, home, written)}
@@ -235,11 +236,11 @@ def _latest_place(graph: Graph, name: str, stage: dict, group_of: dict, users: d
     kernel; None where it runs now."""
     readers = users[name]
     node = graph[name]
-    if not readers or _barrier(graph, name) is not None or column_padding(graph, node) is not None \
-            or any(_reads_from_memory(graph, r, name) for r in readers):
+    if not readers or fusion_barrier(graph, name) is not None or column_padding(graph, node) is not None \
+            or any(reads_from_memory(graph, r, name) for r in readers):
         return None
     latest = min(stage[r] for r in readers)
-    space = _node_space(graph, node, group_of)
+    space = node_space(graph, node, group_of)
     there = {id(group_of[r]): group_of[r] for r in readers if r in group_of and stage[r] == latest}
     if len(there) == 1:
         group = next(iter(there.values()))
@@ -280,4 +281,4 @@ def _refit(graph: Graph, groups: list, group_of: dict) -> None:
     for group in groups:
         group.space = Space(None, None)
         for name in group.nodes:
-            group.space = group.space.join(_node_space(graph, graph[name], group_of))
+            group.space = group.space.join(node_space(graph, graph[name], group_of))

@@ -1,5 +1,5 @@
 """How the scheduler sees a node: its space, whether it reads from memory, whether a kernel may
-compute it with its readers (`_barrier`), and which views and reshapes alias what they read."""
+compute it with its readers (`fusion_barrier`), and which views and reshapes alias what they read."""
 from __future__ import annotations
 
 from typing import Optional
@@ -18,28 +18,28 @@ SOURCES = (Op.CONSTANT, Op.SYMBOL, Op.SEED)
 
 
 
-def _reads_from_memory(graph: Graph, reader: str, name: str) -> bool:
+def reads_from_memory(graph: Graph, reader: str, name: str) -> bool:
     """Whether the fusible node `reader` reads `name` from memory (a view's root), not from registers."""
     node = graph[reader]
     return node.op in MEMORY_VIEWS and node.inputs[0] == name
 
 
 
-def _loaded(graph: Graph, members: set, free: set) -> set:
+def values_loaded(graph: Graph, members: set, free: set) -> set:
     """The values a group's nodes (`members`) read that it does not compute: what it loads."""
     return {i for n in members for i in graph[n].inputs
             if i not in members and i not in free and graph[i].op not in SOURCES}
 
 
 
-def _row_bytes(value: Value) -> int:
+def row_bytes(value: Value) -> int:
     """Bytes a row of the iteration space: D elements of a FULL value, one of a ROW value."""
     size = value.dtype.itemsize if value.dtype is not None else 8
     return size * (value.d if value.kind is Kind.FULL else 1 if value.kind is Kind.ROW else 0)
 
 
 
-def _is_view(node) -> bool:
+def is_view(node) -> bool:
     """An aten call whose result is a view of its input (permute, view, expand): free to run late."""
     schema = aten_schema(node.attr.target) if node.op is Op.EXTERN and isinstance(node.attr, Extern) else None
     return schema is not None and any(
@@ -47,7 +47,7 @@ def _is_view(node) -> bool:
 
 
 
-def _node_space(graph: Graph, node, group_of: dict) -> Space:
+def node_space(graph: Graph, node, group_of: dict) -> Space:
     """Where a node runs: its value's space, and for a reduction also its source's [M, D] (a
     column sum alone in its group must still walk the M rows, a row sum the D columns); a padded
     store runs where its root does."""
@@ -72,30 +72,30 @@ def stores_padded(graph: Graph, node, computed) -> bool:
 
 
 
-def _runtime_reshape(graph: Graph, node) -> bool:
+def runtime_reshape(graph: Graph, node) -> bool:
     """A step the runtime does with `.reshape` (or `.to`), not a kernel: a view or cast of a
     finished reduction over M (D elements), or a returned reshape of an aten call's result (the
     logits a model returns, a view of the LM head's matmul: a kernel would copy [tokens, vocab]
     only to return it). Only a reshape: a broadcast (expand) of the value is a kernel's job."""
     if node.op not in (Op.VIEW, Op.CAST):
         return False
-    if not _same_size(graph, node):
+    if not same_size(graph, node):
         return False
     if node.value.kind in (Kind.COL, Kind.SCALAR):
-        return _barrier(graph, node.inputs[0]) is not None
+        return fusion_barrier(graph, node.inputs[0]) is not None
     if isinstance(node.attr, Reshape):
         return True
-    return node.op is Op.VIEW and node.name in graph.outputs and _made_by_aten(graph, node.inputs[0])
+    return node.op is Op.VIEW and node.name in graph.outputs and made_by_aten(graph, node.inputs[0])
 
 
 
-def _same_size(graph: Graph, node) -> bool:
+def same_size(graph: Graph, node) -> bool:
     source = graph[node.inputs[0]].value
     return sympy.simplify(sympy.Mul(*source.shape) - sympy.Mul(*node.value.shape)) == 0
 
 
 
-def _made_by_aten(graph: Graph, name: str) -> bool:
+def made_by_aten(graph: Graph, name: str) -> bool:
     """Whether `name` is an aten call's result in storage of its own, or an aliasing view of one
     (never of a program input: a reshape of it returned would alias what the caller passed in).
     An element of an aten call's tuple (the chunked loss head's logits) counts as its result: its
@@ -127,9 +127,9 @@ ALIASING_CALLS = frozenset({torch.ops.aten._unsafe_view.default})
 
 
 
-def _barrier(graph: Graph, name: str) -> Optional[str]:
+def fusion_barrier(graph: Graph, name: str) -> Optional[str]:
     node = graph[name]
-    if node.op in EXTERNAL or _runtime_reshape(graph, node):
+    if node.op in EXTERNAL or runtime_reshape(graph, node):
         return f"{name} is an extern call"
     if node.op in REDUCTION and isinstance(node.attr, Reduce) and node.attr.axis is Kind.COL:
         return f"{name} reduces over every row (M): its result exists only after the whole pass"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from memfuse.ir.graph import EXTERNAL, Graph, Kind, Node, Op, Reshape
-from memfuse.schedule.reads import _made_by_aten, _same_size
+from memfuse.schedule.reads import made_by_aten, same_size
 from memfuse.schedule.steps import ExternStep, KernelGroup
 
 
@@ -33,7 +33,7 @@ def reshapes_for_aten(graph: Graph) -> Graph:
         if name in for_aten and node.attr is None and node.value.kind in (Kind.FULL, Kind.ROW) \
                 and source.value.dtype == node.value.dtype \
                 and (source.op is Op.INPUT or source.op in EXTERNAL or source.name in marked) \
-                and _same_size(graph, node):
+                and same_size(graph, node):
             marked.add(name)
     if not marked:
         return graph
@@ -47,15 +47,15 @@ def reshapes_for_aten(graph: Graph) -> Graph:
 def returned_reshapes(graph: Graph) -> Graph:
     """The graph with each returned reshape of an aten call's result (through a chain of
     reshapes: `view`, then the `clone` AOTAutograd puts on an output) reading that result itself,
-    so that the runtime reshapes it (`_runtime_reshape`); the bypassed reshapes nothing else reads
+    so that the runtime reshapes it (`runtime_reshape`); the bypassed reshapes nothing else reads
     are dropped."""
     rewired = {}
     for name in set(o for o in graph.outputs if o is not None):
         node, root = graph[name], graph[name]
-        while root.op is Op.VIEW and _same_size(graph, root):
+        while root.op is Op.VIEW and same_size(graph, root):
             root = graph[root.inputs[0]]
         if node.op is Op.VIEW and root.name != node.inputs[0] and root.op is Op.EXTERN \
-                and _made_by_aten(graph, root.name):
+                and made_by_aten(graph, root.name):
             rewired[name] = Node(name, node.op, (root.name,), node.value, node.attr)
     if not rewired:
         return graph
@@ -85,7 +85,7 @@ def fold_column_casts(graph: Graph, steps: list, placed: list) -> list:
     gradient is an fp32 column sum cast to bf16 (the matmul's dtype) and back to fp32 (the
     parameter's): as steps of their own, two `.to` calls a bias, each a launch and its host time.
     A chain is folded while each value has one reader, a cast the runtime would run
-    (`_runtime_reshape`: a cast, or a reshape, free on a row of the totals), in fp32, bf16 or fp16;
+    (`runtime_reshape`: a cast, or a reshape, free on a row of the totals), in fp32, bf16 or fp16;
     the last may have any readers."""
     users = graph.users()
     externs = {s.name for s in steps if isinstance(s, ExternStep)}
@@ -99,7 +99,7 @@ def fold_column_casts(graph: Graph, steps: list, placed: list) -> list:
                     graph[value].value.dtype in FOLDED_CAST_DTYPES:
                 reader = graph[users[value][0]]
                 if reader.op not in (Op.CAST, Op.VIEW) or reader.name not in externs or \
-                        reader.value.dtype not in FOLDED_CAST_DTYPES or not _same_size(graph, reader):
+                        reader.value.dtype not in FOLDED_CAST_DTYPES or not same_size(graph, reader):
                     break
                 chain.append(reader.name)
                 value = reader.name
