@@ -48,15 +48,11 @@ reinterpret_tensor: Callable = getattr(torch._C._dynamo.guards, "_reinterpret_te
 raw_stream: Optional[Callable] = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
-def storage_use_count(cdata: int) -> int:
-    """How many references hold the storage at `cdata` (a StorageWeakRef's `cdata`):
-    `torch._C._storage_Use_Count`. Why: a CUDA-graphed function learns, in one C call, whether the
-    caller still holds an output it returned (the next replay would overwrite it). Fallback: None
-    (required: there is no public way to read a storage's reference count)."""
-    return _storage_use_count(cdata)
-
-
-_storage_use_count = torch._C._storage_Use_Count
+# `(cdata) -> how many references hold the storage at cdata` (a StorageWeakRef's `cdata`):
+# `torch._C._storage_Use_Count`. Why: a CUDA-graphed function learns, in one C call, whether the
+# caller still holds an output it returned (the next replay would overwrite it). Fallback: None
+# (required: there is no public way to read a storage's reference count).
+storage_use_count: Callable = torch._C._storage_Use_Count
 
 
 # -- autograd ------------------------------------------------------------------------------------

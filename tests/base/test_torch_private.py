@@ -17,6 +17,7 @@ def test_every_entry_is_torchs_own():
     assert torch_private.is_functorch_wrapped_tensor is torch._C._functorch.is_functorch_wrapped_tensor
     assert torch_private.TensorGuards is torch._C._dynamo.guards.TensorGuards
     assert torch_private.raw_stream is getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    assert torch_private.storage_use_count is torch._C._storage_Use_Count
     assert hasattr(torch.compiler, "_is_compiling_flag")
     for entry in (torch_private.functorch_transforms_active, torch_private.unwrap_if_dead,
                   torch_private.storage_use_count, torch_private.reinterpret_tensor):
