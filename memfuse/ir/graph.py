@@ -1,6 +1,6 @@
 """memfuse's IR: a small typed graph over the [M, D] iteration space.
 
-Every value is placed in the iteration space of DESIGN.md: a FULL value is [M, D] (M rows of
+Every value is placed in the iteration space of docs/architecture.md: a FULL value is [M, D] (M rows of
 D elements), a ROW value has one element per row ([M]: mean, rstd), a COL value one per column
 ([D]: weight, bias and their gradients), a SCALAR one element. Values of any other shape are
 TENSOR: only extern (aten) steps touch them. M is a sympy expression over the size symbols of
