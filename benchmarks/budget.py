@@ -4,7 +4,7 @@
                                 [--tiny] [--timed-steps N] [--out DIR]
     python -m benchmarks.budget --report [--tiny] [--out DIR]
 
-For each model of benchmarks/models.py (same configs, weights, tokens and training step), each
+For each model of benchmarks/lib/hf_models.py (same configs, weights, tokens and training step), each
 budget runs twice from fresh copies of the same weights: `torch.compile(model, backend="memfuse",
 options={"memory_budget": b})` and `torch.compile(model)` with
 `torch._functorch.config.activation_memory_budget = b` around its compile and first step (its
@@ -33,7 +33,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import models  # noqa: E402  (sets TRITON_INTERPRET for --tiny before triton loads)
+from benchmarks.lib import hf_models as models  # noqa: E402  (sets TRITON_INTERPRET for --tiny before triton loads)
 
 import torch  # noqa: E402
 

@@ -17,7 +17,7 @@ Writes loss-head-<variant>.json and .md into --out (variant: the dtype, or "auto
 
 Without CUDA, or with --tiny, a tiny head runs on CPU in fp32 through the Triton interpreter
 (torch.compile's peers only when --peers names them): a smoke run of the harness, not a
-measurement (loss-head-tiny-*). docs/benchmarks.md defines every column.
+measurement (loss-head-tiny-*). docs/results.md says how the columns are measured.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from typing import Callable
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import models  # noqa: E402  (sets TRITON_INTERPRET for --tiny before triton loads)
+from benchmarks.lib import hf_models as models  # noqa: E402  (sets TRITON_INTERPRET for --tiny before triton loads)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

@@ -31,13 +31,13 @@ SMOKE = not torch.cuda.is_available()
 if SMOKE:
     os.environ["TRITON_INTERPRET"] = "1"  # read when @triton.jit decorates: before memfuse loads
 
-from benchmarks import measure, report  # noqa: E402
-from benchmarks.first_call import measure_first_calls  # noqa: E402
-from benchmarks.modes import (  # noqa: E402
+from benchmarks.lib import measure, report  # noqa: E402
+from benchmarks.lib.first_calls import measure_first_calls  # noqa: E402
+from benchmarks.lib.modes import (  # noqa: E402
     BASELINE_MODE, COMPILING_MODES, DYNAMIC_MODES, MODE_ORDER, SMOKE_MODES, Factory, ModeSet, memfuse_stats,
     resolve_modes,
 )
-from benchmarks.workloads import SEED_SHAPE, SMOKE_SHAPE, StepInputs, Workload, workloads_for  # noqa: E402
+from benchmarks.lib.workloads import SEED_SHAPE, SMOKE_SHAPE, StepInputs, Workload, workloads_for  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 INPUT_SEED = 0

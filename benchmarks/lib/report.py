@@ -7,7 +7,7 @@ import json
 import statistics
 from pathlib import Path
 
-from benchmarks.first_call import FirstCallResult
+from benchmarks.lib.first_calls import FirstCallResult
 
 MB = 1e6
 MISSING = "-"
