@@ -1,20 +1,21 @@
 """Whole HuggingFace models side by side: a training step (forward, loss, backward) in six modes.
 
     python -m benchmarks.models [--models bert,gpt2,llama] [--modes NAME,..] [--tiny] [--use-cache] [--out DIR]
-    python -m benchmarks.models --report [--tiny] [--out DIR]
+    python -m benchmarks.models --report [--tiny] [--out DIR] [--charts DIR]
 
 BERT (masked LM), GPT-2 and Llama (causal LM) are built from configs with random weights (nothing
 is downloaded) and trained on random token ids under bf16 autocast, parameters in fp32, with
 `config.use_cache = False` as in training. Each model runs every mode in this process, one after
 another, each from a fresh copy of the same weights, and writes models-<model>.json into --out as
 soon as it is done; then every models-*.json in --out is merged into models.md and models.png
-(--report does only that). Besides speed and memory, each mode trains one step of a dropout-free
-copy of the model, compared with eager on the same weights and tokens.
+(--report does only that); --charts DIR (docs/img) draws models.png there too. Besides speed and
+memory, each mode trains one step of a dropout-free copy of the model, compared with eager on the
+same weights and tokens.
 
 Without CUDA, or with --tiny, tiny configs run on CPU in fp32 through the Triton interpreter: a
 smoke run of the harness, not a measurement (models-tiny-*.json, models-tiny.md; torch_compile only
 when --modes names it). torch_compile_per_layer (each layer compiled, the rest eager, as torchtitan
-compiles its blocks) runs only when --modes names it. docs/benchmarks.md defines every column.
+compiles its blocks) runs only when --modes names it. docs/results.md says how the columns are measured.
 """
 
 from __future__ import annotations
@@ -133,8 +134,9 @@ def write_chart(results: list[dict], path: Path) -> str:
     return f"wrote {path}"
 
 
-def write_report(out_dir: Path, tiny: bool) -> None:
-    """Merge every model's JSON of this kind in out_dir: stdout, <stem>.md and <stem>.png."""
+def write_report(out_dir: Path, tiny: bool, charts: Path | None = None) -> None:
+    """Merge every model's JSON of this kind in out_dir: stdout, <stem>.md and <stem>.png (and
+    charts/<stem>.png when given)."""
     results = load_results(out_dir, tiny)
     if not results:
         sys.exit(f"no {json_path(out_dir, '*', tiny).name} in {out_dir}: run the models first"
@@ -148,6 +150,9 @@ def write_report(out_dir: Path, tiny: bool) -> None:
     stem.with_suffix(".md").write_text(f"## {heading}\n\n{render(results, markdown=True)}\n")
     print(f"\nwrote {stem.with_suffix('.md')}")
     print(write_chart(results, stem.with_suffix(".png")))
+    if charts is not None:
+        charts.mkdir(parents=True, exist_ok=True)
+        print(write_chart(results, charts / f"{stem.name}.png"))
 
 
 # -- the command ----------------------------------------------------------------------------------
@@ -163,13 +168,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--report", action="store_true",
                         help="only merge the JSONs in --out into the report (the GPU runs'; --tiny: the tiny runs')")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
+    parser.add_argument("--charts", type=Path, metavar="DIR",
+                        help="also draw the charts into DIR, same undated names (docs/img: the results page's)")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.report:  # the GPU runs' JSONs, wherever they are merged, unless --tiny
-        return write_report(args.out, args.tiny)
+        return write_report(args.out, args.tiny, args.charts)
     tiny = args.tiny or not torch.cuda.is_available()
     if tiny and os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("--tiny runs memfuse through the Triton interpreter: set TRITON_INTERPRET=1 before "
@@ -193,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
         path = json_path(args.out, family.name, tiny)
         path.write_text(json.dumps(result, indent=2, default=str) + "\n")
         print(f"wrote {path}", flush=True)
-    write_report(args.out, tiny)
+    write_report(args.out, tiny, args.charts)
     if tiny:
         print(TINY_BANNER)
 
