@@ -35,6 +35,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.lib import hf_models as models  # noqa: E402  (sets TRITON_INTERPRET for --tiny before triton loads)
+from benchmarks.lib import report  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -150,11 +151,11 @@ def load_results(out: Path, tiny: bool) -> list:
 
 
 def _ms(seconds):
-    return models._fmt(seconds, ".1f", 1e3)
+    return report._fmt(seconds, ".1f", 1e3)
 
 
 def _mb(value):
-    return models._fmt(value, ".0f" if value is None or value >= MB else ".3f", 1 / MB)
+    return report._fmt(value, ".0f" if value is None or value >= MB else ".3f", 1 / MB)
 
 
 def render(results: list) -> str:
@@ -176,7 +177,7 @@ def render(results: list) -> str:
             rows.append([result["model"], f"{budget:g}", _ms(ours.get("step_s")), _mb(ours.get("peak_bytes")),
                          _mb(ours.get("kept_bytes")), _mb(ours.get("planned_bytes")), _ms(theirs.get("step_s")),
                          _mb(theirs.get("peak_bytes")), _mb(theirs.get("kept_bytes")), note])
-    return "\n".join(lines) + "\n\n" + models._markdown(headers, rows)
+    return "\n".join(lines) + "\n\n" + report._markdown(headers, rows)
 
 
 def write_chart(result: dict, path: Path) -> str:

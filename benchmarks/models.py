@@ -32,9 +32,9 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 import torch  # noqa: E402
 
 from benchmarks.lib.hf_models import (ALL_MODES, BASELINE_MODE, DEFAULT_OUT, ERROR_CHARS, FAMILIES,  # noqa: E402
-                                      GPU_SETTINGS, MB, MISSING, MODES, TINY_BANNER, TINY_MODES, TINY_SETTINGS,
-                                      Setup, _fmt, _markdown, _names, _table, json_path, load_results, metadata,
-                                      report_stem, run_model)
+                                      GPU_SETTINGS, MB, MODES, TINY_BANNER, TINY_MODES, TINY_SETTINGS, Setup,
+                                      _names, json_path, load_results, metadata, report_stem, run_model)
+from benchmarks.lib.report import MISSING, _fmt, _markdown, _table  # noqa: E402
 
 
 # -- the report -----------------------------------------------------------------------------------

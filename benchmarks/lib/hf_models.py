@@ -42,7 +42,6 @@ from torch import nn  # noqa: E402
 
 import memfuse  # noqa: E402
 from memfuse.fronts.backend import memfuse_backend  # noqa: E402
-from benchmarks.lib.report import MISSING, _fmt, _table  # noqa: E402,F401  (the commands' tables)
 
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "results"
 MODEL_SEED = 0  # the weights every mode starts from
@@ -534,12 +533,7 @@ def load_results(out_dir: Path, tiny: bool) -> list[dict]:
     return list(found.values())
 
 
-# -- helpers the commands share ----------------------------------------------------------------
-def _markdown(headers: list[str], rows: list[list[str]]) -> str:
-    lines = [headers, ["---"] * len(headers), *rows]
-    return "\n".join("| " + " | ".join(line) + " |" for line in lines)
-
-
+# -- the commands' arguments ---------------------------------------------------------------------
 def _names(text: str | None, offered: tuple[str, ...], what: str) -> tuple[str, ...]:
     if not text:
         return offered

@@ -79,6 +79,11 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines)
 
 
+def _markdown(headers: list[str], rows: list[list[str]]) -> str:
+    lines = [headers, ["---"] * len(headers), *rows]
+    return "\n".join("| " + " | ".join(line) + " |" for line in lines)
+
+
 def _cell_row(cell: CellResult) -> list[str]:
     if cell.error:
         return [cell.workload, cell.mode, "error"] + [MISSING] * 6
