@@ -8,7 +8,7 @@ from pathlib import Path
 
 import networkx as nx
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "benchmarks" / "lib").is_dir())  # tests/ or tests/<stage>/
 BENCHMARKS = ROOT / "benchmarks"
 
 
