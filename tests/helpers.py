@@ -6,7 +6,7 @@ import dataclasses
 import torch
 
 import memfuse
-from benchmarks import workloads
+from benchmarks.lib import workloads
 
 # The seed's three blocks, with their parameter counts and constants, from the benchmark registry.
 BLOCKS = {w.fn.__name__: w for w in workloads.registry() if w.dtype == torch.float32}

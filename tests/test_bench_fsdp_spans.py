@@ -4,8 +4,8 @@ import time
 import pytest
 import torch
 
-from benchmarks import fsdp_spans
-from benchmarks.fsdp_spans import HookCall
+from benchmarks.lib import fsdp_spans
+from benchmarks.lib.fsdp_spans import HookCall
 
 
 def _calls(*events):

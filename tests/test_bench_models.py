@@ -57,6 +57,7 @@ def test_gradients_of_layers_compiled_in_place_keep_the_plain_names():
     """torch_compile_per_layer puts each layer in torch.compile's wrapper, which names its parameters
     through `_orig_mod`: the gradients are still keyed as the plain model's (the check against eager
     compares them by name; no compile happens here, nothing is called)."""
+    from benchmarks.lib import hf_models as bench
     family = bench.FAMILIES[MODEL]
     plain = bench.build(family, family.tiny, 0.0, use_cache=False)
     names = [name for name, _ in plain.named_parameters()]

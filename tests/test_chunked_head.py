@@ -721,7 +721,7 @@ def test_huggingface_heads_are_found_and_match_eager(family):
     pytest.importorskip("transformers")
     sys.argv.append("--tiny")           # benchmarks.models: tiny configs, the interpreter
     try:
-        from benchmarks.models import FAMILIES, build
+        from benchmarks.lib.hf_models import FAMILIES, build
     finally:
         sys.argv.remove("--tiny")
     torch._dynamo.reset()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import memfuse
-from benchmarks.workloads import layer_norm_block, smoke_registry
+from benchmarks.lib.workloads import layer_norm_block, smoke_registry
 from memfuse.base.debug import COUNTERS, STAGES, configure_logging, describe_key_change, topic_log
 from memfuse.ir.graph import Op
 from memfuse.runtime.program import KernelLaunch

@@ -349,7 +349,7 @@ def hf_run(request, tmp_path_factory):
 
 def hf_eager(name: str) -> tuple:
     """Single-process eager on the whole global batch, made here with models.py's own pieces."""
-    from benchmarks import models
+    from benchmarks.lib import hf_models as models
     from benchmarks.distributed import HF_LR
     family = models.FAMILIES[name]
     size = dataclasses.replace(family.tiny, batch=HF_BATCH)

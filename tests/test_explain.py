@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import memfuse
-from benchmarks.workloads import SMOKE_SHAPE, layer_norm_block, smoke_registry
+from benchmarks.lib.workloads import SMOKE_SHAPE, layer_norm_block, smoke_registry
 from memfuse.buffers import memory_timeline
 from memfuse.base.debug import human_bytes
 from memfuse.reports.draw import ROLES, SAVED_RING

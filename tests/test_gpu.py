@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import memfuse
-from benchmarks.workloads import layer_norm_block, primitive_layer_norm_block, rms_norm_block
+from benchmarks.lib.workloads import layer_norm_block, primitive_layer_norm_block, rms_norm_block
 from test_views import attention_block, fused_qkv_block, token_copy_kernels
 
 pytestmark = [pytest.mark.gpu,
@@ -395,7 +395,7 @@ def test_precompile_hands_every_kernel_to_its_launch():
 
 _WARM_RUN = """
 import sys, torch, memfuse
-from benchmarks.workloads import layer_norm_block
+from benchmarks.lib.workloads import layer_norm_block
 from memfuse.runtime.program import KernelLaunch
 torch.manual_seed(0)
 x = torch.randn(8, 16, 1024, device="cuda", requires_grad=True)

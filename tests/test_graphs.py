@@ -324,7 +324,7 @@ def test_one_gradient_buffer_for_two_inputs_gives_them_separate_grads(emulated):
     residual. Each .grad must still be its own memory: accumulated without zeroing, x.grad and
     residual.grad each get one share (two views of one buffer would both be adopted and every
     later accumulation would land in both)."""
-    from benchmarks.workloads import layer_norm_block
+    from benchmarks.lib.workloads import layer_norm_block
 
     def leaves():
         torch.manual_seed(0)

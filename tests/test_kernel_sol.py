@@ -11,7 +11,7 @@ import torch
 
 import memfuse
 from memfuse.base.config import Config
-from benchmarks.workloads import layer_norm_block, smoke_registry
+from benchmarks.lib.workloads import layer_norm_block, smoke_registry
 from memfuse.runtime.program import launch_log
 
 
@@ -79,7 +79,7 @@ def test_looped_kernel_partials_are_read_and_written_per_tile():
 def test_tiny_table(tmp_path, capsys, mode):
     pytest.importorskip("transformers")
     from benchmarks import kernel_sol
-    from benchmarks.models import FAMILIES
+    from benchmarks.lib.hf_models import FAMILIES
     kernel_sol.main(["--tiny", "--model", "gpt2", "--mode", mode, "--out", str(tmp_path)])
     result = json.loads((tmp_path / "kernel-sol-tiny-gpt2.json").read_text())
     launches = result["launches"]
@@ -143,7 +143,7 @@ def test_a_sweep_of_given_tiles_times_only_those(monkeypatch):
     fastest returned; without them, every candidate tile of its row length."""
     from types import SimpleNamespace
 
-    from benchmarks import tune
+    from benchmarks.lib import kernel_timing as tune
     launch = SimpleNamespace(kernel=SimpleNamespace(source=SimpleNamespace(constexprs={"BLOCK_D": 1024},
                                                                          persistent=False)), configs={})
     timed = []

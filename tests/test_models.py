@@ -19,7 +19,7 @@ import torch  # noqa: E402
 import torch._dynamo  # noqa: E402
 
 import memfuse  # noqa: E402
-from benchmarks import models as bench  # noqa: E402
+from benchmarks.lib import hf_models as bench  # noqa: E402
 
 STYLES = ("memfuse_backend", "memfuse_whole", "memfuse_per_layer", "memfuse_per_layer_backend")
 CASES = [(family, style) for family in bench.FAMILIES for style in STYLES]

@@ -121,7 +121,7 @@ def test_the_tiny_llama_orders_its_rotary_backward_by_the_copy_that_reads_it():
     """Llama's rotary backward writes the query projection's gradient as heads; the copy into the
     projection's layout then reads it in order. Its plain input (attention's gradient, an aten
     result) is taken as it lies or copied: gradients match eager either way."""
-    from benchmarks.models import FAMILIES, build, make_batch
+    from benchmarks.lib.hf_models import FAMILIES, build, make_batch
     family = FAMILIES["llama"]
     torch.manual_seed(0)
     model, reference = build(family, family.tiny, 0.0), build(family, family.tiny, 0.0)

@@ -7,7 +7,7 @@ import json
 import statistics
 from pathlib import Path
 
-from benchmarks.first_call import FirstCallResult
+from benchmarks.lib.first_calls import FirstCallResult
 
 MB = 1e6
 MISSING = "-"
@@ -77,6 +77,11 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(str(cell)) for cell in column) for column in zip(headers, *rows)]
     lines = [headers, ["-" * w for w in widths], *rows]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines)
+
+
+def _markdown(headers: list[str], rows: list[list[str]]) -> str:
+    lines = [headers, ["---"] * len(headers), *rows]
+    return "\n".join("| " + " | ".join(line) + " |" for line in lines)
 
 
 def _cell_row(cell: CellResult) -> list[str]:

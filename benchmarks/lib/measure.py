@@ -14,8 +14,8 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.modes import Factory, StepFn
-from benchmarks.workloads import StepInputs, tensor_bytes
+from benchmarks.lib.modes import Factory, StepFn
+from benchmarks.lib.workloads import StepInputs, tensor_bytes
 
 COPY_BYTES = 1 << 30  # far above any L2, so the copy streams from and to HBM
 COPY_WARMUP = 3
