@@ -16,7 +16,7 @@ from memfuse.ir.graph import Op
 from memfuse.runtime.program import KernelLaunch
 from memfuse.schedule.groups import ExternStep
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def relu_matmul(x, w):

@@ -12,7 +12,7 @@ import memfuse
 from benchmarks import instructions
 from memfuse.runtime.program import KernelLaunch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _launches(fn, *tensors):
@@ -64,7 +64,7 @@ def test_kernels_compile_for_sm90_and_are_judged(tmp_path):
 def test_a_twins_entry_names_the_function_it_launches(tmp_path):
     """A kernel sharing an earlier one's function (codegen's twins) is compiled from that file, under
     that function's name and parameter names."""
-    from test_codegen import four_layer_inputs, four_layers
+    from tests.codegen.test_codegen import four_layer_inputs, four_layers
     tensors = four_layer_inputs()
     fused = memfuse.memory_efficient_fusion(four_layers, config=memfuse.Config(cache_dir=tmp_path))
     fused(*tensors).sum().backward()

@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 from benchmarks import models as bench  # noqa: E402
 
 MODEL = "gpt2"
-MODES = ("eager", "memfuse_backend", "memfuse_per_layer")  # memfuse_whole: see tests/test_models.py
+MODES = ("eager", "memfuse_backend", "memfuse_per_layer")  # memfuse_whole: see tests/models/test_hf_models.py
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the tiny run needs Triton's interpreter")

@@ -328,7 +328,7 @@ def test_program_allocator_and_rows():
 def test_programs_call_views_and_matmuls_as_tensor_methods():
     """A program's matmuls are the tensor's own methods (an OpOverload call costs 2-6 us more host
     time on a CPU), not bound aten calls; so are its views where it does not know the source's
-    layout, the others are made by strides (tests/test_layouts.py). Values and gradients as eager's."""
+    layout, the others are made by strides (tests/ir/test_view_layouts.py). Values and gradients as eager's."""
     def projected_scores(x, w):
         h = (x @ w.t()).view(x.shape[0], 4, 8)
         return (h @ h.transpose(1, 2)).relu()

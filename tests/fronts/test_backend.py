@@ -97,7 +97,7 @@ def test_backend_found_without_importing_memfuse():
     """Through the torch_dynamo_backends entry point (when installed) or registration on import."""
     code = ("from torch._dynamo.backends.registry import lookup_backend\n"
             "assert lookup_backend('memfuse').__module__ == 'memfuse.fronts.backend'\n")
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     try:
         from importlib.metadata import entry_points

@@ -2,7 +2,7 @@
 graph bookkeeping (static buffers, borrowed and copied inputs, busy instances, the seed advance,
 gradients) with graphs emulated by graphs.EagerRecorder: a replay reruns the captured programs
 and copies their results into the tensors the capture returned, as a CUDA graph rewrites them.
-tests/test_gpu.py runs the same checks with real CUDA graphs."""
+tests/gpu/test_gpu.py runs the same checks with real CUDA graphs."""
 import logging
 from pathlib import Path
 
@@ -14,7 +14,7 @@ import memfuse
 from memfuse.fronts import cuda_graphs as graphs
 from memfuse.runtime import program as runtime
 from helpers import BLOCKS, block_inputs, forward_backward, leaves_like, rel_error
-from test_dropout import with_dropout_output, with_mask, within_rate
+from tests.ir.test_dropout import with_dropout_output, with_mask, within_rate
 
 
 def bias_dropout(x, b, p):

@@ -7,7 +7,7 @@ import torch
 
 import memfuse
 from benchmarks.workloads import layer_norm_block, primitive_layer_norm_block, rms_norm_block
-from test_views import attention_block, fused_qkv_block, token_copy_kernels
+from tests.ir.test_views import attention_block, fused_qkv_block, token_copy_kernels
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -420,7 +420,7 @@ def test_a_warm_disk_cache_loads_kernels_without_triton_compiling(tmp_path):
     import subprocess
     import sys
     from pathlib import Path
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "MEMFUSE_CACHE_DIR": str(tmp_path / "memfuse"), "TRITON_CACHE_DIR": str(tmp_path / "triton"),
            "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
     runs = []
@@ -465,7 +465,7 @@ def test_views_on_gpu_with_unaligned_and_non_contiguous_inputs():
 def test_math_helpers_over_their_domains_on_the_gpu(name):
     """The interpreter-tested math helpers compiled for real: tl.exp/log/sin/erf on the GPU are
     not numpy's (exp, for one, may go through ex2.approx), so the fp32 bound is checked here too."""
-    from test_math_ops import OPS, RTOL, assert_accurate, grid
+    from tests.ir.test_math_ops import OPS, RTOL, assert_accurate, grid
     fn, values, _, atol = OPS[name]
     x = grid(values).cuda()
     got = memfuse.memory_efficient_fusion(lambda a: fn(a))(x)
@@ -473,14 +473,14 @@ def test_math_helpers_over_their_domains_on_the_gpu(name):
 
 
 def test_atan2_over_its_domain_on_the_gpu():
-    from test_math_ops import RTOL, TINY, assert_accurate, atan2_domain, grid
+    from tests.ir.test_math_ops import RTOL, TINY, assert_accurate, atan2_domain, grid
     y, x = (grid(v).cuda() for v in atan2_domain())
     got = memfuse.memory_efficient_fusion(torch.atan2)(y, x)
     assert_accurate(got.cpu(), torch.atan2(y, x).cpu(), torch.atan2(y.double(), x.double()).cpu(), rtol=RTOL,
                     atol=TINY, what="atan2 on the GPU")
 
 
-# -- cuda_graphs=True: the same checks with real CUDA graphs (tests/test_graphs.py emulates them) --
+# -- cuda_graphs=True: the same checks with real CUDA graphs (tests/fronts/test_cuda_graphs.py emulates them) --
 def graph_step(fused, inputs, grad, **kwargs):
     """One training step: forward, backward, then copies of the output and the grads, grads set
     to None (so the instance is free for the next step)."""
@@ -514,7 +514,7 @@ def test_cuda_graphs_match_the_normal_mode(name):
 def test_cuda_graphs_dropout_fresh_masks_shared_by_the_backward(name):
     """Each replay draws a new mask; the eager block applying the mask a replay drew gives the
     replay's output and gradients (the backward graph regenerated the forward graph's mask)."""
-    from test_dropout import with_dropout_output, with_mask
+    from tests.ir.test_dropout import with_dropout_output, with_mask
     fn, kwargs, n_params = BLOCKS[name]
     inputs = make_inputs([64, 128, 1024], torch.float32, n_params)
     with torch.no_grad():
@@ -649,7 +649,7 @@ def test_cuda_graphs_fused_module():
 def test_division_by_a_scaled_reciprocal_on_gpu(divisor_kind):
     """mf_scaled_reciprocal compiled for the GPU (div.rn, subnormals as the hardware keeps them):
     every adversarial pair within 2 ulps of IEEE division, zeros, infinities and NaN exact."""
-    from test_division import adversarial, assert_like_division
+    from tests.ir.test_division import adversarial, assert_like_division
     values = adversarial().cuda()
     if divisor_kind == "row":
         x, d = values.expand(values.numel(), -1).contiguous(), values[:, None].clone()
@@ -757,7 +757,7 @@ def test_the_loss_heads_logit_transform_is_eagers_bit_for_bit_on_the_gpu(dtype, 
     a divide by a number as its multiply by the fp32 reciprocal, tanh as CUDA's tanhf, each step
     rounded to the logits' dtype."""
     from memfuse.patterns.loss_head.op import LogitTransform
-    from test_logit_transform import written_transformed
+    from tests.patterns.loss_head.test_transform import written_transformed
     transform = LogitTransform(steps, None if dtype == torch.float32 else dtype)
     generator = torch.Generator(device="cuda").manual_seed(0)
     logits = (torch.randn(64, 4096, device="cuda", generator=generator) * 40).to(dtype)
@@ -903,7 +903,7 @@ def test_chunked_loss_head_direct_launches_match_tritons_own(monkeypatch, with_g
 def test_loss_head_cast_with_padding_rows_is_tensor_to_bit_for_bit_on_the_gpu(dtype):
     """The loss head's one-launch cast (and padding) rounds as Tensor.to on the GPU, bf16 included
     (Triton's interpreter truncates bf16, so the CPU test allows an ulp there)."""
-    from test_chunked_head import check_cast_with_padding_rows
+    from tests.patterns.loss_head.test_op import check_cast_with_padding_rows
     check_cast_with_padding_rows(dtype, "cuda", exact=True)
 
 

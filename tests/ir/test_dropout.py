@@ -124,7 +124,7 @@ def test_philox_seeds_are_the_same_in_every_process():
     from memfuse.runtime.program import philox_seed_draw
     script = ("from benchmarks.host_profile import StandInGenerator; from memfuse.runtime.program import philox_seed_draw; "
               "draw = philox_seed_draw(StandInGenerator(1234)); print([draw() for _ in range(5)])")
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     ours = os.environ.get("PYTHONHASHSEED", "random")     # unset: random, each process its own
     other = "4242" if ours == "0" else "0"                  # one child, under another hash seed
     env = dict(os.environ, PYTHONPATH=str(root), PYTHONHASHSEED=other)

@@ -2,7 +2,7 @@
 acosh, atanh, erfc, erfinv, lgamma, digamma, trigamma), forward and backward, through the
 generated kernels.
 
-tests/test_ops.py checks each target on a few ordinary samples; here every op meets tiny
+tests/ir/test_ops.py checks each target on a few ordinary samples; here every op meets tiny
 (subnormal too), moderate and huge magnitudes, its tails, its exact special points and NaN/inf.
 fp32 results must lie within RTOL of torch's fp64 result (plus an absolute floor: subnormal
 results, and the zeros of lgamma and digamma, where fp32 cannot do better), or be no further from

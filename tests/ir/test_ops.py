@@ -142,7 +142,7 @@ SAMPLES = {
     aten.trunc.default: [unary(aten.trunc.default, "q")],
     aten.sign.default: [unary(aten.sign.default, "q"), unary(aten.sign.default, "i", grad=False)],
     aten.isnan.default: [S(lambda a: aten.isnan.default(a / a), "q", grad=False)],
-    # inverse trigonometric and hyperbolic, erfc, erfinv, lgamma, digamma (domains: tests/test_math_ops.py)
+    # inverse trigonometric and hyperbolic, erfc, erfinv, lgamma, digamma (domains: tests/ir/test_math_ops.py)
     aten.atan.default: [unary(aten.atan.default), S(lambda a: aten.atan.default(a * 10), "f")],
     aten.atan2.default: [binary(aten.atan2.default), binary(aten.atan2.default, "fc"), binary(aten.atan2.default, "rf")],
     aten.asin.default: [S(lambda a: aten.asin.default(a * 0.9), "u")],
@@ -193,7 +193,7 @@ SAMPLES = {
     aten.squeeze.dims: [S(lambda s: aten.squeeze.dims(s, [1]) * 2, "s")],
     aten.unsqueeze.default: [S(lambda a: aten.unsqueeze.default(a, 1) * 2, "f")],
     aten.lift_fresh_copy.default: [S(lambda a: a * torch.tensor(2.0) + torch.tensor([1.0] * 8), "f")],
-    # views that move elements: strided reads of a tensor in memory (tests/test_views.py has more)
+    # views that move elements: strided reads of a tensor in memory (tests/ir/test_views.py has more)
     aten.permute.default: [S(lambda s: aten.permute.default(s, [1, 0, 2]) * 2, "s"),
                            S(lambda a: aten.permute.default(a, [1, 0, 2]) * 2, "f", name="strided"),
                            S(lambda a: aten.permute.default(a, [0, 2, 1]) * 2, "f", name="last_dim")],
@@ -305,7 +305,7 @@ def test_no_lowering_row_is_dead():
 
 def test_every_lowered_op_has_a_sample():
     missing = [str(t) for t in lowering_table() if t not in SAMPLES]
-    assert not missing, f"lowered without a test sample in tests/test_ops.py: {missing}"
+    assert not missing, f"lowered without a test sample in tests/ir/test_ops.py: {missing}"
 
 
 @pytest.mark.parametrize("target,sample,dtype", list(_cases()))

@@ -215,7 +215,7 @@ def test_a_layout_that_breaks_the_traced_stride_guard_compiles_again(caplog):
 def test_strided_offsets_are_int64():
     """A coefficient x stride product (a select's offset into dim 0, a split dim's step) passes
     2**31 in a tensor of more elements although each factor fits in 32 bits: strides are int64
-    kernel arguments and never specialized (tests/test_gpu.py reads such a tensor)."""
+    kernel arguments and never specialized (tests/gpu/test_gpu.py reads such a tensor)."""
     fused = memfuse.memory_efficient_fusion(lambda x: x.permute(1, 0, 2)[2] * 2)
     x = torch.randn(6, 5, 8)[:, ::2]
     torch.testing.assert_close(fused(x), x.permute(1, 0, 2)[2] * 2)

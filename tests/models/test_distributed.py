@@ -34,7 +34,7 @@ import torch.nn.functional as F
 import memfuse
 from benchmarks.distributed import Reference, load_gpt, update_error
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WORLD = 2
 STEPS = 2
 MODES = ("eager", "memfuse", "memfuse_compile")

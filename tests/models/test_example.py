@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "gpt.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "gpt.py"
 spec = importlib.util.spec_from_file_location("gpt_example", EXAMPLE)
 gpt = sys.modules["gpt_example"] = importlib.util.module_from_spec(spec)   # dataclasses look it up
 spec.loader.exec_module(gpt)

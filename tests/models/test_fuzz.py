@@ -4,7 +4,7 @@ Each example is a small straight-line function (printed on failure as Python sou
 hypothesis' @reproduce_failure blob). The run is derandomized, so CI sees the same examples
 every time; to explore new ones set MEMFUSE_FUZZ_SEED=<int> (and MEMFUSE_FUZZ_EXAMPLES=<n>):
 
-    MEMFUSE_FUZZ_SEED=7 MEMFUSE_FUZZ_EXAMPLES=200 pytest tests/test_fuzz.py
+    MEMFUSE_FUZZ_SEED=7 MEMFUSE_FUZZ_EXAMPLES=200 pytest tests/models/test_fuzz.py
 """
 from __future__ import annotations
 

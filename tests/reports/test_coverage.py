@@ -4,7 +4,7 @@ from pathlib import Path
 from memfuse.capture.lower import EXTERN_REASONS, lowering_table
 from memfuse.reports.coverage import coverage_markdown
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "coverage.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "coverage.md"
 
 
 def test_coverage_doc_is_current():

@@ -251,7 +251,7 @@ def test_draw_memory_of_a_call_that_runs_through_torch_says_why():
 
 
 def test_twins_say_whose_binary_they_launch(tmp_path):
-    from test_codegen import four_layer_inputs, four_layers
+    from tests.codegen.test_codegen import four_layer_inputs, four_layers
     tensors = four_layer_inputs()
     # a cache directory of its own: every twin's first kernel is one of this compile's
     fused = memfuse.memory_efficient_fusion(four_layers, config=memfuse.Config(cache_dir=tmp_path))

@@ -19,7 +19,7 @@ from memfuse.codegen.tuning import LaunchConfig
 
 from helpers import BLOCKS, block_inputs
 
-ROOT = str(Path(__file__).resolve().parents[1])
+ROOT = str(Path(__file__).resolve().parents[2])
 
 
 def run_python(code: str) -> subprocess.CompletedProcess:
@@ -99,7 +99,7 @@ def test_precompile_walks_every_kernel_without_a_gpu():
 def test_precompile_builds_one_binary_for_twins(tmp_path, monkeypatch):
     """Layers of one code share their function (codegen): precompile hands each function and launch
     configuration to Triton once, whatever the number of launches."""
-    from test_codegen import four_layer_inputs, four_layers
+    from tests.codegen.test_codegen import four_layer_inputs, four_layers
     tensors = four_layer_inputs()
     fused = memfuse.memory_efficient_fusion(four_layers, config=memfuse.Config(cache_dir=tmp_path))
     fused(*tensors).sum().backward()
@@ -119,7 +119,7 @@ def test_on_a_gpu_every_twin_launches_the_binary_its_function_was_compiled_to(tm
     binary per function here) and every launch of it, twins included, gets that binary for the
     device and launch configuration."""
     from concurrent.futures import Future
-    from test_codegen import four_layer_inputs, four_layers
+    from tests.codegen.test_codegen import four_layer_inputs, four_layers
     tensors = four_layer_inputs()
     fused = memfuse.memory_efficient_fusion(four_layers, config=memfuse.Config(cache_dir=tmp_path))
     fused(*tensors).sum().backward()

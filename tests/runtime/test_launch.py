@@ -198,7 +198,7 @@ def test_the_backward_takes_the_hook_state_of_its_forward(monkeypatch):
 def test_host_profile_cpu_proxy_runs():
     """benchmarks/host_profile.py --stub-launches (the CPU proxy of the host's Python) patches the
     direct launch and the seed draw: it must keep working as they change. In its own process."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, PYTHONPATH=str(root), TRITON_INTERPRET="1")
     result = subprocess.run([sys.executable, "-m", "benchmarks.host_profile", "--stub-launches", "--steps", "40"],
                             cwd=root, env=env, capture_output=True, text=True, timeout=300)
@@ -210,7 +210,7 @@ def test_host_profile_times_a_huggingface_layer_on_the_cpu_proxy():
     """host_profile --layer: a wrapped Llama layer called with its model's arguments (the rotary
     tuple included), the floor and eager beside it. In its own process."""
     pytest.importorskip("transformers")
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, PYTHONPATH=str(root), TRITON_INTERPRET="1")
     result = subprocess.run([sys.executable, "-m", "benchmarks.host_profile", "--layer", "llama", "--stub-launches",
                              "--steps", "40"], cwd=root, env=env, capture_output=True, text=True, timeout=600)
@@ -226,7 +226,7 @@ def test_host_profile_times_a_whole_model_under_fsdp2_on_the_cpu_proxy():
     not all found would run the Triton interpreter and be timed at tenths of a second a step, not
     the milliseconds a stubbed step takes. In its own process."""
     pytest.importorskip("transformers")
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, PYTHONPATH=str(root), TRITON_INTERPRET="1")
     result = subprocess.run([sys.executable, "-m", "benchmarks.host_profile", "--model", "bert", "--fsdp2",
                              "--stub-launches", "--steps", "20"], cwd=root, env=env, capture_output=True, text=True,

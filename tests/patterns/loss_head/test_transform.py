@@ -14,7 +14,7 @@ from hypothesis import given, settings, strategies as st
 import memfuse
 from memfuse.patterns.loss_head import op as loss_head
 from memfuse.patterns.loss_head.op import LogitTransform
-from test_chunked_head import GRADIENTS, IGNORE, as_fp32, head_inputs, relative
+from tests.patterns.loss_head.test_op import GRADIENTS, IGNORE, as_fp32, head_inputs, relative
 
 SOFT_CAP = (("div", 3.0), ("tanh", None), ("mul", 3.0))
 TRANSFORMS = {"soft_cap": SOFT_CAP, "scale": (("mul", 0.0625),), "divided": (("div", 4.0),),
