@@ -61,7 +61,7 @@ def test_a_program_takes_over_its_inputs_and_launches_explains_kernels_by_name(d
     for program in ("forward", "backward"):
         source = (folder / f"{program}.program.py").read_text()
         assert source.startswith("def run(mf_inputs, mf_sizes, device):\n"), source
-        assert "    mf_inputs.clear()\n" in source, "the program holds its inputs alone, to free each after its last reader"
+        assert "    mf_inputs.clear()\n" in source, "it holds its inputs alone, to free each after its last reader"
         assert re.search(r"^    mf_s0, mf_s1, = mf_sizes$", source, re.M), "two leading sizes, read per call"
         assert launched(source) == [k.name for k in report.kernels_of(program)], source
 
