@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import assert_compiles, compiled
+from helpers import BLOCKS, assert_compiles, block_inputs, compiled
 
 B, T, D, N = 3, 5, 40, 24          # M = 15 rows, D and N not powers of two
 M = B * T
@@ -65,6 +65,16 @@ def test_a_dropout_block_saves_no_mask_and_regenerates_it_from_the_seed():
     assert facts.regenerated, f"no value is redrawn from the seed:\n{facts.report}"
     assert not [s.name for s in facts.saved_computed if full_size(s) or s.dtype == torch.bool], facts.report
     assert facts.saved_bytes < M * D, "the plan keeps as many bytes as a boolean mask"
+
+
+@pytest.mark.parametrize("name", sorted(BLOCKS))
+def test_the_seed_blocks_with_dropout_are_one_kernel_each_way_and_keep_no_mask(name):
+    """Bias, dropout, residual add and a norm: row-wise, so the rules above hold with the mask in the middle."""
+    tensors, consts, _ = block_inputs(name, (B, T, D), dropout_prob=0.1)
+    facts = assert_compiles(BLOCKS[name].fn, *tensors, **consts, forward_kernels=1, backward_kernels=1,
+                            forward_externs=0, backward_externs=0, aten_groups=0, max_saved_bytes=ROW_STATISTICS)
+    assert facts.regenerated, f"no value is redrawn from the seed:\n{facts.report}"
+    assert not [s.name for s in facts.saved_computed if full_size(s)], facts.report
 
 
 def test_softmax_recomputes_its_output_in_the_backward_instead_of_saving_it():
