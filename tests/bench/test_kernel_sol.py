@@ -164,7 +164,7 @@ def test_a_sweep_of_given_tiles_times_only_those(monkeypatch):
 def test_a_twins_launch_is_recorded_under_the_function_the_profiler_sees(tmp_path):
     """kernel_sol matches a step's profile to its launch log by name: a twin runs its first kernel's
     Triton function, so that is the name its record gives the profiler's row, beside its own."""
-    from tests.test_codegen import four_layer_inputs, four_layers
+    from tests.codegen.test_codegen import four_layer_inputs, four_layers
     tensors = four_layer_inputs()
     fused = memfuse.memory_efficient_fusion(four_layers, config=Config(cache_dir=tmp_path))
     fused(*tensors).sum().backward()
