@@ -28,8 +28,9 @@ class ColumnsInRegisters:
         """`name` placed at its window of a [M, D] `value` (a cat's part, a slice_scatter's source,
         along the last dim), computed there in registers: its pointwise ops over reads of tensors
         in memory, each read shifted to the window (0 outside it), through slices along D of such
-        ops. RoPE's rotate_half is cat(-x2, x1): read this way, -x2 needs no kernel of half the row
-        writing it first, and its backward no kernel writing the gradient times sin. None
+        ops. A rotation of halves, cat(-x2, x1) (rotary embeddings' rotate_half), read this way
+        needs no kernel of half the row writing -x2 first, and its backward no kernel writing the
+        gradient times sin. None
         where `name` is not such a value (a reduction, a value a kernel computes from another
         space), or the cat is not along D."""
         node = self.graph[name]

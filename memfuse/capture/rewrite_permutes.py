@@ -24,9 +24,9 @@ class PermutesOfComputed:
         """A permute of leading dims (the last stays) of a pointwise value computed from reads, which
         nothing else reads: that value computed again at the permuted index, its reads moved through
         the permute (`permuted`), in the kernel that reads it, instead of written for that kernel to
-        read through the permute. Llama's rotary backward: the query's and the key's gradients, read
-        transposed into the projections' [batch x seq, heads x dim], in the kernel that writes that
-        copy. None where the value is not such (a reduction, a read from another space, a value
+        read through the permute. A rotary embedding's backward is one: the query's and the key's
+        gradients, read transposed into the projections' [batch x seq, heads x dim], in the kernel
+        that writes that copy. None where the value is not such (a reduction, a read from another space, a value
         read elsewhere too)."""
         source = node.args[0]
         name = self.env_name(source)

@@ -23,10 +23,10 @@ class SumsThroughViews:
     """A mixin of memfuse.capture.lower.Lowering."""
 
     def summed_at_window(self, name: str, step: tuple, value: Value, window: tuple, label: str) -> str:
-        """A sum over leading dims (grouped-query attention's key gradient, summed over the heads
-        that share a key) read at a window of a pointwise value computed from it, 0 outside: the
-        same sum at the moved index. Llama's rotary backward rotates the summed gradient times
-        sin; read so, that product needs no kernel writing it for the rotation to slice."""
+        """A sum over leading dims read at a window of a pointwise value computed from it, 0
+        outside: the same sum at the moved index. (A key shared by several attention heads gets
+        their gradients summed; a rotary embedding's backward then rotates that sum times sin: read
+        so, the product needs no kernel writing it for the rotation to slice.)"""
         read = Value(self.graph[name].value.dtype, Kind.FULL, value.shape, value.m, value.d)
         return self.summed_through(name, step, read, f"{label}_{name}", f"{name} summed at its window", window,
                                    self.const(0, read.dtype))
@@ -43,9 +43,9 @@ class SumsThroughViews:
     def view_of_small_sum(self, source: "views.AccessMap", step: tuple, value: Value, label: str,
                           describe: str) -> Optional[str]:
         """A view (`step` after `source`) of a sum over leading dims of at most SMALL_SUM terms,
-        summed again through the view instead of written for it to read: grouped-query attention's
-        value gradient, summed over the query heads that share a value, read transposed for its
-        projection's matmul, in one kernel, not a sum written and a copy. None for other views."""
+        summed again through the view instead of written for it to read: one kernel, not a sum
+        written and a copy (a value shared by several attention heads: its gradient summed over
+        them, read transposed for its projection's matmul). None for other views."""
         if self.summed_read(source.root) is None or value.kind is not Kind.FULL:
             return None
         terms = sympy.Mul(*self.summed_read(source.root).summed)

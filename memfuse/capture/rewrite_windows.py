@@ -26,8 +26,8 @@ class SlicesOfWindows:
 
     def lower_slice_of_windowed(self, node, name: str, value: Value) -> str:
         """A slice (step 1) of a windowed read (a pad, a cat): the same reads of the sources, their
-        windows moved by the slice's start, the parts before a cat's part sliced alike. HuggingFace's
-        shifted labels, `pad(labels, (0, 1), -100)[..., 1:]`, are one read of the labels, and
+        windows moved by the slice's start, the parts before a cat's part sliced alike. Labels
+        shifted for a causal LM's loss, `pad(labels, (0, 1), -100)[..., 1:]`, are one read of the labels, and
         torch.diff's `cat([first, x])[..., 1:] - cat(...)[..., :-1]` two reads of each part, not a
         padded or concatenated copy written and read again."""
         rank = len(value.shape)

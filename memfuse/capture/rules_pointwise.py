@@ -133,8 +133,8 @@ class PointwiseRules:
     def product_in_fp32(self, source, x: str, value: Value) -> bool:
         """An fp32 cast of a bf16 or fp16 `mm` product nothing else reads becomes the matmul's own
         output dtype (`aten.mm.dtype`): cuBLAS writes the fp32 product, one call where a matmul, a
-        [M, N] product in memory and a cast kernel were three (autocast's weight gradients: a
-        Llama layer's backward cast seven of them, each its own launch). The product is rounded
+        [M, N] product in memory and a cast kernel were three (autocast's weight gradients: one
+        per linear layer, each its own launch). The product is rounded
         once, to fp32, instead of to bf16 first: nearer fp64 than eager, not bit for bit eager's.
         Where the build has that op on the device (CUDA since torch 2.9; not the CPU): `x` is
         rewritten in place, and True."""

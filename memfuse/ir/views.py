@@ -6,7 +6,8 @@ reshapes that split dims or add/remove size-1 dims, broadcasts (coefficient 0) a
 of a cat's part are all such maps, and a view of a view is their product. A sum over leading
 dims is a map with extra index dims that the read adds up. Entries are sympy expressions over the size
 symbols, so one map serves every batch size; the root's strides, read per call, turn the root
-index into a memory offset (codegen). capture builds these; nothing here touches the graph.
+index into a memory offset (codegen). capture builds these; `strided_attr` writes one as a
+STRIDED node's attribute (capture's, or a later pass's: memfuse.schedule.padding).
 
 Layouts (the second half): the strides of a view the program makes over a tensor whose strides
 it knows, worked out once when the program is written.
