@@ -158,4 +158,4 @@ def test_the_reader_sees_lazy_imports_and_skips_type_checking():
 def test_imports_resolve_inside_subpackages():
     edges = set(memfuse_graph().edges)
     assert {("memfuse.codegen.row_kernel", "memfuse.ir.graph"), ("memfuse.codegen", "memfuse.codegen.cache"),
-            ("memfuse.capture.lower", "memfuse.ir.views"), ("memfuse", "memfuse.fronts.backend")} <= edges
+            ("memfuse.capture.rules_views", "memfuse.ir.views"), ("memfuse", "memfuse.fronts.backend")} <= edges

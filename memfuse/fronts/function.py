@@ -33,7 +33,7 @@ import torch
 from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from memfuse.patterns.attention import MaskDecision, mask_like, marked_form
-from memfuse.capture.lower import capture
+from memfuse.capture import capture
 from memfuse.base.config import Config
 from memfuse.base.debug import STATS, describe_key_change, on_compile, timed, topic_log
 from memfuse.driver.fallback import (STRICT, EagerCall, StrictModeError, UntraceableOutputError, compile_failed, say_once,

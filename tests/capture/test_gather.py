@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import memfuse
 from memfuse import Config
 from memfuse.buffers import Origin
-from memfuse.capture.lower import IndexCheck
+from memfuse.ir.targets import IndexCheck
 
 from compare import assert_matches_eager
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from helpers import BLOCKS, block_inputs, forward_backward, rel_error
 
 import memfuse
-from memfuse.capture.lower import capture
+from memfuse.capture import capture
 from memfuse.codegen import generate
 from memfuse.codegen.cache import structure
 from memfuse.base.config import Config

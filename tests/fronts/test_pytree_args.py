@@ -200,7 +200,7 @@ def test_a_failed_trace_runs_the_original_decided_once_per_key(caplog, monkeypat
     assert memfuse.stats()["eager_calls"] == 3
     said = [r.getMessage() for r in caplog.records if r.name == "memfuse.fallbacks"]
     assert len(said) == 1
-    assert "compiling it failed in memfuse.capture.lower: GuardOnDataDependentSymNode: " \
+    assert "compiling it failed in memfuse.capture.trace: GuardOnDataDependentSymNode: " \
            "Could not guard on data-dependent expression" in said[0]
     assert "move that part out of the fused function" in said[0]
     strict = memfuse.memory_efficient_fusion(branchy, config=memfuse.Config(strict=True))

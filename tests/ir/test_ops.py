@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import memfuse
-from memfuse.capture.lower import EXTERN_REASONS, capture, decomposition_table, lowering_table
+from memfuse.capture import EXTERN_REASONS, capture, decomposition_table, lowering_table
 
 from compare import assert_matches_eager, assert_same, run_both
 

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 import memfuse
 from helpers import BLOCKS, block_inputs, rel_error
-from memfuse.capture.lower import capture
+from memfuse.capture import capture
 from memfuse.plan import MAX_MATMUL_CHAIN, Decision, matmul_chain, plan
 
 BUDGETS = (1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)

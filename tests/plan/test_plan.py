@@ -1,4 +1,4 @@
-"""The planner on joint graphs from memfuse.capture.lower: what the forward saves, what the backward
+"""The planner on joint graphs from memfuse.capture: what the forward saves, what the backward
 recomputes or regenerates, and how that compares with torch's own min-cut partitioner."""
 
 import pytest
@@ -8,7 +8,7 @@ from functorch.compile import aot_function, min_cut_rematerialization_partition
 
 from helpers import BLOCKS, block_inputs, rel_error
 from memfuse import memory_efficient_fusion
-from memfuse.capture.lower import capture, decomposition_table
+from memfuse.capture import capture, decomposition_table
 from memfuse.ir.graph import EXTERNAL, Kind, Op, value_bytes, verify
 from memfuse.plan import Decision, is_view, plan
 
@@ -473,7 +473,7 @@ def test_index_op_that_does_not_expand_is_kept():
 
 
 def padded_gather(x, t):
-    """The targets padded by one, gathered: a pad is a read a kernel makes (memfuse.capture.lower), so the
+    """The targets padded by one, gathered: a pad is a read a kernel makes (memfuse.capture.rules_views), so the
     backward recomputes it from the targets, and nothing of it is saved."""
     padded = F.pad(t, (0, 1), value=0)
     return ((x.gather(-1, padded[:, None]) * 2).sum(),)
@@ -530,7 +530,7 @@ def test_an_fp32_cast_of_a_bf16_product_is_the_matmuls_own_output(monkeypatch):
     `aten.mm.dtype` where the build writes fp32 products (CUDA; on the CPU only with the probe
     patched, and not run): no cast kernel, no bf16 product. The forward's products, read as bf16
     by the next op, stay bf16 matmuls."""
-    from memfuse.capture import lower as capture_module
+    from memfuse.capture import rules_pointwise as capture_module
     inputs = [torch.randn(4, 16, 32, requires_grad=True), torch.randn(64, 32, requires_grad=True),
               torch.randn(32, 64, requires_grad=True)]
     plain = capture(autocast_linears, inputs, trace_joint=True)
@@ -554,7 +554,7 @@ def test_fp32_output_matmuls_run_through_the_program_as_eager_does(monkeypatch):
     lacks) bound to the fp32 product of the same bf16 operands, what cuBLAS computes (SUBSTITUTES,
     the runtime's table of what an extern step calls). Output and every gradient within bf16's
     tolerance of eager autocast's; both weight gradients come out of the two matmuls in fp32."""
-    from memfuse.capture import lower as capture_module
+    from memfuse.capture import rules_pointwise as capture_module
     from memfuse.runtime import externs
     monkeypatch.setattr(capture_module, "matmul_writes_fp32", lambda device, dtype: True)
     calls = []

@@ -1,7 +1,7 @@
 """docs/coverage.md is generated from the lowering tables: regenerate it when they change."""
 from pathlib import Path
 
-from memfuse.capture.lower import EXTERN_REASONS, lowering_table
+from memfuse.capture import EXTERN_REASONS, lowering_table
 from memfuse.reports.coverage import coverage_markdown
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "coverage.md"

@@ -13,7 +13,7 @@ import torch
 
 import memfuse
 from memfuse.runtime import precompile
-from memfuse.capture.lower import decomposition_table
+from memfuse.capture import decomposition_table
 from memfuse.runtime.program import KernelLaunch, Launcher
 from memfuse.codegen.tuning import LaunchConfig
 

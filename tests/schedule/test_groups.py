@@ -7,7 +7,7 @@ import torch.nn.functional as F
 import memfuse
 from helpers import BLOCKS, block_inputs, counters, delta, forward_backward, rel_error
 from memfuse.buffers import memory_timeline, plan_buffers
-from memfuse.capture.lower import capture
+from memfuse.capture import capture
 from memfuse.base.config import Config
 from memfuse.ir.graph import Kind, Op, format_graph
 from memfuse.plan import Decision, plan

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import memfuse
-from memfuse.capture.lower import capture
+from memfuse.capture import capture
 from memfuse.base.config import Config
 from memfuse.plan import plan
 from memfuse.runtime.program import _in_layout

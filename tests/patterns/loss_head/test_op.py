@@ -868,7 +868,7 @@ def test_cuda_graph_programs_keep_the_formed_gradients():
 def test_one_trace_whether_or_not_the_logits_are_returned(fn, returns_logits, monkeypatch):
     """memory_efficient_fusion traces each head writing its logits; a head whose logits nothing reads
     (the function returned only the loss) then writes none: one trace of the function either way."""
-    from memfuse.capture import lower as capture
+    from memfuse.capture import trace as capture
     from memfuse.patterns.loss_head import detect as head
     exports = []
     real_export = capture._export
