@@ -1,4 +1,4 @@
-"""memfuse.capture.lower.capture: a small function traced by AOTAutograd and lowered to memfuse IR.
+"""memfuse.capture.capture: a small function traced by AOTAutograd and lowered to memfuse IR.
 The joint graph verifies (inputs primals then tangents; outputs the forward's then one gradient per
 primal), leading dims are symbols read from each call while the row length stays static, and a
 dropout becomes one random node drawn from the call's seed, whose mask both directions read."""
@@ -7,7 +7,7 @@ import sympy
 import torch
 import torch.nn.functional as F
 
-from memfuse.capture.lower import capture
+from memfuse.capture import capture
 from memfuse.ir.graph import RANDOM, Kind, Op, format_graph, verify
 
 D = 40
