@@ -17,7 +17,7 @@ from pathlib import Path
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-from memfuse.capture.lower import MutatedInputError
+from memfuse.ir.captured import MutatedInputError
 from memfuse.base.debug import topic_log
 
 fallback_log = topic_log("fallbacks")
@@ -97,7 +97,7 @@ USER_CODE_WRAPPERS = ("chunked", "__torch_function__")
 
 def _failed_stage(error: BaseException) -> str:
     """The innermost memfuse module in the traceback, leaving out the wrappers that run the user's
-    code (fronts.function, fronts.module, USER_CODE_WRAPPERS): "memfuse.capture.lower" for a trace of the user's code that
+    code (fronts.function, fronts.module, USER_CODE_WRAPPERS): "memfuse.capture.trace" for a trace of the user's code that
     fails."""
     package = Path(__file__).resolve().parents[1]
     stage = "memfuse"

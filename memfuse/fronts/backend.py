@@ -29,10 +29,11 @@ from torch._guards import CompileContext, detect_fake_mode
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from memfuse.patterns.attention import MaskDecision, OutputMasks, dense_masks, returned_masks
-from memfuse.capture.lower import Captured, decomposition_table, lower_graph
+from memfuse.capture import decomposition_table, lower_graph
 from memfuse.base.config import Config, config_with_options
 from memfuse.base.debug import STATS, on_compile, timed, topic_log
 from memfuse.patterns.loss_head.detect import attach_returned_logits, with_chunked_loss_heads
+from memfuse.ir.captured import Captured
 from memfuse.ir.graph import Graph, Symbol, verify
 from memfuse.plan import Plan, plan
 from memfuse.runtime.precompile import precompile

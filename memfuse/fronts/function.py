@@ -33,7 +33,7 @@ import torch
 from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from memfuse.patterns.attention import MaskDecision, mask_like, marked_form
-from memfuse.capture.lower import capture
+from memfuse.capture import capture
 from memfuse.base import torch_private
 from memfuse.base.config import Config
 from memfuse.base.source import Lines

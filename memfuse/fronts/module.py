@@ -31,7 +31,7 @@ from torch.func import functional_call
 from torch.utils._pytree import tree_leaves
 
 from memfuse.fronts.function import FusedFunction, _CacheEntry, autocast_state
-from memfuse.capture.lower import MutatedInputError
+from memfuse.ir.captured import MutatedInputError
 from memfuse.base.config import Config
 from memfuse.driver.fallback import EagerCall
 
