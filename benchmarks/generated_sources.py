@@ -54,8 +54,10 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-# Read when @triton.jit decorates, Triton's own helpers included: before anything imports triton.
-os.environ["TRITON_INTERPRET"] = "1"
+if __name__ == "__main__":
+    # Read when @triton.jit decorates, Triton's own helpers included: before anything imports
+    # triton. Set only when run, not when imported (a test process on a GPU keeps its setting).
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
 import torch._dynamo  # noqa: E402
@@ -147,7 +149,7 @@ def sources(root: Path) -> dict:
     dump = root / "dump"
     for folder in sorted(dump.iterdir(), key=_dump_order) if dump.exists() else ():
         graph = folder.name.rpartition(".")[0]
-        folders[folder.name] = f"{graph}.{sum(f.startswith(graph + '.') for f in folders.values())}"
+        folders[folder.name] = f"{graph}.{sum(f.rpartition('.')[0] == graph for f in folders.values())}"
     out = {}
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
         relative = path.relative_to(root).as_posix()
