@@ -24,9 +24,9 @@ A comment in a kernel may name a memfuse module (a row-order note names the modu
 the order), so moving a module changes that text and its content address without changing the
 code. The record therefore also keeps, under "_code", the hash of each dumped source without its
 comments (ast.unparse of the parsed text): --compare says of each difference whether the code
-differs or only its comments, and --compare --code-only compares the code alone (the cache's
-files are left out there: their names are hashes of the whole text, and each is one of the
-dumped kernels). --sources DIR keeps the normalized texts, to diff two trees' sources.
+differs or only its comments, and --compare --code-only compares the code alone (a cache file,
+named by the hash of its whole text, is named there by the hash of its code). --sources DIR keeps
+the normalized texts, to diff two trees' sources.
 
 Only public memfuse API and environment variables are used, plus benchmarks.models' FAMILIES,
 build and make_batch, so the same script runs on an older tree: copy it there and run it from
@@ -174,6 +174,13 @@ def sha256(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def code_name(file: str, code_hash: str) -> str:
+    """A cache file `<kernel>_<hash of its text>.py` named `<kernel>_<hash of its code>.py`."""
+    if not file.startswith(CACHE_KERNELS):
+        return file
+    return f"{file.rpartition('_')[0]}_{code_hash[:16]}.py"
+
+
 def code(text: str) -> str:
     """`text` without its comments and layout: the code a source runs."""
     return ast.unparse(ast.parse(text))
@@ -193,16 +200,16 @@ def tree() -> dict:
 
 def record(families: list, styles: list, sizes: list, keep: Path | None = None) -> dict:
     """{"family/style": {file: sha256}} (the tiny sizes; "family/style@bench" at the benchmark
-    sizes), "_code" the same for the dumped sources without comments, "_tree" which memfuse made
-    them. `keep`: write the normalized sources there too."""
+    sizes), "_code" the same of the sources without comments (cache files named by it: code_name),
+    "_tree" which memfuse made them. `keep`: write the normalized sources there too."""
     result = {"_tree": tree(), "_code": {}}
     for size in sizes:
         for family, style in itertools.product(families, styles):
             case = f"{family}/{style}" + ("" if size == "tiny" else f"@{size}")
             texts = run(family, style, size)
             result[case] = {file: sha256(text) for file, text in texts.items()}
-            result["_code"][case] = {file: sha256(code(text)) for file, text in texts.items()
-                                     if file.startswith("dump/")}
+            codes = {file: sha256(code(text)) for file, text in texts.items()}
+            result["_code"][case] = {code_name(file, codes[file]): codes[file] for file in texts}
             for file, text in texts.items() if keep else ():
                 path = keep / case / file
                 path.parent.mkdir(parents=True, exist_ok=True)
@@ -231,6 +238,8 @@ def compare(a: dict, b: dict, code_only: bool = False) -> list:
                 if what == "differs" and not code_only and file in code_a.get(case, {}):
                     same = code_a[case][file] == code_b.get(case, {}).get(file)
                     what += " in comments only" if same else " in code"
+                elif what != "differs" and not code_only and file.startswith(CACHE_KERNELS):
+                    what += " (named by its text's hash: --code-only compares its code)"
                 lines.append(f"{case}: {file}: {what}")
     return lines
 
@@ -261,7 +270,7 @@ def main(argv=None) -> int:
               f"B: {args.compare[1]} ({b.get('_tree', {}).get('commit')})")
         compared = a["_code"] if args.code_only else a
         cases = [c for c in compared if not c.startswith("_")]
-        what = "code of the dumped sources" if args.code_only else "sources"
+        what = "sources' code" if args.code_only else "sources"
         print("\n".join(lines) if lines else
               f"identical: {len(cases)} cases, {sum(len(compared[c]) for c in cases)} {what}")
         return 1 if lines else 0

@@ -31,7 +31,7 @@ def test_record_is_the_same_in_a_fresh_process(tmp_path, capsys):
         files = here[f"{FAMILY}/{style}"]
         for kind in ("cache/kernels/", "/kernels/", "/forward.program.py", "/backward.program.py"):
             assert any(kind in f for f in files), (style, kind)
-        assert set(here["_code"][f"{FAMILY}/{style}"]) == {f for f in files if f.startswith("dump/")}
+        assert len(here["_code"][f"{FAMILY}/{style}"]) == len(files)
 
     (tmp_path / "here.json").write_text(json.dumps(here))
     assert sources.main(["--compare", str(tmp_path / "here.json"), str(fresh)]) == 0
@@ -54,3 +54,6 @@ def test_sources_renumber_dump_folders_and_hide_the_run_folder(tmp_path):
         "dump/Model.0/kernels/k.py": "# a\n", "dump/Model.1/kernels/k.py": "x = '<run>/cache'\n",
         "dump/dynamo_0_0.0/kernels/k.py": "y = 1\n", "cache/kernels/k_0123.py": "z = 2\n"}
     assert sources.code("# a comment\nx  =  1  # another\n") == sources.code("x = 1\n")
+    assert sources.code_name("cache/kernels/memfuse_forward_0_0123.py", "abcd" * 16) == \
+        "cache/kernels/memfuse_forward_0_abcdabcdabcdabcd.py"
+    assert sources.code_name("dump/Model.0/kernels/k.py", "abcd" * 16) == "dump/Model.0/kernels/k.py"
