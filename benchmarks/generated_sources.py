@@ -45,7 +45,6 @@ import hashlib
 import itertools
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -207,6 +206,9 @@ def record(families: list, styles: list, sizes: list, keep: Path | None = None) 
         for family, style in itertools.product(families, styles):
             case = f"{family}/{style}" + ("" if size == "tiny" else f"@{size}")
             texts = run(family, style, size)
+            if not any(file.endswith("/forward.program.py") for file in texts):
+                raise RuntimeError(f"generated_sources: {case} compiled no program (memfuse ran it through "
+                                   f"torch?); MEMFUSE_LOG=1 says why")
             result[case] = {file: sha256(text) for file, text in texts.items()}
             codes = {file: sha256(code(text)) for file, text in texts.items()}
             result["_code"][case] = {code_name(file, codes[file]): codes[file] for file in texts}
