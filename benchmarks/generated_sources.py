@@ -42,6 +42,8 @@ from __future__ import annotations
 import argparse
 import ast
 import hashlib
+import importlib
+import importlib.util
 import itertools
 import json
 import os
@@ -62,10 +64,10 @@ import torch  # noqa: E402
 import torch._dynamo  # noqa: E402
 
 import memfuse  # noqa: E402
-try:                      # the library's home since the benchmarks' split; the old tree's before it
-    from benchmarks.lib.hf_models import FAMILIES, build, make_batch  # noqa: E402
-except ImportError:
-    from benchmarks.models import FAMILIES, build, make_batch  # noqa: E402
+# The bench models' library since the benchmarks' split; the command that held it on older trees.
+_MODELS = importlib.import_module("benchmarks.lib.hf_models" if importlib.util.find_spec("benchmarks.lib")
+                                  else "benchmarks.models")
+FAMILIES, build, make_batch = _MODELS.FAMILIES, _MODELS.build, _MODELS.make_batch
 
 STYLES = ("backend", "whole")
 
