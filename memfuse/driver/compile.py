@@ -1,11 +1,12 @@
-"""The compile driver: one function, `compile_program`, that both front doors call.
+"""The compile driver: one function, `compile_program`, that both front doors call, one line a stage:
 
-    captured = capture(source)     trace (memory_efficient_fusion) or lower (torch.compile) to the IR
-    captured = patterns(captured)  what the plug-ins found: loss heads, attention masks
-    plan                           save, recompute or regenerate each value (min-cut)
-    schedule                       group the nodes into kernels, forward and backward
-    runtime                        buffers, codegen and the program writer (runtime.Program)
-    precompile                     hand the kernels to Triton ahead of the first call
+    capture, patterns   trace the function (memory_efficient_fusion) or lower AOTAutograd's graph
+                        (torch.compile) to the IR, with what the plug-ins (memfuse.patterns) found
+    plan                save, recompute or regenerate each value (memfuse.plan: the min-cut)
+    check               the IR verifier (Config.check), strict mode, the count of aten fallbacks
+    schedule            group the nodes into kernels, forward and backward (memfuse.schedule)
+    runtime             buffers, codegen and the program text, built by runtime.Program
+    precompile          hand the kernels to Triton before the first call (on a GPU)
 
 What a front knows that capture does not (its graph or function, the example tensors, where each
 size is read, the loss heads it chunked before the trace, the masks it marked) comes in as a
@@ -116,18 +117,19 @@ class Compiled:
 # -- the driver ------------------------------------------------------------------------------------
 @timed("compile")
 def compile_program(source: Source, config: Config) -> Compiled:
-    """Compile `source` into runnable programs, one line per stage (module docstring)."""
+    """Compile `source` into runnable programs: one line per stage (module docstring). Raises
+    where a stage fails; the caller decides what runs instead (compile_or_decide, graph_fallback)."""
     start = time.perf_counter()
     if precompile_enabled(source.device, config):
         start_driver(source.device)        # Triton's driver set-up runs beside the trace
-    captured, output_masks = _with_patterns(source, config)
-    the_plan = plan(captured, config.memory_budget)
-    _check(source.name, the_plan, captured, config)
-    schedules = {kind: _schedule(graph, config, kind) for kind, graph in _sides(the_plan)}
-    function = _runtime(source, the_plan, captured, schedules, config)
+    captured, output_masks = _capture_with_patterns(source, config)     # capture, patterns
+    the_plan = plan(captured, config.memory_budget)                     # plan
+    _check(source.name, the_plan, captured, config)                     # verify, strict mode, aten count
+    schedules = _schedules(the_plan, config)                            # schedule
+    function = _runtime(source, the_plan, captured, schedules, config)  # buffers, codegen, runtime
     precompile([function.forward, function.backward], source.device, config)
     compiled = Compiled(source.name, captured, the_plan, function, list(source.input_names), output_masks)
-    _compiled(source, compiled, time.perf_counter() - start)
+    _compiled(source, compiled, time.perf_counter() - start)            # counter, log line, compile hooks
     return compiled
 
 
@@ -185,7 +187,7 @@ def _free_symbols(graph: Graph) -> set:
 
 
 # -- patterns: the one place the driver calls the plug-ins (memfuse.patterns) -----------------------
-def _with_patterns(source: Source, config: Config) -> tuple:
+def _capture_with_patterns(source: Source, config: Config) -> tuple:
     """(the captured graph with what the patterns decided, the marks a graph's forward step puts on
     the masks it returns). Loss heads: a traced function's are chunked while it is traced (a
     TorchFunctionMode: loss_head.detect.capture_chunked); a torch.compile graph's were rewritten in
@@ -236,9 +238,9 @@ def _check(name: str, the_plan: Plan, captured: Captured, config: Config) -> Non
     if config.check:
         for _, graph in _sides(the_plan):
             verify(graph)
-    for name, target, reason in captured.fallbacks:
+    for node, target, reason in captured.fallbacks:
         if config.strict:
-            raise StrictModeError(f"memfuse: {name} ({target}) runs through aten: {reason}{STRICT}")
+            raise StrictModeError(f"memfuse: {node} ({target}) runs through aten: {reason}{STRICT}")
     STATS["fallbacks"] += len(captured.fallbacks)
     if captured.specialized:
         recompile_log.info("memfuse: %s: leading sizes join the compile key: %s", name, captured.specialized)
@@ -247,6 +249,11 @@ def _check(name: str, the_plan: Plan, captured: Captured, config: Config) -> Non
 def _sides(the_plan: Plan) -> list:
     """[(kind, graph)]: the forward, and the backward where there is one."""
     return [("forward", the_plan.forward)] + ([("backward", the_plan.backward)] if the_plan.backward is not None else [])
+
+
+def _schedules(the_plan: Plan, config: Config) -> dict:
+    """kind ("forward", "backward") -> its Schedule."""
+    return {kind: _schedule(graph, config, kind) for kind, graph in _sides(the_plan)}
 
 
 def _schedule(graph: Graph, config: Config, kind: str) -> Schedule:

@@ -1,13 +1,19 @@
-"""eager: the calls memfuse runs through torch, op by op, instead of a compiled program.
+"""fallback: the calls and graphs memfuse runs through torch, op by op, instead of a compiled program.
 
-Each is a decision, an `EagerCall` with its reason and the way out, that api.FusedFunction makes:
+A memory_efficient_fusion call: each is a decision, an `EagerCall` with its reason and the way
+out, that fronts.function.FusedFunction makes:
 - an argument it cannot trace (`untraceable_argument`): an object the call may mutate, such as a
   KV cache; decided per call, since the object is new in every call;
 - a functorch transform around the call (`under_transform`);
-- a compile that failed (`compile_failed`), decided once per compile key: the stage it failed in,
-  the exception's type and first line, and the way out its type calls for (WAYS_OUT).
+- a compile that failed (`compile_failed`, through driver.compile.compile_or_decide), decided
+  once per compile key: the stage it failed in, the exception's type and first line, and the way
+  out its type calls for (WAYS_OUT).
 `say_once` logs each reason once per process on the `fallbacks` topic; in strict mode the
 decision is a StrictModeError instead.
+
+A torch.compile graph whose compile failed, wherever it did (`graph_fallback`): the reason and
+where it was raised, logged and counted when the backend hands the graph back to torch; in strict
+mode a RuntimeError chained to the failure.
 """
 from __future__ import annotations
 
@@ -24,7 +30,7 @@ from memfuse.base.debug import STATS, topic_log
 
 fallback_log = topic_log("fallbacks")
 STRICT = " (strict mode: MEMFUSE_STRICT=1 / Config.strict)"   # the end of every strict-mode error
-CONSTANT_NAMES = "bool, int, float, str, None, torch.dtype"   # api.CONSTANT_TYPES, as messages name them
+CONSTANT_NAMES = "bool, int, float, str, None, torch.dtype"   # fronts.function.CONSTANT_TYPES, as messages name them
 MESSAGE_LIMIT = 400   # characters of a failure's first line in its reason (the traceback: MEMFUSE_LOG=fallbacks)
 
 
@@ -91,7 +97,7 @@ def compile_failed(name: str, error: Exception) -> EagerCall:
                            f"{message[:MESSAGE_LIMIT]}", way_out)
 
 
-# Functions outside api and module that call the user's code, or torch on its behalf, while capture
+# Functions outside fronts.function and fronts.module that call the user's code, or torch on its behalf, while capture
 # traces it: a failure under them is the trace's (memfuse.patterns.loss_head.detect's wrapper and TorchFunctionMode that
 # swap in the chunked loss head).
 USER_CODE_WRAPPERS = ("chunked", "__torch_function__")

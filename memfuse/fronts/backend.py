@@ -3,9 +3,10 @@ joint graph, memfuse lowers, plans, schedules and runs it.
 
 AOTAutograd owns the autograd.Function and its contract: the forward graph returns
 (*outputs, *saved), the backward graph takes (*saved, *tangents) and returns one gradient per
-primal. memfuse's partition function does the real work (lower the joint graph with capture's
-lowering, plan, build both Programs) and hands AOTAutograd two small fx graphs honouring that
-contract whose body is one call into the built Program; the compilers return those Programs.
+primal. memfuse's partition function does the real work (memfuse.driver.compile, the compile
+driver: lower the joint graph, plan, build both Programs) and hands AOTAutograd two small fx
+graphs honouring that contract whose body is one call into the built Program; the compilers
+return those Programs.
 What the backward needs besides tensors (the dropout seed, the size symbols, saved integer
 inputs) travels in one small int64 CPU tensor: the last saved value.
 
@@ -123,7 +124,7 @@ def _graph_name(gm: torch.fx.GraphModule) -> str:
 @dataclass
 class GraphRecord:
     """What the backend made of one Dynamo graph, for the compile hook and `explain`: once memfuse
-    compiled it, the fields `explain.build_report` reads, named as on api's cache entry
+    compiled it, the fields `explain.build_report` reads, named as on FusedFunction's cache entry
     (`captured`, `plan`, `function` with the `.forward` and `.backward` Programs, `input_names`);
     else why the graph runs through torch."""
     name: str

@@ -58,7 +58,7 @@ class FusedFunction:
         self.fn = fn
         self.config = config
         self.static_prefix = static_prefix
-        self.graphs = GraphedFunction(self) if cuda_graphs else None   # CUDA-graph replays (graphs.py)
+        self.graphs = GraphedFunction(self) if cuda_graphs else None   # CUDA-graph replays (cuda_graphs.py)
         self.cache: dict = {}                 # compile key -> _CacheEntry, or EagerCall where the compile failed
         self.shape_specialized: set = set()   # keys whose traces guard on the leading sizes
         self.recipes: dict = {}               # (n positional, keywords) -> binding recipe
@@ -371,7 +371,7 @@ class _Front:
 
     `call(args, kwargs)`, the hot path of a repeated call, binds the arguments, finds their
     compiled function and runs it through the C half of autograd's apply
-    (`runtime._function_apply`). It finds the function two ways:
+    (`memfuse.runtime.program._function_apply`). It finds the function two ways:
     - the last one it ran (`last`): grad mode and constants compared, the tensors checked in one
       C++ call (`_tensor_guards`), made with plain tensors only;
     - else by the arguments' exact key (what `FusedFunction._exact_key` holds, each argument's part
@@ -620,7 +620,7 @@ class _CacheEntry:
         self.guard_values = None               # tensors -> (guard holds, ...), built at the first check
 
     def broken_guard(self, tensors: list) -> str | None:
-        """The first of the trace's layout guards (capture._guards) these tensors break, or None."""
+        """The first of the trace's layout guards (memfuse.capture.lower._guards) these tensors break, or None."""
         guards = self.captured.layout_guards
         if not guards:
             return None
