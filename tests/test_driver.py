@@ -62,13 +62,33 @@ def test_the_sources_are_frozen():
 
 
 def test_the_graphs_record_holds_the_fronts_additions(compiles):
-    """The backend's record and explain read the Captured the driver returned: the aten graph and
-    the loss-head decisions are in it, not set on it after the compile."""
+    """The backend's record and explain read the Captured the driver returned: the aten graph is
+    in it, not set on it after the compile."""
     torch.compile(block, backend="memfuse")(*inputs()).sum().backward()
     [compiled] = compiles
     assert compiled.captured.aten_graph is not None
-    assert compiled.captured.loss_heads == []      # no cross_entropy in the graph
     assert compiled.input_names == ["L['x']", "L['w']"]
+
+
+class Head(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 64, bias=False)
+
+    def forward(self, h, y):
+        return F.cross_entropy(self.lin(h), y)
+
+
+@pytest.mark.parametrize("front", ["function", "backend"])
+def test_the_loss_heads_decision_reaches_explain_from_either_front(front):
+    """The loss head is chunked before (torch.compile: in Dynamo's graph) or while (a traced
+    function) capture runs; its decision is in the Captured the driver returns, which explain reads."""
+    head = Head()
+    fused = memfuse.memory_efficient_fusion(head) if front == "function" else torch.compile(head, backend="memfuse")
+    report = memfuse.explain(fused, torch.randn(8, 16, requires_grad=True), torch.randint(0, 64, (8,)))
+    report = report if front == "function" else report.graphs[0]
+    [decision] = report.loss_heads
+    assert decision.chunked
 
 
 @pytest.mark.parametrize("front", ["function", "backend"])
