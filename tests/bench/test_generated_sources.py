@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 
 from benchmarks import generated_sources as sources  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FAMILY = "gpt2"
 
 
