@@ -401,12 +401,13 @@ def test_the_backend_clears_aotautograds_lists_and_frees_saved_tensors(monkeypat
     activation's storage is gone after its last reader in the backward program."""
     torch._dynamo.reset()
     programs, lists = [], []
-    build = backend._Compilers._program
+    compile_program = backend.compile_program
 
-    def recording_program(self, graph, captured, kind):
-        programs.append(build(self, graph, captured, kind))
-        return programs[-1]
-    monkeypatch.setattr(backend._Compilers, "_program", recording_program)
+    def recording_compile(source, config):
+        compiled = compile_program(source, config)
+        programs.extend(compiled.function)      # the forward and the backward Program
+        return compiled
+    monkeypatch.setattr(backend, "compile_program", recording_compile)
     boxed = backend.BackwardStep.boxed
 
     def recording_boxed(self, args):

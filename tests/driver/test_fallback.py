@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import memfuse
+import memfuse.driver.compile
 import memfuse.fronts.backend
 
 aten = torch.ops.aten
@@ -82,13 +83,13 @@ def test_strict_mode_raises_the_failure_chained(monkeypatch):
 def test_a_failure_building_the_backward_program_is_caught_before_the_forward_runs(monkeypatch, logs):
     """AOTAutograd compiles the backward lazily, but memfuse's partition builds both programs up
     front: a failure there falls back at the first call, before any memfuse forward ran."""
-    schedule = memfuse.fronts.backend.schedule
+    schedule = memfuse.driver.compile.schedule
 
     def failing(graph, config, kind):
         if kind == "backward":
             raise RuntimeError("injected: the backward schedule failed")
         return schedule(graph, config, kind)
-    monkeypatch.setattr(memfuse.fronts.backend, "schedule", failing)
+    monkeypatch.setattr(memfuse.driver.compile, "schedule", failing)
     compiled = torch.compile(block, backend="memfuse")
     x, w = inputs()
     compiled(x, w.requires_grad_())
@@ -101,14 +102,14 @@ def test_a_failure_building_the_backward_program_is_caught_before_the_forward_ru
 def test_a_failure_in_the_inference_compiler_runs_through_torch(monkeypatch, logs):
     def failing(captured, *budget):
         raise ValueError("injected: the plan failed")
-    monkeypatch.setattr(memfuse.fronts.backend, "plan", failing)
+    monkeypatch.setattr(memfuse.driver.compile, "plan", failing)
     compiled = torch.compile(block, backend="memfuse")
     x, w = inputs()
     with torch.no_grad():
         torch.testing.assert_close(compiled(x, w), block(x, w))
     assert memfuse.stats()["graph_fallbacks"] == 1
     assert "ValueError: injected: the plan failed" in fallback_messages(logs)[0]
-    assert "memfuse/fronts/backend.py" in fallback_messages(logs)[0]
+    assert "memfuse/driver/compile.py" in fallback_messages(logs)[0]
 
 
 def test_a_failure_in_aotautograds_trace_runs_through_torch(monkeypatch, logs):
