@@ -24,13 +24,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
 from memfuse.ir import views
-from memfuse.patterns.attention import AttentionCall, dense_masks, outside_trace, size_only_masks
 from memfuse.base.debug import timed
+from memfuse.base.launch import outside_trace
 from memfuse.capture.indexing import index_by_aranges
-from memfuse.patterns.loss_head import op as loss_head  # noqa: F401  (registers the chunked loss head's ops, named below)
 from memfuse.ir.graph import (BINARY, COMPARISON, EXTERNAL, FUSIBLE, RANDOM, UNARY, Cast, Constant, Extern, Graph, Index, Kind,
                  Matmul, Node, Op, Reduce, Seeded, Strided, Symbol, Value, ValueRef, fits, renamed, value_refs, verify)
 from memfuse.ir.ops import OPS, accumulate_dtype
+from memfuse.ir.patterns import RULES, Reads, called_op, rewrite_aten, rule, trace_modes
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -83,11 +83,10 @@ class Captured:
     stride_symbols: dict = field(default_factory=dict)  # sympy.Symbol -> (primal index, dim) of a stride
     differentiable_outputs: list = field(default_factory=list)   # forward outputs with a tangent
     aten_graph: Optional[torch.fx.GraphModule] = None
-    loss_heads: list = field(default_factory=list)    # memfuse.patterns.loss_head.detect's HeadDecisions
-    # loss_head.LogitsReturns: chunked logits the function returns; its last outputs are for them
-    returned_logits: list = field(default_factory=list)
     merged: dict = field(default_factory=dict)   # a node dropped as a duplicate -> the one kept (explain)
-    attention_masks: list = field(default_factory=list)   # attention.MaskDecision per attention call with a mask
+    decisions: dict = field(default_factory=dict)     # pattern name -> its decisions (memfuse.ir.patterns)
+    # patterns.OutputHooks: what the caller's outputs need after a run (its last outputs are for them)
+    output_hooks: list = field(default_factory=list)
 
 
 class MutatedInputError(RuntimeError):
@@ -104,7 +103,7 @@ def capture(fn: Callable, args: Sequence[torch.Tensor], *, trace_joint: bool,
     fake_mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
     fakes = [_fake_input(fake_mode, t, static=i < len(static_inputs) and static_inputs[i])
              for i, t in enumerate(args)]
-    with compiling(), dense_masks():
+    with compiling(), trace_modes():
         gm = _export(fn, tuple(fakes), trace_joint)
     symbols, hints = _symbol_sources(fakes)
     # read in place, by their strides; a last stride of 1 is part of the compile key (api._key)
@@ -160,8 +159,8 @@ def _export(fn: Callable, fakes: tuple, trace_joint: bool) -> torch.fx.GraphModu
 
 
 def _without_unused(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """`gm` without the values nothing reads (the loss head's swap, memfuse.patterns.loss_head.detect, leaves the linear
-    it replaced in the trace). Random draws stay (they advance the generator as in eager), and so
+    """`gm` without the values nothing reads (a pattern's swap, memfuse.patterns, leaves what it
+    replaced in the trace). Random draws stay (they advance the generator as in eager), and so
     do checks, but for NOOP_ATEN's checks of a value that only they read (the trace made them)."""
     for node in reversed(list(gm.graph.nodes)):
         if node.op != "call_function" or node.users:
@@ -234,17 +233,14 @@ def _dependent_outputs(captured: "Captured", requires_grad: list) -> list:
 
 
 def _untracked(graph: Graph, node: Node) -> bool:
-    """A value autograd does not track though it reads tracked ones: the chunked loss head's
-    log-sum-exps and formed gradients, and the logits it returns without gradient (the last
-    argument, `differentiable_logits`, False: memfuse.patterns.loss_head.detect, for a function that returns them)."""
+    """A value autograd does not track though it reads tracked ones: an output of a registered op
+    its rule says so of (memfuse.ir.patterns, ExternRule.untracked: the chunked loss head's
+    log-sum-exps and formed gradients)."""
     if node.op is not Op.GETITEM:
         return False
-    head = graph[node.inputs[0]]
-    if head.op is not Op.EXTERN or head.attr.target is not torch.ops.memfuse.linear_cross_entropy.default:
-        return False
-    differentiable_logits = head.attr.args[11] if len(head.attr.args) > 11 else \
-        dict(head.attr.kwargs).get("differentiable_logits", True)
-    return node.attr.index != 0 and (node.attr.index != 2 or not differentiable_logits)
+    call = graph[node.inputs[0]]
+    untracked = rule(call.attr.target).untracked if call.op is Op.EXTERN else None
+    return untracked is not None and node.attr.index in untracked(call.attr)
 
 
 def _fake_input(mode: FakeTensorMode, t: torch.Tensor, static: bool) -> torch.Tensor:
@@ -420,21 +416,13 @@ NOOP_ATEN = {aten._assert_tensor_metadata.default}   # checks the trace already 
 ANY_STRIDES_ATEN = {aten.mm.default, aten.mm.dtype, aten.bmm.default, aten.addmm.default, aten.permute.default,
                     aten.slice.Tensor, aten.narrow.default, aten.select.int, aten.expand.default,
                     aten.unsqueeze.default, aten.squeeze.dims, aten.alias.default}
-# The chunked loss head (memfuse.patterns.loss_head.op) reads every operand through its strides.
-LOSS_HEAD_ATEN = {torch.ops.memfuse.linear_cross_entropy.default,
-                  torch.ops.memfuse.linear_cross_entropy_backward.default}
-ANY_STRIDES_ATEN |= LOSS_HEAD_ATEN
-# Attention reads query, key, value, its output and their gradients in any strides whose last is 1:
-# eager hands it `linear(x).view(b, s, h, d).transpose(1, 2)` as it lies, and its backward returns
-# gradients laid out as those inputs.
-ATTENTION_ATEN = {aten._scaled_dot_product_cudnn_attention.default,
-                  aten._scaled_dot_product_cudnn_attention_backward.default,
-                  aten._scaled_dot_product_efficient_attention.default,
-                  aten._scaled_dot_product_efficient_attention_backward.default,
-                  aten._scaled_dot_product_flash_attention.default,
-                  aten._scaled_dot_product_flash_attention_backward.default,
-                  aten._scaled_dot_product_flash_attention_for_cpu.default,
-                  aten._scaled_dot_product_flash_attention_for_cpu_backward.default}
+# Ops a pattern registered say how they read (memfuse.ir.patterns, ExternRule.reads): through any
+# strides, or any whose last is 1 (attention).
+
+
+def reads_any_strides(target) -> bool:
+    """Whether an extern call reads its tensor operands in any strides, where they lie."""
+    return target in ANY_STRIDES_ATEN or rule(target).reads is Reads.ANY_STRIDES
 # aten views of a view kept in its strides, made reshapes (a view of them may need a copy)
 RESHAPED_ATEN = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 # Matmuls: extern (cuBLAS) calls whose operands memfuse.schedule.padding may align (ir.Matmul).
@@ -504,10 +492,12 @@ EXTERN_REASONS = {
                        "memfuse.capture.indexing)",
     aten.cumsum.default: "scan along a dim",
     aten.cumprod.default: "scan along a dim",
-    torch.ops.memfuse.linear_cross_entropy.default: "the chunked loss head (memfuse.patterns.loss_head.op): its matmuls and "
-                                                    "kernels, a chunk of tokens at a time",
-    torch.ops.memfuse.linear_cross_entropy_backward.default: "the chunked loss head's backward (memfuse.patterns.loss_head.op)",
 }
+
+
+def extern_reasons() -> dict:
+    """EXTERN_REASONS and the reasons of the ops patterns registered (memfuse.ir.patterns)."""
+    return {**EXTERN_REASONS, **{op: r.reason for op, r in RULES.items() if r.reason}}
 
 
 def lowering_table() -> dict:
@@ -577,8 +567,8 @@ class _Lowering:
 
     def run(self, num_primals: int, trace_joint: bool) -> Captured:
         placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
-        attention_masks = size_only_masks(self.gm)
-        if any(d.taken for d in attention_masks) | _composed_permutes(self.gm) | index_by_aranges(self.gm):
+        rewritten, decisions = rewrite_aten(self.gm)      # the patterns' (memfuse.ir.patterns)
+        if rewritten | _composed_permutes(self.gm) | index_by_aranges(self.gm):
             _without_unused(self.gm)          # the nodes nothing reads now
         for position, node in enumerate(placeholders):
             self.env[node] = self.graph.add(Node(node.name, Op.INPUT, (), classify(node.meta["val"])))
@@ -607,7 +597,7 @@ class _Lowering:
         return Captured(self.graph, num_primals, num_tangents,
                         len(self.graph.outputs) - (num_primals if has_grads else 0),
                         self.symbols, self.hints, has_seed, self.fallbacks, merged=merged,
-                        attention_masks=attention_masks)
+                        decisions=decisions)
 
     # -- helpers ---------------------------------------------------------------------
     def add(self, op: Op, inputs, value: Value, attr=None, name: Optional[str] = None) -> str:
@@ -693,7 +683,7 @@ class _Lowering:
         if target is aten.split_with_sizes.default:
             return self.lower_split(node, val)
         if not isinstance(val, torch.Tensor):
-            raise NotFusible(EXTERN_REASONS.get(target, "produces a tuple"))
+            raise NotFusible(extern_reasons().get(target, "produces a tuple"))
         value = classify(val)
         if value.kind is Kind.TENSOR:
             raise NotFusible(f"shape {tuple(val.shape)} is outside the [M, D] space")
@@ -729,7 +719,7 @@ class _Lowering:
             return self.lower_mean(node, value)
         if target is aten.polygamma.default:
             return self.lower_polygamma(node, value)
-        raise NotFusible(EXTERN_REASONS.get(target, f"no lowering for {target}"))
+        raise NotFusible(extern_reasons().get(target, f"no lowering for {target}"))
 
     def keeps_order(self, node) -> bool:
         """A permute or slice that leaves every element where it was (moves size-1 dims, or
@@ -1650,18 +1640,20 @@ class _Lowering:
         aten view: a strided read is a kernel that copies it, aten reads it where it lies. An
         `aten.view` of it becomes `aten.reshape`, which copies only where the strides need it
         (attention's output, laid out as its query, needs none). Not a fallback. A reshape (VIEW)
-        stays one only for the chunked loss head: a matmul operand's reshape is the producing
+        stays one only for ops registered as reading any strides (memfuse.ir.patterns): a matmul operand's reshape is the producing
         kernel's to write (padding.py)."""
         users = self.graph.users()
         outputs = set(self.graph.outputs)
         for name in reversed([n for n in self.aten_views if n in self.graph.nodes]):   # a view of such a view first
             readers = [self.graph[u] for u in users[name]]
             strided = self.graph[name].op is Op.STRIDED
-            in_any_strides = ANY_STRIDES_ATEN if strided else LOSS_HEAD_ATEN
+            registered = {op for op, r in RULES.items() if r.reads is Reads.ANY_STRIDES}
+            in_any_strides = ANY_STRIDES_ATEN | registered if strided else registered
             if self.last_dim_in_place(name if strided else self.graph[name].inputs[0]):
-                in_any_strides = in_any_strides | ATTENTION_ATEN | (RESHAPED_ATEN if strided else set())
+                in_any_strides = in_any_strides | {op for op, r in RULES.items() if r.reads is Reads.LAST_DIM_IN_PLACE} \
+                    | (RESHAPED_ATEN if strided else set())
             if not readers or name in outputs or any(
-                    r.op is not Op.EXTERN or _called_op(r.attr.target) not in in_any_strides for r in readers):
+                    r.op is not Op.EXTERN or called_op(r.attr.target) not in in_any_strides for r in readers):
                 continue
             for r in readers:
                 if r.attr.target in RESHAPED_ATEN:
@@ -1669,7 +1661,7 @@ class _Lowering:
                                                     dataclasses.replace(r.attr, target=aten.reshape.default))
             node = self.aten_views[name]
             inputs, value, attr = self.extern_call(node, node.meta["val"])
-            if not strided and any(_called_op(r.attr.target) in ATTENTION_ATEN for r in readers):
+            if not strided and any(rule(r.attr.target).reads is Reads.LAST_DIM_IN_PLACE for r in readers):
                 attr = dataclasses.replace(attr, target=aten.reshape.default)   # of a view kept in its strides
             self.graph.nodes[name] = Node(name, Op.EXTERN, tuple(inputs), value, attr)
             for inp in inputs:
@@ -1726,11 +1718,6 @@ def matmul_writes_fp32(device_type: str, dtype: torch.dtype) -> bool:
         return False
     return product.dtype == torch.float32 and bool((product == 8).all())
 
-
-def _called_op(target):
-    """The aten op an extern's target calls: an attention call whose mask memfuse builds per call
-    from the sizes (attention.AttentionCall) calls its own op, with that op's rules for strides."""
-    return target.op if isinstance(target, AttentionCall) else target
 
 
 # -- one node for a value computed twice -------------------------------------------------------

@@ -28,12 +28,13 @@ import torch
 from torch._guards import CompileContext, detect_fake_mode
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from memfuse.patterns.attention import MaskDecision, OutputMasks, dense_masks, returned_masks
+from memfuse.patterns.attention import MaskDecision, OutputMasks, returned_masks
 from memfuse.capture.lower import Captured, decomposition_table, lower_graph
 from memfuse.base.config import Config, config_with_options
 from memfuse.base.debug import STATS, on_compile, timed, topic_log
-from memfuse.patterns.loss_head.detect import attach_returned_logits, with_chunked_loss_heads
+from memfuse.patterns import rewrite_graph
 from memfuse.ir.graph import Graph, Symbol, verify
+from memfuse.ir.patterns import trace_modes
 from memfuse.plan import Plan, plan
 from memfuse.runtime.precompile import precompile
 from memfuse.runtime.program import Program, _draw_seed
@@ -78,14 +79,14 @@ def memfuse_backend(gm: torch.fx.GraphModule, example_inputs, *, config: Optiona
     config = config_with_options(config or Config(), options)
     record = GraphRecord(_graph_name(gm), _input_names(gm))
     original = gm
-    chunked = with_chunked_loss_heads(gm, config)
-    gm, record.loss_heads = chunked.gm, chunked.decisions
+    rewritten = rewrite_graph(gm, config)        # the patterns' (memfuse.patterns)
+    gm, record.decisions = rewritten.graph, rewritten.decisions
     compilers = _Compilers(config, record)
     backend = aot_autograd(fw_compiler=compilers.forward, bw_compiler=compilers.backward,
                            inference_compiler=compilers.inference, partition_fn=compilers.partition,
                            decompositions=decomposition_table())
     try:
-        with dense_masks():     # a broadcast mask would send the trace to SDPA's math path (memfuse.patterns.attention)
+        with trace_modes():     # the patterns' (memfuse.ir.patterns: attention masks reach the trace dense)
             compiled = backend(gm, example_inputs)
     except (RestartAnalysis, SkipFrame, ShortenTraceback):
         raise                  # Dynamo's own signals (restart the trace, skip the frame), not failures
@@ -93,7 +94,7 @@ def memfuse_backend(gm: torch.fx.GraphModule, example_inputs, *, config: Optiona
         return _through_torch(original, record, e, config)
     STATS["compiles"] += 1
     on_compile(record.name, record)
-    return attach_returned_logits(compiled, chunked)
+    return rewritten.attach(compiled)
 
 
 def _through_torch(gm: torch.fx.GraphModule, record: GraphRecord, error: Exception, config: Config):
@@ -177,7 +178,7 @@ class GraphRecord:
     plan: Optional[Plan] = None
     function: Optional[Programs] = None
     through_torch: Optional[str] = None   # the failure, when the graph runs through torch
-    loss_heads: list = field(default_factory=list)   # memfuse.patterns.loss_head.detect's HeadDecisions
+    decisions: dict = field(default_factory=dict)    # each pattern's decisions on the graph (memfuse.patterns)
 
 
 _watching: list = []   # the lists of the open watch() blocks: empty but while explain runs a call
@@ -300,7 +301,7 @@ class _Compilers:
         STATS["fallbacks"] += len(captured.fallbacks)
 
     def _compiled(self, captured: Captured, the_plan: Plan, programs: Programs) -> None:
-        captured.loss_heads = self.record.loss_heads
+        captured.decisions.update(self.record.decisions)
         self.record.captured, self.record.plan, self.record.function = captured, the_plan, programs
 
 
@@ -318,7 +319,7 @@ def _returned_masks(gm: torch.fx.GraphModule, count: int, record: "GraphRecord",
         read = ", ".join(names[i] for i in reads) or "sizes alone"
         when = ("looked at every call" if config.check_returned_masks else
                 "left unmarked where one of them carries no such mark (check_returned_masks looks at it every call)")
-        record.captured.attention_masks.append(MaskDecision(
+        record.captured.decisions.setdefault("attention_masks", []).append(MaskDecision(
             f"output {position}", "returned", True,
             f"marked with its form for the fused layers that receive it: reads {read}; looked at once per set of "
             f"sizes and of the marks of the inputs it reads (values other graphs built from sizes), {when}"))

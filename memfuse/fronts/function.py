@@ -39,7 +39,7 @@ from memfuse.base.debug import STATS, describe_key_change, on_compile, timed, to
 from memfuse.driver.fallback import (STRICT, EagerCall, StrictModeError, UntraceableOutputError, compile_failed, say_once,
                     under_transform, untraceable_argument)
 from memfuse.fronts.cuda_graphs import GraphedFunction
-from memfuse.patterns.loss_head.detect import capture_chunked
+from memfuse.patterns import rewrite_graph
 from memfuse.ir.graph import GraphError, verify
 from memfuse.plan import plan
 from memfuse.runtime.precompile import enabled as precompile_enabled, precompile, start_driver
@@ -365,15 +365,16 @@ class FusedFunction:
 
         grad = key[0]
         static = [self._is_static(i, t) for i, t in enumerate(tensors)]
-        captured, heads, returns = capture_chunked(
-            lambda fn: capture(fn, tensors, trace_joint=grad, static_inputs=static), traced, self.config,
-            returned_logits=self.graphs is None)
-        captured.loss_heads, captured.returned_logits = heads, returns
-        captured.attention_masks += [
+        rewritten = rewrite_graph(traced, self.config, returned_logits=self.graphs is None,
+                                  trace=lambda fn: capture(fn, tensors, trace_joint=grad, static_inputs=static))
+        captured = rewritten.graph
+        captured.decisions.update(rewritten.decisions)
+        captured.output_hooks = rewritten.output_hooks
+        captured.decisions.setdefault("attention_masks", []).extend([
             MaskDecision("argument", self._input_name(flat.tree, i), True,
                          f"marked {form} by the backend graph that returned it (memfuse.patterns.attention): traced as a "
                          f"mask built from its sizes; a call with it unmarked compiles another program")
-            for i, form in marks.items() if form]
+            for i, form in marks.items() if form])
         if captured.specialized:
             recompile_log.info("memfuse: %s: leading sizes join the compile key: %s", self._name(),
                                captured.specialized)

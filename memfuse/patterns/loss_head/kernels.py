@@ -100,8 +100,8 @@ def _statistics_of_row(row_logits, target, vocab, padded_vocab, SMOOTHING: tl.co
     it once. Each of the BLOCK lanes keeps its own statistics, combined once after the loop: no
     reduction across the program's warps at each step. The blocks inside the vocabulary load
     unmasked; only the last, to the padded end, is masked (a mask that ends at an odd vocabulary,
-    GPT-2's 50257, is not provably aligned: masked throughout, the kernel took 2.9x a copy's time on
-    GPT-2's rows against 1.9x on Llama's, one H200, 2026-11-28). The target's logit is one load,
+    GPT-2's 50257, is not provably aligned: masked throughout, every load would be a masked one).
+    The target's logit is one load,
     first. The statistics are of the logits through the model's TRANSFORM, which WRITE_TRANSFORMED
     writes over the row as it goes (returned logits)."""
     known = (target >= 0) & (target < vocab)        # an ignored target (-100) reads column 0, unused
@@ -333,7 +333,7 @@ def _scale(source_ptr, out_ptr, numel, scale_ptr, IN_PLACE: tl.constexpr, BLOCK:
     """out = source * scale[0], in fp32, rounded once to out's dtype; each program takes every
     num_programs-th block. In place, a scale of 1 reads and writes nothing (x * 1 rounds back to x):
     the usual `loss.backward()` then costs the formed weight gradient no pass over its bytes (the
-    standalone head's: 1 GB each way, 0.5 ms), its launch a few programs that loop zero times."""
+    standalone head's: 1 GB each way), its launch a few programs that loop zero times."""
     scale = tl.load(scale_ptr).to(tl.float32)
     written = numel
     if IN_PLACE:
@@ -491,9 +491,10 @@ def _vocabulary_gradient(logits_ptr, rows, tokens, row_stride, first_vocab, log_
         tl.store(bias_gradient_ptr + first_vocab + row, row_sums, mask=row_inside)
 
 
-# Launched straight through their compiled launchers (memfuse.base.launch): on an H200 host Triton's own
-# launch path cost 47 us a launch, and aten's calls this replaces 36-60 us each (a cast, a pad, a sum,
-# a division; 2026-11-28), a launch here about 8.
+# Launched straight through their compiled launchers (memfuse.base.launch): Triton's own launch path
+# binds and looks up every argument on each call, and so costs the host several times what the
+# compiled launcher does; the aten calls these replace (a cast, a pad, a sum, a division) cost as much
+# each.
 class KernelFamily:
     """The DirectKernels of one @triton.jit kernel, one per value of its varying constexprs (`varying`,
     in order: family[values]), each made on first use: a model's logit transform is one more
@@ -526,9 +527,9 @@ CAST_ROWS = DirectKernel(_cast_rows, {"num_warps": 4}, BLOCK=1024)
 COLUMN_SUMS_BLOCK = 256
 ADD_COLUMN_SUMS = {overwrite: DirectKernel(_add_column_sums, {"num_warps": 4}, OVERWRITE=overwrite, BLOCK_ROWS=16,
                                            BLOCK=COLUMN_SUMS_BLOCK) for overwrite in (False, True)}
-# the vocabulary-major plan's kernels; tiles: the fastest on the standalone head's [62184, 8192] kept
-# logits and [5888, 8192] chunks, one H200, its inputs (2026-11-28): statistics 0.545 and 0.069 ms,
-# the gradient 0.51 ms on the kept logits, a copy of them 0.48
+# the vocabulary-major plan's kernels; tiles: the fastest measured on the standalone head's
+# [62184, 8192] kept logits and [5888, 8192] chunks (the gradient about a copy's time on them;
+# docs/benchmarks.md holds the timings)
 STATISTICS_BLOCK_V, STATISTICS_BLOCK_T, STATISTICS_ROWS_PER_PART = 16, 64, 1024
 STATISTICS_PARTS_MAX = 64       # a call's parts at most (more rows a part where there are more rows)
 VOCABULARY_STATISTICS = KernelFamily(_vocabulary_statistics, {"num_warps": 4}, ("SMOOTHING", "TRANSFORM"),

@@ -54,10 +54,11 @@ from memfuse.patterns.loss_head.plans import (  # noqa: F401
     ALIGN, BLOCK_COLUMNS, LOGITS_MATMUL_ROWS, REDUCTIONS, ROW_TILE, PlanChoice, VocabularyPlan, VocabularyStep, _padded,
     _step_rows, choose_plan, chunk_rows, row_bytes, vocabulary_plan)
 from memfuse.patterns.loss_head.transform import LogitTransform  # noqa: F401
+from memfuse.patterns.loss_head.call import LossHeadCall, trailing_nones
 
-# _scale's most programs, each looping over its blocks: enough to fill an H200 (132 SMs x 8 programs of
-# 8 warps) for a copy; a launch of them costs microseconds where one program a block cost 0.2 ms on
-# the standalone head's weight gradient (256K programs that found a scale of 1).
+# _scale's most programs, each looping over its blocks: enough to fill a GPU of 132 SMs (8 programs of
+# 8 warps each) for a copy, where one program a block would launch 256K programs for the standalone
+# head's weight gradient, most of which find a scale of 1 and do nothing.
 SCALE_PROGRAMS = 2048
 
 
@@ -81,7 +82,7 @@ def _aligned_weight(weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: t
 def _cast(source: torch.Tensor, dtype: torch.dtype, rows: Optional[int] = None,
           out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """source [n, columns] in `dtype`, padded with rows of zeros to `rows`: one launch, where a
-    Tensor.to and a pad were two aten calls (~40 and ~60 us of an H200 host); into `out` (contiguous
+    Tensor.to and a pad were two aten calls, each a trip through the dispatcher; into `out` (contiguous
     [rows, columns]) where given. The source itself where nothing changes."""
     rows = source.shape[0] if rows is None else rows
     if source.dtype == dtype and rows == source.shape[0]:
@@ -298,8 +299,8 @@ def linear_cross_entropy_impl(hidden: torch.Tensor, weight: torch.Tensor, bias: 
 
 
 # The op around the implementation: what traces, fake tensors and autograd see. memfuse's programs
-# call the implementation itself (memfuse.runtime.externs.SUBSTITUTES): the dispatcher and the custom op's
-# wrappers cost the host about 40 us a call on a CPU, and a program runs without autograd.
+# call the implementation itself (its rule's implementation, memfuse.patterns.loss_head.rules): the
+# dispatcher and the custom op's wrappers only cost the host time, and a program runs without autograd.
 linear_cross_entropy = torch.library.custom_op("memfuse::linear_cross_entropy", mutates_args=())(
     linear_cross_entropy_impl)
 
@@ -307,9 +308,8 @@ linear_cross_entropy = torch.library.custom_op("memfuse::linear_cross_entropy", 
 def _chunks(tokens: int, rows: int) -> list:
     """(first, last) token of each chunk of `rows` rows; none for no tokens. The kernels take the
     first token and index the [tokens] tensors themselves, so a chunk makes views only for its
-    matmuls. Small chunks leave the step to the host: Llama's head in 512-row chunks took 9.5-10.2
-    ms to enqueue 8.1 ms of GPU work (one H200, 2026-11-27), about 0.25 ms a chunk, against 2.1-2.8
-    ms for 4 chunks of 4096 rows."""
+    matmuls. Small chunks leave the step to the host: each chunk enqueues several matmuls and
+    kernels, so many small chunks can take the host longer to enqueue than the GPU to run."""
     return [(first, min(first + rows, tokens)) for first in range(0, tokens, rows)]
 
 
@@ -628,13 +628,14 @@ def _(loss_gradient, logits_gradient, hidden, weight, bias, target, log_sum_exp,
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    (hidden, weight, bias, target, ignore_index, reduction, label_smoothing, dtype, return_logits, _,
-     chunk_bytes, differentiable_logits, _plan, transform) = inputs
+    call = LossHeadCall.of(inputs)
     _, log_sum_exp, logits, *units = output
-    ctx.save_for_backward(hidden, weight, bias, target, log_sum_exp, *units)
-    ctx.settings = (ignore_index, reduction, label_smoothing, dtype, chunk_bytes, transform)
-    ctx.return_logits = return_logits and differentiable_logits
-    ctx.mark_non_differentiable(log_sum_exp, *units, *([] if differentiable_logits else [logits]))
+    ctx.save_for_backward(call.hidden, call.weight, call.bias, call.target, log_sum_exp, *units)
+    ctx.settings = {"ignore_index": call.ignore_index, "reduction": call.reduction,
+                    "label_smoothing": call.label_smoothing, "dtype": call.dtype, "chunk_bytes": call.chunk_bytes,
+                    "transform": call.transform.spec}
+    ctx.return_logits = call.return_logits and call.differentiable_logits
+    ctx.mark_non_differentiable(log_sum_exp, *units, *([] if call.differentiable_logits else [logits]))
     ctx.set_materialize_grads(False)    # logits nobody differentiates: None, not [tokens, vocab] zeros
 
 
@@ -642,11 +643,12 @@ def _backward(ctx, loss_gradient, _log_sum_exp_gradient, logits_gradient, *_unit
     hidden, weight, bias, target, log_sum_exp, *units = ctx.saved_tensors
     incoming = logits_gradient if ctx.return_logits else None
     if loss_gradient is None:      # only the logits are differentiated
-        loss_gradient = log_sum_exp.new_zeros(() if ctx.settings[1] != "none" else log_sum_exp.shape)
+        loss_gradient = log_sum_exp.new_zeros(() if ctx.settings["reduction"] != "none" else log_sum_exp.shape)
     hidden_gradient, weight_gradient, bias_gradient = linear_cross_entropy_backward(
-        loss_gradient, incoming, hidden, weight, bias, target, log_sum_exp, *units, *ctx.settings)
+        loss_gradient, incoming, hidden, weight, bias, target, log_sum_exp, *units, **ctx.settings)
+    # a gradient for hidden, weight and bias; none for the arguments after them
     return (hidden_gradient, weight_gradient, bias_gradient if bias is not None else None,
-            None, None, None, None, None, None, None, None, None, None, None)
+            *trailing_nones(torch.ops.memfuse.linear_cross_entropy.default, 3))
 
 
 linear_cross_entropy.register_autograd(_backward, setup_context=_setup_context)

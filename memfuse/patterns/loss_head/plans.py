@@ -17,8 +17,8 @@ ALIGN = 8
 # (520 rows, the head alone's chunk before: 5 tiles of 128 rows for 4 rows' worth of work).
 ROW_TILE = 256
 # Columns one program reads per step of its loop over the vocabulary, and its warps: the fastest
-# of BLOCK 1024-8192 x 4-16 warps on an H100 for [2096, 32000], [1328, 50257] and [512, 128256]
-# chunks (docs/benchmarks.md, 2026-11-24).
+# of BLOCK 1024-8192 x 4-16 warps for [2096, 32000], [1328, 50257] and [512, 128256] chunks
+# (docs/benchmarks.md).
 BLOCK_COLUMNS = 4096
 NUM_WARPS = 8
 REDUCTIONS = ("mean", "sum", "none")
@@ -49,7 +49,7 @@ def _padded(vocab: int) -> int:
 # The rows plan's chunks hold whole rows of logits (a row's gradient needs its log-sum-exp over the
 # whole vocabulary), so each chunk's product adds into the whole [vocab, H] weight gradient, reading
 # and writing it: at small chunks that traffic is most of the head's time (the standalone head in
-# Liger's memory, 256-row chunks: 32 x 0.81 ms of cuBLAS addmm). The vocabulary-major plan never
+# Liger's memory, 256-row chunks: 32 cuBLAS addmms over the whole gradient). The vocabulary-major plan never
 # adds into the weight gradient. The forward forms the logits transposed, [vocabulary rows, tokens],
 # in the weight gradient's own storage (allocated then, as the rows plan does): first the rows it
 # will not keep, a storage-full at a time, for their statistics only, then as many rows as it keeps.
@@ -60,9 +60,8 @@ def _padded(vocab: int) -> int:
 # the rows not kept take a fourth matmul (the standalone head keeps 48%); nothing is added into
 # the weight gradient, and the head's transient is a small buffer, not a chunk of logits.
 VOCABULARY_LEAD = 16          # a step's first write is 1/16 of its rows: its logits start that far in
-# A logits matmul's most vocabulary rows: cuBLAS ran [rows, 4096] x [4096, 8192] at 10.98 ms per 128256
-# rows in matmuls of 16384 rows, 11.07 of 8192, 12.09 of 62184 at once, 12.49 of 5908, one H200,
-# the standalone head's inputs (2026-11-28)
+# A logits matmul's most vocabulary rows: cuBLAS ran [rows, 4096] x [4096, 8192] fastest in matmuls
+# of 16384 rows, against 8192, 5908 or 62184 at once (the standalone head's inputs)
 LOGITS_MATMUL_ROWS = 16384
 # The backward's transient buffer: 1/32 of the weight gradient's bytes, or more (up to the chunk's
 # bytes) where the plan would take more steps than VOCABULARY_STEPS_MAX: the hidden states' gradient
@@ -70,17 +69,16 @@ LOGITS_MATMUL_ROWS = 16384
 # 8 at the standalone head's default), and each step costs the host its launches.
 VOCABULARY_TRANSIENT_SHARE = 32
 VOCABULARY_STEPS_MAX = 12
-# Matmul FLOPs worth one byte of memory traffic in the plans' predicted times: an H200 ran the
-# standalone head's [8192, 4096] x [4096, 128256] bf16 product at about 820 TFLOP/s and copied 1 GB
-# at 4.2 TB/s (2026-11-28).
+# Matmul FLOPs worth one byte of memory traffic in the plans' predicted times: the ratio of the
+# GPU's bf16 matmul rate (the standalone head's [8192, 4096] x [4096, 128256] product) to its copy
+# bandwidth, as measured (docs/benchmarks.md).
 FLOPS_PER_BYTE = 195
-# The vocabulary-major plan's matmuls took this many times their FLOPs' worth at the rows plan's rate:
-# more, smaller matmuls (the standalone head: 42.5 ms of matmuls for 3.5 products, one H200,
-# 2026-11-28). With it the predicted ratio of the plans' times was 1.18 at 1024-row chunks (measured
-# 1.155) and 0.885 at 256-row chunks (measured 0.856).
+# The vocabulary-major plan's matmuls take this many times their FLOPs' worth at the rows plan's rate:
+# more, smaller matmuls (the standalone head's, as measured). With it the predicted ratio of the
+# plans' times stays within a few percent of the measured one at 256- and 1024-row chunks.
 VOCABULARY_MATMUL_OVERHEAD = 1.11
 # "auto" takes the vocabulary-major plan where it lowers the head's peak at no more than this many
-# times the rows plan's predicted time: memory first, within issue 18's bar for time.
+# times the rows plan's predicted time: memory first, within a bar for time.
 VOCABULARY_TIME_RATIO = 1.1
 
 
