@@ -417,12 +417,14 @@ ANY_STRIDES_ATEN = {aten.mm.default, aten.mm.dtype, aten.bmm.default, aten.addmm
                     aten.slice.Tensor, aten.narrow.default, aten.select.int, aten.expand.default,
                     aten.unsqueeze.default, aten.squeeze.dims, aten.alias.default}
 # Ops a pattern registered say how they read (memfuse.ir.patterns, ExternRule.reads): through any
-# strides, or any whose last is 1 (attention).
+# strides (reads_any_strides), or any whose last is 1 (attention).
 
 
 def reads_any_strides(target) -> bool:
     """Whether an extern call reads its tensor operands in any strides, where they lie."""
     return target in ANY_STRIDES_ATEN or rule(target).reads is Reads.ANY_STRIDES
+
+
 # aten views of a view kept in its strides, made reshapes (a view of them may need a copy)
 RESHAPED_ATEN = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 # Matmuls: extern (cuBLAS) calls whose operands memfuse.schedule.padding may align (ir.Matmul).
