@@ -870,7 +870,7 @@ def test_one_trace_whether_or_not_the_logits_are_returned(fn, returns_logits, mo
     """memory_efficient_fusion traces each head writing its logits; a head whose logits nothing reads
     (the function returned only the loss) then writes none: one trace of the function either way."""
     from memfuse.capture import lower as capture
-    from memfuse.patterns.loss_head import detect as head
+    from memfuse.patterns.loss_head.call import LossHeadCall
     exports = []
     real_export = capture._export
     monkeypatch.setattr(capture, "_export", lambda *args: exports.append(1) or real_export(*args))
@@ -881,7 +881,7 @@ def test_one_trace_whether_or_not_the_logits_are_returned(fn, returns_logits, mo
     joint = fused.compiled_for(x, weight, target).captured.joint
     [call] = [n for n in joint.nodes.values() if n.op.value == "extern"
               and n.attr.target is torch.ops.memfuse.linear_cross_entropy.default]
-    assert call.attr.args[head.RETURN_LOGITS] is returns_logits
+    assert LossHeadCall.of(call.attr.args, call.attr.kwargs).return_logits is returns_logits
     expected = fn(x, weight, target)
     for ours, theirs in zip(out if returns_logits else (out,), expected if returns_logits else (expected,)):
         assert relative(ours, theirs) < 1e-6
