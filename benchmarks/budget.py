@@ -1,10 +1,10 @@
 """Memory budgets side by side: peak memory against step time, memfuse against torch.compile.
 
     python -m benchmarks.budget [--models bert,gpt2,llama] [--budgets 1.0,0.5,...] [--modes NAME,..]
-                                [--tiny] [--timed-steps N] [--out DIR]
-    python -m benchmarks.budget --report [--tiny] [--out DIR]
+                                [--tiny] [--timed-steps N] [--out DIR] [--charts DIR]
+    python -m benchmarks.budget --report [--tiny] [--out DIR] [--charts DIR]
 
-For each model of benchmarks/models.py (same configs, weights, tokens and training step), each
+For each model of benchmarks/lib/hf_models.py (same configs, weights, tokens and training step), each
 budget runs twice from fresh copies of the same weights: `torch.compile(model, backend="memfuse",
 options={"memory_budget": b})` and `torch.compile(model)` with
 `torch._functorch.config.activation_memory_budget = b` around its compile and first step (its
@@ -13,11 +13,12 @@ median step time, the step's peak and the memory kept for the backward (CUDA onl
 memfuse the saved bytes its plans chose against the default plans' (any device).
 budget-<model>.json is written after every point; then every budget-*.json in --out is merged into
 budget.md and one budget-<model>.png per model (peak MB against step ms, a curve per mode, each
-point labelled with its budget). Points of an earlier run of the same model that this run does not
-repeat stay in its JSON, so a curve can be measured over several commands.
+point labelled with its budget; --charts DIR (docs/img) draws them there too). Points of an
+earlier run of the same model that this run does not repeat stay in its JSON, so a curve can be
+measured over several commands.
 
 Without CUDA, or with --tiny, tiny configs run on CPU through the Triton interpreter (memfuse only
-unless --modes names torch_compile): a smoke run, not a measurement. docs/benchmarks.md says how
+unless --modes names torch_compile): a smoke run, not a measurement. docs/results.md says how
 to read the picture.
 """
 
@@ -33,7 +34,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import models  # noqa: E402  (sets TRITON_INTERPRET for --tiny before triton loads)
+from benchmarks.lib import hf_models as models  # noqa: E402  (sets TRITON_INTERPRET for --tiny before triton loads)
+from benchmarks.lib import report  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -149,11 +151,11 @@ def load_results(out: Path, tiny: bool) -> list:
 
 
 def _ms(seconds):
-    return models._fmt(seconds, ".1f", 1e3)
+    return report._fmt(seconds, ".1f", 1e3)
 
 
 def _mb(value):
-    return models._fmt(value, ".0f" if value is None or value >= MB else ".3f", 1 / MB)
+    return report._fmt(value, ".0f" if value is None or value >= MB else ".3f", 1 / MB)
 
 
 def render(results: list) -> str:
@@ -175,7 +177,7 @@ def render(results: list) -> str:
             rows.append([result["model"], f"{budget:g}", _ms(ours.get("step_s")), _mb(ours.get("peak_bytes")),
                          _mb(ours.get("kept_bytes")), _mb(ours.get("planned_bytes")), _ms(theirs.get("step_s")),
                          _mb(theirs.get("peak_bytes")), _mb(theirs.get("kept_bytes")), note])
-    return "\n".join(lines) + "\n\n" + models._markdown(headers, rows)
+    return "\n".join(lines) + "\n\n" + report._markdown(headers, rows)
 
 
 def write_chart(result: dict, path: Path) -> str:
@@ -212,7 +214,7 @@ def write_chart(result: dict, path: Path) -> str:
     return f"wrote {path}"
 
 
-def write_report(out: Path, tiny: bool) -> None:
+def write_report(out: Path, tiny: bool, charts: Path | None = None) -> None:
     results = load_results(out, tiny)
     if not results:
         sys.exit(f"no {json_path(out, '*', tiny).name} in {out}: run the budgets first")
@@ -224,6 +226,9 @@ def write_report(out: Path, tiny: bool) -> None:
     print(f"wrote {stem.with_suffix('.md')}")
     for result in results:
         print(write_chart(result, out / f"{stem.name}-{result['model']}.png"))
+        if charts is not None:
+            charts.mkdir(parents=True, exist_ok=True)
+            print(write_chart(result, charts / f"{stem.name}-{result['model']}.png"))
 
 
 def parse_args(argv):
@@ -235,6 +240,8 @@ def parse_args(argv):
     parser.add_argument("--timed-steps", type=int, help=f"timed steps per point (GPU default {GPU_SETTINGS.timed_steps})")
     parser.add_argument("--report", action="store_true", help="only merge the JSONs in --out into the report")
     parser.add_argument("--out", type=Path, default=models.DEFAULT_OUT, help="output directory")
+    parser.add_argument("--charts", type=Path, metavar="DIR",
+                        help="also draw the charts into DIR, same undated names (docs/img: the results page's)")
     return parser.parse_args(argv)
 
 
@@ -253,7 +260,7 @@ def _budgets(text: str | None) -> tuple:
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.report:
-        return write_report(args.out, args.tiny)
+        return write_report(args.out, args.tiny, args.charts)
     tiny = args.tiny or not torch.cuda.is_available()
     import transformers
     transformers.logging.set_verbosity_error()
@@ -269,7 +276,7 @@ def main(argv=None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     for family in families:
         print(f"wrote {run_model(family, modes, budgets, setup, args.out)}", flush=True)
-    write_report(args.out, tiny)
+    write_report(args.out, tiny, args.charts)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ order torchtitan uses:
   ddp_bucket_view    DistributedDataParallel(model, gradient_as_bucket_view=True)
   fsdp2              fully_shard(block) for every block, then fully_shard(model)
 
-`--model bert|gpt2|llama` is a family of benchmarks/models.py (built from its config with random
+`--model bert|gpt2|llama` is a family of benchmarks/lib/hf_models.py (built from its config with random
 weights, use_cache=False, bf16 autocast on a GPU, fp32 at `--size tiny`), in that script's modes:
 models.WRAPPERS[mode] wraps the model (memfuse_per_layer and, when --modes names it,
 torch_compile_per_layer: each transformer layer, as torchtitan compiles its blocks before sharding
@@ -76,11 +76,11 @@ from typing import Optional  # noqa: E402
 import torch  # noqa: E402  (torch alone does not import triton: TRITON_INTERPRET can still be set)
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from benchmarks import fsdp_spans  # noqa: E402
+from benchmarks.lib import fsdp_spans  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MODES = ("eager", "memfuse", "memfuse_compile", "torch_compile")       # the GPT's
-HF_MODELS = ("bert", "gpt2", "llama")        # benchmarks/models.py's FAMILIES (imported late: it loads triton)
+HF_MODELS = ("bert", "gpt2", "llama")        # benchmarks/lib/hf_models.py's FAMILIES (imported late: it loads triton)
 WRAPPERS = ("ddp", "ddp_bucket_view", "fsdp2")
 DROPOUT_MODES = ("eager", "memfuse", "memfuse_compile")
 DROPOUT_SEED = 1234
@@ -107,12 +107,12 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available")
     parser.add_argument("--model", choices=("gpt", *HF_MODELS), default="gpt",
-                        help="gpt: examples/gpt.py; the others: benchmarks/models.py FAMILIES")
+                        help="gpt: examples/gpt.py; the others: benchmarks/lib/hf_models.py FAMILIES")
     parser.add_argument("--size", choices=("tiny", "real"), default="real",
                         help="examples/gpt.py SIZES; for a models.py family, its tiny or full size")
     parser.add_argument("--batch", type=int, default=0, help="global batch (default: the size's batch per rank)")
     parser.add_argument("--modes", default="", help=f"comma-separated (default: all): gpt from {', '.join(MODES)}; "
-                                                    "the others from benchmarks/models.py MODES")
+                                                    "the others from benchmarks/lib/hf_models.py MODES")
     parser.add_argument("--wrappers", default="ddp,fsdp2", help=f"comma-separated, from {', '.join(WRAPPERS)}")
     parser.add_argument("--steps", type=int, default=5, help="training steps compared against eager")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps before timing")
@@ -265,13 +265,13 @@ class GptWorkload:
 
 
 class HfWorkload:
-    """A benchmarks/models.py family, dropout off: models.WRAPPERS[mode] wraps the model (per layer or
+    """A benchmarks/lib/hf_models.py family, dropout off: models.WRAPPERS[mode] wraps the model (per layer or
     whole), then the data-parallel wrapper takes it."""
 
     def __init__(self, args: argparse.Namespace, world: int, device: torch.device, count: int):
         import transformers
 
-        from benchmarks import models
+        from benchmarks.lib import hf_models as models
         transformers.logging.set_verbosity_error()
         self.models, self.name = models, args.model
         self.family = models.FAMILIES[args.model]
@@ -847,7 +847,7 @@ def step_time_split(kernels: list, wall_ms: float, top: int = 8) -> dict:
     it (`exposed_comm_ms`: the collectives the step waits for; NCCL kernels also spin while the other
     rank catches up), and was idle while the step's wall clock ran (`idle_ms`: the host was behind);
     then the time by kernel class (profile_step.CLASSES) and the kernels with the most time."""
-    from benchmarks.profile_step import kernel_class
+    from benchmarks.lib.profiling import kernel_class
     compute = merged_intervals((s, e) for name, s, e in kernels if kernel_class(name) != "communication")
     comm = merged_intervals((s, e) for name, s, e in kernels if kernel_class(name) == "communication")
     busy_ms = _length(merged_intervals([*map(tuple, compute), *map(tuple, comm)])) / 1e3

@@ -8,7 +8,7 @@ stage by stage (trace, plan, schedule, codegen, precompile: Triton's compile on 
 whether the warm run loaded its kernels (`kernels_loaded`) instead of compiling them.
 
 A workload `model:NAME` (bert, gpt2, llama) is a whole HuggingFace model's first training step
-(benchmarks/models.py: its benchmark size on a GPU, tiny with --smoke) in one of models.py's modes:
+(benchmarks/lib/hf_models.py: its benchmark size on a GPU, tiny with --smoke) in one of models.py's modes:
 
     python -m benchmarks.first_call --models bert,gpt2,llama --modes torch_compile,memfuse_whole [--smoke]
 """
@@ -16,97 +16,16 @@ A workload `model:NAME` (bert, gpt2, llama) is a whole HuggingFace model's first
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-CACHE_ENV_VARS = ("MEMFUSE_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
-CHILD_TIMEOUT_S = 600
-RESULT_PREFIX = "FIRST_CALL_RESULT "
-STDERR_TAIL_CHARS = 2000
-REPO_ROOT = Path(__file__).resolve().parent.parent
-MODEL_PREFIX = "model:"  # a workload naming a whole HuggingFace model (benchmarks/models.py)
-
-
-@dataclasses.dataclass(frozen=True)
-class ChildRun:
-    """One fresh process: its whole wall time and what it measured inside."""
-
-    process_s: float  # python start to exit: interpreter, torch import, compile, step
-    import_s: float | None = None  # resolving the mode (imports memfuse, functorch, ...)
-    first_call_s: float | None = None  # wrap + first forward+backward, synchronized
-    stats: object | None = None  # memfuse.stats() after the step, when offered
-    compile_times: dict | None = None  # memfuse.compile_times() after the step: seconds per stage
-    error: str | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class FirstCallResult:
-    workload: str
-    mode: str
-    cold: ChildRun
-    warm: ChildRun
-
-
-def _child_env(cache_dir: str) -> dict[str, str]:
-    env = dict(os.environ)
-    for var in CACHE_ENV_VARS:
-        env[var] = os.path.join(cache_dir, var.lower())
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
-    return env
-
-
-def _run_child(workload: str, mode: str, cache_dir: str, smoke: bool) -> ChildRun:
-    command = [sys.executable, "-m", "benchmarks.first_call", workload, mode] + (["--smoke"] if smoke else [])
-    start = time.perf_counter()
-    try:
-        done = subprocess.run(
-            command, cwd=REPO_ROOT, env=_child_env(cache_dir), capture_output=True, text=True, timeout=CHILD_TIMEOUT_S
-        )
-    except subprocess.TimeoutExpired:
-        return ChildRun(time.perf_counter() - start, error=f"timed out after {CHILD_TIMEOUT_S} s")
-    process_s = time.perf_counter() - start
-    for line in done.stdout.splitlines():
-        if line.startswith(RESULT_PREFIX):
-            return ChildRun(process_s, **json.loads(line[len(RESULT_PREFIX):]))
-    return ChildRun(process_s, error=f"exit {done.returncode}: {done.stderr[-STDERR_TAIL_CHARS:]}")
-
-
-def _seconds(run: ChildRun) -> str:
-    return "error" if run.first_call_s is None else f"{run.first_call_s:.2f} s"
-
-
-def stage_line(run: ChildRun) -> str:
-    """Where the child's memfuse compile time went, and its kernels generated and loaded."""
-    if not run.compile_times or not run.compile_times.get("compile"):
-        return run.error or "no memfuse compile"
-    stages = ", ".join(f"{stage} {seconds:.2f}" for stage, seconds in run.compile_times.items() if stage != "compile")
-    counts = run.stats or {}
-    return (f"memfuse compile {run.compile_times['compile']:.2f} s ({stages}); kernels generated "
-            f"{counts.get('kernels_generated', '?')}, loaded from the index {counts.get('kernels_loaded', '?')}")
-
-
-def measure_first_calls(workloads: list[str], modes: list[str], smoke: bool) -> list[FirstCallResult]:
-    """Cold then warm first call of every (workload, mode), each in a fresh process."""
-    results = []
-    for workload in workloads:
-        for mode in modes:
-            with tempfile.TemporaryDirectory(prefix="memfuse-bench-cache-") as cache_dir:
-                cold = _run_child(workload, mode, cache_dir, smoke)
-                warm = _run_child(workload, mode, cache_dir, smoke)
-            results.append(FirstCallResult(workload, mode, cold, warm))
-            print(f"first call {workload} {mode}: cold {_seconds(cold)}, warm {_seconds(warm)}", flush=True)
-            if mode.startswith("memfuse"):
-                print(f"  cold: {stage_line(cold)}\n  warm: {stage_line(warm)}", flush=True)
-    return results
+from benchmarks.lib.first_calls import MODEL_PREFIX, RESULT_PREFIX, measure_first_calls  # noqa: E402
 
 
 def _child(workload_name: str, mode: str, smoke: bool) -> dict:
@@ -115,9 +34,9 @@ def _child(workload_name: str, mode: str, smoke: bool) -> dict:
         os.environ["TRITON_INTERPRET"] = "1"  # read when @triton.jit decorates: before memfuse
     import torch
 
-    from benchmarks.measure import first_call
-    from benchmarks.modes import memfuse_stats, resolve_modes
-    from benchmarks.workloads import workloads_for
+    from benchmarks.lib.measure import first_call
+    from benchmarks.lib.modes import memfuse_stats, resolve_modes
+    from benchmarks.lib.workloads import workloads_for
 
     device = torch.device("cpu" if smoke else "cuda")
     if workload_name.startswith(MODEL_PREFIX):
@@ -139,8 +58,8 @@ def _model_child(name: str, mode: str, device) -> dict:
     import torch
 
     start = time.perf_counter()
-    from benchmarks import models
-    from benchmarks.modes import memfuse_stats
+    from benchmarks.lib import hf_models as models
+    from benchmarks.lib.modes import memfuse_stats
     import_s = time.perf_counter() - start
     family = models.FAMILIES[name]
     tiny = device.type == "cpu"

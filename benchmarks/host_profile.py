@@ -12,7 +12,7 @@ through Triton's interpreter; then every launch goes through memfuse's direct la
 CPU allocator and no driver is called: compare the two modes, or two versions of memfuse, not
 these numbers with a GPU host's.
 
---layer bert|gpt2|llama: one HuggingFace decoder layer, wrapped as benchmarks/models.py's per-layer
+--layer bert|gpt2|llama: one HuggingFace decoder layer, wrapped as benchmarks/lib/hf_models.py's per-layer
 mode wraps it and called with the arguments its model passes it (recorded from an eager forward:
 Llama's (cos, sin) tuple, masks, keyword constants), against the floor: an autograd.Function over
 the same tensors (the layer's parameters and tensor arguments) that launches nothing. On a GPU the
@@ -28,7 +28,7 @@ backend would have to match per graph piece where FSDP2 steps are host-paced (is
     python -m benchmarks.host_profile --layer llama [--steps 2000] [--stub-launches]
     python -m benchmarks.host_profile --model bert --stub-launches [--modes eager,memfuse_backend,...]
 
---model bert|gpt2|llama (with --stub-launches): the whole model of benchmarks/models.py at its tiny
+--model bert|gpt2|llama (with --stub-launches): the whole model of benchmarks/lib/hf_models.py at its tiny
 size, one training step (forward, loss, backward) per mode, every memfuse program's launches stubbed
 (FusedModules' and the backend's graphs alike): the host Python each wrapping style adds around
 the same externs, and cProfile of the last mode named.
@@ -84,7 +84,7 @@ def _stub_launches(entry) -> None:
 
 def _interleaved(steps: dict, inputs, count: int, repeats: int, device: torch.device) -> dict:
     """Mode name -> its fastest repeat of `count` steps (run_step on `inputs`), in us per step."""
-    from benchmarks.measure import run_step
+    from benchmarks.lib.measure import run_step
     return _interleaved_calls({name: functools.partial(run_step, step, inputs) for name, step in steps.items()},
                               count, repeats, device)
 
@@ -129,7 +129,7 @@ class LayerCall:
 def record_layer_call(family_name: str, device: torch.device, stubbed: bool) -> LayerCall:
     """The first layer of `family_name`'s model (models.py's size, tiny when stubbed) and the
     arguments of its call in one eager forward over [2, 4] token ids (bf16 autocast on a GPU)."""
-    from benchmarks import models
+    from benchmarks.lib import hf_models as models
     family = models.FAMILIES[family_name]
     size = dataclasses.replace(family.tiny if stubbed else family.size, batch=2, seq=4)
     model = models.build(family, size, models.DROPOUT).to(device)
@@ -158,7 +158,7 @@ def _layer_steps(call: LayerCall, fused, compiled, inductor, device: torch.devic
     AOTAutograd's runtime around the same kind of programs: the cost of a graph piece, as FSDP2's
     hooks cut a model into one per layer), and under Inductor where `inductor` is given. Each step
     sets the gradients it made back to None, as run_step does."""
-    from benchmarks.modes import FACTORIES
+    from benchmarks.lib.modes import FACTORIES
     tensors = call.tensors()
     floor = FACTORIES["floor"](None, {})
     grad = torch.ones_like(call.args[0])
@@ -184,7 +184,7 @@ def _interleaved_calls(steps: dict, count: int, repeats: int, device: torch.devi
     """Mode name -> its fastest repeat of `count` calls of its step, in us per step. On the CPU
     proxy the clock is the process's CPU time (one torch thread): other work on a shared host
     then stretches the wall clock, not the measure."""
-    from benchmarks.measure import synchronize
+    from benchmarks.lib.measure import synchronize
     clock = time.process_time if device.type == "cpu" else time.perf_counter
     best = {name: float("inf") for name in steps}
     for _ in range(repeats):
@@ -265,7 +265,7 @@ def _fully_sharded(model, family) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from benchmarks import models
+    from benchmarks.lib import hf_models as models
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29511")
@@ -285,7 +285,7 @@ def profile_model(family_name: str, modes: list, steps: int, fsdp2: bool = False
     from memfuse.patterns.loss_head import op as loss_head
     from memfuse.runtime import program as runtime
     from memfuse.fronts.backend import watch
-    from benchmarks import models
+    from benchmarks.lib import hf_models as models
     torch.set_num_threads(1)
     cpu_allocate = runtime._allocator(torch.device("cpu"))
     # stubbed kernels write nothing: zeroed buffers keep the indices later externs read in range
@@ -333,7 +333,7 @@ def main() -> None:
     parser.add_argument("--fsdp2", action="store_true",
                         help="--model: every layer, then the model, fully_shard-ed on a one-rank gloo group")
     parser.add_argument("--modes", default="eager,memfuse_per_layer,memfuse_backend,memfuse_per_layer_backend",
-                        help="--model's modes (benchmarks.models.WRAPPERS), cProfile of the last")
+                        help="--model's modes (benchmarks.lib.hf_models.WRAPPERS), cProfile of the last")
     args = parser.parse_args()
     if args.model and not args.stub_launches:
         parser.error("--model runs on the CPU proxy only: add --stub-launches")
@@ -344,9 +344,9 @@ def main() -> None:
     if args.layer:
         return profile_layer(args.layer, args.steps, args.stub_launches)
     import memfuse
-    from benchmarks.measure import run_step
-    from benchmarks.modes import FACTORIES
-    from benchmarks.workloads import registry
+    from benchmarks.lib.measure import run_step
+    from benchmarks.lib.modes import FACTORIES
+    from benchmarks.lib.workloads import registry
 
     workload = next(w for w in registry() if w.name.startswith(args.workload))
     if args.tiny or args.stub_launches:

@@ -43,7 +43,7 @@ if __package__ in (None, ""):
 
 import torch
 
-# The step's modules (benchmarks.models, memfuse) are imported by the functions of the first process
+# The step's modules (benchmarks.lib.hf_models, memfuse) are imported by the functions of the first process
 # only: importing them turns the interpreter on where there is no GPU, and the second process, which
 # compiles for sm_90, must import Triton with it off.
 MODEL_NAMES = ("bert", "gpt2", "llama")
@@ -63,7 +63,7 @@ def step_kernels(model_name: str, tokens: int, autocast: bool) -> list:
     """(graph, KernelLaunch) of each kernel of one training step of the whole model wrapped
     (`memory_efficient_fusion`), at the model's width and `tokens` tokens: under the CPU's bf16
     autocast as the GPU runs under CUDA's (their op lists are close, not the same), or in fp32."""
-    from benchmarks.models import FAMILIES, TINY_SETTINGS, WRAPPERS, Setup, Templates, fresh, make_batch
+    from benchmarks.lib.hf_models import FAMILIES, TINY_SETTINGS, WRAPPERS, Setup, Templates, fresh, make_batch
     from memfuse.runtime.program import KernelLaunch
     family = FAMILIES[model_name]
     size = dataclasses.replace(family.size, batch=1, seq=tokens)
@@ -86,7 +86,7 @@ def manifest_entry(graph, launch) -> dict:
     """What compiling the kernel (a runtime.KernelLaunch) for sm_90 needs (its file, signature,
     constexprs, an H100's default launch configuration) and what judging it needs (bytes a row,
     tile, whether one tile a program)."""
-    from benchmarks.kernel_sol import _config
+    from benchmarks.lib.kernel_timing import config_text
     from memfuse.base.config import Config
     from memfuse.runtime.precompile import warmup_arguments
     from memfuse.codegen.tuning import source_config
@@ -100,7 +100,7 @@ def manifest_entry(graph, launch) -> dict:
                  "fp32" if isinstance(arg, float) else "i32" for name, arg in zip(names, args)}
     return {"path": str(launch.kernel.path), "name": launch.kernel.function_name, "signature": signature,
             "constexprs": keywords,
-            "num_warps": num_warps, "num_stages": chosen.num_stages, "config": _config(dataclasses.asdict(chosen)),
+            "num_warps": num_warps, "num_stages": chosen.num_stages, "config": config_text(dataclasses.asdict(chosen)),
             "block_m": chosen.block_m, "block_d": source.constexprs["BLOCK_D"], "d": source.constexprs["D"],
             "bytes_per_row": source.bytes_per_row, "summary": source.summary,
             "one_tile": not source.persistent and source.passes is None,

@@ -31,10 +31,10 @@ if __package__ in (None, ""):
 
 import torch
 
-from benchmarks.models import FAMILIES, GPU_SETTINGS, TINY_SETTINGS, WRAPPERS, Setup, Templates, fresh, make_batch, \
-    train_step
-from benchmarks.long_rows import copy_bandwidth
-from benchmarks.profile_step import profiled_step
+from benchmarks.lib.hf_models import (FAMILIES, GPU_SETTINGS, TINY_SETTINGS, WRAPPERS, Setup, Templates, fresh,
+                                      make_batch, train_step)
+from benchmarks.lib.kernel_timing import best_of, config_text, copy_bandwidth, sweep
+from benchmarks.lib.profiling import profiled_step
 from memfuse.runtime.program import launch_log
 
 MEMFUSE_MODES = ("memfuse_backend", "memfuse_whole", "memfuse_per_layer", "memfuse_per_layer_backend")
@@ -80,7 +80,6 @@ def tune_slow(launches: list, model, batch: dict, setup: Setup, bandwidth: float
     the first of them, whose result stands for the others (`"as"`: its name): a sweep compiles
     every configuration it times (`tiles`: only these (rows, warps), see tune.sweep).
     -> {KernelLaunch: {"alone_ms", "best_ms", "best_config"[, "as"]}}; each launch is left as it was."""
-    from benchmarks.tune import best_of, sweep
     slow = list({r.launch: r for r, ms in launches if below_target(r, ms, bandwidth, min_ms)}.items())
     first_of: dict = {}
     for launch, record in slow:
@@ -145,15 +144,10 @@ def sol_model(model_name: str, mode: str, setup: Setup, bandwidth: float | None,
             "launches": rows}
 
 
-def _config(c: dict) -> str:
-    text = f"{c['block_m']}x, {c['num_warps']}w"
-    return text + (f", {c['programs_per_sm']}/SM, {c['num_stages']}st" if c["programs_per_sm"] else "")
-
-
 def _tuned(row: dict) -> str:
     if "best_ms" not in row:
         return "-"
-    found = f"{row['alone_ms']:.3f}, {row['best_ms']:.3f} ({row['best_sol']:.0%}): {_config(row['best_config'])}"
+    found = f"{row['alone_ms']:.3f}, {row['best_ms']:.3f} ({row['best_sol']:.0%}): {config_text(row['best_config'])}"
     return found + (f" (as `{row['as']}`)" if "as" in row else "")
 
 
@@ -180,7 +174,7 @@ def report(result: dict) -> str:
         cells = [f"{r['ms']:.3f}", f"{r['gb_s']:.0f}", f"{r['sol']:.0%}", _tuned(r)] if timed else []
         cells += [f"{r['must_move'] / MB:.2f}", f"{r['partials'] / MB:.2f}" if r["partials"] else "-",
                   str(r["rows"]) if r["rows"] is not None else "-", str(r["d"]), str(r["programs"]),
-                  _config(r["config"]), f"`{r['kernel']}` ({Path(r['path']).stem.rsplit('_', 1)[-1][:6]})", r["summary"]]
+                  config_text(r["config"]), f"`{r['kernel']}` ({Path(r['path']).stem.rsplit('_', 1)[-1][:6]})", r["summary"]]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 import memfuse
-from benchmarks.workloads import registry, sol_bytes
+from benchmarks.lib.kernel_timing import copy_bandwidth
+from benchmarks.lib.workloads import registry, sol_bytes
 
 
 def compare_limits(args) -> None:
@@ -49,14 +50,6 @@ def loss_bytes(rows: int, vocabulary: int) -> tuple:
     per-row logsumexp kept between them is M * 4 bytes: left out)."""
     logits, target = rows * vocabulary * 2, rows * 8
     return logits + target, 3 * logits + 2 * target
-
-
-def copy_bandwidth() -> float:
-    """Bytes per second of a 1 GiB device-to-device copy (read + write), measured now."""
-    source = torch.empty(1 << 28, dtype=torch.float32, device="cuda")
-    target = torch.empty_like(source)
-    ms = do_bench(lambda: target.copy_(source), warmup=25, rep=200, return_mode="median")
-    return 2 * source.nbytes / (ms * 1e-3)
 
 
 def loss_kernels(fused) -> str:

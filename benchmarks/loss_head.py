@@ -17,7 +17,7 @@ Writes loss-head-<variant>.json and .md into --out (variant: the dtype, or "auto
 
 Without CUDA, or with --tiny, a tiny head runs on CPU in fp32 through the Triton interpreter
 (torch.compile's peers only when --peers names them): a smoke run of the harness, not a
-measurement (loss-head-tiny-*). docs/benchmarks.md defines every column.
+measurement (loss-head-tiny-*). docs/results.md says how the columns are measured.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ from typing import Callable
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import models  # noqa: E402  (sets TRITON_INTERPRET for --tiny before triton loads)
+from benchmarks.lib import hf_models as models  # noqa: E402  (sets TRITON_INTERPRET for --tiny before triton loads)
+from benchmarks.lib import report  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -469,7 +470,7 @@ def _note(row: dict) -> str:
 
 def _chunked(row: dict) -> str:
     if row["chunked_loss_head"] is None:
-        return models.MISSING
+        return report.MISSING
     return "chunked" if row["chunked_loss_head"] else "not chunked"
 
 
@@ -477,7 +478,7 @@ def render(result: dict, markdown: bool) -> str:
     meta, w = result["metadata"], result["metadata"]["workload"]
     headers = ["form", "peer", "ms/step", "vs fastest", "host ms", "peak MB", "vs least", "1st call s", "loss",
                "loss err", "grad err", "loss head", "note"]
-    fmt = models._fmt
+    fmt = report._fmt
     body = [[r["form"], r["peer"], fmt(r["step_s"], ".2f", 1e3), fmt(r["time_ratio"], ".2f", suffix="x"),
              fmt(r.get("host_s"), ".2f", 1e3),
              fmt(r["peak_bytes"], ".0f", 1 / MB), fmt(r["memory_ratio"], ".2f", suffix="x"),
@@ -486,7 +487,7 @@ def render(result: dict, markdown: bool) -> str:
     head = (f"- {w['tokens']} tokens x hidden {w['hidden']} -> vocab {w['vocab']}, {meta['precision']}, "
             f"{w['ignore_fraction']:.0%} of targets ignored; {meta['device']}, torch {meta['torch']}, "
             f"triton {meta['triton']}, liger-kernel {meta['liger_kernel'] or 'not installed'}, {meta['date']}")
-    table = models._markdown(headers, body) if markdown else models._table(headers, body)
+    table = report._markdown(headers, body) if markdown else report._table(headers, body)
     targets = [f"- {line}" for line in result["targets"]]
     explained = [f"- {r['form']} {r['peer']}: {line}" for r in result["rows"] for line in r["explain"]]
     return "\n".join([head, "", table, "", "Target (issue 18):", *targets, "", "memfuse.explain:", *explained])

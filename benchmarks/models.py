@@ -1,547 +1,40 @@
 """Whole HuggingFace models side by side: a training step (forward, loss, backward) in six modes.
 
     python -m benchmarks.models [--models bert,gpt2,llama] [--modes NAME,..] [--tiny] [--use-cache] [--out DIR]
-    python -m benchmarks.models --report [--tiny] [--out DIR]
+    python -m benchmarks.models --report [--tiny] [--out DIR] [--charts DIR]
 
 BERT (masked LM), GPT-2 and Llama (causal LM) are built from configs with random weights (nothing
 is downloaded) and trained on random token ids under bf16 autocast, parameters in fp32, with
 `config.use_cache = False` as in training. Each model runs every mode in this process, one after
 another, each from a fresh copy of the same weights, and writes models-<model>.json into --out as
 soon as it is done; then every models-*.json in --out is merged into models.md and models.png
-(--report does only that). Besides speed and memory, each mode trains one step of a dropout-free
-copy of the model, compared with eager on the same weights and tokens.
+(--report does only that); --charts DIR (docs/img) draws models.png there too. Besides speed and
+memory, each mode trains one step of a dropout-free copy of the model, compared with eager on the
+same weights and tokens.
 
 Without CUDA, or with --tiny, tiny configs run on CPU in fp32 through the Triton interpreter: a
 smoke run of the harness, not a measurement (models-tiny-*.json, models-tiny.md; torch_compile only
 when --modes names it). torch_compile_per_layer (each layer compiled, the rest eager, as torchtitan
-compiles its blocks) runs only when --modes names it. docs/benchmarks.md defines every column.
+compiles its blocks) runs only when --modes names it. docs/results.md says how the columns are measured.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import copy
-import dataclasses
-import datetime
-import functools
-import gc
 import json
-import operator
 import os
-import platform
-import statistics
 import sys
-import time
-import traceback
 from pathlib import Path
-from typing import Callable
 
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch
-
-if "--tiny" in sys.argv or not torch.cuda.is_available():
-    # Read when @triton.jit decorates, Triton's own helpers included: before anything imports
-    # triton (torch._dynamo does).
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import torch._dynamo  # noqa: E402
-from torch import nn  # noqa: E402
-
-import memfuse  # noqa: E402
-from memfuse.fronts.backend import memfuse_backend  # noqa: E402
-from benchmarks.report import MISSING, _fmt, _table  # noqa: E402
-
-DEFAULT_OUT = Path(__file__).resolve().parent / "results"
-MODEL_SEED = 0  # the weights every mode starts from
-DATA_SEED = 1  # the token ids and labels
-DROPOUT = 0.1
-MB = 1e6
-# A gradient's error is measured against max(its own norm, this share of the largest gradient
-# norm): BERT's attention key bias has a gradient of ~0 (softmax ignores a shift shared by every
-# key), so its error relative to itself is noise.
-GRAD_SCALE_FLOOR = 1e-3
-ERROR_CHARS = 160  # of an error message in the Markdown table (the JSON has it whole)
-TINY_BANNER = (
-    "=" * 88 + "\n"
-    "TINY RUN: tiny configs on CPU, fp32, memfuse through the Triton interpreter.\n"
-    "These numbers say NOTHING about performance; they only show the harness and modes work.\n"
-    + "=" * 88
-)
-
-
-# -- the models -----------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class Size:
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    ffn: int
-    vocab: int
-    batch: int
-    seq: int
-
-
-@dataclasses.dataclass(frozen=True)
-class Family:
-    name: str
-    model_class: str  # in transformers
-    layers: str  # attribute path of the ModuleList of transformer layers (wrapped one by one)
-    size: Size
-    tiny: Size
-    config: Callable[[Size, float], object]  # (size, dropout) -> a transformers config
-
-
-def _bert_config(size: Size, dropout: float):
-    from transformers import BertConfig
-
-    return BertConfig(hidden_size=size.hidden, num_hidden_layers=size.layers, num_attention_heads=size.heads,
-                      intermediate_size=size.ffn, vocab_size=size.vocab, max_position_embeddings=max(512, size.seq),
-                      hidden_dropout_prob=dropout, attention_probs_dropout_prob=0.0)
-
-
-def _gpt2_config(size: Size, dropout: float):
-    from transformers import GPT2Config
-
-    return GPT2Config(n_embd=size.hidden, n_layer=size.layers, n_head=size.heads, n_inner=size.ffn,
-                      vocab_size=size.vocab, n_positions=size.seq, bos_token_id=size.vocab - 1,
-                      eos_token_id=size.vocab - 1, resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=0.0)
-
-
-def _llama_config(size: Size, dropout: float):
-    from transformers import LlamaConfig
-
-    assert dropout in (0.0, DROPOUT), dropout  # Llama has no dropout but attention's (left at 0)
-    return LlamaConfig(hidden_size=size.hidden, num_hidden_layers=size.layers, num_attention_heads=size.heads,
-                       num_key_value_heads=size.kv_heads, intermediate_size=size.ffn, vocab_size=size.vocab,
-                       max_position_embeddings=size.seq, bos_token_id=1, eos_token_id=2)
-
-
-FAMILIES = {f.name: f for f in (
-    Family("bert", "BertForMaskedLM", "bert.encoder.layer",
-           Size(768, 4, 12, 12, 3072, 30522, 32, 512), Size(64, 2, 4, 4, 128, 100, 2, 16), _bert_config),
-    Family("gpt2", "GPT2LMHeadModel", "transformer.h",
-           Size(768, 4, 12, 12, 3072, 50257, 16, 1024), Size(64, 2, 4, 4, 256, 101, 2, 16), _gpt2_config),
-    Family("llama", "LlamaForCausalLM", "model.layers",
-           Size(1024, 4, 16, 4, 2816, 32000, 8, 2048), Size(64, 2, 4, 2, 96, 100, 2, 16), _llama_config),
-)}
-
-
-def build(family: Family, size: Size, dropout: float, weights: dict | None = None, use_cache: bool = False
-          ) -> nn.Module:
-    """A model from its config, in training mode, on the CPU: random weights drawn from
-    MODEL_SEED, or `weights` (a state_dict) loaded over them. No cache by default: a training step
-    needs no keys and values kept for generation, and a per-layer wrapper takes no Cache object."""
-    import transformers
-
-    config = family.config(size, dropout)
-    config.use_cache = use_cache
-    torch.manual_seed(MODEL_SEED)
-    model = getattr(transformers, family.model_class)(config)
-    if getattr(model, "loss_type", "") is None:
-        # GPT2LMHeadModel's name gives transformers no loss type: its `loss_function` then warns once
-        # through an lru_cache'd logger, where Dynamo breaks the graph between the head and the loss
-        # (every compiled mode). The loss it falls back to, named: the same loss, one graph.
-        model.loss_type = "ForCausalLM"
-    if weights is not None:
-        model.load_state_dict(weights)
-    return model.train()
-
-
-@dataclasses.dataclass(frozen=True)
-class Templates:
-    """One model's two CPU originals with the same weights; every mode trains copies of them."""
-
-    dropout: nn.Module  # DROPOUT where the family has dropout: the speed and memory steps
-    dropout_free: nn.Module  # every dropout probability 0.0: the steps compared with eager
-
-    @staticmethod
-    def build(family: Family, size: Size, use_cache: bool) -> "Templates":
-        model = build(family, size, DROPOUT, use_cache=use_cache)
-        return Templates(model, build(family, size, 0.0, model.state_dict(), use_cache))
-
-
-def fresh(template: nn.Module, device: torch.device) -> nn.Module:
-    return copy.deepcopy(template).to(device)
-
-
-def layer_list(model: nn.Module, family: Family) -> nn.ModuleList:
-    return operator.attrgetter(family.layers)(model)
-
-
-def make_batch(size: Size, device: torch.device) -> dict:
-    """Random token ids, and random token ids as labels (every position counts in the loss)."""
-    generator = torch.Generator().manual_seed(DATA_SEED)
-    ids, labels = (torch.randint(0, size.vocab, (size.batch, size.seq), generator=generator) for _ in range(2))
-    return {"input_ids": ids.to(device), "labels": labels.to(device)}
-
-
-# -- the modes ------------------------------------------------------------------------------------
-def _each_layer(wrap: Callable[[nn.Module], nn.Module]) -> Callable[[nn.Module, Family], nn.Module]:
-    """A mode that wraps every transformer layer in place and leaves the rest of the model eager."""
-    def wrapper(model: nn.Module, family: Family) -> nn.Module:
-        layers = layer_list(model, family)
-        for index in range(len(layers)):
-            layers[index] = wrap(layers[index])
-        return model
-    return wrapper
-
-
-def _fused_layers_then_backend(model: nn.Module, family: Family) -> Callable:
-    """Each layer fused in place, then the model through the backend: Dynamo runs a FusedModule as
-    it is (a graph break at each layer), and the backend compiles the rest, its loss head chunked."""
-    return _through_backend(_each_layer(memfuse.memory_efficient_fusion)(model, family))
-
-
-def _through_backend(model: nn.Module) -> Callable:
-    """`torch.compile(model, backend="memfuse")` with a backend callable of its own, as one model in
-    its own process has. Dynamo keeps compiled code per code object and runs any entry whose guards
-    pass and whose backend compares equal (two `backend="memfuse"` calls do). The modes of a run are
-    models of one class sharing transformers' wrapper frames, whose entries guard little more than
-    the model's type: the backend's model ran the graphs each-layer-fused-with-the-backend had
-    compiled, graph breaks at every layer included, and its layers compiled on their own (two H200s
-    under DDP, 2026-11-27: 10-17% slower than its own graph)."""
-    return torch.compile(model, backend=functools.partial(memfuse_backend))
-
-
-WRAPPERS: dict[str, Callable[[nn.Module, Family], Callable]] = {
-    "eager": lambda model, family: model,
-    "torch_compile": lambda model, family: torch.compile(model),
-    "memfuse_backend": lambda model, family: _through_backend(model),
-    "memfuse_whole": lambda model, family: memfuse.memory_efficient_fusion(model),
-    # the embeddings, final norm, head and loss stay eager
-    "memfuse_per_layer": _each_layer(memfuse.memory_efficient_fusion),
-    # the same layers; the embeddings, final norm, head and loss through the backend
-    "memfuse_per_layer_backend": _fused_layers_then_backend,
-    # torchtitan's way under FSDP2: each block compiled, then sharded (`--modes` adds it)
-    "torch_compile_per_layer": _each_layer(torch.compile),
-}
-# Without a GPU, torch.compile's first step builds C++ kernels for a minute or more: --modes adds it.
-COMPILING_MODES = ("torch_compile", "torch_compile_per_layer")
-ALL_MODES = tuple(WRAPPERS)                      # what --modes may name
-MODES = tuple(m for m in ALL_MODES if m != "torch_compile_per_layer")   # the default run
-TINY_MODES = tuple(m for m in MODES if m not in COMPILING_MODES)
-DYNAMO_MODES = ("torch_compile", "memfuse_backend", "memfuse_per_layer_backend")
-BASELINE_MODE = "torch_compile"  # "vs compile" divides by this mode's it/s; its errors are the noise floor
-
-
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    warmup_steps: int  # after the first step
-    timed_steps: int  # each timed on its own; the median is reported
-
-
-GPU_SETTINGS = Settings(warmup_steps=3, timed_steps=10)
-TINY_SETTINGS = Settings(warmup_steps=0, timed_steps=1)
-
-
-@dataclasses.dataclass(frozen=True)
-class Setup:
-    """Where and how every step of a run executes."""
-
-    device: torch.device
-    tiny: bool
-    settings: Settings
-    use_cache: bool = False  # the models' config.use_cache
-
-    def autocast(self):
-        if self.tiny:
-            return contextlib.nullcontext()  # fp32: the interpreter is slow enough
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-
-    def synchronize(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-
-def forward_loss(model: Callable, batch: dict, setup: Setup) -> torch.Tensor:
-    with setup.autocast():
-        return model(**batch).loss
-
-
-def train_step(model: Callable, batch: dict, setup: Setup) -> torch.Tensor:
-    loss = forward_loss(model, batch, setup)
-    loss.backward()
-    return loss.detach()
-
-
-# -- one model x mode -----------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class Row:
-    """One model x mode. Fields are None where not measured (memory on CPU) or where it failed."""
-
-    model: str
-    mode: str
-    first_step_s: float | None = None  # wrap + first step, compile included
-    step_s: float | None = None  # median of the timed steps
-    step_samples_s: tuple = ()
-    peak_bytes: int | None = None  # a step's peak above the memory allocated at its start
-    kept_bytes: int | None = None  # allocated after forward+loss minus before: kept for the backward
-    memfuse_compile: dict | None = None  # memfuse.stats() after the first step (a mode that compiles)
-    memfuse_compile_s: dict | None = None  # memfuse.compile_times() after the first step: seconds per stage
-    memfuse_per_step: dict | None = None  # the counters' growth over the later steps, per step
-    dynamo: dict | None = None  # Dynamo's graph and graph-break counts (torch.compile modes)
-    error: str | None = None  # the speed/memory part raised: type and message
-    loss: float | None = None  # the dropout-free copy's first-step loss
-    loss_error: float | None = None  # |loss - eager's| / |eager's|
-    grad_error: float | None = None  # worst over parameters, see grad_error()
-    worst_grad: str | None = None  # the parameter with that error
-    check_error: str | None = None  # the dropout-free check raised
-
-    @property
-    def it_s(self) -> float | None:
-        return 1.0 / self.step_s if self.step_s else None
-
-
-def isolate(setup: Setup) -> None:
-    """Forget every earlier mode: Dynamo's caches and counters, memfuse's counters, freed memory."""
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    memfuse.reset_stats()
-    gc.collect()
-    if setup.device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(setup.device)
-
-
-def step_seconds(run: Callable[[], object], steps: int, setup: Setup) -> list[float]:
-    """Each step's time: CUDA events around it on a GPU, the host clock on CPU."""
-    if setup.device.type != "cuda":
-        samples = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            run()
-            samples.append(time.perf_counter() - start)
-        return samples
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
-    setup.synchronize()
-    for start, end in events:
-        start.record()
-        run()
-        end.record()
-    setup.synchronize()
-    return [start.elapsed_time(end) * 1e-3 for start, end in events]
-
-
-def step_memory(model: Callable, batch: dict, setup: Setup) -> tuple[int, int]:
-    """(peak, kept) of one step, relative to what is allocated at its start: the model, its
-    gradients (they exist: earlier steps made them) and the batch."""
-    setup.synchronize()
-    before = torch.cuda.memory_allocated(setup.device)
-    torch.cuda.reset_peak_memory_stats(setup.device)
-    loss = forward_loss(model, batch, setup)
-    setup.synchronize()
-    kept = torch.cuda.memory_allocated(setup.device) - before
-    loss.backward()
-    setup.synchronize()
-    return torch.cuda.max_memory_allocated(setup.device) - before, kept
-
-
-def _counter_growth(after: dict, before: dict, steps: int) -> dict:
-    return {name: (after[name] - before.get(name, 0)) / steps for name in after}
-
-
-def _dynamo_counts() -> dict:
-    counters = torch._dynamo.utils.counters
-    return {"graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values())}
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    """One model's run: the family, where its steps execute, the originals every mode copies and
-    the batch every mode trains on."""
-
-    family: Family
-    setup: Setup
-    templates: Templates
-    batch: dict
-
-
-def measure_speed(case: Case, mode: str) -> Row:
-    """First step (wrap and compile included), warm-up, the timed steps, then one step's memory."""
-    setup, batch = case.setup, case.batch
-    model = fresh(case.templates.dropout, setup.device)
-    setup.synchronize()
-    start = time.perf_counter()
-    wrapped = WRAPPERS[mode](model, case.family)
-    train_step(wrapped, batch, setup)
-    setup.synchronize()
-    first_step_s = time.perf_counter() - start
-    compiled, compile_s = memfuse.stats(), memfuse.compile_times()
-    model.zero_grad(set_to_none=False)  # the gradients stay allocated: part of the model's own memory
-    for _ in range(setup.settings.warmup_steps):
-        train_step(wrapped, batch, setup)
-    samples = step_seconds(lambda: train_step(wrapped, batch, setup), setup.settings.timed_steps, setup)
-    steps = setup.settings.warmup_steps + setup.settings.timed_steps
-    peak = kept = None
-    if setup.device.type == "cuda":
-        peak, kept = step_memory(wrapped, batch, setup)
-        steps += 1
-    return Row(case.family.name, mode, first_step_s=first_step_s, step_s=statistics.median(samples),
-               step_samples_s=tuple(samples), peak_bytes=peak, kept_bytes=kept, memfuse_compile=compiled,
-               memfuse_compile_s=compile_s,
-               memfuse_per_step=_counter_growth(memfuse.stats(), compiled, steps),
-               dynamo=_dynamo_counts() if mode in DYNAMO_MODES else None)
-
-
-def gradients(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Each parameter's gradient by its name in the plain model (a layer torch.compile wrapped in
-    place names its parameters through `_orig_mod`)."""
-    return {_plain_name(name): p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
-
-
-def _plain_name(name: str) -> str:
-    return ".".join(part for part in name.split(".") if part != "_orig_mod")
-
-
-def grad_error(grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> tuple[float, str]:
-    """The worst parameter's ||grad - reference|| / max(||reference||, GRAD_SCALE_FLOOR x the
-    largest reference norm), in fp32; a gradient missing where the reference has one is inf."""
-    norms = {name: ref.float().norm().item() for name, ref in reference.items()}
-    floor = GRAD_SCALE_FLOOR * max(norms.values())
-    errors = {
-        name: (grads[name].float() - ref.float()).norm().item() / max(norms[name], floor)
-        if name in grads else float("inf")
-        for name, ref in reference.items()
-    }
-    worst = max(errors, key=errors.get)
-    return errors[worst], worst
-
-
-@dataclasses.dataclass(frozen=True)
-class StepResult:
-    """A step's loss and its parameters' gradients (by name)."""
-
-    loss: float
-    grads: dict[str, torch.Tensor]
-
-
-def dropout_free_step(case: Case, mode: str) -> StepResult:
-    """One step of a fresh dropout-free copy in `mode`: its loss and its parameters' gradients."""
-    model = fresh(case.templates.dropout_free, case.setup.device)
-    loss = train_step(WRAPPERS[mode](model, case.family), case.batch, case.setup)
-    return StepResult(loss.item(), gradients(model))
-
-
-def check(case: Case, row: Row, reference: StepResult) -> Row:
-    """The dropout-free copy's loss and gradients against eager's (eager's row: a second eager copy,
-    so its errors show eager's own run-to-run differences)."""
-    result = dropout_free_step(case, row.mode)
-    error, worst = grad_error(result.grads, reference.grads)
-    loss = result.loss
-    return dataclasses.replace(row, loss=loss, loss_error=abs(loss - reference.loss) / abs(reference.loss),
-                               grad_error=error, worst_grad=worst)
-
-
-def _error_text(error: Exception) -> str:
-    """The type, where it was raised (the innermost frame outside torch and triton) and the message;
-    the traceback goes to stderr."""
-    traceback.print_exc()
-    frames = [f for f in traceback.extract_tb(error.__traceback__)
-              if not any(part in Path(f.filename).parts for part in ("torch", "triton"))]
-    if not frames:
-        return f"{type(error).__name__}: {error}"
-    where = "/".join(Path(frames[-1].filename).parts[-2:])
-    return f"{type(error).__name__} at {where}:{frames[-1].lineno} ({frames[-1].name}): {error}"
-
-
-def run_mode(case: Case, mode: str, reference: StepResult | None) -> Row:
-    """Speed and memory, then the dropout-free check; either part that raises is reported in the row."""
-    print(f"{case.family.name} {mode} ...", flush=True)
-    row = Row(case.family.name, mode)
-    isolate(case.setup)
-    try:
-        row = measure_speed(case, mode)
-    except Exception as error:  # one failing mode must not end the comparison
-        row = dataclasses.replace(row, error=_error_text(error))
-    isolate(case.setup)
-    try:
-        if reference is None:
-            raise RuntimeError("no eager reference (eager's dropout-free step failed)")
-        row = check(case, row, reference)
-    except Exception as error:  # reported in the row
-        row = dataclasses.replace(row, check_error=_error_text(error))
-    isolate(case.setup)
-    return row
-
-
-def run_model(family: Family, modes: tuple[str, ...], setup: Setup) -> dict:
-    """Every mode on the same weights and tokens; the model's part of the JSON."""
-    size = family.tiny if setup.tiny else family.size
-    templates = Templates.build(family, size, setup.use_cache)
-    case = Case(family, setup, templates, make_batch(size, setup.device))
-    reference = None
-    try:
-        reference = dropout_free_step(case, "eager")
-    except Exception as error:  # every row's check says so
-        _error_text(error)
-    rows = [run_mode(case, mode, reference) for mode in modes]
-    config = templates.dropout.config
-    return {"model": family.name, "class": family.model_class, "size": dataclasses.asdict(size),
-            "dropout": DROPOUT, "use_cache": config.use_cache, "attention": config._attn_implementation,
-            "parameters": sum(p.numel() for p in templates.dropout.parameters()),
-            "rows": [{**dataclasses.asdict(r), "it_s": r.it_s} for r in rows]}
-
-
-# -- metadata, files ------------------------------------------------------------------------------
-def _version(module: str) -> str | None:
-    try:
-        return __import__(module).__version__
-    except ImportError:
-        return None
-
-
-def metadata(setup: Setup) -> dict:
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "tiny": setup.tiny,
-        "device": (platform.processor() or "cpu") if setup.tiny else torch.cuda.get_device_name(setup.device),
-        "torch": torch.__version__,
-        "triton": _version("triton"),
-        "transformers": _version("transformers"),
-        "cuda": torch.version.cuda,
-        "python": platform.python_version(),
-        "precision": "fp32" if setup.tiny else "bf16 autocast, fp32 parameters",
-        "argv": sys.argv[1:],
-        "settings": dataclasses.asdict(setup.settings),
-        "definitions": {
-            "it_s": "1 / median time of the timed steps (CUDA events around each; host clock on CPU); "
-                    "a step is forward, loss, backward into gradients that stay allocated",
-            "peak_bytes": "max_memory_allocated over one step - memory_allocated at its start "
-                          "(model, gradients, batch)",
-            "kept_bytes": "memory_allocated after forward+loss - at the step's start: kept for the backward",
-            "first_step_s": "wrap + first step, compile included, in this process (earlier modes "
-                            "may have left kernels in the compile caches)",
-            "memfuse_compile": "memfuse.stats() after the first step",
-            "memfuse_compile_s": "memfuse.compile_times() after the first step: seconds per compile stage "
-                                 "(docs/debugging.md)",
-            "memfuse_per_step": "growth of memfuse.stats() over the later steps, per step",
-            "loss_error": "dropout-free copy: |loss - eager's| / |eager's| on the same weights and tokens",
-            "grad_error": "dropout-free copy: max over parameters of ||g - eager's g|| / "
-                          f"max(||eager's g||, {GRAD_SCALE_FLOOR:g} x the largest ||eager's g||)",
-        },
-    }
-
-
-def json_path(out_dir: Path, model: str, tiny: bool) -> Path:
-    return out_dir / f"models-{'tiny-' if tiny else ''}{model}.json"
-
-
-def report_stem(out_dir: Path, tiny: bool) -> Path:
-    return out_dir / ("models-tiny" if tiny else "models")
-
-
-def load_results(out_dir: Path, tiny: bool) -> list[dict]:
-    """Every model's JSON in out_dir of this kind (tiny or not), in FAMILIES order."""
-    found = {}
-    for name in FAMILIES:
-        path = json_path(out_dir, name, tiny)
-        if path.exists():
-            found[name] = json.loads(path.read_text())
-    return list(found.values())
+import torch  # noqa: E402
+
+from benchmarks.lib.hf_models import (ALL_MODES, BASELINE_MODE, DEFAULT_OUT, ERROR_CHARS, FAMILIES,  # noqa: E402
+                                      GPU_SETTINGS, MB, MODES, TINY_BANNER, TINY_MODES, TINY_SETTINGS, Setup,
+                                      _names, json_path, load_results, metadata, report_stem, run_model)
+from benchmarks.lib.report import MISSING, _fmt, _markdown, _table  # noqa: E402
 
 
 # -- the report -----------------------------------------------------------------------------------
@@ -581,11 +74,6 @@ def _table_rows(result: dict, graph_fallbacks: bool) -> list[list[str]]:
 
 def _has_counter(results: list[dict], name: str) -> bool:
     return any(name in (row["memfuse_compile"] or {}) for result in results for row in result["rows"])
-
-
-def _markdown(headers: list[str], rows: list[list[str]]) -> str:
-    lines = [headers, ["---"] * len(headers), *rows]
-    return "\n".join("| " + " | ".join(line) + " |" for line in lines)
 
 
 def render(results: list[dict], markdown: bool) -> str:
@@ -646,8 +134,9 @@ def write_chart(results: list[dict], path: Path) -> str:
     return f"wrote {path}"
 
 
-def write_report(out_dir: Path, tiny: bool) -> None:
-    """Merge every model's JSON of this kind in out_dir: stdout, <stem>.md and <stem>.png."""
+def write_report(out_dir: Path, tiny: bool, charts: Path | None = None) -> None:
+    """Merge every model's JSON of this kind in out_dir: stdout, <stem>.md and <stem>.png (and
+    charts/<stem>.png when given)."""
     results = load_results(out_dir, tiny)
     if not results:
         sys.exit(f"no {json_path(out_dir, '*', tiny).name} in {out_dir}: run the models first"
@@ -661,19 +150,12 @@ def write_report(out_dir: Path, tiny: bool) -> None:
     stem.with_suffix(".md").write_text(f"## {heading}\n\n{render(results, markdown=True)}\n")
     print(f"\nwrote {stem.with_suffix('.md')}")
     print(write_chart(results, stem.with_suffix(".png")))
+    if charts is not None:
+        charts.mkdir(parents=True, exist_ok=True)
+        print(write_chart(results, charts / f"{stem.name}.png"))
 
 
 # -- the command ----------------------------------------------------------------------------------
-def _names(text: str | None, offered: tuple[str, ...], what: str) -> tuple[str, ...]:
-    if not text:
-        return offered
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in offered]
-    if unknown:
-        sys.exit(f"unknown {what} {unknown}; choose from {', '.join(offered)}")
-    return tuple(n for n in offered if n in names)
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", help=f"comma-separated, from {', '.join(FAMILIES)} (default: all)")
@@ -686,13 +168,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--report", action="store_true",
                         help="only merge the JSONs in --out into the report (the GPU runs'; --tiny: the tiny runs')")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
+    parser.add_argument("--charts", type=Path, metavar="DIR",
+                        help="also draw the charts into DIR, same undated names (docs/img: the results page's)")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.report:  # the GPU runs' JSONs, wherever they are merged, unless --tiny
-        return write_report(args.out, args.tiny)
+        return write_report(args.out, args.tiny, args.charts)
     tiny = args.tiny or not torch.cuda.is_available()
     if tiny and os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("--tiny runs memfuse through the Triton interpreter: set TRITON_INTERPRET=1 before "
@@ -716,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
         path = json_path(args.out, family.name, tiny)
         path.write_text(json.dumps(result, indent=2, default=str) + "\n")
         print(f"wrote {path}", flush=True)
-    write_report(args.out, tiny)
+    write_report(args.out, tiny, args.charts)
     if tiny:
         print(TINY_BANNER)
 

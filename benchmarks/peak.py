@@ -31,8 +31,8 @@ if __package__ in (None, ""):
 import torch
 
 import memfuse
-from benchmarks.models import (FAMILIES, GPU_SETTINGS, MODES, WRAPPERS, Setup, Templates, forward_loss, fresh,
-                               make_batch)
+from benchmarks.lib.hf_models import (FAMILIES, GPU_SETTINGS, MODES, WRAPPERS, Setup, Templates, forward_loss, fresh,
+                                      make_batch)
 from memfuse.runtime.program import Program
 
 MB = 2 ** 20

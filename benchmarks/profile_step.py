@@ -20,7 +20,6 @@ come from (aten's sort-based embedding backward, casts as `.to` calls, the loss 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 from collections import Counter, defaultdict
@@ -32,44 +31,11 @@ if __package__ in (None, ""):
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.models import (FAMILIES, GPU_SETTINGS, MODES, WRAPPERS, Setup, Templates, fresh, make_batch,
-                               train_step)
+from benchmarks.lib.hf_models import (FAMILIES, GPU_SETTINGS, MODES, WRAPPERS, Setup, Templates, fresh, make_batch,
+                                      train_step)
+from benchmarks.lib.profiling import WARM_STEPS, kernel_class, profiled_step
 
 TOP_KERNELS = 15
-WARM_STEPS = 3
-# Kernel-name fragments, first match wins: what each class of GPU work is called in a trace.
-CLASSES = (
-    ("communication", ("nccl",)),
-    ("memfuse kernels", ("memfuse_",)),
-    ("torch.compile kernels", ("triton_",)),
-    ("attention", ("flash", "fmha", "attention", "cudnn", "sdpa")),
-    ("matmul", ("gemm", "cutlass", "sm90_xmma", "sm80_xmma", "cublas", "nvjet", "wgmma")),
-    ("copies and fills", ("copy", "memcpy", "memset", "fill", "elementwise_kernel<128, 2")),
-)
-
-
-def kernel_class(name: str) -> str:
-    lowered = name.lower()
-    for label, fragments in CLASSES:
-        if any(f in lowered for f in fragments):
-            return label
-    return "other aten kernels"
-
-
-def profiled_step(model, batch: dict, setup: Setup, around=contextlib.nullcontext) -> list:
-    """After WARM_STEPS, one training step under torch.profiler, inside `around()`: its GPU kernels
-    as (name, ms), in the order they started."""
-    for _ in range(WARM_STEPS):
-        train_step(model, batch, setup)
-    setup.synchronize()
-    with around(), profile(activities=[ProfilerActivity.CUDA]) as trace:
-        train_step(model, batch, setup)
-        setup.synchronize()
-    events = sorted((e for e in trace.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                    key=lambda e: e.time_range.start)
-    return [(e.name, e.device_time_total / 1e3) for e in events]
-
-
 # An origin is the op that launched a kernel and this many ops in all up its stack of CPU ops.
 ORIGIN_DEPTH = 3
 # torch.profiler files some Triton launches twice, once under a CPU event of this name

@@ -1,11 +1,13 @@
 """Side-by-side benchmark of memfuse and its peers on the seed tutorial's blocks.
 
     python -m benchmarks.run [--workloads SUBSTR,..] [--modes NAME,..] [--quick] [--first-call] [--out DIR]
+                             [--charts DIR]
 
 Every workload x mode runs in this one process: it/s of a forward+backward step (CUDA
 events), kernel time (torch.profiler), share of the speed of light against a copy bandwidth
 measured in the same run, memory saved for the backward, step peak and first-call time; then
 the tutorial's dynamic-shape test. --first-call adds cold/warm first calls in fresh processes.
+Writes bench.json and bench.png into --out (smoke.* without CUDA); --charts DIR draws the chart there too.
 Without CUDA this is a smoke run on tiny shapes through the Triton interpreter.
 """
 
@@ -31,13 +33,13 @@ SMOKE = not torch.cuda.is_available()
 if SMOKE:
     os.environ["TRITON_INTERPRET"] = "1"  # read when @triton.jit decorates: before memfuse loads
 
-from benchmarks import measure, report  # noqa: E402
-from benchmarks.first_call import measure_first_calls  # noqa: E402
-from benchmarks.modes import (  # noqa: E402
+from benchmarks.lib import measure, report  # noqa: E402
+from benchmarks.lib.first_calls import measure_first_calls  # noqa: E402
+from benchmarks.lib.modes import (  # noqa: E402
     BASELINE_MODE, COMPILING_MODES, DYNAMIC_MODES, MODE_ORDER, SMOKE_MODES, Factory, ModeSet, memfuse_stats,
     resolve_modes,
 )
-from benchmarks.workloads import SEED_SHAPE, SMOKE_SHAPE, StepInputs, Workload, workloads_for  # noqa: E402
+from benchmarks.lib.workloads import SEED_SHAPE, SMOKE_SHAPE, StepInputs, Workload, workloads_for  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 INPUT_SEED = 0
@@ -56,6 +58,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="fewer, shorter repeats")
     parser.add_argument("--first-call", action="store_true", help="cold/warm first call in fresh processes")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
+    parser.add_argument("--charts", type=Path, metavar="DIR",
+                        help="also draw the charts into DIR, same undated names (docs/img: the results page's)")
     return parser.parse_args(argv)
 
 
@@ -229,16 +233,20 @@ def main(argv: list[str] | None = None) -> None:
         compiling = [m for m in COMPILING_MODES if m in modes.factories]
         first_calls = measure_first_calls([w.name for w in workloads], compiling, SMOKE)
     results = report.BenchResults(metadata(device, bandwidth, settings), modes.unavailable, cells, dynamic, first_calls)
-    write_outputs(results, args.out)
+    write_outputs(results, args.out, args.charts)
 
 
-def write_outputs(results: report.BenchResults, out_dir: Path) -> None:
+def write_outputs(results: report.BenchResults, out_dir: Path, charts: Path | None = None) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = "smoke" if SMOKE else "bench"
     print()
     print(report.render(results))
     report.write_json(results, out_dir / f"{stem}.json")
     report.write_chart(results, out_dir / f"{stem}.png")
+    if charts is not None:
+        charts.mkdir(parents=True, exist_ok=True)
+        report.write_chart(results, charts / f"{stem}.png")
+        print(f"wrote {charts / stem}.png")
     bandwidth = results.metadata["copy_bandwidth_bytes_per_s"]
     if bandwidth:
         print(f"\ncopy bandwidth {bandwidth / 1e12:.2f} TB/s on {results.metadata['device']}")

@@ -29,7 +29,7 @@ from typing import Optional
 import sympy
 import torch
 
-from memfuse.capture.lower import TensorConstant
+from memfuse.ir.targets import TensorConstant
 from memfuse.base.debug import timed
 from memfuse.ir.graph import Extern, Graph, Op, Value, ValueRef, aten_schema
 from memfuse.schedule.groups import ALIASING_CALLS, ExternStep, KernelGroup, Schedule

@@ -41,7 +41,7 @@ import sympy
 import torch
 from networkx.algorithms.flow import boykov_kolmogorov
 
-from memfuse.capture.lower import Captured
+from memfuse.ir.captured import Captured
 from memfuse.base.debug import human_bytes, timed
 from memfuse.ir.graph import LEAF, REDUCTION, Graph, Kind, Matmul, Node, Op, Reduce, value_bytes
 

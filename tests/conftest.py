@@ -70,32 +70,34 @@ def _fresh_state(request):
 # tier adds is a second dtype, a second family, or a run of a whole harness or of a fresh process.
 SLOW_TESTS = {
     "a benchmark harness's tiny run (the harness around memfuse; memfuse's paths are tested in the fast tier)": [
-        r"test_bench_models\.py::test_tiny_run", r"test_bench_budget\.py::test_tiny_budget_run",
-        r"test_bench_loss_head\.py::test_tiny_run", r"test_bench_loss_head_kernels\.py::test_tiny_run",
-        r"test_kernel_sol\.py::test_tiny_table", r"test_launch\.py::test_host_profile",
-        r"test_instructions\.py::test_kernels_compile_for_sm90"],
+        r"bench/test_models\.py::test_tiny_run", r"bench/test_budget\.py::test_tiny_budget_run",
+        r"bench/test_loss_head\.py::test_tiny_run", r"bench/test_loss_head_kernels\.py::test_tiny_run",
+        r"bench/test_kernel_sol\.py::test_tiny_table", r"runtime/test_launch\.py::test_host_profile",
+        r"bench/test_instructions\.py::test_kernels_compile_for_sm90"],
     "a fresh Python process (torch, triton and memfuse imported again: half a minute each)": [
-        r"test_first_call\.py::test_torch_compile_by_name_in_a_fresh_process",
-        r"test_first_call\.py::test_triton_key_comes_from_a_subprocess",
-        r"test_debug\.py::test_memfuse_log_is_read_at_import",
-        r"test_backend\.py::test_backend_found_without_importing_memfuse",
-        r"test_dropout\.py::test_philox_seeds_are_the_same_in_every_process"],
+        r"runtime/test_first_call\.py::test_torch_compile_by_name_in_a_fresh_process",
+        r"runtime/test_first_call\.py::test_triton_key_comes_from_a_subprocess",
+        r"base/test_debug\.py::test_memfuse_log_is_read_at_import",
+        r"fronts/test_backend\.py::test_backend_found_without_importing_memfuse",
+        r"ir/test_dropout\.py::test_philox_seeds_are_the_same_in_every_process"],
     "two gloo ranks launched by benchmarks/distributed.py (minutes; the one-rank FSDP2 tests stay fast)": [
-        r"test_distributed\.py::test_(losses|ddp|fsdp2_frees|dropout_follows|table|hf_|cases_are_timed)"],
+        r"models/test_distributed\.py::test_(losses|ddp|fsdp2_frees|dropout_follows|table|hf_|cases_are_timed)"],
     "training runs of examples/gpt.py over several steps (test_cli_runs stays fast)": [
-        r"test_example\.py::test_loss"],
+        r"models/test_example\.py::test_loss"],
     "the bf16 half of a per-op or per-view matrix whose fp32 half runs every case": [
-        r"test_ops\.py::test_(lowered_op|composite)\[.*bfloat16\]",
-        r"test_views\.py::test_view_matches_eager_and_fuses\[.*bfloat16\]",
-        r"test_long_rows\.py::test_looped_equals_persistent_with_dropout\[bfloat16\]"],
+        r"ir/test_ops\.py::test_(lowered_op|composite)\[.*bfloat16\]",
+        r"ir/test_views\.py::test_view_matches_eager_and_fuses\[.*bfloat16\]",
+        r"codegen/test_looped_kernel\.py::test_looped_equals_persistent_with_dropout\[bfloat16\]"],
     "a second HuggingFace family or mode of a check that runs once per family and once per mode": [
-        r"test_models\.py::test_matches_eager_without_dropout\[(gpt2-memfuse_(per_layer|whole)"
+        r"models/test_hf_models\.py::test_matches_eager_without_dropout\[(gpt2-memfuse_(per_layer|whole)"
         r"|llama-memfuse_(backend|whole|per_layer_backend)|bert-memfuse_(backend|per_layer|per_layer_backend))\]",
-        r"test_chunked_head\.py::test_huggingface_heads_are_found_and_match_eager\[(gpt2|bert)\]",
-        r"test_hf_layers\.py::test_layers_compile_and_match_eager\[(gpt2|bert)\]",
-        r"test_loss_head\.py::test_hf_causal_lm_loss_behind_torch_compile_writes_no_vocab_row"],
+        r"patterns/loss_head/test_op\.py::test_huggingface_heads_are_found_and_match_eager\[(gpt2|bert)\]",
+        r"models/test_hf_layers\.py::test_layers_compile_and_match_eager\[(gpt2|bert)\]",
+        r"capture/test_gather\.py::test_hf_causal_lm_loss_behind_torch_compile_writes_no_vocab_row"],
+    "the before/after kernel identity check: a tiny model compiled and stepped twice, once in a fresh process": [
+        r"bench/test_generated_sources\.py::test_record_is_the_same_in_a_fresh_process"],
     "the GPU's flushing arithmetic over every adversarial quotient (IEEE arithmetic stays fast)": [
-        r"test_division\.py::test_(row|column)_divisor_within_two_ulps_of_division\[flushing\]"],
+        r"ir/test_division\.py::test_(row|column)_divisor_within_two_ulps_of_division\[flushing\]"],
 }
 _SLOW = re.compile("|".join(f"(?:{pattern})" for patterns in SLOW_TESTS.values() for pattern in patterns))
 
@@ -114,7 +116,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-# -- the GPU's arithmetic, modelled in the interpreter (tests/test_math_ops.py, tests/test_division.py) ----
+# -- the GPU's arithmetic, modelled in the interpreter (tests/ir/test_math_ops.py, tests/ir/test_division.py) ----
 def _flush(a: np.ndarray) -> np.ndarray:
     """fp32 subnormals to zero of the same sign (other dtypes as they are)."""
     if a.dtype != np.float32:

@@ -1,28 +1,36 @@
-"""eager: the calls memfuse runs through torch, op by op, instead of a compiled program.
+"""fallback: the calls and graphs memfuse runs through torch, op by op, instead of a compiled program.
 
-Each is a decision, an `EagerCall` with its reason and the way out, that api.FusedFunction makes:
+A memory_efficient_fusion call: each is a decision, an `EagerCall` with its reason and the way
+out, that fronts.function.FusedFunction makes:
 - an argument it cannot trace (`untraceable_argument`): an object the call may mutate, such as a
   KV cache; decided per call, since the object is new in every call;
 - a functorch transform around the call (`under_transform`);
-- a compile that failed (`compile_failed`), decided once per compile key: the stage it failed in,
-  the exception's type and first line, and the way out its type calls for (WAYS_OUT).
+- a compile that failed (`compile_failed`, through driver.compile.compile_or_decide), decided
+  once per compile key: the stage it failed in, the exception's type and first line, and the way
+  out its type calls for (WAYS_OUT).
 `say_once` logs each reason once per process on the `fallbacks` topic; in strict mode the
 decision is a StrictModeError instead.
+
+A torch.compile graph whose compile failed, wherever it did (`graph_fallback`): the reason and
+where it was raised, logged and counted when the backend hands the graph back to torch; in strict
+mode a RuntimeError chained to the failure.
 """
 from __future__ import annotations
 
+import logging
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-from memfuse.capture.lower import MutatedInputError
-from memfuse.base.debug import topic_log
+from memfuse.ir.captured import MutatedInputError
+from memfuse.base.debug import STATS, topic_log
 
 fallback_log = topic_log("fallbacks")
 STRICT = " (strict mode: MEMFUSE_STRICT=1 / Config.strict)"   # the end of every strict-mode error
-CONSTANT_NAMES = "bool, int, float, str, None, torch.dtype"   # api.CONSTANT_TYPES, as messages name them
+CONSTANT_NAMES = "bool, int, float, str, None, torch.dtype"   # fronts.function.CONSTANT_TYPES, as messages name them
 MESSAGE_LIMIT = 400   # characters of a failure's first line in its reason (the traceback: MEMFUSE_LOG=fallbacks)
 
 
@@ -89,7 +97,7 @@ def compile_failed(name: str, error: Exception) -> EagerCall:
                            f"{message[:MESSAGE_LIMIT]}", way_out)
 
 
-# Functions outside api and module that call the user's code, or torch on its behalf, while capture
+# Functions outside fronts.function and fronts.module that call the user's code, or torch on its behalf, while capture
 # traces it: a failure under them is the trace's (memfuse.patterns.loss_head.detect's wrapper and TorchFunctionMode that
 # swap in the chunked loss head).
 USER_CODE_WRAPPERS = ("chunked", "__torch_function__")
@@ -97,7 +105,7 @@ USER_CODE_WRAPPERS = ("chunked", "__torch_function__")
 
 def _failed_stage(error: BaseException) -> str:
     """The innermost memfuse module in the traceback, leaving out the wrappers that run the user's
-    code (fronts.function, fronts.module, USER_CODE_WRAPPERS): "memfuse.capture.lower" for a trace of the user's code that
+    code (fronts.function, fronts.module, USER_CODE_WRAPPERS): "memfuse.capture.trace" for a trace of the user's code that
     fails."""
     package = Path(__file__).resolve().parents[1]
     stage = "memfuse"
@@ -120,3 +128,43 @@ def say_once(decision: EagerCall) -> None:
     if (decision.name, decision.reason) not in TOLD:
         TOLD.add((decision.name, decision.reason))
         fallback_log.warning("%s (said once per reason)", decision)
+
+
+# -- a torch.compile graph --------------------------------------------------------------------------
+def graph_fallback(name: str, error: Exception, strict: bool) -> str:
+    """The decision for a torch.compile graph whose compile raised `error` (wherever it did:
+    AOTAutograd's trace, the partition, a compiler): the reason (the exception, where it was
+    raised), logged once with the way out and counted (`graph_fallbacks`); in strict mode an
+    error, chained to the failure."""
+    reason = f"{type(error).__name__}: {error} (raised {_raised_at(error)})"
+    if strict:
+        raise RuntimeError(f"memfuse: could not compile graph {name}: {reason}; strict mode "
+                           f"(MEMFUSE_STRICT=1 / Config.strict) makes this an error, without it "
+                           f"the graph runs through torch") from error
+    STATS["graph_fallbacks"] += 1
+    fallback_log.warning("memfuse: graph %s runs through torch (eager), not memfuse: %s. MEMFUSE_STRICT=1 "
+                         "raises it with its traceback; MEMFUSE_LOG=debug logs the traceback here", name,
+                         reason, exc_info=error if fallback_log.isEnabledFor(logging.DEBUG) else None)
+    return reason
+
+
+_MEMFUSE_DIR = Path(__file__).resolve().parents[1]
+
+
+def _raised_at(error: Exception) -> str:
+    """Where `error` was raised (file:line (function), the file from its package folder on) and,
+    when that is outside memfuse, the innermost memfuse stage it passed through."""
+    frames = traceback.extract_tb(error.__traceback__)
+    ours = [f for f in frames if _MEMFUSE_DIR in Path(f.filename).parents and f.name != "memfuse_backend"]
+    where = f"in {_frame(frames[-1])}"
+    if ours and ours[-1] is not frames[-1]:
+        where += f", from {_frame(ours[-1])}"
+    return where
+
+
+def _frame(frame: traceback.FrameSummary) -> str:
+    path = Path(frame.filename)
+    package = next((p for p in path.parents if p.parent.name in ("site-packages", "dist-packages")
+                    or p == _MEMFUSE_DIR), None)
+    shown = path.relative_to(package.parent) if package is not None else path.name
+    return f"{shown}:{frame.lineno} ({frame.name})"

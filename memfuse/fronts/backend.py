@@ -3,9 +3,10 @@ joint graph, memfuse lowers, plans, schedules and runs it.
 
 AOTAutograd owns the autograd.Function and its contract: the forward graph returns
 (*outputs, *saved), the backward graph takes (*saved, *tangents) and returns one gradient per
-primal. memfuse's partition function does the real work (lower the joint graph with capture's
-lowering, plan, build both Programs) and hands AOTAutograd two small fx graphs honouring that
-contract whose body is one call into the built Program; the compilers return those Programs.
+primal. memfuse's partition function does the real work (memfuse.driver.compile, the compile
+driver: lower the joint graph, plan, build both Programs) and hands AOTAutograd two small fx
+graphs honouring that contract whose body is one call into the built Program; the compilers
+return those Programs.
 What the backward needs besides tensors (the dropout seed, the size symbols, saved integer
 inputs) travels in one small int64 CPU tensor: the last saved value.
 
@@ -15,34 +16,25 @@ from a dim of a tensor argument (`SizeSource`). Dynamo owns the guards.
 from __future__ import annotations
 
 import contextlib
-import logging
 import operator
-import time
-import traceback
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import sympy
 import torch
 from torch._guards import CompileContext, detect_fake_mode
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from memfuse.patterns.attention import MaskDecision, OutputMasks, returned_masks
-from memfuse.capture.lower import Captured, decomposition_table, lower_graph
+from memfuse.patterns.attention import OutputMasks
+from memfuse.capture import decomposition_table
 from memfuse.base.config import Config, config_with_options
-from memfuse.base.debug import STATS, on_compile, timed, topic_log
+from memfuse.driver.compile import AotGraph, Compiled, Programs, compile_program
+from memfuse.driver.fallback import graph_fallback
 from memfuse.patterns import rewrite_graph
-from memfuse.ir.graph import Graph, Symbol, verify
 from memfuse.ir.patterns import trace_modes
-from memfuse.plan import Plan, plan
-from memfuse.runtime.precompile import precompile
+from memfuse.ir.captured import Captured
+from memfuse.plan import Plan
 from memfuse.runtime.program import Program, _draw_seed
-from memfuse.schedule.groups import schedule
-
-log = logging.getLogger("memfuse")
-fallback_log = topic_log("fallbacks")
-_MEMFUSE_DIR = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)
@@ -92,8 +84,6 @@ def memfuse_backend(gm: torch.fx.GraphModule, example_inputs, *, config: Optiona
         raise                  # Dynamo's own signals (restart the trace, skip the frame), not failures
     except Exception as e:
         return _through_torch(original, record, e, config)
-    STATS["compiles"] += 1
-    on_compile(record.name, record)
     return rewritten.attach(compiled)
 
 
@@ -102,18 +92,9 @@ def _through_torch(gm: torch.fx.GraphModule, record: GraphRecord, error: Excepti
     exactly what eager runs, so it fails only where eager fails, and autograd records each op as
     in eager, so gradients are eager's. Not AOTAutograd again with torch's partition: the failure
     may be AOTAutograd's own trace (with memfuse's decompositions), and a second trace would cost
-    a compile for nothing. Logged once (the exception, where it was raised, the way out) and
-    counted (`graph_fallbacks`); in strict mode an error, chained to the failure."""
-    reason = f"{type(error).__name__}: {error} (raised {_raised_at(error)})"
-    if config.strict:
-        raise RuntimeError(f"memfuse: could not compile graph {record.name}: {reason}; strict mode "
-                           f"(MEMFUSE_STRICT=1 / Config.strict) makes this an error, without it "
-                           f"the graph runs through torch") from error
-    record.through_torch = reason
-    STATS["graph_fallbacks"] += 1
-    fallback_log.warning("memfuse: graph %s runs through torch (eager), not memfuse: %s. MEMFUSE_STRICT=1 "
-                         "raises it with its traceback; MEMFUSE_LOG=debug logs the traceback here", record.name,
-                         reason, exc_info=error if fallback_log.isEnabledFor(logging.DEBUG) else None)
+    a compile for nothing. The decision (logged, counted; in strict mode an error) is the
+    driver's: memfuse.driver.fallback.graph_fallback."""
+    record.through_torch = graph_fallback(record.name, error, config.strict)
     run = gm.forward
 
     def through_torch(*args):
@@ -121,25 +102,6 @@ def _through_torch(gm: torch.fx.GraphModule, record: GraphRecord, error: Excepti
             _saw(record)
         return run(*args)
     return torch._dynamo.disable(through_torch)    # Dynamo never traces the fallback itself
-
-
-def _raised_at(error: Exception) -> str:
-    """Where `error` was raised (file:line (function), the file from its package folder on) and,
-    when that is outside memfuse, the innermost memfuse stage it passed through."""
-    frames = traceback.extract_tb(error.__traceback__)
-    ours = [f for f in frames if _MEMFUSE_DIR in Path(f.filename).parents and f.name != "memfuse_backend"]
-    where = f"in {_frame(frames[-1])}"
-    if ours and ours[-1] is not frames[-1]:
-        where += f", from {_frame(ours[-1])}"
-    return where
-
-
-def _frame(frame: traceback.FrameSummary) -> str:
-    path = Path(frame.filename)
-    package = next((p for p in path.parents if p.parent.name in ("site-packages", "dist-packages")
-                    or p == _MEMFUSE_DIR), None)
-    shown = path.relative_to(package.parent) if package is not None else path.name
-    return f"{shown}:{frame.lineno} ({frame.name})"
 
 
 def _input_names(gm: torch.fx.GraphModule) -> list:
@@ -161,15 +123,10 @@ def _graph_name(gm: torch.fx.GraphModule) -> str:
 
 
 # -- what the backend made of each graph, and which graphs a call runs ------------------------------
-class Programs(NamedTuple):
-    forward: Program
-    backward: Optional[Program]          # None for an inference graph
-
-
 @dataclass
 class GraphRecord:
     """What the backend made of one Dynamo graph, for the compile hook and `explain`: once memfuse
-    compiled it, the fields `explain.build_report` reads, named as on api's cache entry
+    compiled it, the fields `explain.build_report` reads, named as on FusedFunction's cache entry
     (`captured`, `plan`, `function` with the `.forward` and `.backward` Programs, `input_names`);
     else why the graph runs through torch."""
     name: str
@@ -232,31 +189,20 @@ class _Compilers:
         with unset_fake_temporarily():   # see _Compilers: memfuse computes on real values
             return self._partition(joint, len(joint_inputs[0]), num_fwd_outputs)
 
-    @timed("compile")
     def _partition(self, joint: torch.fx.GraphModule, num_primals: int, num_fwd_outputs: int):
-        start = time.perf_counter()
         placeholders = joint.graph.find_nodes(op="placeholder")
-        captured = _lower(joint, placeholders[:num_primals], trace_joint=True)
-        if captured.num_fwd_outputs != num_fwd_outputs:
-            raise RuntimeError(f"memfuse: lowered {captured.num_fwd_outputs} forward outputs, "
-                               f"AOTAutograd expects {num_fwd_outputs}")
-        the_plan = plan(captured, self.config.memory_budget)
-        self._check_fallbacks(captured)
         device = _device(placeholders)
+        compiled = compile_program(self._source(joint, placeholders[:num_primals], device, num_fwd_outputs), self.config)
+        forward, backward = compiled.function
+        captured, the_plan = self._compiled(compiled)
         fakes = _Fakes(detect_fake_mode([n.meta.get("val") for n in placeholders]), captured, device)
-        forward = self._program(the_plan.forward, captured, "forward")
-        backward = self._program(the_plan.backward, captured, "backward")
-        precompile([forward, backward], device, self.config)
-        self._compiled(captured, the_plan, Programs(forward, backward))
         saved = [s.name for s in the_plan.saved]
         saved_ints = [captured.joint[n].value.dtype is None for n in saved]
-        masks = _returned_masks(joint, the_plan.num_fwd_outputs, self.record, self.config)
-        forward_step = ForwardStep(forward, captured, the_plan.num_fwd_outputs, saved_ints, device, masks=masks)
+        forward_step = ForwardStep(forward, captured, the_plan.num_fwd_outputs, saved_ints, device,
+                                   masks=compiled.output_masks)
         backward_step = BackwardStep(backward, captured, saved_ints, device)
         fw_module = _forward_module(joint, placeholders[:num_primals], the_plan, saved_ints, forward_step, fakes)
         bw_module = _backward_module(joint, placeholders[num_primals:], the_plan, saved_ints, backward_step, fakes)
-        log.info("memfuse: compiled %s (torch.compile) in %.3f s: saves %d bytes beyond the inputs",
-                 self.record.name, time.perf_counter() - start, the_plan.saved_bytes)
         return fw_module, bw_module
 
     def forward(self, gm: torch.fx.GraphModule, example_inputs):
@@ -269,78 +215,32 @@ class _Compilers:
         with unset_fake_temporarily():
             return self._inference(gm)
 
-    @timed("compile")
     def _inference(self, gm: torch.fx.GraphModule):
-        start = time.perf_counter()
         placeholders = gm.graph.find_nodes(op="placeholder")
-        captured = _lower(gm, placeholders, trace_joint=False)
-        the_plan = plan(captured, self.config.memory_budget)
-        self._check_fallbacks(captured)
-        forward = self._program(the_plan.forward, captured, "forward")
-        precompile([forward], _device(placeholders), self.config)
-        self._compiled(captured, the_plan, Programs(forward, None))
-        log.info("memfuse: compiled %s (torch.compile, inference) in %.3f s", self.record.name,
-                 time.perf_counter() - start)
-        masks = _returned_masks(gm, the_plan.num_fwd_outputs, self.record, self.config)
-        return _boxed(ForwardStep(forward, captured, the_plan.num_fwd_outputs, [], _device(placeholders),
-                                  inference=True, masks=masks), self.record)
+        device = _device(placeholders)
+        compiled = compile_program(self._source(gm, placeholders, device), self.config)
+        captured, the_plan = self._compiled(compiled)
+        return _boxed(ForwardStep(compiled.function.forward, captured, the_plan.num_fwd_outputs, [], device,
+                                  inference=True, masks=compiled.output_masks), self.record)
 
-    def _program(self, graph: Graph, captured: Captured, kind: str) -> Program:
-        if self.config.check:
-            verify(graph)
-        return Program(schedule(graph, self.config, kind), list(captured.symbols), self.config,
-                       returns_gradients=kind == "backward")
+    def _source(self, gm: torch.fx.GraphModule, primals: list, device: torch.device,
+                num_fwd_outputs: Optional[int] = None) -> AotGraph:
+        """What the driver compiles: the graph (joint when AOTAutograd says how many forward outputs
+        it has), where each size symbol is read (Dynamo's ShapeEnv), the loss heads chunked in
+        Dynamo's graph before AOTAutograd traced it."""
+        sizes, hints = _size_sources(primals)
+        return AotGraph(self.record.name, gm, len(primals), trace_joint=num_fwd_outputs is not None, sizes=sizes,
+                        hints=hints, device=device, input_names=tuple(self.record.input_names),
+                        num_fwd_outputs=num_fwd_outputs, decisions=tuple(self.record.decisions.items()))
 
-    def _check_fallbacks(self, captured: Captured) -> None:
-        """Ops without a lowering run through aten inside the program, counted as api counts them;
-        strict mode refuses them."""
-        for name, target, reason in captured.fallbacks:
-            if self.config.strict:
-                raise NotImplementedError(f"memfuse: {name} ({target}) runs through aten: {reason} "
-                                          "(strict mode: MEMFUSE_STRICT=1 / Config.strict)")
-        STATS["fallbacks"] += len(captured.fallbacks)
-
-    def _compiled(self, captured: Captured, the_plan: Plan, programs: Programs) -> None:
-        captured.decisions.update(self.record.decisions)
-        self.record.captured, self.record.plan, self.record.function = captured, the_plan, programs
+    def _compiled(self, compiled: Compiled) -> tuple:
+        """Note the compile in the graph's record (explain reads it); (captured, plan)."""
+        self.record.captured, self.record.plan, self.record.function = compiled.captured, compiled.plan, \
+            compiled.function
+        return compiled.captured, compiled.plan
 
 
-def _returned_masks(gm: torch.fx.GraphModule, count: int, record: "GraphRecord", config: Config
-                    ) -> Optional[OutputMasks]:
-    """The marks for the graph's returned attention masks and values built from sizes
-    (memfuse.patterns.attention), or None."""
-    masks, sized = returned_masks(gm, count)
-    if not masks and not sized:
-        return None
-    log.info("memfuse: %s returns attention masks (outputs %s) and values built from sizes alone (outputs %s): "
-             "marked for the FusedModules and graphs that receive them", record.name, [m[0] for m in masks], sized)
-    names = [n.name for n in gm.graph.find_nodes(op="placeholder")]
-    for position, reads in masks:
-        read = ", ".join(names[i] for i in reads) or "sizes alone"
-        when = ("looked at every call" if config.check_returned_masks else
-                "left unmarked where one of them carries no such mark (check_returned_masks looks at it every call)")
-        record.captured.decisions.setdefault("attention_masks", []).append(MaskDecision(
-            f"output {position}", "returned", True,
-            f"marked with its form for the fused layers that receive it: reads {read}; looked at once per set of "
-            f"sizes and of the marks of the inputs it reads (values other graphs built from sizes), {when}"))
-    return OutputMasks(masks, sized, every_call=config.check_returned_masks)
-
-
-# -- lowering with Dynamo's size symbols ---------------------------------------------------------
-@timed("capture")
-def _lower(gm: torch.fx.GraphModule, primals: list, trace_joint: bool) -> Captured:
-    sources, hints = _size_sources(primals)
-    captured = lower_graph(gm, sources, hints, num_primals=len(primals), trace_joint=trace_joint)
-    captured.aten_graph = gm
-    missing = _free_symbols(captured.joint) - set(sources)
-    if missing:
-        raise NotImplementedError(
-            f"memfuse: the graph's sizes use {sorted(map(str, missing))}, which no argument carries "
-            f"(as a SymInt argument or a dim of a tensor argument), e.g. a data-dependent size; "
-            f"memfuse cannot size its buffers from them")
-    return captured
-
-
+# -- Dynamo's size symbols -------------------------------------------------------------------------
 def _size_sources(primals: list) -> tuple[dict, dict]:
     """sympy.Symbol -> SizeSource, preferring SymInt arguments, and the traced value of each."""
     sources, hints = {}, {}
@@ -358,18 +258,6 @@ def _size_sources(primals: list) -> tuple[dict, dict]:
             for d, size in enumerate(val.shape):
                 note(size, SizeSource(i, d))
     return sources, hints
-
-
-def _free_symbols(graph: Graph) -> set:
-    found = set()
-    for node in graph.nodes.values():
-        exprs = list(node.value.shape) + [node.value.m]
-        if isinstance(node.attr, Symbol):
-            exprs.append(node.attr.expr)
-        for e in exprs:
-            if isinstance(e, sympy.Expr):
-                found |= e.free_symbols
-    return found
 
 
 def _device(placeholders: list) -> torch.device:

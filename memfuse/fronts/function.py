@@ -25,31 +25,23 @@ import functools
 import inspect
 import logging
 import operator
-import time
 from typing import Any, Callable, Optional
 
 import sympy
 import torch
 from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
-from memfuse.patterns.attention import MaskDecision, mask_like, marked_form
-from memfuse.capture.lower import capture
+from memfuse.patterns.attention import mask_like, marked_form
 from memfuse.base.config import Config
-from memfuse.base.debug import STATS, describe_key_change, on_compile, timed, topic_log
-from memfuse.driver.fallback import (STRICT, EagerCall, StrictModeError, UntraceableOutputError, compile_failed, say_once,
+from memfuse.base.debug import STATS, describe_key_change, topic_log
+from memfuse.driver.compile import TracedFunction, compile_or_decide
+from memfuse.driver.fallback import (STRICT, EagerCall, StrictModeError, UntraceableOutputError, say_once,
                     under_transform, untraceable_argument)
 from memfuse.fronts.cuda_graphs import GraphedFunction
-from memfuse.patterns import rewrite_graph
-from memfuse.ir.graph import GraphError, verify
-from memfuse.plan import plan
-from memfuse.runtime.precompile import enabled as precompile_enabled, precompile, start_driver
 from memfuse.runtime.program import SIZE_FUNCTIONS, CompiledFunction
-from memfuse.schedule.groups import schedule
 
-log = logging.getLogger("memfuse")
 cache_log = topic_log("cache")
 recompile_log = topic_log("recompiles")
-fallback_log = topic_log("fallbacks")
 CONSTANT_TYPES = (bool, int, float, type(None), str, torch.dtype)
 LEAF_TYPES = (torch.Tensor, *CONSTANT_TYPES)   # what a traced argument or output is made of
 EXACT_CACHE_SIZE = 4096   # distinct exact argument shapes remembered in the front cache
@@ -66,7 +58,7 @@ class FusedFunction:
         self.fn = fn
         self.config = config
         self.static_prefix = static_prefix
-        self.graphs = GraphedFunction(self) if cuda_graphs else None   # CUDA-graph replays (graphs.py)
+        self.graphs = GraphedFunction(self) if cuda_graphs else None   # CUDA-graph replays (cuda_graphs.py)
         self.cache: dict = {}                 # compile key -> _CacheEntry, or EagerCall where the compile failed
         self.shape_specialized: set = set()   # keys whose traces guard on the leading sizes
         self.recipes: dict = {}               # (n positional, keywords) -> binding recipe
@@ -329,29 +321,20 @@ class FusedFunction:
 
     # -- compiling --------------------------------------------------------------------------
     def _compile_or_decide(self, flat: "_Flat", key: tuple) -> "_CacheEntry | EagerCall":
-        """The compiled program, or where compiling fails the decision to run this key through
-        torch (an error in strict mode, chained to the failure)."""
-        try:
-            return self._compile(flat, key)
-        except (StrictModeError, GraphError):   # strict mode's errors; the IR verifier's (Config.check): memfuse's bug
-            raise
-        except Exception as e:   # noqa: BLE001 -- any failure to compile: the original runs, with the reason
-            decision = compile_failed(self._name(), e)
-            if self.config.strict:
-                raise StrictModeError(f"{decision}{STRICT}") from e
-            fallback_log.debug("memfuse: %s: compiling failed", self._name(), exc_info=e)
-            return decision
+        """The compiled program (memfuse.driver.compile), or where compiling fails the decision to
+        run this key through torch."""
+        rebuilds = []                  # how the trace's output is rebuilt from its tensors
+        compiled = compile_or_decide(self._source(flat, key, rebuilds), self.config)
+        if isinstance(compiled, EagerCall):
+            return compiled
+        return _CacheEntry(compiled.function, rebuilds[0], flat.tree, compiled.captured, compiled.plan,
+                           input_names=compiled.input_names)
 
-    @timed("compile")
-    def _compile(self, flat: "_Flat", key: tuple) -> "_CacheEntry":
-        start = time.perf_counter()
+    def _source(self, flat: "_Flat", key: tuple, rebuilds: list) -> TracedFunction:
+        """What the driver traces: fn on the call's tensors, the other leaves as constants, its
+        output's tensors returned and how to rebuild the output from them appended to `rebuilds`."""
         positions = [i for i, v in enumerate(flat.leaves) if isinstance(v, torch.Tensor)]
         tensors = [flat.leaves[i] for i in positions]
-        device = tensors[0].device
-        if precompile_enabled(device, self.config):
-            start_driver(device)       # Triton's driver set-up runs beside the trace
-        rebuilds = []                  # how the trace's output is rebuilt from its tensors
-
         # a mask the backend's graph built from sizes and marked (memfuse.patterns.attention): built here again
         marks = {i: marked_form(flat.leaves[i]) for i in positions}
 
@@ -363,41 +346,12 @@ class FusedFunction:
             rebuilds.append(rebuild)
             return outputs
 
-        grad = key[0]
-        static = [self._is_static(i, t) for i, t in enumerate(tensors)]
-        rewritten = rewrite_graph(traced, self.config, returned_logits=self.graphs is None,
-                                  trace=lambda fn: capture(fn, tensors, trace_joint=grad, static_inputs=static))
-        captured = rewritten.graph
-        captured.decisions.update(rewritten.decisions)
-        captured.output_hooks = rewritten.output_hooks
-        captured.decisions.setdefault("attention_masks", []).extend([
-            MaskDecision("argument", self._input_name(flat.tree, i), True,
-                         f"marked {form} by the backend graph that returned it (memfuse.patterns.attention): traced as a "
-                         f"mask built from its sizes; a call with it unmarked compiles another program")
-            for i, form in marks.items() if form])
-        if captured.specialized:
-            recompile_log.info("memfuse: %s: leading sizes join the compile key: %s", self._name(),
-                               captured.specialized)
-        the_plan = plan(captured, self.config.memory_budget)
-        config = self.config
-        if config.check:
-            verify(the_plan.forward)
-            if the_plan.backward is not None:
-                verify(the_plan.backward)
-        for name, target, reason in captured.fallbacks:
-            if config.strict:
-                raise StrictModeError(f"memfuse: {name} ({target}) runs through aten: {reason}{STRICT}")
-        STATS["fallbacks"] += len(captured.fallbacks)
-        function = CompiledFunction(the_plan, captured, config, lambda graph, kind: _scheduled(graph, config, kind),
-                                    contiguous=[t.is_contiguous() for t in tensors])
-        precompile([function.forward, function.backward], device, config)
-        STATS["compiles"] += 1
-        cache_log.info("memfuse: compiled %s in %.3f s: saves %d bytes beyond the inputs", self._name(),
-                       time.perf_counter() - start, the_plan.saved_bytes)
-        entry = _CacheEntry(function, rebuilds[0], flat.tree, captured, the_plan,
-                            input_names=[self._input_name(flat.tree, i) for i in positions])
-        on_compile(self._name(), entry)
-        return entry
+        return TracedFunction(self._name(), traced, tuple(tensors),
+                              static=tuple(self._is_static(i, t) for i, t in enumerate(tensors)),
+                              trace_joint=key[0], contiguous=tuple(t.is_contiguous() for t in tensors),
+                              input_names=tuple(self._input_name(flat.tree, i) for i in positions),
+                              returned_logits=self.graphs is None,
+                              marked_inputs=tuple((self._input_name(flat.tree, i), form) for i, form in marks.items() if form))
 
 
 def _layout(t: torch.Tensor):
@@ -406,17 +360,6 @@ def _layout(t: torch.Tensor):
     if t.is_contiguous():
         return True
     return "last stride 1" if t.stride(-1) == 1 else "any strides"
-
-
-def _scheduled(graph, config: Config, kind: str):
-    """The schedule; in strict mode a group the code generator declines is an error too."""
-    result = schedule(graph, config, kind)
-    if config.strict:
-        for group in result.kernels:
-            if group.aten_reason is not None:
-                ops = ", ".join(graph[n].op.value for n in group.nodes)
-                raise StrictModeError(f"memfuse: {group.name} ({ops}) runs through aten: {group.aten_reason}{STRICT}")
-    return result
 
 
 class _Front:
@@ -428,7 +371,7 @@ class _Front:
 
     `call(args, kwargs)`, the hot path of a repeated call, binds the arguments, finds their
     compiled function and runs it through the C half of autograd's apply
-    (`runtime._function_apply`). It finds the function two ways:
+    (`memfuse.runtime.program._function_apply`). It finds the function two ways:
     - the last one it ran (`last`): grad mode and constants compared, the tensors checked in one
       C++ call (`_tensor_guards`), made with plain tensors only;
     - else by the arguments' exact key (what `FusedFunction._exact_key` holds, each argument's part
@@ -677,7 +620,7 @@ class _CacheEntry:
         self.guard_values = None               # tensors -> (guard holds, ...), built at the first check
 
     def broken_guard(self, tensors: list) -> str | None:
-        """The first of the trace's layout guards (capture._guards) these tensors break, or None."""
+        """The first of the trace's layout guards (memfuse.capture.lower._guards) these tensors break, or None."""
         guards = self.captured.layout_guards
         if not guards:
             return None

@@ -6,7 +6,7 @@ they saw before; a checkpoint moves freely between a wrapped and a plain model.
 
 A call is the original's forward, functionalized: `functional_call(module, {name: tensor}, args)`
 inside a function whose tensor inputs are the parameters and buffers (kept static) followed by
-the user's arguments. That function goes through `FusedFunction` (api.py), which keys on the
+the user's arguments. That function goes through `FusedFunction` (function.py), which keys on the
 tensors (and pytrees of them, and rebuilds the output's structure); this module adds what the
 tensors do not say: every submodule's plain attributes (training mode, dropout's p, a norm's
 eps: a forward reads them as constants of its trace), the autocast state, and the call's argument
@@ -31,7 +31,7 @@ from torch.func import functional_call
 from torch.utils._pytree import tree_leaves
 
 from memfuse.fronts.function import FusedFunction, _CacheEntry, autocast_state
-from memfuse.capture.lower import MutatedInputError
+from memfuse.ir.captured import MutatedInputError
 from memfuse.base.config import Config
 from memfuse.driver.fallback import EagerCall
 

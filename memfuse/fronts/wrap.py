@@ -1,5 +1,5 @@
 """wrap: `memory_efficient_fusion`, the public entry. A function becomes a FusedFunction
-(api.py), an nn.Module a FusedModule (module.py, which builds on api)."""
+(function.py), an nn.Module a FusedModule (module.py, which builds on it)."""
 from __future__ import annotations
 
 import dataclasses
@@ -19,7 +19,7 @@ def memory_efficient_fusion(fn: Callable, *, config: Optional[Config] = None, cu
     An nn.Module becomes a `FusedModule` (module.py) sharing its parameters and state_dict keys.
 
     `cuda_graphs=True` (opt-in, for static shapes): each call signature's forward and backward
-    programs are captured into CUDA graphs and replayed (graphs.py; docs/usage.md says what is
+    programs are captured into CUDA graphs and replayed (cuda_graphs.py; docs/usage.md says what is
     static). Outputs live in graph memory, rewritten by a later replay once nothing holds them.
 
     `memory_budget` (Config.memory_budget, in (0, 1]): keep at most this fraction of the default

@@ -1,6 +1,6 @@
 """memfuse's IR: a small typed graph over the [M, D] iteration space.
 
-Every value is placed in the iteration space of DESIGN.md: a FULL value is [M, D] (M rows of
+Every value is placed in the iteration space of docs/architecture.md: a FULL value is [M, D] (M rows of
 D elements), a ROW value has one element per row ([M]: mean, rstd), a COL value one per column
 ([D]: weight, bias and their gradients), a SCALAR one element. Values of any other shape are
 TENSOR: only extern (aten) steps touch them. M is a sympy expression over the size symbols of
@@ -339,3 +339,19 @@ def value_refs(args) -> list:
         elif isinstance(a, (list, tuple)):
             out.extend(value_refs(a))
     return out
+
+
+def place(dtype: torch.dtype, shape: tuple) -> Value:
+    """The Value of a tensor of this dtype and (sympy) shape."""
+    if len(shape) == 0 or all(s == 1 for s in shape):
+        return Value(dtype, Kind.SCALAR, shape)
+    last = shape[-1]
+    lead = shape[:-1]
+    m = sympy.Mul(*lead) if lead else sympy.Integer(1)
+    if not last.is_number:
+        return Value(dtype, Kind.ROW, shape, m=sympy.Mul(*shape))
+    if last == 1:
+        return Value(dtype, Kind.ROW, shape, m=m)
+    if all(s == 1 for s in lead):
+        return Value(dtype, Kind.COL, shape, d=int(last))
+    return Value(dtype, Kind.FULL, shape, m=m, d=int(last))

@@ -6,7 +6,8 @@ reshapes that split dims or add/remove size-1 dims, broadcasts (coefficient 0) a
 of a cat's part are all such maps, and a view of a view is their product. A sum over leading
 dims is a map with extra index dims that the read adds up. Entries are sympy expressions over the size
 symbols, so one map serves every batch size; the root's strides, read per call, turn the root
-index into a memory offset (codegen). capture builds these; nothing here touches the graph.
+index into a memory offset (codegen). capture builds these; `strided_attr` writes one as a
+STRIDED node's attribute (capture's, or a later pass's: memfuse.schedule.padding).
 
 Layouts (the second half): the strides of a view the program makes over a tensor whose strides
 it knows, worked out once when the program is written.
@@ -22,10 +23,12 @@ method call, which copies if it must.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import sympy
 import torch
+
+from memfuse.ir.graph import Kind, Strided, Value
 
 ONE, ZERO = sympy.Integer(1), sympy.Integer(0)
 
@@ -283,3 +286,20 @@ def _larger(a, b) -> Optional[str]:
     if numerator == 1 and denominator != 1:
         return "target"
     return None
+
+
+def strided_attr(m: AccessMap, value: Value, describe: str, size_operand: Callable,
+                 window: Optional[tuple] = None, summed: tuple = ()) -> Strided:
+    """The access map of a STRIDED node reading `m.root` through `m` as `value` (FULL, ROW or COL).
+    `size_operand` turns a sympy entry into an int or a ValueRef to a SYMBOL node of the graph
+    being built (capture's, or a later pass's: memfuse.schedule.padding)."""
+    # the rows unravel over the leading dims (all dims of a row value): the outermost size is not needed
+    col = len(value.shape) - 1 if value.kind in (Kind.FULL, Kind.COL) else None
+    outer = next((k for k, s in enumerate(value.shape) if k != col and not same(s, 1)), None)
+    sizes = tuple(None if k == outer else size_operand(s) for k, s in enumerate(value.shape))
+    index = tuple((tuple(size_operand(c) for c in row), size_operand(const)) for row, const in zip(m.coeffs, m.consts))
+    win = None if window is None else tuple(
+        None if w is None else (size_operand(w[0]), size_operand(w[1])) for w in window)
+    return Strided(sizes, index, win, m.contiguous_root, describe, tuple(size_operand(s) for s in summed),
+                   m.last_stride_one)
+

@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from memfuse.capture.lower import decomposition_table, extern_reasons, lowering_table
+from memfuse.capture import decomposition_table, extern_reasons, lowering_table
 from memfuse.ir.graph import Op
 from memfuse.ir.ops import ARG_REDUCE, DIVIDE_BY_RECIPROCAL, HELPERS, OPS, REDUCE, SCALED_RECIPROCAL
 

@@ -44,9 +44,10 @@ import sympy
 import torch
 
 from memfuse.ir import views
-from memfuse.capture.lower import MATMUL_ATEN, place, reads_any_strides, strided_attr
+from memfuse.ir.aten import MATMUL_ATEN, reads_any_strides
 from memfuse.base.config import Config
-from memfuse.ir.graph import EXTERNAL, Constant, Extern, Graph, Kind, Matmul, Node, Op, Symbol, Value, ValueRef, renamed
+from memfuse.ir.graph import EXTERNAL, Constant, Extern, Graph, Kind, Matmul, Node, Op, Symbol, Value, ValueRef, place, renamed
+from memfuse.ir.views import strided_attr
 
 aten = torch.ops.aten
 

@@ -1,0 +1,176 @@
+"""capture, the trace: AOTAutograd's joint forward+backward graph of a function, on fake inputs
+whose leading dims are size symbols, then lowered (memfuse.capture.lower).
+
+AOTAutograd (`aot_export_joint_simple`) traces on fake tensors whose leading dims are size
+symbols and whose last dim is static, so every constant that depends on the batch or sequence
+size stays symbolic (a SYMBOL node) instead of being baked in. What the trace assumed of the
+sizes and strides becomes the compile key's specialization and the per-call layout guards.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Sequence
+
+import sympy
+import torch
+from torch._functorch.aot_autograd import aot_export_joint_simple
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+from memfuse.base.debug import timed
+from memfuse.capture.decompositions import decomposition_table
+from memfuse.capture.fx_passes import without_unused
+from memfuse.capture.lower import Lowering
+from memfuse.ir.captured import Captured, MutatedInputError
+from memfuse.ir.graph import Graph, Node, Op
+from memfuse.ir.patterns import rule, trace_modes
+
+@timed("capture")
+def capture(fn: Callable, args: Sequence[torch.Tensor], *, trace_joint: bool,
+            static_inputs: Sequence[bool] = ()) -> Captured:
+    """Trace `fn(*args)` (tensor args only) and lower it. `static_inputs[i]`: keep all dims of
+    input i static (parameters)."""
+    shape_env = ShapeEnv()
+    # allow_non_fake_inputs: tensors the function closes over become graph constants
+    fake_mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
+    fakes = [_fake_input(fake_mode, t, static=i < len(static_inputs) and static_inputs[i])
+             for i, t in enumerate(args)]
+    with compiling(), trace_modes():
+        gm = _export(fn, tuple(fakes), trace_joint)
+    symbols, hints = _symbol_sources(fakes)
+    # read in place, by their strides; a last stride of 1 is part of the compile key (api._key)
+    strided = {i: t.stride(-1) == 1 for i, t in enumerate(args) if not t.is_contiguous()}
+    captured = Lowering(gm, symbols, hints, strided).run(num_primals=len(args), trace_joint=trace_joint)
+    captured.stride_symbols = _stride_sources(fakes, symbols)
+    captured.specialized, captured.layout_guards = _guards(shape_env, symbols, captured.stride_symbols)
+    captured.aten_graph = gm
+    captured.differentiable_outputs = _differentiable_outputs(captured, fn, fakes)
+    return captured
+
+@contextlib.contextmanager
+def compiling():
+    """`torch.compiler.is_compiling()` answers True while memfuse traces, as it does under
+    torch.compile and torch.export (non-strict export sets the same flag): libraries then take
+    their trace-friendly paths. HuggingFace's attention-mask code, for one, otherwise branches on
+    `mask.all()`, a data-dependent value no trace can follow."""
+    before = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = before
+
+
+@timed("trace")
+def _export(fn: Callable, fakes: tuple, trace_joint: bool) -> torch.fx.GraphModule:
+    """The decomposed aten graph of `fn`. Outputs that alias an input (`return x`, a view of
+    x) are returned as copies; a function that mutates an input is refused with the reason."""
+    try:
+        return without_unused(aot_export_joint_simple(fn, fakes, trace_joint=trace_joint,
+                                                       decompositions=decomposition_table()))
+    except RuntimeError as e:
+        if "does not support input mutations" in str(e):
+            raise MutatedInputError("memfuse: the function modifies one of its input tensors in place (x.add_(...), "
+                                    "x[...] = ...); memfuse compiles functions that leave their inputs unchanged") from e
+        if "does not support outputs that alias inputs" not in str(e):
+            raise
+
+    def copying_outputs(*args):
+        return tuple(o.clone() for o in fn(*args))
+    return without_unused(aot_export_joint_simple(copying_outputs, fakes, trace_joint=trace_joint,
+                                                   decompositions=decomposition_table()))
+
+
+def _differentiable_outputs(captured: "Captured", fn: Callable, fakes: list) -> list:
+    """Forward outputs that receive a tangent (the outputs AOTAutograd made tangents for, in
+    order): floating values that depend on an input that requires grad, read off the graph.
+    Where that count disagrees with the tangents (an output autograd tracks although its value
+    is constant, like x ** 0), eager autograd decides, on the fake inputs."""
+    if captured.num_tangents == 0:
+        return []
+    chosen = _dependent_outputs(captured, [t.requires_grad for t in fakes])
+    if len(chosen) == captured.num_tangents:
+        return chosen
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        outputs = fn(*fakes)     # the no-op hooks keep this run out of any hooks the user set
+    chosen = [i for i, o in enumerate(outputs) if isinstance(o, torch.Tensor) and o.requires_grad]
+    if len(chosen) != captured.num_tangents:
+        raise RuntimeError(f"memfuse: found {len(chosen)} differentiable outputs but the trace has "
+                           f"{captured.num_tangents} tangents")
+    return chosen
+
+
+def _dependent_outputs(captured: "Captured", requires_grad: list) -> list:
+    graph = captured.joint
+    tracked = {name for name, rg in zip(graph.inputs, requires_grad) if rg}
+    for name, node in graph.nodes.items():
+        if any(i in tracked for i in node.inputs) and not _untracked(graph, node):
+            tracked.add(name)
+    outputs = graph.outputs[:captured.num_fwd_outputs]
+    return [i for i, o in enumerate(outputs) if o in tracked and graph[o].value.is_floating]
+
+
+def _untracked(graph: Graph, node: Node) -> bool:
+    """A value autograd does not track though it reads tracked ones: an output of a registered op
+    its rule says so of (memfuse.ir.patterns, ExternRule.untracked: the chunked loss head's
+    log-sum-exps and formed gradients)."""
+    if node.op is not Op.GETITEM:
+        return False
+    call = graph[node.inputs[0]]
+    untracked = rule(call.attr.target).untracked if call.op is Op.EXTERN else None
+    return untracked is not None and node.attr.index in untracked(call.attr)
+
+
+def _fake_input(mode: FakeTensorMode, t: torch.Tensor, static: bool) -> torch.Tensor:
+    dims = [DimDynamic.STATIC if static or i == t.dim() - 1 else DimDynamic.DYNAMIC
+            for i in range(t.dim())]
+    return mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(dynamic_sizes=dims))
+
+
+def _symbol_sources(fakes) -> tuple[dict, dict]:
+    symbols, hints = {}, {}
+    for i, fake in enumerate(fakes):
+        for d, size in enumerate(fake.shape):
+            if isinstance(size, torch.SymInt):
+                expr = size.node.expr
+                if isinstance(expr, sympy.Symbol) and expr not in symbols:
+                    symbols[expr] = (i, d)
+                    hints[expr] = size.node.hint
+    return symbols, hints
+
+
+def _stride_sources(fakes, sizes: dict) -> dict:
+    """symbol -> (input, dim) of the strides that are symbols of their own (a non-contiguous
+    input's: a slice's row stride is not D)."""
+    strides = {}
+    for i, fake in enumerate(fakes):
+        for d, stride in enumerate(fake.stride()):
+            expr = stride.node.expr if isinstance(stride, torch.SymInt) else None
+            if isinstance(expr, sympy.Symbol) and expr not in sizes and expr not in strides:
+                strides[expr] = (i, d)
+    return strides
+
+
+def _guards(shape_env: ShapeEnv, sizes: dict, strides: dict) -> tuple:
+    """(why leading shapes join the compile key, or None; the layout guards). `s_a == s_b` over
+    sizes is implied by the compile key. A guard that reads strides (a contiguity check inside a
+    decomposition: Ne(row stride, D)) holds for any batch size of the same layout: the caller
+    checks it per call (api) instead of specializing. Any other guard specializes. (The program
+    itself reads every stride per call; what the trace assumed of them picks between branches
+    that compute the same values, like the layout of a decomposition's output.)"""
+    # sizes found equal are one symbol now (the key holds equal sizes equal); a size found to be
+    # a constant stays itself, and its guard specializes
+    renamed = {s: r for s, r in shape_env.replacements.items() if isinstance(r, sympy.Symbol)}
+    specialized, layout = None, []
+    for guard in shape_env.guards:
+        expr = guard.expr.xreplace(renamed)
+        free = expr.free_symbols
+        if expr == sympy.true or isinstance(expr, sympy.Eq) and all(
+                isinstance(a, sympy.Symbol) and a not in strides for a in expr.args):
+            continue
+        if free & strides.keys() and free <= sizes.keys() | strides.keys():
+            layout.append(expr)
+        elif specialized is None:
+            specialized = f"the trace guards on {expr}"
+    return specialized, layout
+

@@ -1,0 +1,269 @@
+"""Config.memory_budget: a smaller budget never keeps more, results and gradients stay eager's at
+every budget, dropout masks are regenerated from the seed (never drawn afresh, unlike PyTorch issue
+#190758), the torch.compile option, the explain lines, and clear errors for bad values."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import memfuse
+from helpers import BLOCKS, block_inputs, rel_error
+from memfuse.capture import capture
+from memfuse.plan import MAX_MATMUL_CHAIN, Decision, matmul_chain, plan
+
+BUDGETS = (1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)
+P = 0.3
+
+
+def mlp(x, w1, b1, w2, b2):
+    return (F.layer_norm(F.gelu(x @ w1 + b1) @ w2 + b2, (w2.shape[1],)),)
+
+
+def dropout_mlp(x, w1, w2):
+    """The dropped input is an output too: the test reads the forward's mask from it."""
+    dropped = F.dropout(x, P, training=True)
+    return F.gelu(dropped @ w1) @ w2, dropped
+
+
+def column_scale(x):
+    return ((x * x.sum(0)).sigmoid(),)    # the column sum is pinned: a reduction over M
+
+
+def mlp_inputs():
+    return [torch.randn(12, 16), torch.randn(16, 32) / 4, torch.randn(32), torch.randn(32, 8) / 4, torch.randn(8)]
+
+
+def dropout_inputs():
+    """The same values at every call (x > 0: a zero of the dropped input means dropped)."""
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randn(12, 16, generator=generator).abs() + 0.5, torch.randn(16, 32, generator=generator) / 4,
+            torch.randn(32, 8, generator=generator) / 4]
+
+
+def residual_layers(x, *weights):
+    """Three pre-norm MLP layers on a residual stream, as a transformer's."""
+    for up, down in zip(weights[::2], weights[1::2]):
+        x = x + F.gelu(F.layer_norm(x, x.shape[-1:]) @ up) @ down
+    return (x,)
+
+
+def residual_inputs():
+    return [torch.randn(12, 16)] + [torch.randn(*shape) / 4 for _ in range(3) for shape in ((16, 32), (32, 16))]
+
+
+LAYER_NORM_TENSORS, LAYER_NORM_CONSTS, _ = block_inputs("layer_norm_block", (2, 5, 24))
+
+
+def layer_norm_block(*tensors):
+    return (BLOCKS["layer_norm_block"].fn(*tensors, **LAYER_NORM_CONSTS),)
+
+
+FUNCTIONS = {"mlp": (mlp, mlp_inputs), "dropout_mlp": (dropout_mlp, dropout_inputs),
+             "column_scale": (column_scale, lambda: [torch.randn(10, 24)]),
+             "residual_layers": (residual_layers, residual_inputs),
+             "layer_norm_block": (layer_norm_block, lambda: LAYER_NORM_TENSORS)}
+
+
+def leaves(tensors):
+    return [t.detach().clone().requires_grad_() for t in tensors]
+
+
+def captured(name):
+    fn, make = FUNCTIONS[name]
+    return capture(lambda *t: tuple(fn(*t)), leaves(make()), trace_joint=True)
+
+
+@pytest.mark.parametrize("name", sorted(FUNCTIONS))
+def test_a_smaller_budget_never_keeps_more(name):
+    joint = captured(name)
+    saved = [plan(joint, b).saved_bytes for b in BUDGETS]
+    assert saved == sorted(saved, reverse=True), dict(zip(BUDGETS, saved))
+
+
+@pytest.mark.parametrize("name", ["mlp", "dropout_mlp", "column_scale"])
+def test_half_the_budget_keeps_at_most_half(name):
+    """Where matmuls or column sums hold the saved bytes, releasing them reaches the target."""
+    joint = captured(name)
+    default, half = plan(joint).saved_bytes, plan(joint, 0.5)
+    assert default > 0 and half.saved_bytes <= default // 2
+    assert half.budget.reached_bytes == half.saved_bytes and half.budget.short_of_target is None
+    moved = [n for n, (d, reason) in half.decisions.items() if "memory budget 0.5" in reason]
+    assert moved and all(half.decisions[n][0] is Decision.RECOMPUTE for n in moved)
+
+
+def test_budget_recomputes_a_matmul_in_the_backward():
+    the_plan = plan(captured("mlp"), 0.1)
+    assert the_plan.saved_bytes == 0
+    decision, reason = the_plan.decisions["mm"]
+    assert decision is Decision.RECOMPUTE and reason.startswith("recomputed for the memory budget 0.1: ")
+    assert reason.endswith("matmul") and the_plan.backward["mm"].op.value == "extern"
+    assert the_plan.budget.released == {"mm_1": "matmul", "mm": "matmul"}
+
+
+def test_a_budget_never_rebuilds_a_layer_from_the_layer_before():
+    """Releasing every matmul would keep only the input and rebuild each layer's output from the one
+    before (a chain of six matmuls): the budget stops at chains of MAX_MATMUL_CHAIN and says so."""
+    joint = captured("residual_layers")
+    the_plan = plan(joint, 0.1)
+    rebuilt = {n for n, (decision, _) in the_plan.decisions.items() if decision is Decision.RECOMPUTE}
+    assert any(joint.joint[n].op.value == "extern" for n in rebuilt)     # matmuls are recomputed,
+    assert matmul_chain(joint.joint, rebuilt) <= MAX_MATMUL_CHAIN      # in chains of two at most
+    assert the_plan.budget.refused_chain > MAX_MATMUL_CHAIN
+    assert "cuts that keep less were refused" in str(the_plan.budget)
+
+
+def test_budget_one_is_the_default_plan():
+    joint = captured("mlp")
+    assert plan(joint, 1.0).budget is None
+    assert [s.name for s in plan(joint, 1.0).saved] == [s.name for s in plan(joint).saved]
+
+
+@pytest.mark.parametrize("name", ["mlp", "column_scale", "layer_norm_block"])
+@pytest.mark.parametrize("budget", [1.0, 0.5, 0.1])
+def test_results_and_gradients_match_eager_at_every_budget(name, budget):
+    fn, make = FUNCTIONS[name]
+    tensors = make()
+    eager_in, fused_in = leaves(tensors), leaves(tensors)
+    expected = fn(*eager_in)[0]
+    actual = memfuse.memory_efficient_fusion(fn, memory_budget=budget)(*fused_in)[0]
+    grad = torch.randn_like(expected)
+    expected.backward(grad)
+    actual.backward(grad)
+    assert rel_error(actual.detach(), expected.detach()) < 1e-5
+    for a, e in zip(fused_in, eager_in):
+        assert rel_error(a.grad, e.grad) < 1e-5
+
+
+def dropout_step(budget, seed=7):
+    """(gradients, dropped input, x.grad) of one seeded dropout_mlp step at `budget`."""
+    fused = memfuse.memory_efficient_fusion(dropout_mlp, memory_budget=budget)
+    inputs = leaves(dropout_inputs())
+    torch.manual_seed(seed)
+    out, dropped = fused(*inputs)
+    out.backward(torch.ones_like(out))
+    return [t.grad for t in inputs], dropped.detach()
+
+
+def test_dropout_gradients_at_budget_0_1_equal_those_at_1_0():
+    """The budget recomputes the matmul of the dropped input in the backward: the mask must be
+    the forward's, regenerated from the seed, not a fresh draw."""
+    fused = memfuse.memory_efficient_fusion(dropout_mlp, memory_budget=0.1)
+    entry = fused.compiled_for(*leaves(dropout_inputs()))
+    assert entry.plan.decisions["mm"][0] is Decision.RECOMPUTE
+    reference, dropped_reference = dropout_step(1.0)
+    grads, dropped = dropout_step(0.1)
+    assert torch.equal(dropped, dropped_reference)
+    for g, r in zip(grads, reference):
+        torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-6)
+
+
+def test_dropout_backward_mask_is_the_forwards_at_every_budget():
+    """x.grad is zero exactly where the forward dropped x, and equals eager's on the forward's mask."""
+    for budget in (1.0, 0.5, 0.1):
+        grads, dropped = dropout_step(budget)
+        kept = dropped != 0
+        assert 0 < kept.float().mean() < 1
+        assert torch.equal(grads[0] != 0, kept)
+        x, w1, w2 = leaves(dropout_inputs())
+        out = F.gelu((x * kept / (1 - P)) @ w1) @ w2
+        out.backward(torch.ones_like(out))
+        for g, e in zip(grads, (x.grad, w1.grad, w2.grad)):
+            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+
+
+def test_backend_option_sets_the_budget():
+    torch._dynamo.reset()
+    tensors = mlp_inputs()
+    compiled = torch.compile(mlp, backend="memfuse", options={"memory_budget": 0.3})
+    with memfuse.fronts.backend.watch() as records:
+        fused_in, eager_in = leaves(tensors), leaves(tensors)
+        actual, expected = compiled(*fused_in)[0], mlp(*eager_in)[0]
+    actual.sum().backward()
+    expected.sum().backward()
+    assert [r.plan.budget.fraction for r in records] == [0.3]
+    assert records[0].plan.saved_bytes <= 0.3 * records[0].plan.budget.default_bytes
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    for a, e in zip(fused_in, eager_in):
+        torch.testing.assert_close(a.grad, e.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_backend_refuses_an_unknown_option():
+    torch._dynamo.reset()
+    compiled = torch.compile(mlp, backend="memfuse", options={"memory_budgt": 0.3})
+    with pytest.raises(Exception, match=r"unknown torch.compile option\(s\) \['memory_budgt'\].*memory_budget"):
+        compiled(*leaves(mlp_inputs()))
+
+
+def test_explain_prints_the_budget_and_what_it_moved(capsys):
+    report = memfuse.explain(memfuse.memory_efficient_fusion(mlp, memory_budget=0.5), *leaves(mlp_inputs()))
+    text = capsys.readouterr().out
+    budget = report.budget
+    assert budget.fraction == 0.5 and budget.reached_bytes <= budget.target_bytes < budget.default_bytes
+    assert f"memory budget 0.5: the default plan saves" in text and "released for recomputation: " in text
+    assert "recompute (1): recomputed for the memory budget 0.5: " in text
+
+
+def test_explain_says_why_a_budget_is_not_reached():
+    """A cumsum stays an aten call the budget never releases: what is left is said."""
+    def fn(x):
+        y = torch.cumsum(x, -1)
+        return (y * y,)
+
+    the_plan = plan(capture(fn, [torch.randn(6, 10, requires_grad=True)], trace_joint=True), 0.1)
+    assert the_plan.saved_bytes == 6 * 10 * 4
+    assert "outputs of aten calls the budget never releases" in the_plan.budget.short_of_target
+    assert "budget not reached: the rest are" in str(the_plan.budget)
+
+
+@pytest.mark.parametrize("value", [0, 0.0, -0.5, 1.5, float("nan"), "0.5", True])
+def test_bad_budget_is_a_clear_error(value):
+    with pytest.raises(ValueError, match=r"memory_budget must be a number in \(0, 1\]"):
+        memfuse.Config(memory_budget=value)
+    with pytest.raises(ValueError, match=r"memory_budget must be a number in \(0, 1\]"):
+        memfuse.memory_efficient_fusion(mlp, memory_budget=value)
+
+
+@pytest.mark.parametrize("variable, field, value, parsed, bad, bad_message, out_of_range, range_message", [
+    ("MEMFUSE_MEMORY_BUDGET", "memory_budget", "0.4", 0.4, "half", "'half' is not a number", "2",
+     "memory_budget must be"),
+    ("MEMFUSE_LOSS_HEAD_CHUNK_BYTES", "loss_head_chunk_bytes", str(32 * 2**20), 32 * 2**20, "32MiB",
+     "'32MiB' is not a whole number", "0", "loss_head_chunk_bytes must be a positive whole number"),
+    ("MEMFUSE_LOSS_HEAD_CHUNK_ROWS", "loss_head_chunk_rows", "4096", 4096, "4k", "'4k' is not a whole number", "-1",
+     "loss_head_chunk_rows must be a positive whole number"),
+])
+def test_settings_from_the_environment(monkeypatch, variable, field, value, parsed, bad, bad_message, out_of_range,
+                                       range_message):
+    """A Config field's environment variable sets it; a value that does not parse, or one out of the
+    field's range, is an error naming the variable or the field."""
+    monkeypatch.setenv(variable, value)
+    assert getattr(memfuse.Config(), field) == parsed
+    monkeypatch.setenv(variable, bad)
+    with pytest.raises(ValueError, match=f"{variable}={bad_message}"):
+        memfuse.Config()
+    monkeypatch.setenv(variable, out_of_range)
+    with pytest.raises(ValueError, match=range_message):
+        memfuse.Config()
+
+
+def test_loss_head_chunk_defaults():
+    assert memfuse.Config().loss_head_chunk_rows is None     # 1024 on one process: memfuse.patterns.loss_head.detect.rows_cap
+    assert memfuse.Config().loss_head_chunk_bytes == 256 * 2**20
+
+
+def randint_mlp(x, w):
+    return (F.gelu((x * torch.randint(0, 2, x.shape, dtype=x.dtype)) @ w),)
+
+
+def test_a_seeded_aten_call_is_never_recomputed():
+    """aten.randint draws from torch's generator: the budget recomputes the matmul after it from
+    the kept draw, never the draw itself."""
+    tensors = [torch.randn(8, 16), torch.randn(16, 32)]
+    the_plan = plan(capture(randint_mlp, leaves(tensors), trace_joint=True), 0.1)
+    assert the_plan.decisions["randint"][0] is Decision.SAVE and the_plan.decisions["mm"][0] is Decision.RECOMPUTE
+    grads = {}
+    for budget in (1.0, 0.1):
+        inputs = leaves(tensors)
+        torch.manual_seed(5)
+        memfuse.memory_efficient_fusion(randint_mlp, memory_budget=budget)(*inputs)[0].sum().backward()
+        grads[budget] = [t.grad for t in inputs]
+    for g, r in zip(grads[0.1], grads[1.0]):
+        torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-6)
