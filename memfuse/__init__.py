@@ -4,6 +4,7 @@
     block = memfuse.memory_efficient_fusion(block) # an nn.Module: same parameters and state_dict
     model = torch.compile(model, backend="memfuse")
 """
+from memfuse import patterns as _patterns  # noqa: F401  (the plug-ins register what the core needs to know)
 from memfuse.fronts import backend as _backend
 from memfuse.base import debug as _debug
 from memfuse.reports import explain as _explain

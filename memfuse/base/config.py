@@ -25,9 +25,9 @@ def _env_budget() -> float:
 
 # A loss-head chunk's most token rows (where Config.loss_head_chunk_rows is unset, on one process:
 # memfuse.patterns.loss_head.detect.rows_cap) and most bytes of logits; the smaller wins (memfuse.patterns.loss_head.detect.chunk_bytes).
-# Llama's and GPT-2's heads of `make bench-models` in 16 chunks of 1024 rows: both heads at most
-# 0.25x torch.compile's peak, both steps faster than its (one H200, 2026-11-28); a 128256-word head
-# in 1024-row chunks too (263 MB), a wider one in fewer rows.
+# Llama's and GPT-2's heads of `make bench-models` run in 16 chunks of 1024 rows, well under
+# torch.compile's peak and no slower (docs/benchmarks.md); a 128256-word head in 1024-row chunks
+# too (263 MB), a wider one in fewer rows.
 DEFAULT_LOSS_HEAD_CHUNK_ROWS = 1024
 DEFAULT_LOSS_HEAD_CHUNK_BYTES = 256 * 2**20
 LOSS_HEAD_PLANS = ("auto", "rows", "vocabulary")
@@ -119,9 +119,8 @@ class Config:
     # A [batch, 1, q, q] boolean mask a backend graph returns is marked causal for the FusedModules
     # that receive it (memfuse.patterns.attention), looked at once per set of sizes where the graph built it
     # from sizes alone. HuggingFace's mask also reads position ids made in eager code; with this on it
-    # is looked at every call, one wait for the GPU a step. Per layer with the backend, two H200s
-    # (2026-11-27): Llama 1.16x faster on one GPU and 1.05x under DDP, GPT-2 0.92x on one GPU, Llama
-    # 0.85x under FSDP2 (host-paced). options={"check_returned_masks": True} under torch.compile.
+    # is looked at every call, one wait for the GPU a step (slower where steps are paced by the
+    # host, as under FSDP2). options={"check_returned_masks": True} under torch.compile.
     check_returned_masks: bool = False
 
     def __post_init__(self):

@@ -20,12 +20,10 @@ from typing import Callable, Optional
 STATS: Counter = Counter()
 log = logging.getLogger("memfuse")
 
-# What each counter counts, and where (docs/debugging.md repeats this table).
+# What each counter counts, and where (docs/debugging.md repeats this table); the patterns add
+# theirs (register_counter).
 COUNTERS = {
     "compiles": "programs compiled (api.FusedFunction._compile), recompiles included",
-    "loss_heads_chunked": "cross-entropies of a linear's output computed chunked, logits never whole (memfuse.patterns.loss_head.detect)",
-    "loss_head_vocabulary_calls": "calls of the chunked loss head that ran the vocabulary-major plan "
-                                  "(memfuse.patterns.loss_head.op.choose_plan), every call",
     "recompiles": "compiles of a function that already had a compiled program (a cache miss on a new key)",
     "cache_hits": "calls that found their compiled program in the cache",
     "front_misses": "calls the front cache (api._Front: generated code binding the arguments, unpacking tuple, "
@@ -42,13 +40,14 @@ COUNTERS = {
     "graph_fallbacks": "Dynamo graphs the backend could not compile, run through torch instead (once per graph)",
     "eager_calls": "calls that ran the original function or module through torch, op by op, instead of a "
                    "compiled program (api.EagerCall: each reason logged once on the fallbacks topic)",
-    "attention_masks_checked": "sets of sizes at which an attention mask built from sizes alone was evaluated "
-                               "and looked at (memfuse.patterns.attention: one wait for the GPU each)",
-    "attention_masks_dropped": "attention calls run with is_causal or no mask where the traced graph passed a "
-                               "mask built from sizes alone, found causal or empty at the call's sizes",
     "graph_captures": "CUDA-graph instances captured (graphs.GraphedFunction, cuda_graphs=True)",
     "graph_replays": "calls served by replaying captured CUDA graphs (cuda_graphs=True)",
 }
+
+
+def register_counter(name: str, what: str) -> None:
+    """A counter of a pattern's (memfuse.patterns), listed by stats() with the core's."""
+    COUNTERS[name] = what
 
 # Where compile time goes, in seconds per stage (docs/debugging.md repeats this table). The stages
 # but "trace" (a part of "capture") run one after another inside "compile"; under torch.compile,

@@ -78,3 +78,11 @@ class DirectKernel:
             return
         call, leading = direct
         call(programs, 1, 1, raw_stream(first.device.index), *leading, *args, *self.constexpr_values)
+
+
+def outside_trace(run):
+    """Run on real tensors while a trace (fake tensors, a dispatch mode) may be active."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.utils._python_dispatch import _disable_current_modes
+    with unset_fake_temporarily(), _disable_current_modes():
+        return run()

@@ -10,8 +10,8 @@ from memfuse.capture.tables import NOOP_ATEN
 
 
 def without_unused(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """`gm` without the values nothing reads (the loss head's swap, memfuse.patterns.loss_head.detect, leaves the linear
-    it replaced in the trace). Random draws stay (they advance the generator as in eager), and so
+    """`gm` without the values nothing reads (a pattern's swap, memfuse.patterns, leaves what it
+    replaced in the trace). Random draws stay (they advance the generator as in eager), and so
     do checks, but for NOOP_ATEN's checks of a value that only they read (the trace made them)."""
     for node in reversed(list(gm.graph.nodes)):
         if node.op != "call_function" or node.users:

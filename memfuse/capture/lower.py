@@ -25,16 +25,16 @@ from memfuse.capture.rules_index import IndexRules
 from memfuse.capture.rules_pointwise import PointwiseRules
 from memfuse.capture.rules_reduce import ReductionRules
 from memfuse.capture.rules_views import ViewRules
-from memfuse.capture.tables import (ATTENTION_ATEN, CAST_ATEN, DIVIDE_ATEN, EXTERN_REASONS, EXTREME_ATEN, FILL_ATEN,
-                                    LOSS_HEAD_ATEN, NOOP_ATEN, POINTWISE_ATEN, RAND_ATEN, REDUCE_ATEN, RESHAPED_ATEN,
-                                    STRIDED_ATEN, VIEW_ATEN, NotFusible)
+from memfuse.capture.tables import (CAST_ATEN, DIVIDE_ATEN, EXTREME_ATEN, FILL_ATEN, NOOP_ATEN, POINTWISE_ATEN,
+                                    RAND_ATEN, REDUCE_ATEN, RESHAPED_ATEN, STRIDED_ATEN, VIEW_ATEN, NotFusible,
+                                    extern_reasons)
 from memfuse.capture.values import classify, to_expr
 from memfuse.ir.aten import ANY_STRIDES_ATEN, MATMUL_ATEN
 from memfuse.ir.captured import Captured
 from memfuse.ir.graph import (Constant, Extern, Graph, Index, Kind, Matmul, Node, Op, Symbol, Value, ValueRef, fits,
                               value_refs, verify)
 from memfuse.ir.targets import TensorConstant
-from memfuse.patterns.attention import AttentionCall, size_only_masks
+from memfuse.ir.patterns import RULES as EXTERN_RULES, Reads, called_op, rewrite_aten, rule as extern_rule
 
 aten = torch.ops.aten
 
@@ -73,8 +73,8 @@ class Lowering(ViewRules, ColumnsInRegisters, SumsThroughViews, PermutesOfComput
 
     def run(self, num_primals: int, trace_joint: bool) -> Captured:
         placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
-        attention_masks = size_only_masks(self.gm)
-        if any(d.taken for d in attention_masks) | composed_permutes(self.gm) | index_by_aranges(self.gm):
+        rewritten, decisions = rewrite_aten(self.gm)      # the patterns' (memfuse.ir.patterns)
+        if rewritten | composed_permutes(self.gm) | index_by_aranges(self.gm):
             without_unused(self.gm)          # the nodes nothing reads now
         for position, node in enumerate(placeholders):
             self.env[node] = self.graph.add(Node(node.name, Op.INPUT, (), classify(node.meta["val"])))
@@ -103,7 +103,7 @@ class Lowering(ViewRules, ColumnsInRegisters, SumsThroughViews, PermutesOfComput
         return Captured(self.graph, num_primals, num_tangents,
                         len(self.graph.outputs) - (num_primals if has_grads else 0),
                         self.symbols, self.hints, has_seed, self.fallbacks, merged=merged,
-                        attention_masks=attention_masks)
+                        decisions=decisions)
 
     # -- helpers ---------------------------------------------------------------------
     def add(self, op: Op, inputs, value: Value, attr=None, name: Optional[str] = None) -> str:
@@ -206,18 +206,21 @@ class Lowering(ViewRules, ColumnsInRegisters, SumsThroughViews, PermutesOfComput
         aten view: a strided read is a kernel that copies it, aten reads it where it lies. An
         `aten.view` of it becomes `aten.reshape`, which copies only where the strides need it
         (attention's output, laid out as its query, needs none). Not a fallback. A reshape (VIEW)
-        stays one only for the chunked loss head: a matmul operand's reshape is the producing
+        stays one only for ops registered as reading any strides (memfuse.ir.patterns): a matmul operand's reshape is the producing
         kernel's to write (padding.py)."""
         users = self.graph.users()
         outputs = set(self.graph.outputs)
         for name in reversed([n for n in self.aten_views if n in self.graph.nodes]):   # a view of such a view first
             readers = [self.graph[u] for u in users[name]]
             strided = self.graph[name].op is Op.STRIDED
-            in_any_strides = ANY_STRIDES_ATEN if strided else LOSS_HEAD_ATEN
+            registered = {op for op, r in EXTERN_RULES.items() if r.reads is Reads.ANY_STRIDES}
+            in_any_strides = ANY_STRIDES_ATEN | registered if strided else registered
             if self.last_dim_in_place(name if strided else self.graph[name].inputs[0]):
-                in_any_strides = in_any_strides | ATTENTION_ATEN | (RESHAPED_ATEN if strided else set())
+                in_any_strides = in_any_strides | {op for op, r in EXTERN_RULES.items()
+                                                   if r.reads is Reads.LAST_DIM_IN_PLACE} \
+                    | (RESHAPED_ATEN if strided else set())
             if not readers or name in outputs or any(
-                    r.op is not Op.EXTERN or _called_op(r.attr.target) not in in_any_strides for r in readers):
+                    r.op is not Op.EXTERN or called_op(r.attr.target) not in in_any_strides for r in readers):
                 continue
             for r in readers:
                 if r.attr.target in RESHAPED_ATEN:
@@ -225,7 +228,7 @@ class Lowering(ViewRules, ColumnsInRegisters, SumsThroughViews, PermutesOfComput
                                                     dataclasses.replace(r.attr, target=aten.reshape.default))
             node = self.aten_views[name]
             inputs, value, attr = self.extern_call(node, node.meta["val"])
-            if not strided and any(_called_op(r.attr.target) in ATTENTION_ATEN for r in readers):
+            if not strided and any(extern_rule(r.attr.target).reads is Reads.LAST_DIM_IN_PLACE for r in readers):
                 attr = dataclasses.replace(attr, target=aten.reshape.default)   # of a view kept in its strides
             self.graph.nodes[name] = Node(name, Op.EXTERN, tuple(inputs), value, attr)
             for inp in inputs:
@@ -267,19 +270,13 @@ class Lowering(ViewRules, ColumnsInRegisters, SumsThroughViews, PermutesOfComput
 
 
 
-def _called_op(target):
-    """The aten op an extern's target calls: an attention call whose mask memfuse builds per call
-    from the sizes (attention.AttentionCall) calls its own op, with that op's rules for strides."""
-    return target.op if isinstance(target, AttentionCall) else target
-
-
 # -- the dispatch: target -> rule(lowering, fx node, traced value) ----------------------------------
 def tensor_rule(rule: Callable) -> Callable:
     """A rule for a node with one tensor result in the [M, D] space: `rule(lowering, node, value)`
     with the result placed (classify); another result is an extern with the reason."""
     def checked(lowering: Lowering, node, val):
         if not isinstance(val, torch.Tensor):
-            raise NotFusible(EXTERN_REASONS.get(node.target, "produces a tuple"))
+            raise NotFusible(extern_reasons().get(node.target, "produces a tuple"))
         value = classify(val)
         if value.kind is Kind.TENSOR:
             raise NotFusible(f"shape {tuple(val.shape)} is outside the [M, D] space")
@@ -289,7 +286,7 @@ def tensor_rule(rule: Callable) -> Callable:
 
 @tensor_rule
 def default_rule(lowering: Lowering, node, value: Value):
-    raise NotFusible(EXTERN_REASONS.get(node.target, f"no lowering for {node.target}"))
+    raise NotFusible(extern_reasons().get(node.target, f"no lowering for {node.target}"))
 
 
 def _view_or_strided(lowering: Lowering, node, value: Value) -> str:

@@ -12,7 +12,7 @@ import torch
 from memfuse.capture.tables import NotFusible, POLYGAMMA_ORDERS, POW_AS_OP
 from memfuse.ir.graph import COMPARISON, Cast, Kind, Matmul, Node, Op, Seeded, Value
 from memfuse.ir.ops import OPS
-from memfuse.patterns.attention import outside_trace
+from memfuse.base.launch import outside_trace
 
 aten = torch.ops.aten
 prims = torch.ops.prims

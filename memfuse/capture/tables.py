@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from memfuse.ir.aten import ANY_STRIDES_ATEN
 from memfuse.ir.graph import Op
-from memfuse.patterns.loss_head import op as loss_head  # noqa: F401  (registers the chunked loss head's ops, named below)
+from memfuse.ir.patterns import RULES
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -75,22 +74,8 @@ RAND_ATEN = {aten.rand_like.default, aten.rand.default}
 FILL_ATEN = {aten.full.default, aten.full_like.default, aten.empty_permuted.default, aten.empty.memory_format,
              aten.scalar_tensor.default, aten._efficientzerotensor.default}
 NOOP_ATEN = {aten._assert_tensor_metadata.default}   # checks the trace already made; no value
-# The chunked loss head (memfuse.patterns.loss_head.op) reads every operand through its strides:
-# added to memfuse.ir.aten's set in place, where the import above registers the ops.
-LOSS_HEAD_ATEN = {torch.ops.memfuse.linear_cross_entropy.default,
-                  torch.ops.memfuse.linear_cross_entropy_backward.default}
-ANY_STRIDES_ATEN |= LOSS_HEAD_ATEN
-# Attention reads query, key, value, its output and their gradients in any strides whose last is 1:
-# eager hands it `linear(x).view(b, s, h, d).transpose(1, 2)` as it lies, and its backward returns
-# gradients laid out as those inputs.
-ATTENTION_ATEN = {aten._scaled_dot_product_cudnn_attention.default,
-                  aten._scaled_dot_product_cudnn_attention_backward.default,
-                  aten._scaled_dot_product_efficient_attention.default,
-                  aten._scaled_dot_product_efficient_attention_backward.default,
-                  aten._scaled_dot_product_flash_attention.default,
-                  aten._scaled_dot_product_flash_attention_backward.default,
-                  aten._scaled_dot_product_flash_attention_for_cpu.default,
-                  aten._scaled_dot_product_flash_attention_for_cpu_backward.default}
+# Ops a pattern registered say how they read (memfuse.ir.patterns, ExternRule.reads): through any
+# strides (memfuse.ir.aten.reads_any_strides), or any whose last is 1 (attention).
 # aten views of a view kept in its strides, made reshapes (a view of them may need a copy)
 RESHAPED_ATEN = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 REDUCE_ATEN = {aten.sum.dim_IntList: Op.SUM, aten.amax.default: Op.MAX, aten.amin.default: Op.MIN,
@@ -158,10 +143,12 @@ EXTERN_REASONS = {
                        "memfuse.capture.indexing)",
     aten.cumsum.default: "scan along a dim",
     aten.cumprod.default: "scan along a dim",
-    torch.ops.memfuse.linear_cross_entropy.default: "the chunked loss head (memfuse.patterns.loss_head.op): its matmuls and "
-                                                    "kernels, a chunk of tokens at a time",
-    torch.ops.memfuse.linear_cross_entropy_backward.default: "the chunked loss head's backward (memfuse.patterns.loss_head.op)",
 }
+
+
+def extern_reasons() -> dict:
+    """EXTERN_REASONS and the reasons of the ops patterns registered (memfuse.ir.patterns)."""
+    return {**EXTERN_REASONS, **{op: r.reason for op, r in RULES.items() if r.reason}}
 
 
 def lowering_table() -> dict:

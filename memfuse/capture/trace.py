@@ -24,7 +24,7 @@ from memfuse.capture.fx_passes import without_unused
 from memfuse.capture.lower import Lowering
 from memfuse.ir.captured import Captured, MutatedInputError
 from memfuse.ir.graph import Graph, Node, Op
-from memfuse.patterns.attention import dense_masks
+from memfuse.ir.patterns import rule, trace_modes
 
 @timed("capture")
 def capture(fn: Callable, args: Sequence[torch.Tensor], *, trace_joint: bool,
@@ -36,7 +36,7 @@ def capture(fn: Callable, args: Sequence[torch.Tensor], *, trace_joint: bool,
     fake_mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
     fakes = [_fake_input(fake_mode, t, static=i < len(static_inputs) and static_inputs[i])
              for i, t in enumerate(args)]
-    with compiling(), dense_masks():
+    with compiling(), trace_modes():
         gm = _export(fn, tuple(fakes), trace_joint)
     symbols, hints = _symbol_sources(fakes)
     # read in place, by their strides; a last stride of 1 is part of the compile key (api._key)
@@ -108,17 +108,14 @@ def _dependent_outputs(captured: "Captured", requires_grad: list) -> list:
 
 
 def _untracked(graph: Graph, node: Node) -> bool:
-    """A value autograd does not track though it reads tracked ones: the chunked loss head's
-    log-sum-exps and formed gradients, and the logits it returns without gradient (the last
-    argument, `differentiable_logits`, False: memfuse.patterns.loss_head.detect, for a function that returns them)."""
+    """A value autograd does not track though it reads tracked ones: an output of a registered op
+    its rule says so of (memfuse.ir.patterns, ExternRule.untracked: the chunked loss head's
+    log-sum-exps and formed gradients)."""
     if node.op is not Op.GETITEM:
         return False
-    head = graph[node.inputs[0]]
-    if head.op is not Op.EXTERN or head.attr.target is not torch.ops.memfuse.linear_cross_entropy.default:
-        return False
-    differentiable_logits = head.attr.args[11] if len(head.attr.args) > 11 else \
-        dict(head.attr.kwargs).get("differentiable_logits", True)
-    return node.attr.index != 0 and (node.attr.index != 2 or not differentiable_logits)
+    call = graph[node.inputs[0]]
+    untracked = rule(call.attr.target).untracked if call.op is Op.EXTERN else None
+    return untracked is not None and node.attr.index in untracked(call.attr)
 
 
 def _fake_input(mode: FakeTensorMode, t: torch.Tensor, static: bool) -> torch.Tensor:

@@ -35,7 +35,7 @@ from memfuse.ir.captured import Captured
 from memfuse.driver.fallback import STRICT, EagerCall, StrictModeError, compile_failed
 from memfuse.ir.graph import Graph, GraphError, Symbol, verify
 from memfuse.patterns.attention import MaskDecision, OutputMasks, returned_masks
-from memfuse.patterns.loss_head.detect import capture_chunked
+from memfuse.patterns import rewrite_graph
 from memfuse.plan import Plan, plan
 from memfuse.runtime.precompile import enabled as precompile_enabled, precompile, start_driver
 from memfuse.runtime.function import CompiledFunction
@@ -87,7 +87,7 @@ class AotGraph:
     device: torch.device
     input_names: tuple              # the primals' names as the user knows them
     num_fwd_outputs: Optional[int] = None   # what AOTAutograd expects of a joint graph
-    loss_heads: tuple = ()          # loss_head.detect.HeadDecision of the Dynamo-graph rewrite
+    decisions: tuple = ()           # (pattern name, its decisions) of the Dynamo-graph rewrite (rewrite_graph)
 
     def compiled_message(self, seconds: float, the_plan: Plan) -> tuple:
         if not self.trace_joint:
@@ -192,24 +192,31 @@ def _free_symbols(graph: Graph) -> set:
 # -- patterns: the one place the driver calls the plug-ins (memfuse.patterns) -----------------------
 def _capture_with_patterns(source: Source, config: Config) -> tuple:
     """(the captured graph with what the patterns decided, the marks a graph's forward step puts on
-    the masks it returns). Loss heads: a traced function's are chunked while it is traced (a
-    TorchFunctionMode: loss_head.detect.capture_chunked); a torch.compile graph's were rewritten in
-    Dynamo's graph before AOTAutograd traced it (the front passes the decisions). Attention masks:
+    the masks it returns). Loss heads: a traced function's are chunked while it is traced
+    (memfuse.patterns.rewrite_graph with trace=); a torch.compile graph's were rewritten in Dynamo's
+    graph before AOTAutograd traced it (rewrite_graph of it: the front passes the decisions). Attention masks:
     capture's own decisions, then those of the masks a traced function is passed marked, or a
     graph returns."""
     if isinstance(source, TracedFunction):
-        captured, heads, returns = capture_chunked(lambda fn: _capture(source, fn), source.fn, config,
-                                                   returned_logits=source.returned_logits)
+        rewritten = rewrite_graph(source.fn, config, trace=lambda fn: _capture(source, fn),
+                                  returned_logits=source.returned_logits)
+        captured = rewritten.graph
         masks = [MaskDecision("argument", name, True,
                               f"marked {form} by the backend graph that returned it (memfuse.patterns.attention): traced "
                               f"as a mask built from its sizes; a call with it unmarked compiles another program")
                  for name, form in source.marked_inputs]
-        return dataclasses.replace(captured, loss_heads=heads, returned_logits=returns,
-                                   attention_masks=[*captured.attention_masks, *masks]), None
+        return dataclasses.replace(captured, decisions=_with_masks({**captured.decisions, **rewritten.decisions},
+                                                                   masks),
+                                   output_hooks=rewritten.output_hooks), None
     captured = _capture(source)
     masks, output_masks = _returned_masks(source, captured.num_fwd_outputs, config)
-    return dataclasses.replace(captured, loss_heads=list(source.loss_heads), aten_graph=source.gm,
-                               attention_masks=[*captured.attention_masks, *masks]), output_masks
+    return dataclasses.replace(captured, decisions=_with_masks({**captured.decisions, **dict(source.decisions)}, masks),
+                               aten_graph=source.gm), output_masks
+
+
+def _with_masks(decisions: dict, masks: list) -> dict:
+    """The patterns' decisions with the front's mask decisions after capture's."""
+    return {**decisions, "attention_masks": [*decisions.get("attention_masks", []), *masks]}
 
 
 def _returned_masks(source: AotGraph, count: int, config: Config) -> tuple:

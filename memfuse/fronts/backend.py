@@ -25,12 +25,13 @@ import torch
 from torch._guards import CompileContext, detect_fake_mode
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from memfuse.patterns.attention import OutputMasks, dense_masks
+from memfuse.patterns.attention import OutputMasks
 from memfuse.capture import decomposition_table
 from memfuse.base.config import Config, config_with_options
 from memfuse.driver.compile import AotGraph, Compiled, Programs, compile_program
 from memfuse.driver.fallback import graph_fallback
-from memfuse.patterns.loss_head.detect import attach_returned_logits, with_chunked_loss_heads
+from memfuse.patterns import rewrite_graph
+from memfuse.ir.patterns import trace_modes
 from memfuse.ir.captured import Captured
 from memfuse.plan import Plan
 from memfuse.runtime.function import _draw_seed
@@ -71,20 +72,20 @@ def memfuse_backend(gm: torch.fx.GraphModule, example_inputs, *, config: Optiona
     config = config_with_options(config or Config(), options)
     record = GraphRecord(_graph_name(gm), _input_names(gm))
     original = gm
-    chunked = with_chunked_loss_heads(gm, config)
-    gm, record.loss_heads = chunked.gm, chunked.decisions
+    rewritten = rewrite_graph(gm, config)        # the patterns' (memfuse.patterns)
+    gm, record.decisions = rewritten.graph, rewritten.decisions
     compilers = _Compilers(config, record)
     backend = aot_autograd(fw_compiler=compilers.forward, bw_compiler=compilers.backward,
                            inference_compiler=compilers.inference, partition_fn=compilers.partition,
                            decompositions=decomposition_table())
     try:
-        with dense_masks():     # a broadcast mask would send the trace to SDPA's math path (memfuse.patterns.attention)
+        with trace_modes():     # the patterns' (memfuse.ir.patterns: attention masks reach the trace dense)
             compiled = backend(gm, example_inputs)
     except (RestartAnalysis, SkipFrame, ShortenTraceback):
         raise                  # Dynamo's own signals (restart the trace, skip the frame), not failures
     except Exception as e:
         return _through_torch(original, record, e, config)
-    return attach_returned_logits(compiled, chunked)
+    return rewritten.attach(compiled)
 
 
 def _through_torch(gm: torch.fx.GraphModule, record: GraphRecord, error: Exception, config: Config):
@@ -135,7 +136,7 @@ class GraphRecord:
     plan: Optional[Plan] = None
     function: Optional[Programs] = None
     through_torch: Optional[str] = None   # the failure, when the graph runs through torch
-    loss_heads: list = field(default_factory=list)   # memfuse.patterns.loss_head.detect's HeadDecisions
+    decisions: dict = field(default_factory=dict)    # each pattern's decisions on the graph (memfuse.patterns)
 
 
 _watching: list = []   # the lists of the open watch() blocks: empty but while explain runs a call
@@ -231,7 +232,7 @@ class _Compilers:
         sizes, hints = _size_sources(primals)
         return AotGraph(self.record.name, gm, len(primals), trace_joint=num_fwd_outputs is not None, sizes=sizes,
                         hints=hints, device=device, input_names=tuple(self.record.input_names),
-                        num_fwd_outputs=num_fwd_outputs, loss_heads=tuple(self.record.loss_heads))
+                        num_fwd_outputs=num_fwd_outputs, decisions=tuple(self.record.decisions.items()))
 
     def _compiled(self, compiled: Compiled) -> tuple:
         """Note the compile in the graph's record (explain reads it); (captured, plan)."""

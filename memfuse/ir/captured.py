@@ -26,11 +26,10 @@ class Captured:
     stride_symbols: dict = field(default_factory=dict)  # sympy.Symbol -> (primal index, dim) of a stride
     differentiable_outputs: list = field(default_factory=list)   # forward outputs with a tangent
     aten_graph: Optional[torch.fx.GraphModule] = None
-    loss_heads: list = field(default_factory=list)    # memfuse.patterns.loss_head.detect's HeadDecisions
-    # loss_head.LogitsReturns: chunked logits the function returns; its last outputs are for them
-    returned_logits: list = field(default_factory=list)
     merged: dict = field(default_factory=dict)   # a node dropped as a duplicate -> the one kept (explain)
-    attention_masks: list = field(default_factory=list)   # attention.MaskDecision per attention call with a mask
+    decisions: dict = field(default_factory=dict)     # pattern name -> its decisions (memfuse.ir.patterns)
+    # patterns.OutputHooks: what the caller's outputs need after a run (its last outputs are for them)
+    output_hooks: list = field(default_factory=list)
 
 
 class MutatedInputError(RuntimeError):

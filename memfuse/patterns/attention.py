@@ -5,8 +5,8 @@ Traced, HuggingFace's models build their attention mask as a tensor: under any t
 too) their mask code takes its trace-friendly path and hands scaled_dot_product_attention a
 [batch, 1, q, kv] mask made of aranges and compares, where eager passes none and asks for
 `is_causal`. With a mask the attention kernel computes every block and reads the mask; the causal
-kernel skips the blocks above the diagonal. On an H200, Llama's (benchmarks/models.py) attention
-took 2.1 ms forward and 5.0 ms backward a step traced, 0.74 and 1.9 ms in eager.
+kernel skips the blocks above the diagonal, about half the work of a square causal call (Llama of
+benchmarks/models.py: its traced attention takes several times eager's).
 
 A mask whose subgraph reads no tensor's values, only sizes, is one constant per set of sizes.
 `size_only_masks` gives each attention call that reads such a mask (the forward's and the
@@ -25,7 +25,9 @@ import torch
 import torch.fx
 from torch.overrides import TorchFunctionMode
 
-from memfuse.base.debug import STATS
+from memfuse.base.debug import STATS, register_counter
+from memfuse.base.launch import outside_trace  # noqa: F401  (run on real tensors inside a trace)
+from memfuse.ir.patterns import Reads, register_capture, register_extern, register_report
 
 aten = torch.ops.aten
 
@@ -56,6 +58,9 @@ class MaskDecision:
     mask: str                 # the mask node it read
     taken: bool               # the call now gets sizes and decides per call
     reason: str
+
+    def __str__(self) -> str:
+        return f"{self.call}: mask {self.mask} {'replaced' if self.taken else 'kept'}: {self.reason}"
 
 
 class SizeOnlyMask:
@@ -107,6 +112,7 @@ class AttentionCall:
 
     def __init__(self, op: torch._ops.OpOverload, mask: SizeOnlyMask):
         self.op = op
+        self.calls = op                    # the op whose rules (memfuse.ir.patterns) the call keeps
         self.mask = mask
         self.schema = op._schema           # what memfuse's buffer and schedule rules read of an aten call
         mask_name, causal_name = MASK_ARGUMENTS[op]
@@ -351,8 +357,8 @@ def _evaluator(gm: torch.fx.GraphModule, placeholders: list, inside: set, mask: 
 # Under torch.compile, HuggingFace's model code (transformers 5.17 on torch 2.11) builds the causal
 # mask in a graph before the first layer and hands it to every layer call. Where those layers are
 # FusedModules (each layer fused, the rest through the backend) a layer receives the mask as a
-# tensor argument, and a tensor argument is a mask: Llama's attention took 7.5 ms a step against
-# 2.9 with is_causal (H200, 2026-11-27). The backend marks such an output (a [batch, 1, q, q]
+# tensor argument, and a tensor argument is a mask: Llama's attention takes more than twice its
+# is_causal time so. The backend marks such an output (a [batch, 1, q, q]
 # boolean mask the graph computes) with its form ("causal", "none") and the tensor's version
 # counter. It looks at the mask once per key: the call's sizes and, for each tensor the mask reads
 # (HuggingFace's reads the position ids, to find packed sequences), that tensor's SIZES_MARK, which
@@ -483,9 +489,34 @@ def _hint(node: torch.fx.Node) -> Optional[int]:
     return val if isinstance(val, int) else None
 
 
-def outside_trace(run: Callable):
-    """Run on real tensors while a trace (fake tensors, a dispatch mode) may be active."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.utils._python_dispatch import _disable_current_modes
-    with unset_fake_temporarily(), _disable_current_modes():
-        return run()
+# -- what the core must know (memfuse.ir.patterns) --------------------------------------------------
+# Attention reads query, key, value, its output and their gradients in any strides whose last is 1:
+# eager hands it `linear(x).view(b, s, h, d).transpose(1, 2)` as it lies, and its backward returns
+# gradients laid out as those inputs.
+ATTENTION_OPS = (aten._scaled_dot_product_cudnn_attention.default,
+                 aten._scaled_dot_product_cudnn_attention_backward.default,
+                 aten._scaled_dot_product_efficient_attention.default,
+                 aten._scaled_dot_product_efficient_attention_backward.default,
+                 aten._scaled_dot_product_flash_attention.default,
+                 aten._scaled_dot_product_flash_attention_backward.default,
+                 aten._scaled_dot_product_flash_attention_for_cpu.default,
+                 aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+
+
+def _size_only_rewrite(gm: torch.fx.GraphModule) -> tuple:
+    """(whether any call now takes sizes for its mask, the MaskDecisions): capture's hook."""
+    decisions = size_only_masks(gm)
+    return any(d.taken for d in decisions), decisions
+
+
+for _op in ATTENTION_OPS:
+    register_extern(_op, reads=Reads.LAST_DIM_IN_PLACE)
+# a broadcast mask would send the trace to SDPA's math path: masks reach it dense
+register_capture("attention_masks", trace_mode=dense_masks, rewrite=_size_only_rewrite)
+register_report("attention_masks", "attention masks (memfuse.patterns.attention)")
+register_counter("attention_masks_checked", "sets of sizes at which an attention mask built from sizes alone was "
+                                            "evaluated and looked at (memfuse.patterns.attention: one wait for the "
+                                            "GPU each)")
+register_counter("attention_masks_dropped", "attention calls run with is_causal or no mask where the traced graph "
+                                            "passed a mask built from sizes alone, found causal or empty at the "
+                                            "call's sizes")

@@ -30,6 +30,7 @@ from memfuse.base.debug import STATS, human_bytes, topic_log
 from memfuse.reports.draw import MemoryDrawing, PlanDrawing, ProgramMemory, memory_drawing, plan_drawing
 from memfuse.driver.fallback import EagerCall
 from memfuse.ir.graph import EXTERNAL, LEAF, RANDOM, REDUCTION, Graph, Op, format_graph, value_bytes
+from memfuse.ir.patterns import SECTIONS
 from memfuse.fronts.module import FusedModule
 from memfuse.plan import Decision
 from memfuse.schedule.steps import ExternStep, KernelGroup
@@ -161,9 +162,18 @@ class Report:
     paddings: list = field(default_factory=list)   # PaddingRow per extern matmul, forward then backward
     budget: Any = None                 # plan.Budget: what Config.memory_budget < 1 changed
     placed: list = field(default_factory=list)     # PlacedRow, forward then backward
-    loss_heads: list = field(default_factory=list)  # head.HeadDecision per cross_entropy of a linear
     merged: dict = field(default_factory=dict)      # Captured.merged: duplicate dropped -> node kept
-    attention_masks: list = field(default_factory=list)   # attention.MaskDecision per attention call with a mask
+    # Captured.decisions: each pattern's decisions by its name (memfuse.ir.patterns), also read as
+    # attributes (`report.<pattern name>`)
+    patterns: dict = field(default_factory=dict)
+
+    def __getattr__(self, name: str):
+        patterns = self.__dict__.get("patterns", {})
+        if name in patterns:
+            return patterns[name]
+        if name in SECTIONS:           # a registered pattern that decided nothing here
+            return []
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def kernels_of(self, program: str, generated_only: bool = True) -> list:
         return [k for k in self.kernels if k.program == program and (k.is_kernel or not generated_only)]
@@ -226,8 +236,8 @@ def build_report(entry, name: str) -> Report:
                   graph_size(the_plan.backward) if the_plan.backward is not None else None,
                   saved, the_plan.saved_bytes, decisions, kernels, externs, not_fused, fallbacks,
                   captured.specialized, entry=entry, paddings=paddings, budget=the_plan.budget, placed=placed,
-                  loss_heads=list(captured.loss_heads), merged=dict(captured.merged),
-                  attention_masks=list(captured.attention_masks))
+                  merged=dict(captured.merged),
+                  patterns={name: list(decisions) for name, decisions in captured.decisions.items()})
 
 
 def _read_program(program_name: str, program, hints: dict, kernels: list, externs: list,
@@ -291,7 +301,7 @@ def _dtype(dtype) -> str:
 
 def format_report(r: Report) -> str:
     lines = [f"memfuse.explain: {r.name}"]
-    lines += _graph_lines(r) + _attention_mask_lines(r) + _loss_head_lines(r) + _saved_lines(r)
+    lines += _graph_lines(r) + _pattern_lines(r) + _saved_lines(r)
     lines += _decision_lines(r) + _kernel_lines(r) + padding_lines(r)
     lines += in_place_lines(r) + buffer_lines(r)
     lines += _fallback_lines(r)
@@ -310,19 +320,14 @@ def _graph_lines(r: Report) -> list:
     return lines
 
 
-def _attention_mask_lines(r: Report) -> list:
-    if not r.attention_masks:
-        return []
-    lines = ["", "attention masks (memfuse.patterns.attention)"]
-    for d in r.attention_masks:
-        lines.append(f"  {d.call}: mask {d.mask} {'replaced' if d.taken else 'kept'}: {d.reason}")
+def _pattern_lines(r: Report) -> list:
+    """Each registered pattern's decisions under its title (memfuse.ir.patterns.register_report)."""
+    lines = []
+    for name, section in SECTIONS.items():
+        decisions = r.patterns.get(name)
+        if decisions:
+            lines += ["", section.title] + [f"  {section.line(d)}" for d in decisions]
     return lines
-
-
-def _loss_head_lines(r: Report) -> list:
-    if not r.loss_heads:
-        return []
-    return ["", "loss heads (cross_entropy of a linear layer's output)"] + [f"  {d}" for d in r.loss_heads]
 
 
 def _saved_lines(r: Report) -> list:

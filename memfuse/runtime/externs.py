@@ -4,14 +4,15 @@ or fewer layers on the host.
 The runtime binds an extern step's target through `SUBSTITUTES` (docs/architecture.md, Runtime):
 where a target is listed, the program calls memfuse's function, which takes the op's arguments
 and returns what it returns, falling back to the op itself where the substitute would not give
-the same result. memfuse's own ops (the chunked loss head) are called as their implementations:
-a program runs without autograd, so the dispatcher and the custom op's wrappers only cost time.
+the same result. Ops a pattern registered with an implementation (memfuse.ir.patterns,
+ExternRule.implementation: memfuse's own custom ops) are called as it: a program runs without
+autograd, so the dispatcher and the custom op's wrappers only cost time.
 """
 from __future__ import annotations
 
 import torch
 
-from memfuse.patterns.loss_head import op as loss_head
+from memfuse.ir.patterns import rule
 
 aten = torch.ops.aten
 
@@ -39,9 +40,10 @@ def embedding_dense_backward(grad_output: torch.Tensor, indices: torch.Tensor, n
 
 SUBSTITUTES = {
     aten.embedding_dense_backward.default: embedding_dense_backward,
-    torch.ops.memfuse.linear_cross_entropy.default: loss_head.linear_cross_entropy_impl,
-    torch.ops.memfuse.linear_cross_entropy_backward.default: loss_head.linear_cross_entropy_backward_impl,
-    torch.ops.memfuse.linear_cross_entropy_backward_.default: loss_head.linear_cross_entropy_backward_in_place_impl,
-    torch.ops.memfuse.linear_cross_entropy_backward_all_.default:
-        loss_head.linear_cross_entropy_backward_all_in_place_impl,
 }
+
+
+def substitute(target):
+    """What a program calls for an extern `target`: its substitute, a registered implementation, or
+    the target itself."""
+    return SUBSTITUTES.get(target) or rule(target).implementation or target

@@ -10,7 +10,7 @@ import torch
 
 from memfuse.base import torch_private
 from memfuse.base.config import Config
-from memfuse.patterns.loss_head.op import attach_returned_logits
+from memfuse.ir.patterns import with_output_hooks
 from memfuse.runtime.program import Program
 
 
@@ -42,12 +42,12 @@ class CompiledFunction:
                                     device_inputs=inputs[saved:], saved_inputs=inputs[:saved], returns_gradients=True)
         # (*tensor inputs) -> the forward's outputs: what a repeated call runs (api._Front)
         self.apply = self.forward_only if self.backward is None else functools.partial(_function_apply, self)
-        # chunked logits the function returns: the caller's outputs are the first ones, the logits
-        # given their own backward (loss_head.attach_returned_logits)
-        self.returned_logits = captured.returned_logits
-        self.num_user_outputs = self.num_fwd_outputs - sum(r.hidden[0] == "output" for r in self.returned_logits)
-        if self.returned_logits:
-            self.apply = self._with_returned_logits
+        # what the caller's outputs need after a run (memfuse.ir.patterns.OutputHook: the chunked loss
+        # head's returned logits get their own backward): the caller's outputs are the first ones
+        self.output_hooks = captured.output_hooks
+        self.num_user_outputs = self.num_fwd_outputs - sum(h.extra_outputs for h in self.output_hooks)
+        if self.output_hooks:
+            self.apply = self._with_output_hooks
 
     def run_forward(self, inputs) -> tuple:
         """(outputs, size values, seed input, device) of a forward run on the tensor inputs. The
@@ -65,15 +65,15 @@ class CompiledFunction:
         return tuple(self.run_forward(inputs)[0][:self.num_fwd_outputs])
 
     def __call__(self, inputs: list) -> tuple:
-        if self.returned_logits:
-            return self._with_returned_logits(*inputs)
+        if self.output_hooks:
+            return self._with_output_hooks(*inputs)
         if self.backward is None:
             return self.forward_only(*inputs)
         return _MemfuseFunction.apply(self, *inputs)
 
-    def _with_returned_logits(self, *inputs) -> tuple:
+    def _with_output_hooks(self, *inputs) -> tuple:
         outputs = self.forward_only(*inputs) if self.backward is None else _function_apply(self, *inputs)
-        return tuple(attach_returned_logits(outputs, inputs, self.returned_logits, self.num_user_outputs))
+        return tuple(with_output_hooks(outputs, inputs, self.output_hooks, self.num_user_outputs))
 
 
 SEED_LIMIT = 2 ** 31 - 1   # seeds are int32 kernel scalars (and kernels add a stream index)

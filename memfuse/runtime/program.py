@@ -24,7 +24,7 @@ from memfuse.codegen import dtype_name, generate
 from memfuse.ir.graph import Op, ValueRef
 from memfuse.ir.views import VIEW_TARGETS, Layout, contiguous, view_layout
 from memfuse.runtime.aten_groups import AtenGroup
-from memfuse.runtime.externs import SUBSTITUTES
+from memfuse.runtime.externs import substitute
 from memfuse.runtime.launchers import KernelLaunch
 from memfuse.schedule.steps import ExternStep, KernelGroup, Schedule
 
@@ -356,7 +356,7 @@ class _ProgramWriter:
             elif method is not None and not node.attr.kwargs:
                 call = f"{args[0]}.{method}({', '.join(args[1:])})"
             else:
-                call = f"{self.bind(SUBSTITUTES.get(node.attr.target, node.attr.target), 'aten')}({', '.join(args)})"
+                call = f"{self.bind(substitute(node.attr.target), 'aten')}({', '.join(args)})"
             if node.attr.target in VIEW_TARGETS and not node.attr.kwargs and isinstance(node.attr.args[0], ValueRef):
                 self.view(name, node.attr.args[0].name, node.attr.target, node.attr.args[1:], call)
             else:

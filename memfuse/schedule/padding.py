@@ -44,7 +44,7 @@ import sympy
 import torch
 
 from memfuse.ir import views
-from memfuse.ir.aten import ANY_STRIDES_ATEN, MATMUL_ATEN
+from memfuse.ir.aten import MATMUL_ATEN, reads_any_strides
 from memfuse.base.config import Config
 from memfuse.ir.graph import EXTERNAL, Constant, Extern, Graph, Kind, Matmul, Node, Op, Symbol, Value, ValueRef, place, renamed
 from memfuse.ir.views import strided_attr
@@ -286,7 +286,7 @@ class _Rewrite:
         readers = [self.old[u] for u in self.users[node.name]]
         moved = [r for r in readers if r.op is Op.STRIDED and r.inputs[0] == node.name
                  and node.name not in r.inputs[1:]]
-        any_strides = [r for r in readers if r.op is Op.EXTERN and r.attr.target in ANY_STRIDES_ATEN]
+        any_strides = [r for r in readers if r.op is Op.EXTERN and reads_any_strides(r.attr.target)]
         in_place = node.name in self.outputs or any(r not in moved and r not in any_strides for r in readers)
         if moved:
             self.roots[node.name] = padded
@@ -315,7 +315,7 @@ class _Rewrite:
         from 0 keeps every index), an any-strides aten call takes the slice view."""
         if node.op is Op.STRIDED and node.inputs[0] in self.roots and node.inputs[0] not in node.inputs[1:]:
             return Node(node.name, node.op, (self.roots[node.inputs[0]],) + node.inputs[1:], node.value, node.attr)
-        if node.op is Op.EXTERN and node.attr.target in ANY_STRIDES_ATEN and any(i in self.views for i in node.inputs):
+        if node.op is Op.EXTERN and reads_any_strides(node.attr.target) and any(i in self.views for i in node.inputs):
             inputs = tuple(self.views.get(i, i) for i in node.inputs)
             attr = dataclasses.replace(node.attr, args=renamed(node.attr.args, self.views),
                                        kwargs=renamed(node.attr.kwargs, self.views))

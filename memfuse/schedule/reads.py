@@ -9,7 +9,7 @@ import torch
 
 from memfuse.ir.graph import (EXTERNAL, MEMORY_VIEWS, REDUCTION, Extern, Graph, Kind, Op, Reduce, Reshape, Value,
                               aten_schema, column_padding)
-from memfuse.schedule.reinplace import OWN_ALIASES
+from memfuse.ir.patterns import rule
 from memfuse.schedule.steps import Space
 
 
@@ -100,7 +100,7 @@ def made_by_aten(graph: Graph, name: str) -> bool:
     (never of a program input: a reshape of it returned would alias what the caller passed in).
     An element of an aten call's tuple (the chunked loss head's logits) counts as its result: its
     own where the schema says that element aliases nothing, or aliases a saved value memfuse.schedule.reinplace
-    found only that call reads (OWN_ALIASES: the loss head's hidden states' gradient, scaled in place)."""
+    found only that call reads (ExternRule.own_aliases, memfuse.ir.patterns: the loss head's hidden states' gradient, scaled in place)."""
     node = graph[name]
     if node.op is Op.GETITEM and graph[node.inputs[0]].op is Op.EXTERN:
         call = graph[node.inputs[0]]
@@ -108,7 +108,7 @@ def made_by_aten(graph: Graph, name: str) -> bool:
         if schema is not None and call.attr.target not in ALIASING_CALLS \
                 and schema.returns[node.attr.index].alias_info is None:
             return True
-        if node.attr.index in OWN_ALIASES.get(call.attr.target, ()):
+        if node.attr.index in rule(call.attr.target).own_aliases:
             return True
         node = call
     while node.op is Op.EXTERN and aten_schema(node.attr.target) is not None:

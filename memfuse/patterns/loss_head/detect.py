@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from memfuse.patterns.loss_head import op as loss_head  # noqa: F401  (registers torch.ops.memfuse.linear_cross_entropy)
+from memfuse.patterns.loss_head import op as loss_head
+from memfuse.patterns.loss_head.call import OUTPUT, LossHeadCall
 from memfuse.base.config import DEFAULT_LOSS_HEAD_CHUNK_ROWS, Config
 from memfuse.base.debug import STATS, topic_log
 from memfuse.ir.graph import Op
@@ -84,12 +85,78 @@ class HeadDecision:
                 f"{logits}{gradients}: {self.reason}")
 
 
+# -- the one matcher both detectors call ---------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class HeadSite:
+    """A cross_entropy of a linear's output (maybe transformed, cast and flattened), as either
+    detector found it: the fx rewrite of a Dynamo graph, or LossHeadMode while memfuse traces."""
+    logits_dim: Optional[int]       # dims of the logits the loss reads (None: unknown)
+    linear_dtype: torch.dtype       # the linear's output's
+    loss_in_float32: bool           # the loss is computed in float32 (a cast, or autocast)
+    steps: tuple = ()               # the transform's steps, (kind, factor) each
+    step_dtypes: frozenset = frozenset()    # the dtypes of the steps' results
+
+
+def match_head(site: HeadSite) -> tuple:
+    """(the LogitTransform, a problem or None): the checks either detector makes of a head, in order."""
+    if site.logits_dim != 2:
+        return loss_head.LogitTransform(), "the loss reads logits that are not [tokens, vocab]"
+    if site.linear_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return loss_head.LogitTransform(), f"the logits are {site.linear_dtype}"
+    if not site.loss_in_float32:
+        return loss_head.LogitTransform(), "the loss is not computed in float32 (half logits without autocast or a cast)"
+    return _transform_of(list(site.steps), set(site.step_dtypes), site.linear_dtype)
+
+
+def _graph_site(arguments: dict, chain: list, linear: torch.fx.Node, loss: torch.fx.Node) -> HeadSite:
+    """The site of a head in a Dynamo graph: each transform step rounds to the dtype of the value it
+    makes (the logits' half dtype before the loss's float cast, fp32 after)."""
+    flat = (chain[-1] if chain else linear).meta.get("example_value")
+    steps = [(n, _transform_step(n)) for n in chain if _transform_step(n)]
+    loss_value = loss.meta.get("example_value")
+    return HeadSite(None if flat is None else flat.dim(), linear.meta["example_value"].dtype,
+                    loss_value is not None and loss_value.dtype == torch.float32,
+                    tuple(step[1:] for _, step in steps),
+                    frozenset(n.meta["example_value"].dtype for n, _ in steps if "example_value" in n.meta))
+
+
+def _traced_site(arguments: dict, steps: tuple, linear_output: torch.Tensor) -> HeadSite:
+    """The site of a head LossHeadMode follows: `steps` (kind, factor, result dtype) each."""
+    logits = arguments["input"]
+    in_float32 = linear_output.dtype == torch.float32 or logits.dtype == torch.float32 or \
+        torch.is_autocast_enabled(logits.device.type)
+    return HeadSite(logits.dim(), linear_output.dtype, in_float32, tuple(step[:2] for step in steps),
+                    frozenset(step[2] for step in steps))
+
+
+def head_call(arguments: dict, hidden, weight, bias, logits, config: Config, transform, operands: list, *,
+              return_logits: bool, differentiable_logits: bool) -> LossHeadCall:
+    """The op's call for a matched head: the cross-entropy's settings, the chunk's bytes, the
+    gradients formed in the forward where a mean or sum loss's operands need them."""
+    return LossHeadCall(hidden, weight, bias, arguments["target"], arguments.get("ignore_index", -100),
+                        arguments.get("reduction", "mean"), float(arguments.get("label_smoothing", 0.0)), logits.dtype,
+                        return_logits=return_logits,
+                        with_gradients=_gradients_in_forward(arguments.get("reduction", "mean"), operands),
+                        chunk_bytes=chunk_bytes(config, int(logits.shape[-1]), logits.dtype),
+                        differentiable_logits=differentiable_logits, plan=config.loss_head_plan, transform=transform)
+
+
+def chunked_decision(name: str, reason: str, call: LossHeadCall, config: Config, logits, hidden, weight, *,
+                     formed: bool, returned_unknown: bool = False) -> HeadDecision:
+    """The decision of a head chunked by `call` (`formed`: the plan note applies)."""
+    vocab = int(logits.shape[-1])
+    return HeadDecision(name, True, reason, vocab, call.return_logits, call.chunk_bytes, call.with_gradients,
+                        _rows(call.chunk_bytes, vocab, logits.dtype), rows_cap(config)[1],
+                        _plan_note(config, logits, hidden, weight, call.chunk_bytes, formed, returned_unknown),
+                        str(call.transform) if call.transform.steps else "")
+
+
 # Where the memory budget shrinks the head's chunks it stops at this many token rows. Each chunk's
 # weight gradient is an addmm that reads and writes the whole [vocab, H] fp32 gradient: rows / 4
-# FLOPs a byte, memory-bound below about 1200 (MATMUL_FLOPS_PER_BYTE). GPT-2 on an H100
-# (2026-11-25): at budget 0.2, 63 chunks of 264 rows spent 9.7 ms of a 32.0 ms step in those
-# addmms, against 2.9 ms in 13 chunks at 1.0, and lowered the step's peak by 27 MB. The default
-# chunk on one process holds this many rows already: the budget shrinks only larger chunks.
+# FLOPs a byte, memory-bound below about 1200 (MATMUL_FLOPS_PER_BYTE): small chunks spend much of
+# the step in those addmms for little memory (GPT-2 at budget 0.2: 63 chunks of 264 rows, a few
+# times the addmm time of 13 chunks, for 27 MB off the step's peak). The default chunk on one
+# process holds this many rows already: the budget shrinks only larger chunks.
 BUDGET_MIN_CHUNK_ROWS = 1024
 
 
@@ -108,10 +175,9 @@ def rows_cap(config: Config) -> tuple[Optional[int], str]:
     """(the most token rows of a chunk, None for no cap; why not the default, for explain(): "" where
     it is the default or set). Config.loss_head_chunk_rows where set;
     else DEFAULT_LOSS_HEAD_CHUNK_ROWS on one process, and no cap (the bytes alone) where
-    torch.distributed runs more than one rank: a chunk costs the host about 0.1 ms, and steps under
-    FSDP2 are paced by the host. BERT under FSDP2, two H200s (2026-11-28): 0.93x and 0.91x eager's
-    it/s in 1024-row chunks, 16 a rank, in two runs (40 steps x 3 and x 5), 1.02x in 4 chunks of
-    256 MiB; GPT-2 and Llama kept their targets in either."""
+    torch.distributed runs more than one rank: each chunk costs the host its launches, and steps
+    under FSDP2 are paced by the host (BERT under FSDP2 fell behind eager in 1024-row chunks and
+    kept up in a few chunks of 256 MiB; docs/distributed.md)."""
     if config.loss_head_chunk_rows is not None:
         return config.loss_head_chunk_rows, ""
     ranks = _ranks()
@@ -165,17 +231,6 @@ def with_chunked_loss_heads(gm: torch.fx.GraphModule, config: Config) -> Chunked
     return ChunkedGraph(copied, decisions, [r for _, r in rewritten if r is not None], outputs)
 
 
-def attach_returned_logits(compiled: Callable, chunked: ChunkedGraph) -> Callable:
-    """`compiled` (the rewritten graph, compiled) with the original graph's outputs: each returned
-    logits tensor through loss_head.ReturnedLogits, the extra outputs dropped."""
-    if not chunked.returned:
-        return compiled
-
-    def with_returned_logits(*args):        # Dynamo wraps what a backend returns in disable() itself
-        return loss_head.attach_returned_logits(compiled(*args), args, chunked.returned, chunked.outputs)
-    return with_returned_logits
-
-
 def _output_values(graph: torch.fx.Graph) -> tuple:
     output = graph.find_nodes(op="output")[0]
     values = output.args[0]
@@ -200,15 +255,14 @@ def _rewrite(graph: torch.fx.Graph, loss: torch.fx.Node, config: Config) -> tupl
     if linear is None:
         return HeadDecision(loss.name, False, "its input is not a linear layer's output or x @ w.T "
                                               "(transformed by constants, cast and flattened at most)"), None
-    problem = _chain_problem(chain, linear) or _loss_problem(loss)
+    problem = _chain_problem(chain, linear)
     if problem:
         return HeadDecision(loss.name, False, problem), None
-    transform, problem = _graph_transform(chain, linear)
+    transform, problem = match_head(_graph_site(arguments, chain, linear, loss))
     if problem:
         return HeadDecision(loss.name, False, problem), None
     hidden_input, weight, bias = _graph_operands(linear)
     logits_value = linear.meta["example_value"]
-    vocab = int(logits_value.shape[-1])
     # the logits as the model has them: the linear's output, or the last step of its transform
     logits_node = max((n for n in chain if _transform_step(n)), key=chain.index, default=linear)
     position = chain.index(logits_node) if logits_node in chain else -1
@@ -222,16 +276,13 @@ def _rewrite(graph: torch.fx.Graph, loss: torch.fx.Node, config: Config) -> tupl
     if transform.steps and returns_logits and not transform.returns_in(logits_value.dtype):
         return HeadDecision(loss.name, False, f"the logits through {transform} are also read or returned, in "
                                               "float32, not their dtype"), None
-    in_forward = _gradients_in_forward(arguments.get("reduction", "mean"), [
-        getattr(n, "meta", {}).get("example_value") for n in (hidden_input, weight, bias)])
     with graph.inserting_before(loss):
         hidden = graph.call_function(_flat_rows, (hidden_input,))
-        head = graph.call_function(torch.ops.memfuse.linear_cross_entropy.default, (
-            hidden, weight, bias, arguments["target"], arguments.get("ignore_index", -100),
-            arguments.get("reduction", "mean"), float(arguments.get("label_smoothing", 0.0)), logits_value.dtype,
-            returns_logits, in_forward, chunk_bytes(config, vocab, logits_value.dtype), not only_returned,
-            config.loss_head_plan, transform.spec))
-        head_loss = graph.call_function(operator.getitem, (head, 0))
+        call = head_call(arguments, hidden, weight, bias, logits_value, config, transform, [
+            _example(n) for n in (hidden_input, weight, bias)], return_logits=returns_logits,
+            differentiable_logits=not only_returned)
+        head = graph.call_function(LossHeadCall.op(), call.args())
+        head_loss = graph.call_function(operator.getitem, (head, OUTPUT["loss"]))
     loss.replace_all_uses_with(head_loss)
     graph.erase_node(loss)
     for node in reversed(chain[position + 1:]):     # the casts and flattens past the model's logits
@@ -239,12 +290,12 @@ def _rewrite(graph: torch.fx.Graph, loss: torch.fx.Node, config: Config) -> tupl
     returned = None
     if returns_logits:
         with graph.inserting_after(head_loss):
-            flat_logits = graph.call_function(operator.getitem, (head, 2))
+            flat_logits = graph.call_function(operator.getitem, (head, OUTPUT["logits"]))
         with graph.inserting_after(flat_logits):
             logits = graph.call_function(_rows_like, (flat_logits, hidden_input))
         if only_returned:
             returned = _return_without_gradient(graph, logits, returned_at, hidden_input, weight, bias, transform.spec,
-                                                chunk_bytes(config, vocab, logits_value.dtype))
+                                                call.chunk_bytes)
         logits_node.replace_all_uses_with(logits)
     for node in reversed(chain[:position + 1]):     # the transform's steps and casts before them
         graph.erase_node(node)
@@ -252,13 +303,10 @@ def _rewrite(graph: torch.fx.Graph, loss: torch.fx.Node, config: Config) -> tupl
     graph.erase_node(linear)
     if isinstance(transposed, torch.fx.Node) and transposed is not weight and not transposed.users:
         graph.erase_node(transposed)        # x @ w.T: the .T of the weight
-    chunk = chunk_bytes(config, vocab, logits_value.dtype)
-    return HeadDecision(loss.name, True, "a linear layer's output feeds only the loss"
-                        + (" and readers past it (returned logits)" if returns_logits else ""),
-                        vocab, returns_logits, chunk, in_forward, _rows(chunk, vocab, logits_value.dtype),
-                        rows_cap(config)[1], _plan_note(config, logits_value, _example(hidden_input),
-                                                        _example(weight), chunk, in_forward and not returns_logits),
-                        str(transform) if transform.steps else ""), returned
+    return chunked_decision(loss.name, "a linear layer's output feeds only the loss"
+                            + (" and readers past it (returned logits)" if returns_logits else ""), call, config,
+                            logits_value, _example(hidden_input), _example(weight),
+                            formed=call.with_gradients and not returns_logits), returned
 
 
 def _return_without_gradient(graph: torch.fx.Graph, logits: torch.fx.Node, positions: list, hidden: torch.fx.Node,
@@ -397,14 +445,6 @@ def _step_of(kind: str, args: tuple, tensor_type) -> Optional[tuple]:
     return tensor, kind, float(factor)
 
 
-def _graph_transform(chain: list, linear: torch.fx.Node) -> tuple:
-    """(the LogitTransform of the chain's steps, a problem or None): each step rounds to the dtype of
-    the value it makes (the logits' half dtype before the loss's float cast, fp32 after)."""
-    steps = [(n, _transform_step(n)) for n in chain if _transform_step(n)]
-    dtypes = {n.meta["example_value"].dtype for n, _ in steps if "example_value" in n.meta}
-    return _transform_of([step[1:] for _, step in steps], dtypes, linear.meta["example_value"].dtype)
-
-
 def _transform_of(steps: list, dtypes: set, logits_dtype: torch.dtype) -> tuple:
     """(LogitTransform, problem or None) of steps (kind, factor) whose results were of `dtypes`."""
     if not steps:
@@ -456,18 +496,6 @@ def _chain_problem(chain: list, linear: torch.fx.Node) -> Optional[str]:
             return f"{node.name} ({node.target}) between the linear and the loss is also read elsewhere"
         if node.target == "to" and (value is None or value.dtype != torch.float32):
             return f"{node.name} converts to something other than float32"
-    flat = (chain[-1] if chain else linear).meta.get("example_value")
-    if flat is None or flat.dim() != 2:
-        return "the loss reads logits that are not [tokens, vocab]"
-    if linear.meta["example_value"].dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return f"the logits are {linear.meta['example_value'].dtype}"
-    return None
-
-
-def _loss_problem(loss: torch.fx.Node) -> Optional[str]:
-    value = loss.meta.get("example_value")
-    if value is None or value.dtype != torch.float32:
-        return "the loss is not computed in float32 (half logits without autocast or a cast)"
     return None
 
 
@@ -558,32 +586,24 @@ class LossHeadMode(TorchFunctionMode):
         origin = self.followed[id(arguments["input"])]
         name = f"cross_entropy_{len(self.decisions)}"
         steps, transformed = self.lineage.get(id(arguments["input"]), ((), None))
-        transform, transform_problem = _transform_of([step[:2] for step in steps], {step[2] for step in steps},
-                                                     origin.linear_output.dtype)
-        problem = (_settings_problem(arguments) or _value_problem(arguments["input"], origin.linear_output)
-                   or transform_problem)
-        if problem:
-            self.decisions.append(HeadDecision(name, False, problem))
+        problem = _settings_problem(arguments)
+        transform, site_problem = match_head(_traced_site(arguments, steps, origin.linear_output))
+        if problem or site_problem:
+            self.decisions.append(HeadDecision(name, False, problem or site_problem))
             return F.cross_entropy(*args, **kwargs)
         hidden = origin.hidden.reshape(-1, origin.hidden.shape[-1])
-        in_forward = _gradients_in_forward(arguments.get("reduction", "mean"),
-                                           [origin.hidden, origin.weight, origin.bias])
-        chunk = chunk_bytes(self.config, int(origin.weight.shape[0]), origin.linear_output.dtype)
-        loss, _, logits, *_ = torch.ops.memfuse.linear_cross_entropy(
-            hidden, origin.weight, origin.bias, arguments["target"], arguments.get("ignore_index", -100),
-            arguments.get("reduction", "mean"), float(arguments.get("label_smoothing", 0.0)),
-            origin.linear_output.dtype, True, in_forward, chunk, False, self.config.loss_head_plan, transform.spec)
+        call = head_call(arguments, hidden, origin.weight, origin.bias, origin.linear_output, self.config, transform,
+                         [origin.hidden, origin.weight, origin.bias], return_logits=True, differentiable_logits=False)
+        loss, _, logits, *_ = LossHeadCall.op()(*call.args())
         self.chunked[name] = origin
         self.logits[name] = logits
         self.model_logits[name] = origin.linear_output if transformed is None else transformed
-        self.transforms[name] = transform, chunk
-        vocab = int(origin.weight.shape[0])
-        self.decisions.append(HeadDecision(name, True, "a linear layer's output feeds only the loss", vocab,
-                                           False, chunk, in_forward, _rows(chunk, vocab, origin.linear_output.dtype),
-                                           rows_cap(self.config)[1],
-                                           _plan_note(self.config, origin.linear_output, origin.hidden, origin.weight,
-                                                      chunk, in_forward, returned_unknown=True),
-                                           str(transform) if transform.steps else ""))
+        self.transforms[name] = transform, call.chunk_bytes
+        # written as though returned; those that are not stay unwritten after the trace (unread_logits_unwritten)
+        self.decisions.append(chunked_decision(name, "a linear layer's output feeds only the loss",
+                                               dataclasses.replace(call, return_logits=False), self.config,
+                                               origin.linear_output, origin.hidden, origin.weight,
+                                               formed=call.with_gradients, returned_unknown=True))
         return loss
 
     def settle(self, outputs: tuple, inputs: tuple) -> tuple:
@@ -668,17 +688,6 @@ def _keeps_logits(func, before: torch.Tensor, after) -> bool:
     return _is_method(func, FLATTENS) and after.dtype == before.dtype
 
 
-def _value_problem(logits: torch.Tensor, linear_output: torch.Tensor) -> Optional[str]:
-    if logits.dim() != 2:
-        return "the loss reads logits that are not [tokens, vocab]"
-    if linear_output.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return f"the logits are {linear_output.dtype}"
-    if linear_output.dtype != torch.float32 and logits.dtype != torch.float32 and not torch.is_autocast_enabled(
-            logits.device.type):
-        return "the loss is not computed in float32 (half logits without autocast or a cast)"
-    return None
-
-
 def _input_index(tensor: Optional[torch.Tensor], inputs: tuple) -> Optional[int]:
     return next((i for i, t in enumerate(inputs) if t is tensor), None) if tensor is not None else None
 
@@ -723,31 +732,28 @@ def capture_chunked(trace: Callable, fn: Callable, config: Config, returned_logi
     return traced, decisions, list(returns)
 
 
-LOGITS = 2             # linear_cross_entropy's outputs: loss, log_sum_exp, logits, the formed gradients
-RETURN_LOGITS = 8      # its arguments: ..., dtype, return_logits, with_gradients, chunk_bytes,
-DIFFERENTIABLE = 11    # differentiable_logits, plan
-
-
 def unread_logits_unwritten(captured) -> None:
     """Each chunked head whose logits nothing in the traced graph reads (fn did not return them)
     calls the op with `return_logits` off and its default `differentiable_logits`, as a head traced
     without them: no [tokens, vocab] logits written. The backward is the same either way (logits
     nobody differentiates hand it no gradient). In the lowered joint graph and in the aten graph
     kept for dumps alike."""
-    op = torch.ops.memfuse.linear_cross_entropy.default
+    op = LossHeadCall.op()
     graph = captured.joint
     users = graph.users()
     for name, node in list(graph.nodes.items()):
-        if node.op is not Op.EXTERN or node.attr.target is not op or not node.attr.args[RETURN_LOGITS]:
+        if node.op is not Op.EXTERN or node.attr.target is not op:
             continue
-        if any(graph[u].op is Op.GETITEM and graph[u].attr.index == LOGITS for u in users[name]):
+        call = LossHeadCall.of(node.attr.args, node.attr.kwargs)
+        if not call.return_logits or any(graph[u].op is Op.GETITEM and graph[u].attr.index == OUTPUT["logits"]
+                                         for u in users[name]):
             continue
-        graph.nodes[name] = dataclasses.replace(node, attr=dataclasses.replace(node.attr, args=_unwritten(node.attr.args)))
+        graph.nodes[name] = dataclasses.replace(node, attr=dataclasses.replace(
+            node.attr, args=call.without_logits().args(), kwargs=()))
     for fx_node in captured.aten_graph.graph.nodes if captured.aten_graph is not None else ():
-        if fx_node.target is op and fx_node.args[RETURN_LOGITS] and not any(
-                u.target is operator.getitem and u.args[1] == LOGITS for u in fx_node.users):
-            fx_node.args = _unwritten(fx_node.args)
-
-
-def _unwritten(args: tuple) -> tuple:
-    return (*args[:RETURN_LOGITS], False, *args[RETURN_LOGITS + 1:DIFFERENTIABLE], True, *args[DIFFERENTIABLE + 1:])
+        if fx_node.target is not op:
+            continue
+        call = LossHeadCall.of(fx_node.args, fx_node.kwargs)
+        if call.return_logits and not any(u.target is operator.getitem and u.args[1] == OUTPUT["logits"]
+                                          for u in fx_node.users):
+            fx_node.args, fx_node.kwargs = call.without_logits().args(), {}

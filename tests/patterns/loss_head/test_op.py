@@ -821,10 +821,11 @@ def test_the_backward_plan_counts_the_gradients_it_allocates_at_the_call(in_plac
     are held: out of place the head's backward holds two weight gradients there (the formed one and
     its scaled copy) and two of the hidden states, in place one of each (fp32 hidden states: the
     forward formed their gradient in their dtype)."""
-    from memfuse.schedule import reinplace
     from memfuse.buffers import memory_timeline
-    if not in_place:
-        monkeypatch.setattr(reinplace, "_formed_gradients_scaled", lambda *args: (None, None))
+    from memfuse.ir.patterns import RULES
+    if not in_place:      # the backward's rule without its in-place twin (memfuse.patterns.loss_head.rules)
+        backward_op = torch.ops.memfuse.linear_cross_entropy_backward.default
+        monkeypatch.setitem(RULES, backward_op, dataclasses.replace(RULES[backward_op], in_place=None))
     x, weight, _, target = head_inputs(40, 16, 37, dtype=torch.float32)
     fused = memfuse.memory_efficient_fusion(linear_head)
     torch.autograd.grad(fused(x, weight, target), (x, weight))
@@ -869,7 +870,7 @@ def test_one_trace_whether_or_not_the_logits_are_returned(fn, returns_logits, mo
     """memory_efficient_fusion traces each head writing its logits; a head whose logits nothing reads
     (the function returned only the loss) then writes none: one trace of the function either way."""
     from memfuse.capture import trace as capture
-    from memfuse.patterns.loss_head import detect as head
+    from memfuse.patterns.loss_head.call import LossHeadCall
     exports = []
     real_export = capture._export
     monkeypatch.setattr(capture, "_export", lambda *args: exports.append(1) or real_export(*args))
@@ -880,7 +881,7 @@ def test_one_trace_whether_or_not_the_logits_are_returned(fn, returns_logits, mo
     joint = fused.compiled_for(x, weight, target).captured.joint
     [call] = [n for n in joint.nodes.values() if n.op.value == "extern"
               and n.attr.target is torch.ops.memfuse.linear_cross_entropy.default]
-    assert call.attr.args[head.RETURN_LOGITS] is returns_logits
+    assert LossHeadCall.of(call.attr.args, call.attr.kwargs).return_logits is returns_logits
     expected = fn(x, weight, target)
     for ours, theirs in zip(out if returns_logits else (out,), expected if returns_logits else (expected,)):
         assert relative(ours, theirs) < 1e-6
