@@ -29,12 +29,14 @@ def block_args(batch=3, time=5):
 
 @pytest.fixture
 def dumped(tmp_path, monkeypatch, capsys):
-    """(FusedFunction, explain's Report, dump folder) of norm_block compiled once with MEMFUSE_DUMP_DIR on."""
-    monkeypatch.setenv("MEMFUSE_DUMP_DIR", str(tmp_path))
-    fused = memfuse.memory_efficient_fusion(norm_block)
+    """(FusedFunction, explain's Report, dump folder) of norm_block compiled once with MEMFUSE_DUMP_DIR on.
+    Its own kernel cache: a kernel of the same structure compiled earlier in this process (by another
+    test) would otherwise be launched as its twin, under that kernel's file."""
+    monkeypatch.setenv("MEMFUSE_DUMP_DIR", str(tmp_path / "dump"))
+    fused = memfuse.memory_efficient_fusion(norm_block, config=memfuse.Config(cache_dir=tmp_path / "cache"))
     report = memfuse.explain(fused, *block_args())
     capsys.readouterr()
-    folder, = tmp_path.iterdir()
+    folder, = (tmp_path / "dump").iterdir()
     return fused, report, folder
 
 
