@@ -280,26 +280,25 @@ def _cut(flow: nx.DiGraph, flow_func=None) -> frozenset:
 # ("reduction"), then matmuls ("matmul"). Other externs (attention, embedding, a seeded randint)
 # are never released: recomputing a seeded one would draw new random numbers.
 BUDGET_TIERS = ("pointwise", "reduction", "matmul")
-# FLOPs a matmul does in the time it takes to move one byte (machine balance, H100/H200 bf16: about
-# 300): a matmul's recompute cost in bytes-moved equivalents.
+# FLOPs a matmul does in the time it takes to move one byte (the machine balance of current
+# data-centre GPUs in bf16): a matmul's recompute cost in bytes-moved equivalents.
 MATMUL_FLOPS_PER_BYTE = 300
-# An extern recomputed in the backward is one more aten launch: about 5 us of host time, the time
-# an H100/H200 moves this many bytes. Between equally cheap matmuls per byte, the larger goes first.
+# An extern recomputed in the backward is one more aten launch: its host time is the time such a
+# GPU moves this many bytes. Between equally cheap matmuls per byte, the larger goes first.
 EXTERN_LAUNCH_BYTES = 16_000_000
 # The max-flow algorithm of the budget's re-cuts: Boykov-Kolmogorov cuts these graphs 2-3x faster
-# than networkx's default (a 4-layer Llama's 28 re-cuts: 1.6 s instead of 4.3 s).
+# than networkx's default.
 BUDGET_FLOW = boykov_kolmogorov
 # The longest chain of matmuls a budget's backward may rebuild one from another's output. Two is a
 # layer's attention projection and the MLP matmul that reads it; past that the chain runs through
 # the residual stream into the layers before, so the backward rebuilds every earlier layer to get
-# the last one's input and holds their products until their own backwards run (a 4-layer Llama at
-# budget 0.2, H100: 31.5 ms and 3366 MB a step, against 26.0 ms and 2199 MB at 0.5, which keeps
-# more). A cut with a longer chain is never chosen, even where it keeps fewer bytes.
+# the last one's input and holds their products until their own backwards run; a budget that allows a longer chain
+# costs both time and peak against one that keeps more. A cut with a longer chain is never chosen, even where it keeps fewer bytes.
 MAX_MATMUL_CHAIN = 2
 # The longest chain of row reductions the backward recomputes one from another's result: one
 # normalization (its mean, then its variance). A longer chain runs through several norms in a row
-# (BERT's post-norm residual stream rebuilt from saved matmul outputs: 9 LayerNorms, 18 row sums
-# each waiting on the one before, one kernel at 38% of bandwidth on an H200, 2026-11-27); the
+# (a post-norm residual stream rebuilt from saved matmul outputs: each LayerNorm's row sums wait on
+# the one before, a serial chain of kernels far below bandwidth); the
 # reductions on it are kept ([rows] values each: `row_statistics`), so that the rebuild is pointwise.
 MAX_ROW_REDUCTION_CHAIN = 2
 

@@ -87,7 +87,7 @@ class Config:
     # "auto" pads a matmul when it is compute-bound enough for the aligned kernels' speed to pay for the
     # pad: its arithmetic intensity MNK / (MK + KN + MN) in elements, with symbolic dims (the tokens)
     # taken as large, is at least this. pad_mm's test: above half the machine balance, about 100-150 on
-    # an H100/H200 in bf16 (the LM head of GPT-2: 756; a [101 x 64] test matmul: 39).
+    # current data-centre GPUs in bf16 (the LM head of GPT-2: 756; a [101 x 64] test matmul: 39).
     pad_matmul_min_intensity: float = 100.0
     # The bytes the forward may keep for the backward, as a fraction in (0, 1] of what the default
     # plan keeps: below 1.0 the planner recomputes more in the backward, cheapest first (memfuse.plan's

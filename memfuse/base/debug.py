@@ -56,7 +56,7 @@ STAGES = {
     "capture": "AOTAutograd's joint trace, decompositions and the lowering to memfuse's IR (capture.capture; "
                "backend._lower: the lowering only)",
     "trace": "of capture: AOTAutograd's functionalized trace of the function, twice (metadata, then the "
-             "joint graph), with symbolic sizes (capture._export)",
+             "joint graph), with symbolic sizes (capture.trace._export)",
     "plan": "the min-cut: what the forward saves, what the backward recomputes (plan.plan)",
     "schedule": "kernel groups, externs, padding, in-place fills (schedule.schedule)",
     "codegen": "Triton source written and its file imported, per kernel (codegen.generate)",
@@ -191,7 +191,7 @@ _compile_hooks: list = []
 
 def add_compile_hook(hook: Callable[[str, object, Optional[Path]], None]) -> None:
     """Call `hook(name, entry, folder)` after every compile while MEMFUSE_LOG or MEMFUSE_DUMP_DIR
-    is on: `entry` holds what the compile recorded (api._CacheEntry, backend.GraphRecord),
+    is on: `entry` holds what the compile recorded (driver.compile.Compiled),
     `folder` is where to dump it (None without MEMFUSE_DUMP_DIR). Adding a hook twice adds it once."""
     if hook not in _compile_hooks:
         _compile_hooks.append(hook)

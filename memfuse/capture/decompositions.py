@@ -12,7 +12,7 @@ aten = torch.ops.aten
 
 def decomposition_table() -> dict:
     """core ATen plus the composites memfuse wants as primitives (norms, dropout, activations).
-    Built once per process (30-80 ms); callers get their own copy of the dict."""
+    Built once per process (it is not cheap); callers get their own copy of the dict."""
     return dict(_decomposition_table())
 
 

@@ -513,8 +513,8 @@ _any_autocast = torch_private.any_autocast_enabled
 
 def _tensor_guards(tensors: list):
     """One C++ check of these tensors' Python type, dispatch keys, dtype, device, requires_grad,
-    sizes and strides (Dynamo's TensorGuards: 0.75 us for five tensors on a CPU host, where reading
-    them into a key and looking it up costs 3), or None: where torch has no TensorGuards (an
+    sizes and strides (Dynamo's TensorGuards: one C++ call, several times cheaper than reading them
+    into a key and looking it up), or None: where torch has no TensorGuards (an
     internal API) or refuses these tensors, and where one is a functorch wrapper (the front then
     unwraps it, as autograd's apply would; a guard made with plain tensors fails on wrappers, whose
     dispatch keys differ)."""

@@ -108,7 +108,7 @@ OPS = {
 # x / d where d has fewer elements than x (a row's norm dividing its row's tile; a column vector or a
 # scalar dividing a tile or a row), in fp32: the divisor's scaled reciprocal once, on its own shape
 # (SCALED_RECIPROCAL, into two registers), then two multiplies per element (DIVIDE_BY_RECIPROCAL),
-# not a division. Within ~1 ulp of the division, special values exact (tests/test_division.py). A
+# not a division. Within ~1 ulp of the division, special values exact (tests/ir/test_division.py). A
 # divisor of the result's shape, a literal and fp64 values keep OPS[Op.DIV].
 SCALED_RECIPROCAL = "mf_scaled_reciprocal"      # the HELPERS entry: d -> (reciprocal, scale)
 DIVIDE_BY_RECIPROCAL = "(({0} * {1}) * {2})"
@@ -378,7 +378,7 @@ HELPERS = {
     # psi(x): the recurrence psi(a) = psi(a + 1) - 1/a up to a >= 6, then the asymptotic series
     # log(a) - 1/(2a) - sum B_2k / (2k a^2k); for x < 0 the reflection psi(1 - x) - pi cot(pi x), NaN at
     # the negative integers; -inf at +0 and +inf at -0, as torch. The GPU may flush subnormal operands of
-    # a division or of sin to 0 (cot(pi x) came out infinite for subnormal x on the H200): 1/a is taken
+    # a division or of sin to 0 (cot(pi x) then comes out infinite for subnormal x): 1/a is taken
     # as (1 / (2^24 a)) 2^24, exact, and pi cot(pi r) = 1/r - pi^2 r / 3 (to fp32) for |r| < 2^-12
     negative = x < 0
     a = tl.where(negative, 1.0 - x, x)

@@ -2,8 +2,8 @@
 
 cuBLAS picks its fast tensor-core kernels only when the rows of every operand and of the result
 start on 16-byte boundaries. A static size that is not a multiple of 8 fp16/bf16 elements (4 fp32)
--- a vocabulary of 50257 -- sends the matmul to `align1` kernels, several times slower (the LM head
-of GPT-2 on an H200: 30 ms of a 68 ms step). torch.compile's `pad_mm` pass pads such operands with
+-- a vocabulary of 50257 -- sends the matmul to `align1` kernels, several times slower (GPT-2's LM
+head then takes a large part of its step). torch.compile's `pad_mm` pass pads such operands with
 zeros and slices the result back; this pass does the same to a program's graph (forward or
 backward) before its kernels are grouped (`schedule.schedule` calls it):
 
