@@ -185,10 +185,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mode", default="memfuse_backend", choices=MEMFUSE_MODES)
     parser.add_argument("--tiny", action="store_true", help="tiny configs on the CPU (the interpreter): no GPU times")
     parser.add_argument("--tune", action="store_true",
-                        help=f"time each kernel of {TARGET_MS} ms or more under {TARGET_SOL:.0%} alone at other launch "
+                        help=f"time each kernel of {TARGET_MS} ms or more under {TARGET_SOL:.0%}% alone at other launch "
                              "configurations (benchmarks.tune's sweep; GPU only)")
     parser.add_argument("--tune-ms", type=float, default=TARGET_MS,
-                        help=f"with --tune: the GPU time a step from which a kernel under {TARGET_SOL:.0%} is tuned")
+                        help=f"with --tune: the GPU time a step from which a kernel under {TARGET_SOL:.0%}% is tuned")
     parser.add_argument("--tune-tiles", metavar="RxW,..",
                         help="with --tune: only these tiles, rows x warps (e.g. 1x2,2x4,4x8), not the whole sweep")
     parser.add_argument("--out", type=Path, help="directory for kernel-sol-MODEL.json and .md")
