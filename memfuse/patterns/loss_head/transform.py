@@ -64,8 +64,10 @@ class LogitTransform:
 
     def returns_in(self, dtype: torch.dtype) -> bool:
         """Whether logits of `dtype` hold the transformed ones as eager has them (the op writes
-        returned logits in their dtype): the steps round to it, or run in fp32 on fp32 logits."""
-        return self.rounded_to == dtype or (self.rounded_to is None and dtype == torch.float32)
+        returned logits in their dtype): there are no steps (the logits are the linear's own output,
+        whatever the loss then casts them to), the steps round to it, or they run in fp32 on fp32
+        logits."""
+        return not self.steps or self.rounded_to == dtype or (self.rounded_to is None and dtype == torch.float32)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """The steps as eager's ops, on the logits in their dtype (differentiable)."""

@@ -312,3 +312,33 @@ def test_huggingface_heads_with_a_transform_are_found_and_match_eager(family, co
         if theirs.grad is not None:
             error = (ours.grad - theirs.grad).norm() / max(theirs.grad.norm(), 1e-3 * largest)
             assert error < 1e-4, name
+
+
+# -- no transform: the logits are the linear's own output, whatever the loss casts them to ------------
+def head_returning_autocast_logits(x, weight, target):
+    logits = F.linear(x, weight)                 # bfloat16 under autocast
+    return F.cross_entropy(logits.float().view(-1, weight.shape[0]), target, ignore_index=IGNORE), logits
+
+
+def test_logits_cast_only_for_the_loss_are_returned_chunked_by_the_wrapper():
+    """Under autocast a model's head returns its logits in bf16 and its loss casts them to fp32 (as
+    HuggingFace's causal-LM losses do): no transform step, so the op writes the returned logits in
+    their own dtype, and memory_efficient_fusion chunks the head as the backend does."""
+    x, weight, _, target = head_inputs(40, 16, 37, dtype=torch.float32)
+    x = x.detach().view(2, 20, 16).requires_grad_()
+    assert LogitTransform().returns_in(torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, logits = memfuse.memory_efficient_fusion(head_returning_autocast_logits)(x, weight, target)
+        expected_loss, expected_logits = head_returning_autocast_logits(x, weight, target)
+    assert memfuse.stats()["loss_heads_chunked"] == 1
+    assert logits.dtype == expected_logits.dtype == torch.bfloat16
+    assert relative(loss, expected_loss) < 1e-2 and relative(logits, expected_logits) < 1e-2
+    torch._dynamo.reset()
+    with torch.autocast("cpu", dtype=torch.bfloat16):      # the backend chunks it through the same op
+        backend_loss, _ = torch.compile(head_returning_autocast_logits, backend="memfuse")(x, weight, target)
+    assert memfuse.stats()["loss_heads_chunked"] == 2 and torch.equal(loss, backend_loss)
+    upstream = [torch.ones(()), torch.randn(expected_logits.shape, dtype=torch.bfloat16)]
+    ours = torch.autograd.grad((loss, logits), (x, weight), upstream)
+    theirs = torch.autograd.grad((expected_loss, expected_logits), (x, weight), upstream)
+    for mine, truth in zip(ours, theirs):
+        assert relative(mine, truth) < 2e-2
