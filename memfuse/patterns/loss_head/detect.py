@@ -273,7 +273,7 @@ def _rewrite(graph: torch.fx.Graph, loss: torch.fx.Node, config: Config) -> tupl
     returned_anywhere = sum(leaf is logits_node for leaf in torch.utils._pytree.tree_leaves(_output_values(graph)))
     # returned at top level only: a nested one would keep the op's logits, without their gradient path
     only_returned = bool(returned_at) and not read_in_graph and returned_anywhere == len(returned_at)
-    if transform.steps and returns_logits and not transform.returns_in(logits_value.dtype):
+    if returns_logits and not transform.returns_in(logits_value.dtype):
         return HeadDecision(loss.name, False, f"the logits through {transform} are also read or returned, in "
                                               "float32, not their dtype"), None
     with graph.inserting_before(loss):
