@@ -9,7 +9,7 @@ import torch
 from memfuse.capture.tables import EXTREME_ATEN, TOTALS, NotFusible
 from memfuse.capture.values import classify
 from memfuse.ir import views
-from memfuse.ir.graph import Cast, Extern, Kind, Op, Reduce, Symbol, Value, ValueRef, place
+from memfuse.ir.graph import Cast, Extern, Kind, Op, Reduce, Symbol, Value, ValueRef, fits, place
 from memfuse.ir.ops import accumulate_dtype
 
 aten = torch.ops.aten
@@ -57,6 +57,15 @@ class ReductionRules:
                         name=f"{name}_rows")
         kept = tuple(sympy.Integer(1) if j in dims else s for j, s in enumerate(self.graph[rows].value.shape))
         total = self.leading_sum(node, rows, dims, place(acc, kept), True, f"{name}_total")
+        shaped = Value(acc, value.kind, value.shape, value.m, value.d)
+        if not fits(self.graph[total].value, shaped, Op.VIEW):
+            # another place in [M, D] (BatchNorm's [1, C, 1, 1] sums are rows, its [C] result a
+            # column vector): the written totals read again in the result's shape
+            step = views.reshape(kept, value.shape)
+            read = self.access(total).then(*step, value.shape)
+            if acc == value.dtype:
+                return self.strided(name, read, value, f"view{list(value.shape)}")
+            total = self.strided(f"{name}_reshaped", read, shaped, f"view{list(value.shape)}")
         if acc == value.dtype:
             return self.add(Op.VIEW, [total], value, name=name)
         return self.add(Op.CAST, [total], value, Cast(value.dtype), name=name)
