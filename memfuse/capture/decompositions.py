@@ -26,7 +26,10 @@ def _decomposition_table() -> dict:
         aten._log_softmax, aten._log_softmax_backward_data, aten.gelu, aten.gelu_backward,
         aten.silu, aten.silu_backward, aten.sigmoid_backward, aten.tanh_backward,
         aten.threshold_backward, aten.rms_norm, aten.elu, aten.leaky_relu, aten.hardtanh,
-        aten.linalg_vector_norm, aten._native_batch_norm_legit_functional, aten._native_batch_norm_legit.no_stats,
+        aten.linalg_vector_norm,
+        # BatchNorm in training: aten's var_mean over N, H, W, then pointwise ops fused with their
+        # readers; the backward recomputes the output from the input and statistics it keeps
+        aten._native_batch_norm_legit_functional, aten._native_batch_norm_legit.no_stats,
     ]))
     table[aten._native_batch_norm_legit_no_training.default] = _batch_norm_with_running_stats
     # core ATen decomposes CPU flash attention into math that returns the attention weights
