@@ -6,6 +6,7 @@ import functools
 
 import torch
 from torch._decomp import core_aten_decompositions, get_decompositions
+from torch._decomp.decompositions import native_batch_norm_helper
 
 aten = torch.ops.aten
 
@@ -26,7 +27,11 @@ def _decomposition_table() -> dict:
         aten.silu, aten.silu_backward, aten.sigmoid_backward, aten.tanh_backward,
         aten.threshold_backward, aten.rms_norm, aten.elu, aten.leaky_relu, aten.hardtanh,
         aten.linalg_vector_norm,
+        # BatchNorm in training: aten's var_mean over N, H, W, then pointwise ops fused with their
+        # readers; the backward recomputes the output from the input and statistics it keeps
+        aten._native_batch_norm_legit_functional, aten._native_batch_norm_legit.no_stats,
     ]))
+    table[aten._native_batch_norm_legit_no_training.default] = _batch_norm_with_running_stats
     # core ATen decomposes CPU flash attention into math that returns the attention weights
     # where the op returns its logsumexp; the (undecomposed) backward then reads the weights as
     # the logsumexp: wrong gradients. torch's comment says inductor must exclude it; so do we.
@@ -39,3 +44,12 @@ def _decomposition_table() -> dict:
     # a table of few rows read by many tokens (a token-type table: 2 rows) becomes a long serial sum.
     table.pop(aten.embedding_dense_backward.default, None)
     return table
+
+
+def _batch_norm_with_running_stats(input, weight, bias, running_mean, running_var, momentum, eps):
+    """BatchNorm in eval mode: pointwise ops over the running statistics, fused with what reads
+    them. torch's own decomposition calls `_native_batch_norm_legit`, an op that writes into the
+    running statistics, which a functional trace refuses."""
+    output, save_mean, save_rstd, _, _ = native_batch_norm_helper(
+        input, weight, bias, running_mean, running_var, False, momentum, eps, functional=True)
+    return output, save_mean, save_rstd

@@ -7,9 +7,9 @@ import sympy
 import torch
 
 from memfuse.capture.tables import EXTREME_ATEN, TOTALS, NotFusible
-from memfuse.capture.values import classify
+from memfuse.capture.values import classify, shape_text
 from memfuse.ir import views
-from memfuse.ir.graph import Cast, Extern, Kind, Op, Reduce, Symbol, Value, ValueRef, place
+from memfuse.ir.graph import Cast, Extern, Kind, Op, Reduce, Symbol, Value, ValueRef, fits, place
 from memfuse.ir.ops import accumulate_dtype
 
 aten = torch.ops.aten
@@ -47,19 +47,49 @@ class ReductionRules:
 
     def lower_leading_sum(self, node, x: str, dims: list, with_d: bool, value: Value, name: str) -> str:
         """A sum over some leading dims, and over D when `with_d` ([T, B, D] -> [B, 1]: the gradient
-        of a [B, 1] operand): the rows are summed in a kernel first, as fp32, into a row value."""
+        of a [B, 1] operand): the rows are summed in a kernel first, as fp32, into a row value, then
+        the rows by a strided read, or by one aten call where that read would add more terms one
+        after another than it has outputs (`sums_serially`: BatchNorm's per-channel sums of
+        [N, C, H, W], N x H rows for each of C outputs)."""
         source = self.graph[x].value
         keepdim = len(value.shape) == len(source.shape)
         if not with_d:
             return self.leading_sum(node, x, dims, value, keepdim, name)
+        if node.kwargs.get("dtype") not in (None, value.dtype):
+            raise NotFusible("reduction with a dtype argument")
         acc = accumulate_dtype(value.dtype) if value.is_floating else value.dtype
         rows = self.add(Op.SUM, [x], place(acc, tuple(source.shape[:-1]) + (sympy.Integer(1),)), Reduce(Kind.ROW),
                         name=f"{name}_rows")
+        shaped = Value(acc, value.kind, value.shape, value.m, value.d)
+        last = len(source.shape) - 1
+        if self.sums_serially([source.shape[j] for j in dims], value.shape):
+            total = self.add(Op.EXTERN, [rows], shaped, Extern(aten.sum.dim_IntList, (ValueRef(rows), [*dims, last],
+                                                                                       keepdim), ()),
+                             name=name if acc == value.dtype else f"{name}_total")
+            return total if acc == value.dtype else self.add(Op.CAST, [total], value, Cast(value.dtype), name=name)
         kept = tuple(sympy.Integer(1) if j in dims else s for j, s in enumerate(self.graph[rows].value.shape))
         total = self.leading_sum(node, rows, dims, place(acc, kept), True, f"{name}_total")
+        if not fits(self.graph[total].value, shaped, Op.VIEW):
+            # another place in [M, D] (a [N, C, 1, 1] sum of rows is a row value, its [N, C] result
+            # a full one): the written totals read again in the result's shape
+            step = views.reshape(kept, value.shape)
+            if step is None:
+                raise NotFusible(f"a sum whose result {shape_text(value.shape)} is no reshape of {shape_text(kept)}")
+            read = self.access(total).then(*step, value.shape)
+            if acc == value.dtype:
+                return self.strided(name, read, value, f"view{shape_text(value.shape)}")
+            total = self.strided(f"{name}_reshaped", read, shaped, f"view{shape_text(value.shape)}")
         if acc == value.dtype:
             return self.add(Op.VIEW, [total], value, name=name)
         return self.add(Op.CAST, [total], value, Cast(value.dtype), name=name)
+
+    def sums_serially(self, terms: list, result: tuple) -> bool:
+        """Whether a strided read would add more `terms` (the summed dims' sizes) for each output
+        than `result` has outputs, at the traced sizes: it adds one output's terms one after
+        another, and runs its outputs in parallel, so that sum is aten's (a tree over all of them)."""
+        count, outputs = (sympy.sympify(sympy.sympify(sympy.Mul(*sizes)).xreplace(self.hints))
+                          for sizes in (terms, result))
+        return bool(count.is_number and outputs.is_number and count > outputs)
 
     def reduction_axis(self, dims, source: Value) -> Kind:
         rank = len(source.shape)

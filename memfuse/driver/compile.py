@@ -31,7 +31,7 @@ import torch
 from memfuse.base.config import Config
 from memfuse.base.debug import STATS, on_compile, timed, topic_log
 from memfuse.capture import capture, lower_graph
-from memfuse.ir.captured import Captured
+from memfuse.ir.captured import Captured, Retrace
 from memfuse.driver.fallback import STRICT, EagerCall, StrictModeError, compile_failed
 from memfuse.ir.graph import Graph, GraphError, Symbol, verify
 from memfuse.patterns.attention import MaskDecision, OutputMasks, returned_masks
@@ -142,7 +142,7 @@ def compile_or_decide(source: TracedFunction, config: Config) -> Union[Compiled,
     verifier's (memfuse's bug) are raised as they are."""
     try:
         return compile_program(source, config)
-    except (StrictModeError, GraphError):
+    except (StrictModeError, GraphError, Retrace):
         raise
     except Exception as e:   # noqa: BLE001 -- any failure to compile: the original runs, with the reason
         decision = compile_failed(source.name, e)

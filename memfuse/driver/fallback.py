@@ -65,8 +65,8 @@ WAYS_OUT = (
      "the function depends on a tensor's values (.item(), `if t.any():`, nonzero): move that part out of "
      "the fused function, or pass the value as a Python number"),
     ((MutatedInputError,),
-     "write results to new tensors instead of into an input or buffer (x = x * 2, not x.mul_(2)); for "
-     "BatchNorm use eval() or track_running_stats=False, or leave that module unfused"),
+     "write results to new tensors instead of into an argument (x = x * 2, not x.mul_(2)), or leave that "
+     "module unfused (a module's buffers written in place are written back after the call)"),
     ((UntraceableOutputError,),
      f"return a tensor, or a pytree (tuple, list, dict, dataclass) of tensors and constants ({CONSTANT_NAMES}) "
      f"holding at least one tensor (a HuggingFace model returns its KV cache unless use_cache=False)"),

@@ -40,6 +40,7 @@ from memfuse.driver.compile import TracedFunction, compile_or_decide
 from memfuse.driver.fallback import (STRICT, EagerCall, StrictModeError, UntraceableOutputError, say_once,
                     under_transform, untraceable_argument)
 from memfuse.fronts.cuda_graphs import GraphedFunction
+from memfuse.ir.captured import Retrace
 from memfuse.runtime.function import CompiledFunction
 from memfuse.runtime.program import SIZE_FUNCTIONS
 
@@ -326,8 +327,13 @@ class FusedFunction:
     def _compile_or_decide(self, flat: "_Flat", key: tuple) -> "_CacheEntry | EagerCall":
         """The compiled program (memfuse.driver.compile), or where compiling fails the decision to
         run this key through torch."""
-        rebuilds = []                  # how the trace's output is rebuilt from its tensors
-        compiled = compile_or_decide(self._source(flat, key, rebuilds), self.config)
+        while True:
+            rebuilds = []              # how the trace's output is rebuilt from its tensors
+            try:
+                compiled = compile_or_decide(self._source(flat, key, rebuilds), self.config)
+                break
+            except Retrace:            # the function returns more now (module.py: buffers written in place)
+                continue
         if isinstance(compiled, EagerCall):
             return compiled
         return _CacheEntry(compiled.function, rebuilds[0], flat.tree, compiled.captured, compiled.plan,

@@ -31,7 +31,7 @@ from torch.func import functional_call
 from torch.utils._pytree import tree_leaves
 
 from memfuse.fronts.function import FusedFunction, _CacheEntry, autocast_state
-from memfuse.ir.captured import MutatedInputError
+from memfuse.ir.captured import MutatedInputError, Retrace
 from memfuse.base.config import Config
 from memfuse.driver.fallback import EagerCall
 
@@ -84,8 +84,8 @@ class FusedModule(nn.Module):
             # The trace ran under autocast and holds its casts; the compiled steps must not be
             # autocast a second time.
             with torch.autocast(device.type, enabled=False):
-                return call.fused(*values)
-        return call.fused(*values)
+                return call.write_back(call.fused(*values), values)
+        return call.write_back(call.fused(*values), values)
 
     def compiled_for(self, *args, **kwargs) -> "_CacheEntry | EagerCall":
         """The compiled program (cache entry) a call with these arguments runs, compiled if it is
@@ -158,11 +158,18 @@ class FusedModule(nn.Module):
 class _ModuleCall:
     """The function FusedFunction compiles for one CallKey: (*params_and_buffers, *args,
     *kwarg_values) -> the module's output. Run on the module's own tensors it is the original's
-    forward through torch, what a call FusedFunction cannot compile runs."""
+    forward through torch, what a call FusedFunction cannot compile runs.
+
+    A buffer the forward writes in place (BatchNorm's running statistics in training) is written,
+    in the trace, into a copy the function returns beside the output (`written`: the buffers'
+    positions, learned by the first trace, which then asks for another: Retrace), and
+    `write_back` copies it into the buffer after the call, as AOTAutograd's runtime does for
+    Dynamo's graphs. Run through torch, the forward writes into the buffers themselves."""
 
     def __init__(self, module: nn.Module, key: CallKey, config: Config, cuda_graphs: bool = False):
         self.module = module
         self.key = key
+        self.written: tuple = ()     # positions (in key.state) of the buffers the forward writes in place
         self.__qualname__ = type(module).__qualname__
         self.fused = FusedFunction(self, config, static_prefix=len(key.state), cuda_graphs=cuda_graphs,
                                    names=_argument_names(module, key))
@@ -171,6 +178,9 @@ class _ModuleCall:
         key = self.key
         count = len(key.state)
         state = dict(zip(key.state, values[:count]))
+        tracing = any(isinstance(v, FunctionalTensor) for v in values[:count])
+        for i in self.written if tracing else ():
+            state[key.state[i]] = values[i].clone()       # written into a copy, returned
         rest = values[count:]
         args, kwargs = rest[:key.num_args], dict(zip(key.kwarg_names, rest[key.num_args:]))
         device_type, enabled, dtype = key.autocast
@@ -180,24 +190,42 @@ class _ModuleCall:
         else:
             out = functional_call(self.module, state, args, kwargs)
         self._check_no_mutation(values)
+        if not self.written:
+            return out
+        return out, tuple(state[key.state[i]] for i in self.written)
+
+    def write_back(self, result, values: tuple):
+        """The module's output; the buffers the forward wrote (their new values returned beside
+        the output) copied into the module's own, unless they are those (run through torch)."""
+        if not self.written:
+            return result
+        out, new = result
+        with torch.no_grad():
+            for i, value in zip(self.written, new):
+                if value is not values[i]:
+                    values[i].copy_(value)
         return out
 
     def _check_no_mutation(self, values) -> None:
-        """While tracing (the values are FunctionalTensors): no buffer or argument written in place."""
+        """While tracing (the values are FunctionalTensors): no argument written in place; a buffer
+        written in place is written into a copy by the next trace (Retrace)."""
         try:
             from torch._functorch._aot_autograd.functional_utils import has_data_mutation
         except ImportError:   # torch moved it: AOTAutograd's own (unnamed) error still fires
             return
         count = len(self.key.state)
         names = self.fused.names
-        mutated = [f"buffer '{names[i]}'" if i < count else f"argument '{names[i]}'"
-                   for i, v in enumerate(values) for leaf in tree_leaves(v)
+        mutated = [i for i, v in enumerate(values) for leaf in tree_leaves(v)
                    if isinstance(leaf, FunctionalTensor) and has_data_mutation(leaf)]
-        if mutated:
+        arguments = [f"argument '{names[i]}'" for i in mutated if i >= count]
+        if arguments:
             raise MutatedInputError(
-                f"memfuse: {self.__qualname__}.forward writes in place into its {', '.join(mutated)} (e.g. "
-                f"BatchNorm running statistics in training mode); memfuse cannot fuse a forward that "
-                f"mutates its inputs")
+                f"memfuse: {self.__qualname__}.forward writes in place into its {', '.join(arguments)}; "
+                f"memfuse cannot fuse a forward that mutates its arguments")
+        if mutated:
+            self.written = tuple(sorted(set(self.written) | set(mutated)))
+            raise Retrace(f"memfuse: {self.__qualname__}.forward writes in place into its "
+                          f"{', '.join(repr(names[i]) for i in mutated)}: traced again, writing copies")
 
 
 def _argument_names(module: nn.Module, key: CallKey) -> list:

@@ -34,3 +34,10 @@ class Captured:
 
 class MutatedInputError(RuntimeError):
     """The traced function writes into one of its inputs (an argument, a module's buffer) in place."""
+
+
+class Retrace(Exception):
+    """The traced function learned while tracing that it must be traced again, returning more (a
+    module's buffer written in place: the next trace writes a copy and returns it, and the module
+    copies it into the buffer after the call). Raised only when what it learned is new, so the
+    traces end."""

@@ -29,7 +29,7 @@ from memfuse.buffers import format_buffer_plan
 from memfuse.base.debug import STATS, human_bytes, topic_log
 from memfuse.reports.draw import MemoryDrawing, PlanDrawing, ProgramMemory, memory_drawing, plan_drawing
 from memfuse.driver.fallback import EagerCall
-from memfuse.ir.graph import EXTERNAL, LEAF, RANDOM, REDUCTION, Graph, Op, format_graph, value_bytes
+from memfuse.ir.graph import EXTERNAL, LEAF, RANDOM, REDUCTION, Graph, Op, Reshape, format_graph, value_bytes
 from memfuse.ir.patterns import SECTIONS
 from memfuse.fronts.module import FusedModule
 from memfuse.plan import Decision
@@ -279,6 +279,8 @@ def _extern_target(graph: Graph, name: str) -> str:
         return str(node.attr.target)
     if node.op is Op.GETITEM:
         return f"getitem {node.attr.index} of {node.inputs[0]}"
+    if isinstance(node.attr, Reshape):
+        return f"{node.op.value} of {node.inputs[0]} in memory, read by aten (a reshape in the runtime)"
     return f"{node.op.value} of a finished column sum (a reshape in the runtime)"
 
 

@@ -81,10 +81,10 @@ def runtime_reshape(graph: Graph, node) -> bool:
         return False
     if not same_size(graph, node):
         return False
-    if node.value.kind in (Kind.COL, Kind.SCALAR):
-        return fusion_barrier(graph, node.inputs[0]) is not None
     if isinstance(node.attr, Reshape):
         return True
+    if node.value.kind in (Kind.COL, Kind.SCALAR):
+        return fusion_barrier(graph, node.inputs[0]) is not None
     return node.op is Op.VIEW and node.name in graph.outputs and made_by_aten(graph, node.inputs[0])
 
 

@@ -30,7 +30,7 @@ def reshapes_for_aten(graph: Graph) -> Graph:
     for name in graph.nodes:
         node = graph[name]
         source = graph[node.inputs[0]] if node.inputs else None
-        if name in for_aten and node.attr is None and node.value.kind in (Kind.FULL, Kind.ROW) \
+        if name in for_aten and node.attr is None and node.value.kind is not Kind.TENSOR \
                 and source.value.dtype == node.value.dtype \
                 and (source.op is Op.INPUT or source.op in EXTERNAL or source.name in marked) \
                 and same_size(graph, node):

@@ -1,5 +1,5 @@
 """memory_efficient_fusion(module): shared parameters and state_dict keys, train/eval, no_grad,
-autocast, checkpoints, and forwards that mutate their buffers (run through torch)."""
+autocast, checkpoints, forwards that write their buffers (written back) or arguments (run through torch)."""
 import copy
 import io
 import re
@@ -255,25 +255,57 @@ def test_autocast_traces_the_casts(dtype):
     assert len(fused._memfuse_calls) == 2
 
 
-@pytest.mark.compile_fails
-def test_mutating_a_buffer_runs_the_original_naming_it(caplog):
-    """BatchNorm in training mode writes its running statistics: the compile fails, the call runs
-    the original (which updates them as in eager), the reason names the buffers; strict raises."""
+def test_buffers_written_in_place_are_written_back():
+    """BatchNorm in training mode writes its running statistics: the trace writes copies and returns
+    them, the module copies them into its buffers after the call: compiled, and the statistics,
+    outputs and gradients are eager's. Eval mode reads them without writing: another program."""
     torch.manual_seed(0)
     plain = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))
     model = memfuse.memory_efficient_fusion(copy.deepcopy(plain))
-    x = torch.randn(4, 8)
+    x, grad = torch.randn(4, 8), torch.randn(4, 8)    # (a norm's output squared sums to a constant)
     for _ in range(2):
-        torch.testing.assert_close(model(x), plain(x))
+        out, expected = model(x), plain(x)
+        torch.testing.assert_close(out, expected)
+        out.backward(grad)
+        expected.backward(grad)
+    for (name, theirs), ours in zip(plain.named_buffers(), model.original.buffers()):
+        torch.testing.assert_close(ours, theirs, msg=name)
+    assert int(model.original[1].num_batches_tracked) == 2
+    for (name, theirs), ours in zip(plain.named_parameters(), model.original.parameters()):
+        torch.testing.assert_close(ours.grad, theirs.grad, msg=name)
+    assert (memfuse.stats()["eager_calls"], memfuse.stats()["compiles"]) == (0, 1)
+    (call,) = model._memfuse_calls.values()
+    assert [call.key.state[i] for i in call.written] == ["1.running_mean", "1.running_var", "1.num_batches_tracked"]
+    model.eval()
+    plain.eval()
+    torch.testing.assert_close(model(x), plain(x))
+    assert memfuse.stats()["compiles"] == 2
     torch.testing.assert_close(model.original[1].running_mean, plain[1].running_mean)
-    assert re.search(r"buffer '1\.running_mean', buffer '1\.running_var'.*Way out: .*eval\(\)", caplog.text)
-    assert caplog.text.count("runs through torch") == 1
-    assert (memfuse.stats()["eager_calls"], memfuse.stats()["compiles"]) == (2, 0)   # decided once per key
-    model.eval()   # eval mode reads the running statistics without writing them
-    torch.testing.assert_close(model(x), model.original(x))
-    assert memfuse.stats()["compiles"] == 1
+
+
+@pytest.mark.compile_fails
+def test_mutating_an_argument_runs_the_original_naming_it(caplog):
+    """A forward that writes into its argument runs the original (which writes it as in eager), the
+    reason names the argument; strict mode raises."""
+    class AddsInPlace(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            x.add_(1.0)
+            return self.lin(x)
+
+    plain = AddsInPlace()
+    model = memfuse.memory_efficient_fusion(copy.deepcopy(plain))
+    x = torch.randn(4, 8)
+    ours, theirs = x.clone(), x.clone()
+    torch.testing.assert_close(model(ours), plain(theirs))
+    torch.testing.assert_close(ours, theirs)
+    assert re.search(r"argument 'x'.*Way out: ", caplog.text)
+    assert memfuse.stats()["eager_calls"] == 1
     strict = memfuse.memory_efficient_fusion(plain, config=memfuse.Config(strict=True))
-    with pytest.raises(StrictModeError, match=r"'1\.running_mean'.*strict mode") as raised:
+    with pytest.raises(StrictModeError, match=r"argument 'x'.*strict mode") as raised:
         strict(x)
     assert isinstance(raised.value.__cause__, MutatedInputError)
 

@@ -311,6 +311,32 @@ def test_sum_over_some_leading_dims_is_a_summed_read(name, dtype):
     assert any(n.op is Op.STRIDED and n.attr.summed for n in both.captured[0].joint.nodes.values())
 
 
+CHANNEL_SUMS = {   # name -> (fn, input shape): sums over leading dims and D whose result lies elsewhere in [M, D]
+    # a [N, C] mean of [N, C, H, W] (global pooling): rows [N, C, H, 1] summed over H, few terms each
+    "pooled": (lambda x: x.mean((2, 3)).sin(), (2, 3, 4, 8), False),
+    # BatchNorm's per-channel statistic: a [C] column vector of N x H rows each (more terms than
+    # outputs: aten sums the rows)
+    "per_channel": (lambda x: x.sum((0, 2, 3)).exp(), (2, 3, 4, 8), True),
+    "per_channel_keepdim": (lambda x: x * x.mean((0, 2, 3), keepdim=True), (2, 3, 4, 8), True),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("name", list(CHANNEL_SUMS))
+def test_sums_over_leading_dims_and_d_in_another_place(name, dtype):
+    """The rows are summed in a kernel; their sum, a row value, is read in the result's place (a
+    reshape of the written totals), or, with more terms than outputs, summed by one aten call."""
+    fn, shape, by_aten = CHANNEL_SUMS[name]
+    both = run_both(fn, [torch.randn(shape).to(dtype).requires_grad_()])
+    assert_same(both.fused, both.eager, reference=both.reference)
+    assert_same(both.fused_grads, both.eager_grads, scale=2.0, what="gradient", reference=both.reference_grads)
+    assert not both.fallbacks
+    joint = both.captured[0].joint
+    sums = [n for n in joint.nodes.values() if n.op is Op.EXTERN and n.attr.target is torch.ops.aten.sum.dim_IntList]
+    assert bool(sums) == by_aten
+    assert all(joint[n.inputs[0]].op is Op.SUM for n in sums)     # aten reads the summed rows, not x
+
+
 def test_broadcast_serves_every_leading_size_with_one_compile():
     def fn(a, b, s):
         return F.layer_norm(a + b * s, (8,))

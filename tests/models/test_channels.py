@@ -1,0 +1,133 @@
+"""Reductions over the channels of NCHW tensors: BatchNorm2d in training (per-channel statistics
+over N, H, W; running statistics written in place) and eval (the running statistics read), and
+channels-first LayerNorm (a mean over C), in a conv block and in HuggingFace's ResNet and ConvNeXt
+from tiny configs, through memory_efficient_fusion and the torch.compile backend: the loss, every
+gradient and the running statistics are eager's, and no graph or call runs through torch. At a
+ResNet-50 width and 224x224 images the same models compile (compile only)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch._dynamo
+from torch import nn
+
+import memfuse
+from benchmarks.lib.hf_models import grad_error
+from memfuse.driver.fallback import EagerCall
+
+transformers = pytest.importorskip("transformers")
+
+GRAD_RTOL = 1e-5     # relative to each gradient's norm, floored at 1e-3 x the largest (hf_models.grad_error)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+
+
+class ConvBlock(nn.Module):
+    def __init__(self, channels: int = 6):
+        super().__init__()
+        # no bias: before a BatchNorm in training its gradient is 0 but for rounding (the norm
+        # subtracts each channel's mean), nothing to compare
+        self.conv = nn.Conv2d(3, channels, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(channels)
+
+    def forward(self, x):
+        return torch.relu(self.bn(self.conv(x))).square().mean()
+
+
+def _wrap(front: str, model: nn.Module):
+    if front == "memory_efficient_fusion":
+        return memfuse.memory_efficient_fusion(model)
+    return torch.compile(model, backend="memfuse")
+
+
+def _assert_like_eager(model: nn.Module, reference: nn.Module, step, steps: int = 2):
+    """`steps` calls of step(model) and step(reference): losses, then the gradients (accumulated)
+    and every buffer (running statistics, batches counted) against eager's; nothing ran through torch."""
+    for _ in range(steps):
+        ours, theirs = step(model), step(reference)
+        ours.backward()
+        theirs.backward()
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    error, worst = grad_error(grads, {name: p.grad for name, p in reference.named_parameters()})
+    assert error <= GRAD_RTOL, (worst, error)
+    for (name, ours), theirs in zip(model.named_buffers(), reference.buffers()):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6, msg=name)
+    stats = memfuse.stats()
+    assert (stats["graph_fallbacks"], stats["eager_calls"]) == (0, 0), stats
+    assert stats["compiles"] >= 1, stats
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("front", ["memory_efficient_fusion", "backend"])
+def test_conv_batchnorm_block(front, training):
+    """Conv2d + BatchNorm2d + ReLU: in training the per-channel sums of the backward (over N, H
+    and W of [N, C, H, W]) compile, and the running statistics are written back; in eval the
+    norm is pointwise over the running statistics, which stay as they were."""
+    torch.manual_seed(0)
+    reference = ConvBlock().train(training)
+    if not training:
+        reference.bn.running_mean.normal_()
+        reference.bn.running_var.uniform_(0.5, 2.0)
+    model = copy.deepcopy(reference)
+    fused = _wrap(front, model)
+    x = torch.randn(2, 3, 6, 5)
+    before = reference.bn.running_mean.clone()
+    _assert_like_eager(model, reference, lambda m: (fused if m is model else m)(x))
+    assert int(model.bn.num_batches_tracked) == (2 if training else 0)
+    assert training != torch.equal(model.bn.running_mean, before)
+
+
+def _resnet(hidden_sizes=(8, 16), embedding_size=8, depths=(1, 1)):
+    return transformers.ResNetForImageClassification(transformers.ResNetConfig(
+        embedding_size=embedding_size, hidden_sizes=list(hidden_sizes), depths=list(depths),
+        layer_type="bottleneck", num_labels=3))
+
+
+def _convnext(hidden_sizes=(8, 16), depths=(1, 1)):
+    return transformers.ConvNextForImageClassification(transformers.ConvNextConfig(
+        hidden_sizes=list(hidden_sizes), depths=list(depths), num_stages=len(depths), num_labels=3))
+
+
+VISION = {   # family -> its tiny model
+    "resnet": _resnet,          # BatchNorm2d after every conv
+    "convnext": _convnext,      # ConvNextLayerNorm channels_first (a mean over dim 1) after the stem and downsamples
+}
+
+
+@pytest.mark.parametrize("front,family,training", [
+    ("memory_efficient_fusion", "resnet", True), ("memory_efficient_fusion", "convnext", True),
+    # 15-25 s each on two cores; the conv block covers the backend's BatchNorm in both modes
+    pytest.param("backend", "resnet", False, marks=pytest.mark.slow),
+    pytest.param("backend", "convnext", True, marks=pytest.mark.slow)])
+def test_hf_vision_model(front, family, training):
+    """The whole model from a tiny config, 32x32 images, labels given: loss, gradients and the
+    BatchNorms' running statistics as eager's, no graph through torch."""
+    torch.manual_seed(0)
+    reference = VISION[family]().train(training)
+    model = copy.deepcopy(reference)
+    fused = _wrap(front, model)
+    pixels, labels = torch.randn(2, 3, 32, 32), torch.tensor([0, 2])
+    _assert_like_eager(model, reference,
+                       lambda m: (fused if m is model else m)(pixel_values=pixels, labels=labels).loss)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,training", [("resnet", True), ("resnet", False), ("convnext", True)])
+def test_real_sizes_compile(family, training):
+    """ResNet-50's widths and ConvNeXt-T's (one block a stage), batch 32 of 224x224 images: the
+    whole model compiles (capture, plan, schedule, codegen; nothing runs), not a decision to run
+    it through torch. Sizes select paths tiny configs do not (which sums aten takes, row lengths)."""
+    torch.manual_seed(0)
+    model = _resnet((256, 512, 1024, 2048), 64, (1, 1, 1, 1)) if family == "resnet" else \
+        _convnext((96, 192, 384, 768), (1, 1, 1, 1))
+    model.train(training)
+    pixels, labels = torch.randn(32, 3, 224, 224), torch.randint(0, 3, (32,))
+    entry = memfuse.memory_efficient_fusion(model).compiled_for(pixel_values=pixels, labels=labels)
+    assert not isinstance(entry, EagerCall), entry
