@@ -50,6 +50,7 @@ from benchmarks.lib.zoo import KIND, ZOO  # noqa: E402
 MODES = ("eager", "torch_compile", "memfuse_backend", "memfuse_whole")
 TINY_MODES = tuple(m for m in MODES if m not in models.COMPILING_MODES)
 MEMFUSE_MODES = ("memfuse_backend", "memfuse_whole")  # the summary's and the chart's
+PER_LAYER_MODES = ("memfuse_per_layer", "memfuse_per_layer_backend", "torch_compile_per_layer")  # need Family.layers
 GPU_SETTINGS = models.Settings(warmup_steps=2, timed_steps=6)  # the zoo's budget: many families, few steps
 DEFAULT_JOBS = 4
 DEFAULT_TIMEOUT_S = 900  # one family, every mode; a hung family's process is ended then
@@ -120,6 +121,8 @@ def run_family(name: str, modes: tuple[str, ...], setup: models.Setup) -> dict:
     case, reference = models.prepare(family, setup)
     rows = []
     for mode in modes:
+        if mode in PER_LAYER_MODES and not family.layer_paths:
+            continue  # a model without a list of layers (timm's) has no per-layer mode
         recorder = FallbackReasons()
         with recorder.recording() as reasons:
             row = models.run_mode(case, mode, reference)
