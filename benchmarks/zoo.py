@@ -150,7 +150,7 @@ def worker(args: argparse.Namespace) -> None:
     transformers.logging.set_verbosity_error()
     tiny = args.tiny
     setup = models.Setup(torch.device("cpu" if tiny else "cuda"), tiny,
-                         models.TINY_SETTINGS if tiny else GPU_SETTINGS,
+                         models.TINY_SETTINGS if tiny else GPU_SETTINGS, use_cache=args.use_cache,
                          exclusive=lambda: timing_lock(args.out / LOCK_NAME))
     if not tiny:
         torch.ones(8, 8, device=setup.device) @ torch.ones(8, 8, device=setup.device)  # CUDA and cuBLAS up
@@ -203,7 +203,7 @@ def spawn(name: str, args: argparse.Namespace, modes: tuple[str, ...], tiny: boo
     logs.mkdir(parents=True, exist_ok=True)
     log_path = logs / f"{'tiny-' if tiny else ''}{name}.log"
     command = [sys.executable, "-m", "benchmarks.zoo", "--worker", name, "--modes", ",".join(modes),
-               "--out", str(args.out), *(["--tiny"] if tiny else [])]
+               "--out", str(args.out), *(["--tiny"] if tiny else []), *(["--use-cache"] if args.use_cache else [])]
     # inductor's compile workers: the cores shared among the families compiling at once
     env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": str(max(1, (os.cpu_count() or 1) // args.jobs))}
     if tiny:
@@ -428,6 +428,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--modes", help=f"comma-separated, from {', '.join(models.ALL_MODES)} (default: "
                                            f"{', '.join(MODES)}; --tiny: all but torch_compile)")
     parser.add_argument("--tiny", action="store_true", help="tiny configs on CPU through the Triton interpreter")
+    parser.add_argument("--use-cache", action="store_true",
+                        help="keep transformers' default config.use_cache=True, as a user's model has it (the "
+                             "model returns its KV cache; default: off, as in training); its JSONs have the same names: give another --out")
     parser.add_argument("--jobs", type=int, default=DEFAULT_JOBS, help=f"families at once (default {DEFAULT_JOBS})")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                         help=f"seconds a family's process may run (default {DEFAULT_TIMEOUT_S})")
