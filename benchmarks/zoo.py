@@ -389,7 +389,7 @@ def write_chart(results: list[dict], path: Path) -> str:
         title = f"model zoo: {meta['device']}  torch {meta['torch']}  transformers {meta['transformers']}  " \
                 f"{str(meta['date'])[:10]}"
         axis.set_title(("TINY RUN (CPU, Triton interpreter): not a performance result\n" if meta["tiny"] else "")
-                       + title + "\n" + summarize(results).line(), fontsize=8)
+                       + title + "\n" + "\n".join(summarize(results).line().split("; ")), fontsize=8)
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return f"wrote {path}"
