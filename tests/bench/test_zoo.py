@@ -30,7 +30,7 @@ def test_the_zoo_covers_every_kind_with_24_transformers_families():
 
 
 def _args(tmp_path, **fields) -> argparse.Namespace:
-    return argparse.Namespace(out=tmp_path, jobs=1, timeout=600.0, budget=None, force=False,
+    return argparse.Namespace(out=tmp_path, jobs=1, timeout=600.0, budget=None, force=False, use_cache=False,
                               families="gpt2,vit", modes="eager", tiny=True, **fields)
 
 

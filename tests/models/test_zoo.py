@@ -21,8 +21,37 @@ import memfuse  # noqa: E402
 from benchmarks.lib import hf_models as bench  # noqa: E402
 from benchmarks.lib.zoo import ZOO  # noqa: E402
 
-# (family, style): the error it fails with today (tiny size, CPU, the Triton interpreter).
+# (family, style): the error it fails with today (tiny size, CPU, the Triton interpreter). "graph
+# fallback": the backend ran a Dynamo graph through torch; "eager call": the wrapped model or layer
+# ran through torch; "crash": the error reached the training loop.
+_STRIDED = "graph fallback: IndexError: list assignment index out of range (raised in memfuse/codegen/strided_reads.py:27)"
+_STRIDED_CALL = ("eager call: compiling it failed in memfuse.codegen.strided_reads: IndexError: list assignment "
+                 "index out of range")
+_BATCHNORM = ("eager call: compiling it failed in memfuse.capture.trace: MutatedInputError: {}.forward writes in "
+              "place into its buffer '...running_mean' (BatchNorm2d in training)")
 FAILS_TODAY = {
+    ("t5", "memfuse_backend"): _STRIDED,
+    ("bart", "memfuse_backend"): _STRIDED,
+    ("pegasus", "memfuse_backend"): _STRIDED,
+    ("whisper", "memfuse_backend"): _STRIDED,
+    ("beit", "memfuse_backend"): _STRIDED,
+    ("beit", "memfuse_whole"): _STRIDED_CALL,
+    ("beit", "memfuse_per_layer"): _STRIDED_CALL,
+    ("wav2vec2", "memfuse_whole"): "eager call: compiling it failed in memfuse.capture.trace: "
+                                   "GuardOnDataDependentSymNode: Could not guard on data-dependent expression Eq(u0, 1)",
+    ("resnet", "memfuse_backend"): "graph fallback: GraphError: memfuse IR: sum_1 (view, col) cannot read sum_1_total "
+                                   "(row) in one [M, D] space (raised in memfuse/ir/graph.py:294)",
+    ("resnet", "memfuse_whole"): _BATCHNORM.format("ResNetForImageClassification"),
+    ("resnet", "memfuse_per_layer"): _BATCHNORM.format("ResNetStage"),
+    ("convnext", "memfuse_backend"): "graph fallback: GraphError: memfuse IR: mean_sum (view, full) cannot read "
+                                     "mean_sum_total (row) in one [M, D] space (raised in memfuse/ir/graph.py:294)",
+    ("convnext", "memfuse_whole"): "crash: GraphError: memfuse IR: mean_sum (view, full) cannot read mean_sum_total "
+                                   "(row) in one [M, D] space, raised out of the loss head's chunked capture "
+                                   "(patterns/loss_head/detect.py capture_chunked) into the training loop",
+    ("mobilenet_v2", "memfuse_backend"): "graph fallback: GraphError: memfuse IR: sum_25 (view, col) cannot read "
+                                         "sum_25_total (row) in one [M, D] space (raised in memfuse/ir/graph.py:294)",
+    ("mobilenet_v2", "memfuse_whole"): _BATCHNORM.format("MobileNetV2ForImageClassification"),
+    ("mobilenet_v2", "memfuse_per_layer"): _BATCHNORM.format("MobileNetV2InvertedResidual"),
 }
 
 STYLES = ("memfuse_backend", "memfuse_whole", "memfuse_per_layer")
@@ -83,7 +112,7 @@ def test_matches_eager_and_runs_no_graph_through_torch(family, style):
     finally:
         logger.removeHandler(fallbacks)
     stats = memfuse.stats()
-    assert stats["graph_fallbacks"] == 0 and stats["eager_calls"] == 0, fallbacks.reasons
+    assert stats["graph_fallbacks"] == 0 and stats["eager_calls"] == 0, "\n".join(fallbacks.reasons)
     assert stats["compiles"] >= 1, stats
     assert abs(loss - want_loss) <= LOSS_RTOL * abs(want_loss), (loss, want_loss)
     error, worst = bench.grad_error(bench.gradients(model), want_grads)
