@@ -489,3 +489,23 @@ def test_a_persistent_tile_of_a_light_row_gets_the_rows_that_keep_loads_in_fligh
     assert (light.block_m // 2) * 768 * 2 * light.programs_per_sm < PERSISTENT_BYTES_PER_SM
     assert light.num_warps >= table.num_warps
     assert default_config(1024, True, bytes_per_row=768 * 16, d=768) == table
+
+
+def shift_right(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """T5's and BART's decoder inputs: the labels shifted one right, a start token written in front
+    (`s[..., 0] = 0`: under Dynamo a 0-d tensor constant broadcast into a column)."""
+    shifted = ids.new_zeros(ids.shape)
+    shifted[..., 1:] = ids[..., :-1].clone()
+    shifted[..., 0] = 0
+    shifted.masked_fill_(shifted == -100, 0)
+    return table[shifted].sum(-1)
+
+
+def test_a_zero_dim_tensor_broadcast_into_rows_is_read_in_place():
+    """A strided read whose root has no dims (every stride 0) compiles: it raised an IndexError in
+    codegen and the graph ran through torch."""
+    ids, table = torch.randint(0, 10, (8, 12)), torch.randn(10, 16)
+    torch._dynamo.reset()
+    got = torch.compile(shift_right, backend="memfuse")(ids, table)
+    assert memfuse.stats()["graph_fallbacks"] == 0
+    torch.testing.assert_close(got, shift_right(ids, table))
