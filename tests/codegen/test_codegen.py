@@ -20,6 +20,7 @@ from memfuse.plan import plan
 from memfuse.runtime.launchers import FINISH_GROUPS_MAX
 from memfuse.schedule.groups import schedule
 from memfuse.codegen.tuning import cpu_config
+from memfuse.driver.fallback import EagerCall
 
 SHAPE = (2, 7, 48)
 
@@ -509,3 +510,22 @@ def test_a_zero_dim_tensor_broadcast_into_rows_is_read_in_place():
     got = torch.compile(shift_right, backend="memfuse")(ids, table)
     assert memfuse.stats()["graph_fallbacks"] == 0
     torch.testing.assert_close(got, shift_right(ids, table))
+
+
+@torch.jit.script
+def root_width(x: torch.Tensor, factor: int) -> torch.Tensor:
+    """DeBERTa-v2's `scaled_size_sqrt` (TorchScript in transformers 5.17): a tensor made from a size."""
+    return torch.sqrt(torch.tensor(x.size(-1), dtype=torch.float) * factor)
+
+
+def divided_by_root_width(x: torch.Tensor) -> torch.Tensor:
+    return (x / root_width(x, 2).to(x.dtype)).softmax(-1)
+
+
+def test_a_cast_of_an_integer_constant_is_a_tensor_cast():
+    """The cast of a constant reads `tl.full(...).to(...)`: `8.to(tl.float32)` does not parse, and the
+    call ran through torch."""
+    x = torch.randn(6, 8, requires_grad=True)
+    fused = memfuse.memory_efficient_fusion(divided_by_root_width)
+    assert not isinstance(fused.compiled_for(x), EagerCall)
+    torch.testing.assert_close(fused(x), divided_by_root_width(x))
