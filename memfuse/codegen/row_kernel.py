@@ -385,7 +385,10 @@ class RowKernelWriter(KernelSignature, StridedReads, ColumnSums):
     def cast(self, node: Node, shape: Kind) -> str:
         src = node.inputs[0]
         target = node.attr.dtype
-        text = self.operand(src, shape, None, target)
+        if self.graph[src].op is Op.CONSTANT:    # a literal is no tensor to call .to on (`8.to(...)`)
+            text = self.tensor_operand(src, self.operand(src, shape, None, None), None)
+        else:
+            text = self.operand(src, shape, None, target)
         if target == torch.bool:
             return f"({text} != 0)"
         if target in (torch.float16, torch.bfloat16):

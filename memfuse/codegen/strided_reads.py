@@ -23,7 +23,7 @@ class StridedReads:
         col = rank - 1 if kind in (Kind.FULL, Kind.COL) else None     # the dim the columns walk
         row_dims = [k for k in range(rank) if k != col and a.sizes[k] != 1]
         root_strides = [f"{root}_stride{j}" for j in range(len(a.index))]
-        if a.last_stride_one:
+        if a.last_stride_one and root_strides:     # a 0-d root (a broadcast scalar tensor) has no dims
             root_strides[-1] = "1"
         out(f"# {node.name}: {root} read in place through {a.describe}")
         start = plus(times(self.entry(const), s) for (_, const), s in zip(a.index, root_strides))

@@ -27,7 +27,7 @@ from torch.overrides import TorchFunctionMode
 
 from memfuse.base.debug import STATS, register_counter
 from memfuse.base.launch import outside_trace  # noqa: F401  (run on real tensors inside a trace)
-from memfuse.ir.patterns import Reads, register_capture, register_extern, register_report
+from memfuse.ir.patterns import Reads, register_capture, register_extern, register_report, rule
 
 aten = torch.ops.aten
 
@@ -113,6 +113,7 @@ class AttentionCall:
     def __init__(self, op: torch._ops.OpOverload, mask: SizeOnlyMask):
         self.op = op
         self.calls = op                    # the op whose rules (memfuse.ir.patterns) the call keeps
+        self.run = rule(op).implementation or op     # what a program calls for the op (the bias's rule)
         self.mask = mask
         self.schema = op._schema           # what memfuse's buffer and schedule rules read of an aten call
         mask_name, causal_name = MASK_ARGUMENTS[op]
@@ -128,7 +129,7 @@ class AttentionCall:
         mask, causal = self.mask.resolve(tuple(sizes))
         _put(args, kwargs, self.mask_at, self.mask_name, mask)
         _put(args, kwargs, self.causal_at, self.causal_name, causal)
-        return self.op(*args, **kwargs)
+        return self.run(*args, **kwargs)
 
     def __str__(self) -> str:
         return f"{self.op} (mask {self.mask.name}: built from sizes, causal or none decided per size)"
@@ -178,7 +179,7 @@ class InputMaskCall(AttentionCall):
             STATS["attention_masks_dropped"] += 1
             _put(args, kwargs, self.mask_at, self.mask_name, None)
             _put(args, kwargs, self.causal_at, self.causal_name, form == "causal")
-        return self.op(*args, **kwargs)
+        return self.run(*args, **kwargs)
 
     def __str__(self) -> str:
         return f"{self.op} (mask {self.mask.name}: made from an input, causal or none where it arrives marked)"
@@ -503,6 +504,62 @@ ATTENTION_OPS = (aten._scaled_dot_product_cudnn_attention.default,
                  aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
 
 
+# -- the memory-efficient kernel's rule for its bias -----------------------------------------------
+# The memory-efficient attention kernel reads its bias in vectors: every stride but the last must be
+# a multiple of BIAS_ALIGNMENT elements (a dim of size 1 or of stride 0 aside), the last stride 1, the
+# data aligned to BIAS_ALIGNMENT_BYTES; else it raises "attn_bias is not correctly aligned". Eager's
+# scaled_dot_product_attention obeys the rule before it calls the op (aten's attention.cpp,
+# preprocess_mask: the last dim padded to a multiple of 8, then sliced back), and so must memfuse's
+# programs, whose kernels write a bias dense in its own shape (Swin's [windows, heads, 49, 49]:
+# stride 7203) or hand over a saved one: the program calls the op through `with_aligned_bias`.
+BIAS_ALIGNMENT = 8               # elements: aten's mem_eff_alignment (preprocess_mask)
+BIAS_ALIGNMENT_BYTES = 16        # the bias's address: a 16-byte vector's
+ALIGNED_BIAS_OPS = (aten._scaled_dot_product_efficient_attention.default,
+                    aten._scaled_dot_product_efficient_attention_backward.default)
+
+
+def bias_aligned(bias: torch.Tensor) -> bool:
+    """Whether the memory-efficient kernel takes `bias` as it lies (the rule above)."""
+    if bias.dim() == 0 or bias.stride(-1) != 1 or bias.data_ptr() % BIAS_ALIGNMENT_BYTES:
+        return False
+    return all(size == 1 or stride % BIAS_ALIGNMENT == 0
+               for size, stride in zip(bias.shape[:-1], bias.stride()[:-1]))
+
+
+def aligned_bias(bias: torch.Tensor) -> torch.Tensor:
+    """`bias` itself where the kernel takes it, else its values in a fresh tensor whose last dim is
+    padded to a multiple of BIAS_ALIGNMENT and sliced back (what aten's preprocess_mask does); dims
+    broadcast with stride 0 stay broadcast (copied once, not once per index)."""
+    if bias_aligned(bias):
+        return bias
+    if bias.dim() == 0:
+        bias = bias.reshape(1)
+    distinct = bias[tuple(slice(0, 1) if stride == 0 and k < bias.dim() - 1 else slice(None)
+                          for k, stride in enumerate(bias.stride()))]
+    width = bias.shape[-1]
+    padded = -(-width // BIAS_ALIGNMENT) * BIAS_ALIGNMENT
+    aligned = bias.new_empty((*distinct.shape[:-1], padded))[..., :width]
+    aligned.copy_(distinct)
+    return aligned.expand(bias.shape)
+
+
+def with_aligned_bias(op: torch._ops.OpOverload) -> Callable:
+    """`op` called with its attn_bias made one the memory-efficient kernel takes (`aligned_bias`):
+    what memfuse's programs call in the op's place (ExternRule.implementation)."""
+    at = _position(op, "attn_bias")
+
+    def call(*args, **kwargs):
+        bias = args[at] if at < len(args) else kwargs.get("attn_bias")
+        if isinstance(bias, torch.Tensor) and not bias_aligned(bias):
+            args, kwargs = list(args), dict(kwargs)
+            _put(args, kwargs, at, "attn_bias", aligned_bias(bias))
+        return op(*args, **kwargs)
+
+    call.__name__ = f"aligned_bias_{op._schema.name.split('::')[-1]}"
+    call.__module__ = __name__
+    return call
+
+
 def _size_only_rewrite(gm: torch.fx.GraphModule) -> tuple:
     """(whether any call now takes sizes for its mask, the MaskDecisions): capture's hook."""
     decisions = size_only_masks(gm)
@@ -510,7 +567,8 @@ def _size_only_rewrite(gm: torch.fx.GraphModule) -> tuple:
 
 
 for _op in ATTENTION_OPS:
-    register_extern(_op, reads=Reads.LAST_DIM_IN_PLACE)
+    register_extern(_op, reads=Reads.LAST_DIM_IN_PLACE,
+                    implementation=with_aligned_bias(_op) if _op in ALIGNED_BIAS_OPS else None)
 # a broadcast mask would send the trace to SDPA's math path: masks reach it dense
 register_capture("attention_masks", trace_mode=dense_masks, rewrite=_size_only_rewrite)
 register_report("attention_masks", "attention masks (memfuse.patterns.attention)")

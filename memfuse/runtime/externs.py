@@ -45,5 +45,10 @@ SUBSTITUTES = {
 
 def substitute(target):
     """What a program calls for an extern `target`: its substitute, a registered implementation, or
-    the target itself."""
-    return SUBSTITUTES.get(target) or rule(target).implementation or target
+    the target itself. A pattern's wrapper target (one that `calls` an op) is called as it is: it
+    calls its op's implementation itself, with the arguments it rewrites."""
+    if target in SUBSTITUTES:
+        return SUBSTITUTES[target]
+    if not isinstance(target, torch._ops.OpOverload):
+        return target
+    return rule(target).implementation or target

@@ -20,6 +20,7 @@ from memfuse.plan import plan
 from memfuse.runtime.launchers import FINISH_GROUPS_MAX
 from memfuse.schedule.groups import schedule
 from memfuse.codegen.tuning import cpu_config
+from memfuse.driver.fallback import EagerCall
 
 SHAPE = (2, 7, 48)
 
@@ -489,3 +490,42 @@ def test_a_persistent_tile_of_a_light_row_gets_the_rows_that_keep_loads_in_fligh
     assert (light.block_m // 2) * 768 * 2 * light.programs_per_sm < PERSISTENT_BYTES_PER_SM
     assert light.num_warps >= table.num_warps
     assert default_config(1024, True, bytes_per_row=768 * 16, d=768) == table
+
+
+def shift_right(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """T5's and BART's decoder inputs: the labels shifted one right, a start token written in front
+    (`s[..., 0] = 0`: under Dynamo a 0-d tensor constant broadcast into a column)."""
+    shifted = ids.new_zeros(ids.shape)
+    shifted[..., 1:] = ids[..., :-1].clone()
+    shifted[..., 0] = 0
+    shifted.masked_fill_(shifted == -100, 0)
+    return table[shifted].sum(-1)
+
+
+def test_a_zero_dim_tensor_broadcast_into_rows_is_read_in_place():
+    """A strided read whose root has no dims (every stride 0) compiles: it raised an IndexError in
+    codegen and the graph ran through torch."""
+    ids, table = torch.randint(0, 10, (8, 12)), torch.randn(10, 16)
+    torch._dynamo.reset()
+    got = torch.compile(shift_right, backend="memfuse")(ids, table)
+    assert memfuse.stats()["graph_fallbacks"] == 0
+    torch.testing.assert_close(got, shift_right(ids, table))
+
+
+@torch.jit.script
+def root_width(x: torch.Tensor, factor: int) -> torch.Tensor:
+    """DeBERTa-v2's `scaled_size_sqrt` (TorchScript in transformers 5.17): a tensor made from a size."""
+    return torch.sqrt(torch.tensor(x.size(-1), dtype=torch.float) * factor)
+
+
+def divided_by_root_width(x: torch.Tensor) -> torch.Tensor:
+    return (x / root_width(x, 2).to(x.dtype)).softmax(-1)
+
+
+def test_a_cast_of_an_integer_constant_is_a_tensor_cast():
+    """The cast of a constant reads `tl.full(...).to(...)`: `8.to(tl.float32)` does not parse, and the
+    call ran through torch."""
+    x = torch.randn(6, 8, requires_grad=True)
+    fused = memfuse.memory_efficient_fusion(divided_by_root_width)
+    assert not isinstance(fused.compiled_for(x), EagerCall)
+    torch.testing.assert_close(fused(x), divided_by_root_width(x))

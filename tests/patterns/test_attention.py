@@ -287,3 +287,74 @@ def test_a_marked_input_whose_mask_is_not_causal_is_read_as_a_mask():
     dropped = _counts()[1]
     _against_eager(compiled, inverted_bias, _qkv(8), mask)
     assert _counts()[1] == dropped
+
+
+# -- the memory-efficient kernel's rule for its bias (the GPU op cannot run here: the rule can) -------
+def _offset_by_one(shape) -> torch.Tensor:
+    """Strides the kernel takes, at an address 4 bytes past an aligned one."""
+    base = torch.randn(*shape[:-1], shape[-1] + 8)
+    return base[..., 1:shape[-1] + 1]
+
+
+BIASES = {
+    "swin-window-contiguous": lambda: torch.randn(6, 3, 49, 49),                     # stride 7203
+    "bf16-odd-last-dim": lambda: torch.randn(2, 5, 7, 13).to(torch.bfloat16),
+    "broadcast-batch": lambda: torch.randn(1, 3, 49, 49).expand(4, 3, 49, 49),
+    "broadcast-last-dim": lambda: torch.randn(2, 1, 7, 1).expand(2, 1, 7, 5),
+    "transposed": lambda: torch.randn(2, 3, 16, 16).transpose(-1, -2),
+    "misaligned-address": lambda: _offset_by_one((2, 3, 8, 16)),
+    "three-dims": lambda: torch.randn(6, 10, 10),
+}
+
+
+@pytest.mark.parametrize("make", BIASES.values(), ids=BIASES.keys())
+def test_a_bias_the_efficient_kernel_would_reject_is_copied_into_aligned_strides(make):
+    from memfuse.patterns.attention import BIAS_ALIGNMENT, aligned_bias, bias_aligned
+    bias = make()
+    assert not bias_aligned(bias)
+    aligned = aligned_bias(bias)
+    assert bias_aligned(aligned)
+    assert aligned.shape == bias.shape and aligned.dtype == bias.dtype and aligned.stride(-1) == 1
+    assert all(stride % BIAS_ALIGNMENT == 0 for stride in aligned.stride()[:-1])
+    assert [s == 0 for s in aligned.stride()[:-1]] == [s == 0 for s in bias.stride()[:-1]]   # still broadcast
+    assert torch.equal(aligned, bias)
+
+
+@pytest.mark.parametrize("bias", [torch.randn(2, 3, 64, 64), torch.randn(1, 1, 7, 16).expand(4, 3, 7, 16),
+                                  torch.randn(1, 1, 1, 13)], ids=["aligned", "broadcast-aligned", "sizes-of-1"])
+def test_a_bias_the_efficient_kernel_takes_is_passed_as_it_lies(bias):
+    from memfuse.patterns.attention import aligned_bias
+    assert aligned_bias(bias) is bias
+
+
+class _RecordingOp:
+    """Stands for an attention op on the CPU: its schema, and the bias each call got."""
+
+    def __init__(self, op):
+        self._schema, self.biases = op._schema, []
+
+    def __call__(self, *args, **kwargs):
+        self.biases.append(args[3] if len(args) > 3 else kwargs["attn_bias"])    # attn_bias: 4th in fwd
+        return "called"
+
+
+def test_programs_call_the_efficient_ops_with_the_bias_aligned():
+    from memfuse.ir.patterns import rule
+    from memfuse.patterns.attention import AttentionCall, SizeOnlyMask, bias_aligned, with_aligned_bias
+    from memfuse.runtime.externs import substitute
+    aten = torch.ops.aten
+    for op in (aten._scaled_dot_product_efficient_attention.default,
+               aten._scaled_dot_product_efficient_attention_backward.default):
+        assert substitute(op) is rule(op).implementation is not None
+        assert AttentionCall(op, SizeOnlyMask(None, "mask")).run is rule(op).implementation
+    wrapper = AttentionCall(aten._scaled_dot_product_efficient_attention.default, SizeOnlyMask(None, "mask"))
+    assert substitute(wrapper) is wrapper               # the wrapper rewrites its mask, then calls the implementation
+    recording = _RecordingOp(aten._scaled_dot_product_efficient_attention.default)
+    q = torch.randn(6, 3, 49, 32)
+    window_bias = torch.randn(6, 3, 49, 49)
+    assert with_aligned_bias(recording)(q, q, q, window_bias, True) == "called"
+    assert with_aligned_bias(recording)(q, q, q, attn_bias=window_bias, compute_log_sumexp=True) == "called"
+    assert with_aligned_bias(recording)(q, q, q, None, True) == "called"
+    for got in recording.biases[:2]:
+        assert bias_aligned(got) and torch.equal(got, window_bias)
+    assert recording.biases[2] is None
