@@ -32,7 +32,7 @@ import torch
 from torch._library import custom_ops
 from torch.utils import _pytree
 
-from memfuse.ir.patterns import DEFAULT, register_capture, register_extern, register_report, rule
+from memfuse.ir.patterns import RULES, Reads, register_capture, register_extern, register_report
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,15 +96,17 @@ class _Context:
 
 
 def _as_gradient(grad, argument: torch.Tensor, received: list) -> torch.Tensor:
-    """The gradient as the call's result must be: the argument's shape and dtype, zeros for a
-    formula's None, and never the storage of a tensor the call received (a custom op's result may
-    not alias its inputs)."""
+    """The gradient as the call's result must be: the argument's shape and dtype, contiguous (the
+    fake result: the programs take an extern's result as laid out so), zeros for a formula's None,
+    and never the storage of a tensor the call received (a custom op's result may not alias its
+    inputs)."""
+    like = torch.empty(argument.shape, dtype=argument.dtype, device=argument.device)
     if grad is None:
-        return torch.zeros_like(argument)
-    grad = grad.to(argument.dtype).expand(argument.shape)
-    if any(grad.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
-           for t in received if t is not None and t.device == grad.device) or not grad.is_contiguous():
-        grad = grad.clone(memory_format=torch.contiguous_format)
+        return like.zero_()
+    aliases = any(grad.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+                  for t in received if t is not None and t.device == grad.device)
+    if aliases or grad.dtype != like.dtype or grad.shape != like.shape or not grad.is_contiguous():
+        return like.copy_(grad)
     return grad
 
 
@@ -132,7 +134,7 @@ def _replaced(op) -> bool:
     schema = op._opoverload._schema
     lists = any(isinstance(a.type, torch.ListType) for a in (*schema.arguments, *schema.returns))
     return op._backward_fn is not None and op._setup_context_fn is not None and not lists \
-        and rule(op._opoverload) is DEFAULT
+        and op._opoverload not in RULES
 
 
 @contextlib.contextmanager
@@ -191,7 +193,7 @@ def _decisions(gm: torch.fx.GraphModule) -> tuple:
                    f"(its formula is Python, run eagerly on the saved tensors)" for n in calls]
 
 
-register_extern(torch.ops.memfuse.custom_op_backward.default,
+register_extern(torch.ops.memfuse.custom_op_backward.default, reads=Reads.AS_TRACED,
                 reason="a custom op's backward, run as one call (memfuse.patterns.custom_backward)")
 register_capture("custom_backwards", trace_mode=opaque_backwards, rewrite=_decisions)
 register_report("custom_backwards", "custom ops' backwards run as one call (memfuse.patterns.custom_backward)")

@@ -1,7 +1,8 @@
 """A custom op's Python backward runs as one opaque call while memfuse traces
 (memfuse.patterns.custom_backward): a mixture-of-experts block whose grouped matmul's backward
 loops over `offs.tolist()` (transformers 5.17's grouped_mm_fallback) compiles whole, in both fronts,
-with eager's gradients, and keeps no more than torch's min-cut partitioner does for the same graph."""
+with eager's gradients, and keeps no more than torch's min-cut partitioner does for the same graph.
+A custom op takes a transposed weight as the view eager hands it (Reads.AS_TRACED), not a copy."""
 from __future__ import annotations
 
 import functools
@@ -58,7 +59,8 @@ grouped_mm.register_autograd(_backward, setup_context=_setup_context)
 def moe_block(hidden, router, gate_up, down):
     """A sparse mixture-of-experts block as HuggingFace's grouped path writes it: softmax routing,
     top-k, tokens sorted by expert, two grouped matmuls, the weighted outputs put back in order and
-    summed over the k choices."""
+    summed over the k choices. The expert weights are stored [experts, out, in] and transposed for
+    the call, as HuggingFace's are."""
     probs = torch.softmax(hidden @ router.T, dim=-1)
     weights, experts = torch.topk(probs, TOP_K, dim=-1)
     weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -66,8 +68,8 @@ def moe_block(hidden, router, gate_up, down):
     rows = hidden[order // TOP_K]
     counts = (expert_ids[:, None] == torch.arange(EXPERTS)).sum(0)
     offs = torch.cumsum(counts, dim=0)
-    gate, up = grouped_mm(rows, gate_up, offs).chunk(2, dim=-1)
-    out = grouped_mm(F.silu(gate) * up, down, offs) * weights.reshape(-1)[order, None]
+    gate, up = grouped_mm(rows, gate_up.transpose(1, 2), offs).chunk(2, dim=-1)
+    out = grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs) * weights.reshape(-1)[order, None]
     restore = torch.empty_like(order)
     restore[order] = torch.arange(order.shape[0])
     return out[restore].view(-1, TOP_K, HIDDEN).sum(dim=1)
@@ -77,8 +79,8 @@ def _inputs():
     torch.manual_seed(0)
     return [torch.randn(TOKENS, HIDDEN, requires_grad=True),
             torch.randn(EXPERTS, HIDDEN, requires_grad=True),
-            (torch.randn(EXPERTS, HIDDEN, 2 * FFN) / 4).requires_grad_(),
-            (torch.randn(EXPERTS, FFN, HIDDEN) / 4).requires_grad_()]
+            (torch.randn(EXPERTS, 2 * FFN, HIDDEN) / 4).requires_grad_(),
+            (torch.randn(EXPERTS, HIDDEN, FFN) / 4).requires_grad_()]
 
 
 def _run(fn, inputs):
@@ -127,3 +129,14 @@ def test_saves_no_more_than_torch_min_cut():
     facts = compiled(moe_block, *inputs)
     assert any(target.startswith("memfuse.custom_op_backward") for target in facts.externs["backward"])
     assert facts.saved_bytes <= _torch_min_cut_saved_bytes(moe_block, inputs), facts.report
+
+
+def test_custom_op_reads_transposed_weights_in_place():
+    """The experts' weights, transposed for the custom op, reach it as aten views: no kernel of
+    either program reads them (a kernel that did would copy a whole stack of expert weights)."""
+    inputs = _inputs()
+    facts = compiled(moe_block, *inputs)
+    joint = facts.report.entry.captured.joint
+    weights = set(joint.inputs[2:4])
+    copies = [k.name for k in facts.report.kernels if k.is_kernel and weights & set(k.inputs)]
+    assert not copies, facts.report
