@@ -48,7 +48,7 @@ class OpaqueCall:
     keyword_only: Optional[dict]     # keyword-only arguments (None: the op has none)
     tensor_positions: tuple          # argument positions of the tensors the call receives
     output_spec: Any                 # pytree spec of the forward's output
-    output_meta: tuple               # (shape, dtype) of each output tensor
+    output_dtypes: tuple             # of each output tensor
     passes_outputs: bool             # the outputs are among the tensors the call receives
     needs_input_grad: tuple
     grad_positions: tuple            # argument positions whose gradient the call returns
@@ -58,11 +58,11 @@ class OpaqueCall:
         args = list(self.args)
         for position, tensor in zip(self.tensor_positions, tensors):
             args[position] = tensor
-        n_out = len(self.output_meta)
+        n_out = len(self.output_dtypes)
         if self.passes_outputs:
             outputs = tensors[len(self.tensor_positions):len(self.tensor_positions) + n_out]
-        else:   # setup_context kept none of them: a stand-in with their shapes and no data
-            outputs = [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in self.output_meta]
+        else:   # setup_context kept none of them: stand-ins with their shapes (their gradients') and no data
+            outputs = [torch.empty_like(grad, dtype=dtype, device="meta") for grad, dtype in zip(grads, self.output_dtypes)]
         output = _pytree.tree_unflatten(list(outputs), self.output_spec)
         ctx = _Context(self.needs_input_grad)
         if self.keyword_only is None:
@@ -172,13 +172,17 @@ def _recording(setup_context: Callable) -> Callable:
 def _opaque(op, setup_context: Callable, backward: Callable) -> Callable:
     def opaque_backward(ctx, *grads):
         inputs, keyword_only, output, keeps_output = ctx._memfuse_call
+        constants = [a for a in _pytree.tree_leaves((inputs, keyword_only)) if not isinstance(a, torch.Tensor)]
+        if any(isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)) for a in constants):
+            return backward(ctx, *grads)     # a size the call takes changes per call: traced as it is
+        keeps_output = keeps_output or any(g is None for g in grads)    # no gradient to shape a stand-in
         needs = tuple(ctx.needs_input_grad)
         tensor_positions = tuple(i for i, a in enumerate(inputs) if isinstance(a, torch.Tensor))
         outputs, spec = _pytree.tree_flatten(output)
         key = next(_keys)
         CALLS[key] = OpaqueCall(
             op, setup_context, backward, tuple(None if isinstance(a, torch.Tensor) else a for a in inputs),
-            keyword_only, tensor_positions, spec, tuple((tuple(o.shape), o.dtype) for o in outputs), keeps_output,
+            keyword_only, tensor_positions, spec, tuple(o.dtype for o in outputs), keeps_output,
             needs, tuple(i for i in tensor_positions if i < len(needs) and needs[i]))
         received = [inputs[i] for i in tensor_positions] + (list(outputs) if keeps_output else [])
         results = iter(torch.ops.memfuse.custom_op_backward(key, received, list(grads)))

@@ -75,9 +75,9 @@ def moe_block(hidden, router, gate_up, down):
     return out[restore].view(-1, TOP_K, HIDDEN).sum(dim=1)
 
 
-def _inputs():
+def _inputs(tokens=TOKENS):
     torch.manual_seed(0)
-    return [torch.randn(TOKENS, HIDDEN, requires_grad=True),
+    return [torch.randn(tokens, HIDDEN, requires_grad=True),
             torch.randn(EXPERTS, HIDDEN, requires_grad=True),
             (torch.randn(EXPERTS, 2 * FFN, HIDDEN) / 4).requires_grad_(),
             (torch.randn(EXPERTS, HIDDEN, FFN) / 4).requires_grad_()]
@@ -92,16 +92,17 @@ def _run(fn, inputs):
 
 @pytest.mark.parametrize("front", ["function", "backend"])
 def test_data_dependent_backward_compiles_with_eager_gradients(front):
-    inputs = _inputs()
     memfuse.reset_stats()
     fn = memfuse.memory_efficient_fusion(moe_block) if front == "function" else \
-        torch.compile(moe_block, backend="memfuse", fullgraph=True)
-    out, grads = _run(fn, inputs)
+        torch.compile(moe_block, backend="memfuse", fullgraph=True, dynamic=True)
+    for tokens in (TOKENS, TOKENS + 5):     # the second count runs the program traced at the first
+        inputs = _inputs(tokens)
+        out, grads = _run(fn, inputs)
+        expected, expected_grads = _run(moe_block, inputs)
+        assert rel_error(out, expected) < 1e-5
+        for grad, want in zip(grads, expected_grads):
+            assert rel_error(grad, want) < 1e-5
     assert memfuse.stats()["graph_fallbacks"] == 0, "the block ran through torch"
-    expected, expected_grads = _run(moe_block, inputs)
-    assert rel_error(out, expected) < 1e-5
-    for grad, want in zip(grads, expected_grads):
-        assert rel_error(grad, want) < 1e-5
 
 
 def _torch_min_cut_saved_bytes(fn, inputs) -> int:
