@@ -23,6 +23,7 @@ from typing import Callable, Optional
 
 import torch
 import torch.fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.overrides import TorchFunctionMode
 
 from memfuse.base.debug import STATS, register_counter
@@ -76,7 +77,9 @@ class SizeOnlyMask:
         """(mask or None, is_causal) for a call at `sizes`."""
         form = self.forms.get(sizes, False)
         if form is False:
-            form = self.forms[sizes] = mask_form(self.evaluate(*sizes))
+            # built from sizes alone: looked at on real values, also under a compile-only step's FakeTensorMode
+            with unset_fake_temporarily():
+                form = self.forms[sizes] = mask_form(self.evaluate(*sizes))
             STATS["attention_masks_checked"] += 1
         if form is None:
             return self.evaluate(*sizes), False
@@ -156,7 +159,8 @@ class InputMask:
         key = (marked, tuple(source.shape), sizes)
         form = self.forms.get(key, False)
         if form is False:
-            form = self.forms[key] = mask_form(self.evaluate(mask_like(source, marked), *sizes))
+            with unset_fake_temporarily():   # as SizeOnlyMask.resolve
+                form = self.forms[key] = mask_form(self.evaluate(mask_like(source, marked), *sizes))
             STATS["attention_masks_checked"] += 1
         return form
 
