@@ -33,8 +33,7 @@ import warnings
 from typing import Callable, Optional
 
 import torch
-from torch._guards import detect_fake_mode
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from memfuse.base.config import Config
@@ -154,14 +153,17 @@ def _aten_groups(program: Program) -> int:
 @contextlib.contextmanager
 def _faked(target, args: tuple, kwargs: dict):
     """Inside: the fake mode on, `target`'s parameters and buffers fake (its own restored on the way
-    out), yields the arguments with every tensor fake. The mode is the one `target`'s tensors or
-    the arguments were made in, else a new one. Programs read their fake tensors' data pointers
+    out), yields the arguments with every tensor fake. The mode is the one `target`'s tensors or the
+    arguments were made in (tensors it holds elsewhere, plain attributes, were made in it too), else
+    a new one; it takes real tensors meanwhile: the constants a graph holds (a `torch.tensor` in the
+    model's forward) reach the programs as inputs. Programs read their fake tensors' data pointers
     (0: nothing is launched with them): allowed explicitly, its deprecation warning silenced."""
     module = target if isinstance(target, torch.nn.Module) else None
-    state = list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(
-        remove_duplicate=False)) if module is not None else []
-    mode = detect_fake_mode([t for _, t in state] + [t for t in tree_leaves((args, kwargs))
-                                                     if isinstance(t, torch.Tensor)]) or FakeTensorMode()
+    state = [*module.parameters(), *module.buffers()] if module is not None else []
+    mode = next((t.fake_mode for t in (*state, *tree_leaves((args, kwargs))) if isinstance(t, FakeTensor)), None) \
+        or FakeTensorMode()
+    took_real = mode.allow_non_fake_inputs
+    mode.allow_non_fake_inputs = True
     swapped = _swap_in_fakes(module, mode) if module is not None else []
     try:
         fake_args, fake_kwargs = tree_map(functools.partial(_fake, mode), (args, kwargs))
@@ -172,13 +174,18 @@ def _faked(target, args: tuple, kwargs: dict):
     finally:
         for holder, name, original in reversed(swapped):
             holder[name] = original
+        mode.allow_non_fake_inputs = took_real
 
 
 def _fake(mode: FakeTensorMode, value):
-    if not isinstance(value, torch.Tensor) or detect_fake_mode([value]) is mode:
+    if not isinstance(value, torch.Tensor) or _made_in(value, mode):
         return value
     fake = mode.from_tensor(value)
     return fake.requires_grad_(value.requires_grad) if value.is_leaf else fake
+
+
+def _made_in(tensor: torch.Tensor, mode: FakeTensorMode) -> bool:
+    return isinstance(tensor, FakeTensor) and tensor.fake_mode is mode
 
 
 def _swap_in_fakes(module: torch.nn.Module, mode: FakeTensorMode) -> list:
@@ -188,7 +195,7 @@ def _swap_in_fakes(module: torch.nn.Module, mode: FakeTensorMode) -> list:
     for sub in module.modules():
         for holder, is_parameter in ((sub._parameters, True), (sub._buffers, False)):
             for name, tensor in list(holder.items()):
-                if tensor is None or detect_fake_mode([tensor]) is mode:
+                if tensor is None or _made_in(tensor, mode):
                     continue
                 fake = made.get(id(tensor))
                 if fake is None:

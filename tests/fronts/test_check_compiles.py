@@ -114,3 +114,23 @@ def test_a_causal_language_model_with_its_chunked_loss_head(style, no_launch):
         batch = family.make_batch(family.tiny, torch.device("cpu"))
     report = memfuse.check_compiles(model, **batch, style=style)
     assert report.backward_covered and len(report.graphs) == 1
+
+
+class ScaledByConstant(nn.Module):
+    """A tensor made in forward: a constant of the graph, a real tensor the programs take as input."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+
+    def forward(self, x):
+        return self.fc(x) * torch.tensor([0.5])
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_a_graph_constant_reaches_the_programs_of_a_model_built_under_fake_mode(style, no_launch):
+    with FakeTensorMode() as mode:
+        model = ScaledByConstant()
+        x = torch.randn(4, 8, 32)
+    assert memfuse.check_compiles(model, x, style=style).backward_covered
+    assert not mode.allow_non_fake_inputs      # the caller's mode as it was
