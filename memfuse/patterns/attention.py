@@ -23,7 +23,6 @@ from typing import Callable, Optional
 
 import torch
 import torch.fx
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.overrides import TorchFunctionMode
 
 from memfuse.base.debug import STATS, register_counter
@@ -78,8 +77,7 @@ class SizeOnlyMask:
         form = self.forms.get(sizes, False)
         if form is False:
             # built from sizes alone: looked at on real values, also under a compile-only step's FakeTensorMode
-            with unset_fake_temporarily():
-                form = self.forms[sizes] = mask_form(self.evaluate(*sizes))
+            form = self.forms[sizes] = outside_trace(lambda: mask_form(self.evaluate(*sizes)))
             STATS["attention_masks_checked"] += 1
         if form is None:
             return self.evaluate(*sizes), False
@@ -159,8 +157,8 @@ class InputMask:
         key = (marked, tuple(source.shape), sizes)
         form = self.forms.get(key, False)
         if form is False:
-            with unset_fake_temporarily():   # as SizeOnlyMask.resolve
-                form = self.forms[key] = mask_form(self.evaluate(mask_like(source, marked), *sizes))
+            # as SizeOnlyMask.resolve
+            form = self.forms[key] = outside_trace(lambda: mask_form(self.evaluate(mask_like(source, marked), *sizes)))
             STATS["attention_masks_checked"] += 1
         return form
 
