@@ -50,6 +50,7 @@ from benchmarks.lib.zoo import KIND, ZOO  # noqa: E402
 MODES = ("eager", "torch_compile", "memfuse_backend", "memfuse_whole")
 TINY_MODES = tuple(m for m in MODES if m not in models.COMPILING_MODES)
 MEMFUSE_MODES = ("memfuse_backend", "memfuse_whole")  # the summary's and the chart's
+PER_LAYER_MODES = ("memfuse_per_layer", "memfuse_per_layer_backend", "torch_compile_per_layer")  # need Family.layers
 GPU_SETTINGS = models.Settings(warmup_steps=2, timed_steps=6)  # the zoo's budget: many families, few steps
 DEFAULT_JOBS = 4
 DEFAULT_TIMEOUT_S = 900  # one family, every mode; a hung family's process is ended then
@@ -120,6 +121,8 @@ def run_family(name: str, modes: tuple[str, ...], setup: models.Setup) -> dict:
     case, reference = models.prepare(family, setup)
     rows = []
     for mode in modes:
+        if mode in PER_LAYER_MODES and not family.layer_paths:
+            continue  # a model without a list of layers (timm's) has no per-layer mode
         recorder = FallbackReasons()
         with recorder.recording() as reasons:
             row = models.run_mode(case, mode, reference)
@@ -147,7 +150,7 @@ def worker(args: argparse.Namespace) -> None:
     transformers.logging.set_verbosity_error()
     tiny = args.tiny
     setup = models.Setup(torch.device("cpu" if tiny else "cuda"), tiny,
-                         models.TINY_SETTINGS if tiny else GPU_SETTINGS,
+                         models.TINY_SETTINGS if tiny else GPU_SETTINGS, use_cache=args.use_cache,
                          exclusive=lambda: timing_lock(args.out / LOCK_NAME))
     if not tiny:
         torch.ones(8, 8, device=setup.device) @ torch.ones(8, 8, device=setup.device)  # CUDA and cuBLAS up
@@ -200,7 +203,7 @@ def spawn(name: str, args: argparse.Namespace, modes: tuple[str, ...], tiny: boo
     logs.mkdir(parents=True, exist_ok=True)
     log_path = logs / f"{'tiny-' if tiny else ''}{name}.log"
     command = [sys.executable, "-m", "benchmarks.zoo", "--worker", name, "--modes", ",".join(modes),
-               "--out", str(args.out), *(["--tiny"] if tiny else [])]
+               "--out", str(args.out), *(["--tiny"] if tiny else []), *(["--use-cache"] if args.use_cache else [])]
     # inductor's compile workers: the cores shared among the families compiling at once
     env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": str(max(1, (os.cpu_count() or 1) // args.jobs))}
     if tiny:
@@ -386,7 +389,7 @@ def write_chart(results: list[dict], path: Path) -> str:
         title = f"model zoo: {meta['device']}  torch {meta['torch']}  transformers {meta['transformers']}  " \
                 f"{str(meta['date'])[:10]}"
         axis.set_title(("TINY RUN (CPU, Triton interpreter): not a performance result\n" if meta["tiny"] else "")
-                       + title + "\n" + summarize(results).line(), fontsize=8)
+                       + title + "\n" + "\n".join(summarize(results).line().split("; ")), fontsize=8)
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return f"wrote {path}"
@@ -425,6 +428,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--modes", help=f"comma-separated, from {', '.join(models.ALL_MODES)} (default: "
                                            f"{', '.join(MODES)}; --tiny: all but torch_compile)")
     parser.add_argument("--tiny", action="store_true", help="tiny configs on CPU through the Triton interpreter")
+    parser.add_argument("--use-cache", action="store_true",
+                        help="keep transformers' default config.use_cache=True, as a user's model has it (the "
+                             "model returns its KV cache; default: off, as in training); its JSONs have the same names: give another --out")
     parser.add_argument("--jobs", type=int, default=DEFAULT_JOBS, help=f"families at once (default {DEFAULT_JOBS})")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                         help=f"seconds a family's process may run (default {DEFAULT_TIMEOUT_S})")

@@ -71,7 +71,7 @@ class Size:
     ffn: int
     vocab: int
     batch: int
-    seq: int  # tokens; a speech model's frames; an encoder-decoder's source length
+    seq: int  # tokens (an encoder-decoder's source); wav2vec2's audio samples; Whisper's mel frames
     image: int = 0  # a vision model's image side in pixels
     classes: int = 0  # a classifier's labels
     experts: int = 0  # a mixture of experts' experts per layer
@@ -151,7 +151,6 @@ def build(family: Family, size: Size, dropout: float, weights: dict | None = Non
 
         config = family.config(size, dropout)
         config.use_cache = use_cache
-        torch.manual_seed(MODEL_SEED)
         model = getattr(transformers, family.model_class)(config)
     if getattr(model, "loss_type", "") is None:
         # GPT2LMHeadModel's name gives transformers no loss type: its `loss_function` then warns once

@@ -31,7 +31,7 @@ ENCODER = Size(768, 4, 12, 12, 3072, 30522, 32, 512)
 ENCODER_TINY = Size(64, 2, 4, 4, 128, 100, 2, 16)
 SEQ2SEQ = Size(768, 4, 12, 12, 3072, 32128, 16, 512)  # 4 encoder and 4 decoder layers; targets seq / 4
 SEQ2SEQ_TINY = Size(64, 2, 4, 4, 128, 100, 2, 16)
-VIT = Size(768, 4, 12, 12, 3072, 0, 64, 0, image=224, classes=1000)
+VIT = Size(768, 4, 12, 12, 3072, 0, 128, 0, image=224, classes=1000)
 VIT_TINY = Size(64, 2, 4, 4, 128, 0, 2, 0, image=32, classes=10)
 CNN = Size(0, 4, 0, 0, 0, 0, 128, 0, image=224, classes=1000)
 CNN_TINY = Size(0, 2, 0, 0, 0, 0, 2, 0, image=32, classes=10)
