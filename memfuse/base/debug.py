@@ -35,6 +35,7 @@ COUNTERS = {
     "kernels_loaded": "kernels whose binary precompile loaded from Triton's cache through memfuse's index, "
                       "without Triton's compile (precompile.BinaryIndex)",
     "kernels_launched": "Triton kernel launches (runtime.Program._launch, every call)",
+    "launches_skipped": "kernel launches a compile-only program skipped (Config.compile_only, memfuse.check_compiles)",
     "extern_calls": "extern steps run (matmuls and other aten calls, views)",
     "fallbacks": "ops (capture) and kernel groups (schedule) sent to aten, counted once per compile",
     "graph_fallbacks": "Dynamo graphs the backend could not compile, run through torch instead (once per graph)",

@@ -27,6 +27,7 @@ from typing import Callable, NamedTuple, Optional, Union
 
 import sympy
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from memfuse.base.config import Config
 from memfuse.base.debug import STATS, on_compile, timed, topic_log
@@ -121,7 +122,14 @@ class Compiled:
 @timed("compile")
 def compile_program(source: Source, config: Config) -> Compiled:
     """Compile `source` into runnable programs: one line per stage (module docstring). Raises
-    where a stage fails; the caller decides what runs instead (compile_or_decide, graph_fallback)."""
+    where a stage fails; the caller decides what runs instead (compile_or_decide, graph_fallback).
+    Outside any FakeTensorMode the caller runs under (a compile-only step's, memfuse.check_compiles):
+    capture traces in a mode of its own, and the stages compute on real values."""
+    with unset_fake_temporarily():
+        return _compile_program(source, config)
+
+
+def _compile_program(source: Source, config: Config) -> Compiled:
     start = time.perf_counter()
     if precompile_enabled(source.device, config):
         start_driver(source.device)        # Triton's driver set-up runs beside the trace
@@ -146,7 +154,7 @@ def compile_or_decide(source: TracedFunction, config: Config) -> Union[Compiled,
         raise
     except Exception as e:   # noqa: BLE001 -- any failure to compile: the original runs, with the reason
         decision = compile_failed(source.name, e)
-        if config.strict:
+        if config.strict or config.compile_only:     # compile-only: nothing to fall back for
             raise StrictModeError(f"{decision}{STRICT}") from e
         fallback_log.debug("memfuse: %s: compiling failed", source.name, exc_info=e)
         return decision

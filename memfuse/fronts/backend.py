@@ -95,7 +95,7 @@ def _through_torch(gm: torch.fx.GraphModule, record: GraphRecord, error: Excepti
     may be AOTAutograd's own trace (with memfuse's decompositions), and a second trace would cost
     a compile for nothing. The decision (logged, counted; in strict mode an error) is the
     driver's: memfuse.driver.fallback.graph_fallback."""
-    record.through_torch = graph_fallback(record.name, error, config.strict)
+    record.through_torch = graph_fallback(record.name, error, config.strict or config.compile_only)
     run = gm.forward
 
     def through_torch(*args):
@@ -294,6 +294,9 @@ class ForwardStep(torch.nn.Module):
         self.saved_ints = saved_ints
         self.device = device
         self.inference = inference
+        # a compile-only program runs under FakeTensorMode: the context is made outside it, a host
+        # tensor whose values the backward step reads
+        self.context = _host_context if program.config.compile_only else _context
 
     def forward(self, *args):
         return self.boxed(list(args))
@@ -314,11 +317,19 @@ class ForwardStep(torch.nn.Module):
         saved = outs[self.num_outputs:]
         tensors = [v for v, is_int in zip(saved, self.saved_ints) if not is_int]
         ints = [int(v) for v, is_int in zip(saved, self.saved_ints) if is_int]
-        context = torch.tensor([seed, *symbol_values, *ints], dtype=torch.int64)
-        return (*outs[:self.num_outputs], *tensors, context)
+        return (*outs[:self.num_outputs], *tensors, self.context([seed, *symbol_values, *ints]))
 
     def __deepcopy__(self, memo):
         return self   # compiled kernels are shared, never copied (AOTAutograd deep-copies graphs)
+
+
+def _context(values: list) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def _host_context(values: list) -> torch.Tensor:
+    with unset_fake_temporarily():
+        return torch.tensor(values, dtype=torch.int64)
 
 
 class BackwardStep(torch.nn.Module):

@@ -110,8 +110,8 @@ class FusedFunction:
 
     def run_eager(self, decision: "EagerCall", values: list):
         """Run fn as written on the bound values, op by op through torch: the call `decision` says
-        memfuse cannot compile. Logged once per reason; an error in strict mode."""
-        if self.config.strict:
+        memfuse cannot compile. Logged once per reason; an error in strict mode and compile-only."""
+        if self.config.strict or self.config.compile_only:
             raise StrictModeError(f"{decision}{STRICT}")
         say_once(decision)
         STATS["eager_calls"] += 1

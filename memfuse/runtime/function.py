@@ -7,6 +7,7 @@ import functools
 from typing import Callable
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from memfuse.base import torch_private
 from memfuse.base.config import Config
@@ -98,7 +99,10 @@ def _draw_seed(device: torch.device) -> int:
 
 
 def _cpu_seed() -> int:
-    return int(torch.randint(0, SEED_LIMIT, (), dtype=torch.int64))
+    """From torch's CPU generator, outside any FakeTensorMode (a compile-only run's programs run
+    under one, where a drawn tensor would have no value to read)."""
+    with unset_fake_temporarily():
+        return int(torch.randint(0, SEED_LIMIT, (), dtype=torch.int64))
 
 
 def philox_seed_draw(generator) -> Callable[[], int]:

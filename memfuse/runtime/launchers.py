@@ -204,6 +204,15 @@ class KernelLaunch:
         return counter
 
 
+class SkippedLaunch(KernelLaunch):
+    """A generated kernel that a compile-only program (Config.compile_only) does not launch: the
+    kernel is generated and loaded as for a launch, its outputs are allocated by the program (fake
+    tensors under FakeTensorMode), and a call only counts itself (`launches_skipped`)."""
+
+    def __call__(self, device: torch.device, rows: Optional[int], pointers: Optional[tuple], values: tuple):
+        STATS["launches_skipped"] += 1
+
+
 @dataclasses.dataclass(frozen=True)
 class LaunchRecord:
     """One kernel launch as `launch_log` records it: what the kernel is and what it must move at

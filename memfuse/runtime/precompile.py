@@ -60,7 +60,7 @@ _lock = threading.RLock()
 
 
 def enabled(device: torch.device, config: Config) -> bool:
-    return config.precompile and device.type == "cuda"
+    return config.precompile and not config.compile_only and device.type == "cuda"
 
 
 def start_driver(device: torch.device) -> Future:
