@@ -33,7 +33,7 @@ from memfuse.base.debug import STATS, on_compile, timed, topic_log
 from memfuse.capture import capture, lower_graph
 from memfuse.ir.captured import Captured
 from memfuse.driver.fallback import STRICT, EagerCall, StrictModeError, compile_failed
-from memfuse.ir.graph import Graph, GraphError, Symbol, verify
+from memfuse.ir.graph import Graph, Symbol, verify
 from memfuse.patterns.attention import MaskDecision, OutputMasks, returned_masks
 from memfuse.patterns import rewrite_graph
 from memfuse.plan import Plan, plan
@@ -138,11 +138,12 @@ def compile_program(source: Source, config: Config) -> Compiled:
 
 def compile_or_decide(source: TracedFunction, config: Config) -> Union[Compiled, EagerCall]:
     """The compiled program, or where compiling fails the decision to run the call through torch
-    (an error in strict mode, chained to the failure). Strict mode's own errors and the IR
-    verifier's (memfuse's bug) are raised as they are."""
+    (an error in strict mode, chained to the failure). Strict mode's own errors are raised as they
+    are. A GraphError (the IR verifier's, a schedule's "cannot read in one space": memfuse's own
+    limit or bug) is a decision like any failure: a loop that runs in eager never sees it."""
     try:
         return compile_program(source, config)
-    except (StrictModeError, GraphError):
+    except StrictModeError:
         raise
     except Exception as e:   # noqa: BLE001 -- any failure to compile: the original runs, with the reason
         decision = compile_failed(source.name, e)

@@ -20,6 +20,7 @@ last is decided once per compile key. An error the original raises then is the u
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -37,8 +38,9 @@ from memfuse.base.config import Config
 from memfuse.base.source import Lines
 from memfuse.base.debug import STATS, describe_key_change, topic_log
 from memfuse.driver.compile import TracedFunction, compile_or_decide
-from memfuse.driver.fallback import (STRICT, EagerCall, StrictModeError, UntraceableOutputError, say_once,
-                    under_transform, untraceable_argument)
+from memfuse.driver.fallback import (STRICT, EagerCall, StrictModeError, UntraceableOutputError,
+                                     count_first_run_fallback, first_run_failed, say_once, under_transform,
+                                     untraceable_argument)
 from memfuse.fronts.cuda_graphs import GraphedFunction
 from memfuse.runtime.function import CompiledFunction
 from memfuse.runtime.program import SIZE_FUNCTIONS
@@ -98,14 +100,64 @@ class FusedFunction:
         entry, tensors = self._lookup(values)
         if isinstance(entry, EagerCall):
             return self.run_eager(entry, values)
+        if not entry.proven:
+            return self._first_run(entry, args, kwargs, values, tensors)
         self._remember(args, kwargs, values, entry)
-        device_type = tensors[0].device.type
-        if torch.is_autocast_enabled(device_type):
-            with torch.autocast(device_type, enabled=False):   # the trace's casts are in the program
-                outputs = entry.function(tensors)
-        else:
-            outputs = entry.function(tensors)
+        return entry.rebuild(_run(entry, tensors))
+
+    def _first_run(self, entry: "_CacheEntry", args: tuple, kwargs: dict, values: list, tensors: list):
+        """A compiled program's first call: where it fails (Triton's compile at the first launch, a
+        launch's checks, an extern's), the call and every later one of its key run through torch
+        (driver.fallback: the first run's rules; strict mode raises). The front cache serves the
+        key only once a call ran."""
+        try:
+            outputs = _run(entry, tensors)
+        except Exception as error:   # noqa: BLE001 -- the first run's failure: the original runs, with the reason
+            decision = self._first_run_failed(entry, "forward", error)
+            return self.run_eager(decision, values)
+        entry.proven = True
+        self._remember(args, kwargs, values, entry)
         return entry.rebuild(outputs)
+
+    def _first_run_failed(self, entry: "_CacheEntry", program: str, error: Exception) -> EagerCall:
+        """The decision to run `entry`'s key through torch from now on (once: a later failure of
+        the same entry finds it made); an error in strict mode, chained to the failure."""
+        decision = first_run_failed(self._name(), program, error)
+        if self.config.strict:
+            raise StrictModeError(f"{decision}{STRICT}") from error
+        if entry.retired is None:
+            entry.retired = decision
+            for table in (self.cache, self.exact):
+                for key, value in table.items():
+                    if value is entry:
+                        table[key] = decision
+            self.fronts.clear()          # the front caches may serve it: rebuilt by the next calls
+            count_first_run_fallback(error)
+        return entry.retired
+
+    def _backward_through_torch(self, entry: "_CacheEntry", eager: Callable, error: Exception, inputs: tuple,
+                                versions: list, grad_outputs: tuple) -> tuple:
+        """The gradients of a call whose first backward program failed, through torch: the original
+        function again on the inputs the forward kept, under autograd (runtime.function._first_backward)."""
+        decision = self._first_run_failed(entry, "backward", error)
+        say_once(decision)
+        changed = [i for i, (t, version) in enumerate(zip(inputs, versions)) if t._version != version]
+        if changed:
+            raise RuntimeError(f"memfuse: {self._name()}: its backward program failed and the gradients would be "
+                               f"recomputed through torch, but tensor inputs {changed} were modified in place since "
+                               f"the forward") from error
+        count = entry.function.num_user_outputs
+        if any(g is not None for g in grad_outputs[count:]):   # an output hook's (the chunked loss head's logits)
+            raise RuntimeError(f"memfuse: {self._name()}: its backward program failed, and gradients reach the "
+                               f"outputs an output hook added, which torch cannot recompute") from error
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
+            outputs = eager(*leaves)
+        pairs = [(o, g) for o, g in zip(outputs, grad_outputs[:count]) if g is not None and o.requires_grad]
+        wanted = [leaf for leaf in leaves if leaf.requires_grad]
+        gradients = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
+                         if pairs and wanted else [None] * len(wanted))
+        return tuple(next(gradients) if leaf.requires_grad else None for leaf in leaves)
 
     def run_eager(self, decision: "EagerCall", values: list):
         """Run fn as written on the bound values, op by op through torch: the call `decision` says
@@ -330,8 +382,29 @@ class FusedFunction:
         compiled = compile_or_decide(self._source(flat, key, rebuilds), self.config)
         if isinstance(compiled, EagerCall):
             return compiled
-        return _CacheEntry(compiled.function, rebuilds[0], flat.tree, compiled.captured, compiled.plan,
-                           input_names=compiled.input_names)
+        entry = _CacheEntry(compiled.function, rebuilds[0], flat.tree, compiled.captured, compiled.plan,
+                            input_names=compiled.input_names)
+        compiled.function.backward_through_torch = functools.partial(self._backward_through_torch, entry,
+                                                                     self._eager_outputs(flat))
+        return entry
+
+    def _eager_outputs(self, flat: "_Flat") -> Callable:
+        """(*tensors) -> the tensors of fn's output, run through torch on them with the call's other
+        leaves, under the autocast state the program was traced in (the key holds it). Keeps no
+        tensor of the compiling call."""
+        template = [None if isinstance(v, torch.Tensor) else v for v in flat.leaves]
+        positions = [i for i, v in enumerate(flat.leaves) if isinstance(v, torch.Tensor)]
+        device_type, enabled, dtype = autocast_state(flat.leaves[positions[0]].device.type)
+        tree = flat.tree
+
+        def eager_outputs(*tensors):
+            leaves = list(template)
+            for i, t in zip(positions, tensors):
+                leaves[i] = t
+            values = leaves if tree is None else tree_unflatten(leaves, tree)
+            with torch.autocast(device_type, dtype=dtype, enabled=True) if enabled else contextlib.nullcontext():
+                return _output_tensors(self._call(values), self._name())[0]
+        return eager_outputs
 
     def _source(self, flat: "_Flat", key: tuple, rebuilds: list) -> TracedFunction:
         """What the driver traces: fn on the call's tensors, the other leaves as constants, its
@@ -355,6 +428,16 @@ class FusedFunction:
                               input_names=tuple(self._input_name(flat.tree, i) for i in positions),
                               returned_logits=self.graphs is None,
                               marked_inputs=tuple((self._input_name(flat.tree, i), form) for i, form in marks.items() if form))
+
+
+def _run(entry: "_CacheEntry", tensors: list) -> tuple:
+    """The compiled program's outputs; with autocast off where it is on (the trace's casts are in
+    the program)."""
+    device_type = tensors[0].device.type
+    if torch.is_autocast_enabled(device_type):
+        with torch.autocast(device_type, enabled=False):
+            return entry.function(tensors)
+    return entry.function(tensors)
 
 
 def _layout(t: torch.Tensor):
@@ -625,6 +708,8 @@ class _CacheEntry:
         self.plan = plan
         self.input_names = input_names or []   # the user's name of each tensor argument, in order
         self.guard_values = None               # tensors -> (guard holds, ...), built at the first check
+        self.proven = False                    # a call ran it (FusedFunction._first_run)
+        self.retired: Optional[EagerCall] = None   # why its key runs through torch since a first run failed
 
     def broken_guard(self, tensors: list) -> str | None:
         """The first of the trace's layout guards (memfuse.capture.lower._guards) these tensors break, or None."""
