@@ -1,0 +1,216 @@
+"""A memfuse failure at the first run of a compiled program (Triton's compile at the first launch, a
+launch's argument checks, an extern's own rules) never reaches a loop that runs in eager: the graph
+runs through torch from then on, with eager's outputs and gradients, logged and counted
+(`first_run_fallbacks`); strict mode raises it (memfuse.driver.fallback: the first run's rules).
+Failures are injected at a generated kernel's launch, in the forward or the backward program."""
+import pytest
+import torch
+from torch import nn
+
+import memfuse
+import memfuse.driver.compile
+from memfuse.driver.fallback import StrictModeError
+from memfuse.ir.graph import GraphError
+from memfuse.runtime import launchers
+
+
+def setup_function():
+    torch._dynamo.reset()
+
+
+def block(x, w):
+    return torch.nn.functional.layer_norm(x * w, (x.shape[-1],)).sin() * 2
+
+
+class Injected(RuntimeError):
+    pass
+
+
+@pytest.fixture
+def failing_launch(monkeypatch):
+    """`failing_launch("backward")`: every launch of a kernel of the backward program raises."""
+    launch = launchers.KernelLaunch._launch
+    launched = []
+
+    def fail(program: str):
+        def failing(self, device, rows, aligned, values):
+            launched.append(self.kernel.source.name)
+            if f"_{program}_" in self.kernel.source.name:
+                raise Injected(f"injected: launching {self.kernel.source.name} failed")
+            return launch(self, device, rows, aligned, values)
+        monkeypatch.setattr(launchers.KernelLaunch, "_launch", failing)
+        return launched
+    return fail
+
+
+def fallback_messages(logs) -> list:
+    return [r.getMessage() for r in logs.records if r.name == "memfuse.fallbacks" and "runs through torch" in r.getMessage()]
+
+
+def steps_match_eager(fn, compiled, steps: int = 3) -> None:
+    """A loop of forward and backward steps on new inputs: every output and gradient is eager's."""
+    for _ in range(steps):
+        x, w = torch.randn(4, 8), torch.randn(8)
+        leaves = [(x.clone().requires_grad_(), w.clone().requires_grad_()) for _ in range(2)]
+        expected, got = fn(*leaves[0]), compiled(*leaves[1])
+        expected.sum().backward()
+        got.sum().backward()
+        torch.testing.assert_close(got, expected)
+        torch.testing.assert_close([t.grad for t in leaves[1]], [t.grad for t in leaves[0]])
+
+
+def wrapped(front: str):
+    """The block behind a front door: memory_efficient_fusion or the torch.compile backend."""
+    if front == "function":
+        return memfuse.memory_efficient_fusion(block)
+    return torch.compile(block, backend="memfuse")
+
+
+@pytest.mark.parametrize("front", ["function", "backend"])
+@pytest.mark.parametrize("program", ["forward", "backward"])
+def test_a_first_run_that_fails_runs_the_graph_through_torch(front, program, failing_launch, logs):
+    launched = failing_launch(program)
+    steps_match_eager(block, wrapped(front))
+    stats = memfuse.stats()
+    assert stats["compiles"] == 1 and stats["first_run_fallbacks"] == 1
+    assert stats["graph_fallbacks" if front == "backend" else "eager_calls"] >= 1
+    [message] = fallback_messages(logs)
+    assert f"first {program} run failed" in message and "Injected: injected: launching memfuse_" in message
+    # from then on through torch: no launch after the failed one
+    assert launched[-1].startswith(f"memfuse_{program}_")
+
+
+@pytest.mark.parametrize("program", ["forward", "backward"])
+def test_a_fused_module_keeps_training(program, failing_launch, logs):
+    failing_launch(program)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 8))
+    fused = memfuse.memory_efficient_fusion(nn.Sequential(*[m for m in model]))
+    reference = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 8))
+    reference.load_state_dict(model.state_dict())
+    for _ in range(2):
+        x = torch.randn(5, 8)
+        expected, got = reference(x), fused(x)
+        expected.square().sum().backward()
+        got.square().sum().backward()
+        torch.testing.assert_close(got, expected)
+        for p, q in zip(fused.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+    assert memfuse.stats()["first_run_fallbacks"] == 1
+    assert f"first {program} run failed" in fallback_messages(logs)[0]
+
+
+@pytest.mark.parametrize("front", ["function", "backend"])
+@pytest.mark.parametrize("program", ["forward", "backward"])
+def test_strict_mode_raises_a_first_runs_failure(front, program, failing_launch, monkeypatch):
+    monkeypatch.setenv("MEMFUSE_STRICT", "1")
+    failing_launch(program)
+    compiled = wrapped(front)
+    x, w = torch.randn(4, 8, requires_grad=True), torch.randn(8, requires_grad=True)
+    expected = StrictModeError if front == "function" else RuntimeError
+    with pytest.raises(expected, match=f"first {program} run failed") as info:
+        compiled(x, w).sum().backward()
+    assert isinstance(info.value.__cause__, Injected)
+    assert memfuse.stats()["first_run_fallbacks"] == 0
+
+
+@pytest.mark.parametrize("front", ["function", "backend"])
+def test_a_later_runs_failure_is_raised(front, monkeypatch):
+    """A program that ran once is no compile problem: its failure (a transient error) is raised."""
+    compiled = wrapped(front)
+    steps_match_eager(block, compiled, steps=1)
+
+    def failing(self, *args):
+        raise Injected("injected: a later launch failed")
+    monkeypatch.setattr(launchers.KernelLaunch, "_launch", failing)
+    x, w = torch.randn(4, 8, requires_grad=True), torch.randn(8, requires_grad=True)
+    with pytest.raises(Injected):
+        compiled(x, w).sum().backward()
+    assert memfuse.stats()["first_run_fallbacks"] == 0
+
+
+def test_the_backward_through_torch_refuses_inputs_modified_since_the_forward(failing_launch):
+    """The recomputation reads the forward's inputs again: modified in place, they would give
+    gradients of another forward (eager's autograd refuses such a backward too)."""
+    def shifted(x, w):        # w's gradient reads nothing the forward saves: autograd checks no version
+        return x * 2 + w
+    failing_launch("backward")
+    compiled = memfuse.memory_efficient_fusion(shifted)
+    x, w = torch.randn(4, 8), torch.randn(8, requires_grad=True)
+    y = compiled(x, w)
+    x.add_(1.0)
+    with pytest.raises(RuntimeError, match=r"modified in place since the forward") as info:
+        y.sum().backward()
+    assert isinstance(info.value.__cause__, Injected)
+
+
+# -- what escaped before ---------------------------------------------------------------------------
+@pytest.mark.compile_fails
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_a_graph_error_from_a_fused_modules_compile_falls_back(mode, monkeypatch, logs):
+    """The issue's BatchNorm in eval: a GraphError (memfuse's own limit: "cannot read in one [M, D]
+    space") escaped compile_or_decide into the training loop. Now it is a decision like any other."""
+    def failing(graph, config, kind):
+        raise GraphError("memfuse IR: sum_1 (view, col) cannot read sum_1_total (row) in one [M, D] space")
+    monkeypatch.setattr(memfuse.driver.compile, "schedule", failing)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4, track_running_stats=False), nn.ReLU())
+    getattr(model, mode)()
+    fused = memfuse.memory_efficient_fusion(model)
+    x = torch.randn(2, 3, 6, 6)
+    torch.testing.assert_close(fused(x), model(x))
+    assert memfuse.stats()["eager_calls"] == 1
+    assert "GraphError: memfuse IR: sum_1 (view, col)" in logs.text
+
+
+@pytest.mark.compile_fails
+def test_strict_mode_raises_a_graph_error_chained(monkeypatch):
+    monkeypatch.setenv("MEMFUSE_STRICT", "1")
+
+    def failing(graph, config, kind):
+        raise GraphError("memfuse IR: injected")
+    monkeypatch.setattr(memfuse.driver.compile, "schedule", failing)
+    with pytest.raises(StrictModeError, match="GraphError: memfuse IR: injected") as info:
+        memfuse.memory_efficient_fusion(block)(torch.randn(4, 8), torch.randn(8))
+    assert isinstance(info.value.__cause__, GraphError)
+
+
+def test_a_kernel_argument_on_another_device_is_a_clear_error_at_the_first_launch():
+    """BART's crash was Triton's `Pointer argument (at 1) cannot be accessed from Triton (cpu
+    tensor?)`: a program launched on one device with a tensor of another. The first launch on a
+    device now checks, and names the kernel and the argument (the first run's guard then runs the
+    graph through torch for that reason)."""
+    compiled = memfuse.memory_efficient_fusion(block)
+    x, w = torch.randn(4, 8), torch.randn(8)
+    compiled(x, w)
+    entry = compiled.compiled_for(x, w)
+    launch = next(s for s in entry.function.forward.steps if isinstance(s, launchers.KernelLaunch))
+    launch.record = True              # keeps the next call's arguments
+    compiled(x, w)
+    device, rows, _, values = launch.recorded
+    on_meta = tuple(torch.empty(v.shape, device="meta") if isinstance(v, torch.Tensor) else v for v in values)
+    assert launch.checked == {device}   # checked once per device, at the first launch: here again
+    launch.checked.clear()
+    with pytest.raises(launchers.KernelDeviceError, match=rf"kernel {launch.kernel.source.name}: argument \w+ is a "
+                                                         r"tensor on meta, but the program launches on cpu"):
+        launch._launch(device, rows, False, on_meta)
+
+
+def test_the_backends_program_runs_where_the_graph_makes_its_tensors():
+    """BART's mask graph (transformers' create_bidirectional_mask) takes only sizes and makes its
+    tensors with `torch.arange(n, device=...)` on the GPU: the program's device came from its tensor
+    arguments alone, none, so it launched on the CPU with GPU tensors. Fake CUDA tensors stand in."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from memfuse.fronts.backend import program_device
+
+    graph = torch.fx.Graph()
+    n = graph.placeholder("n")
+    n.meta["val"] = 16
+    arange = graph.call_function(torch.ops.aten.arange.default, (n,), {"device": torch.device("cuda")})
+    with FakeTensorMode():
+        arange.meta["val"] = torch.arange(16, device="cuda")
+        scalar = torch.tensor(2.0)                       # a CPU scalar beside it, as eager allows
+    node = graph.call_function(torch.ops.aten.mul.Tensor, (arange, 2.0))
+    node.meta["val"] = arange.meta["val"]
+    graph.get_attr("scale").meta["val"] = scalar
+    graph.output((node,))
+    assert program_device(graph) == torch.device("cuda", 0)
