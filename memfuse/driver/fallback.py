@@ -102,6 +102,14 @@ def untraceable_argument(name: str, argument: str, value) -> EagerCall:
     return EagerCall(name, reason, CACHE_WAY_OUT if cache else UNTRACEABLE_WAY_OUT)
 
 
+def mixed_devices(name: str, argument: str, device, expected) -> EagerCall:
+    """A call whose tensor arguments lie on two devices (eager allows a CPU scalar beside GPU
+    tensors); a program launches on one."""
+    return EagerCall(name, f"argument {argument} is on {device}, the other tensor arguments on {expected}: a "
+                           f"compiled program runs on one device",
+                     "pass every tensor argument on one device (a CPU scalar as a Python number, or moved with .to())")
+
+
 def under_transform(name: str) -> EagerCall:
     """memfuse's kernels read real tensors' memory, not a functorch transform's wrappers."""
     return EagerCall(name, "a functorch transform (vmap, grad, jacrev, ...) is active",

@@ -114,12 +114,13 @@ class FirstRunGuard:
     first backward (FirstRuns), runs the graph through torch from then on (`_through_torch`); the
     call whose forward failed runs through torch at once. Every call costs one more Python call."""
 
-    __slots__ = ("run", "compiled", "gm", "record", "config")
+    __slots__ = ("run", "compiled", "gm", "record", "config", "first_runs")
 
     def __init__(self, compiled, gm: torch.fx.GraphModule, record: GraphRecord, config: Config,
                  first_runs: "FirstRuns"):
         self.run = self._first_call
         self.compiled, self.gm, self.record, self.config = compiled, gm, record, config
+        self.first_runs = first_runs
         first_runs.on_failure = self.fall_back
 
     def __call__(self, *args):
@@ -138,6 +139,8 @@ class FirstRunGuard:
         function that runs it so. Once: a later failure finds it decided."""
         if self.record.through_torch is None:
             self.run = _through_torch(self.gm, self.record, error, self.config, program)
+            if program == "forward":      # no memfuse backward will run: the forwards kept nothing for one
+                self.first_runs.kept.clear()
         return self.run
 
 

@@ -39,8 +39,8 @@ from memfuse.base.source import Lines
 from memfuse.base.debug import STATS, describe_key_change, topic_log
 from memfuse.driver.compile import TracedFunction, compile_or_decide
 from memfuse.driver.fallback import (STRICT, EagerCall, StrictModeError, UntraceableOutputError,
-                                     count_first_run_fallback, first_run_failed, say_once, under_transform,
-                                     untraceable_argument)
+                                     count_first_run_fallback, first_run_failed, mixed_devices, say_once,
+                                     under_transform, untraceable_argument)
 from memfuse.fronts.cuda_graphs import GraphedFunction
 from memfuse.runtime.function import CompiledFunction
 from memfuse.runtime.program import SIZE_FUNCTIONS
@@ -222,7 +222,10 @@ class FusedFunction:
         return (torch.is_grad_enabled(), _autocast_now(), tree, *parts)
 
     def _lookup_key(self, flat: "_Flat", tensors: list):
-        key = self._key(flat)
+        try:
+            key = self._key(flat)
+        except _MixedDevices as mixed:   # decided per exact key (it holds each tensor's device)
+            return mixed.decision
         shapes = tuple(t.shape for t in tensors)
         compiled, slot, broken = self._find(key, shapes, tensors)
         if compiled is None:
@@ -332,8 +335,8 @@ class FusedFunction:
                 if device is None:
                     device = v.device
                 elif v.device != device:
-                    raise ValueError(f"memfuse: {self._name()}: argument {self._leaf_name(flat.tree, position)} is on "
-                                     f"{v.device}, expected {device} like the other tensor arguments")
+                    raise _MixedDevices(mixed_devices(self._name(), self._leaf_name(flat.tree, position), v.device,
+                                                      device))
                 shape = v.shape
                 rank = len(shape)
                 if tensor_index < self.static_prefix or isinstance(v, torch.nn.Parameter):
@@ -684,6 +687,13 @@ def _rebuild(tree: TreeSpec, template: list, tensors) -> Any:
 
 _first = operator.itemgetter(0)
 _TENSOR = object()   # a tensor's slot among an output's constant leaves
+
+
+class _MixedDevices(Exception):
+    """`_key` found tensor arguments on two devices: `decision` runs the call through torch."""
+    def __init__(self, decision: EagerCall):
+        super().__init__(str(decision))
+        self.decision = decision
 
 
 class _Slot:

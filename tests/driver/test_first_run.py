@@ -214,3 +214,18 @@ def test_the_backends_program_runs_where_the_graph_makes_its_tensors():
     graph.get_attr("scale").meta["val"] = scalar
     graph.output((node,))
     assert program_device(graph) == torch.device("cuda", 0)
+
+
+def test_tensor_arguments_on_two_devices_run_through_torch(logs):
+    """Eager takes a CPU scalar beside GPU tensors; a compiled program runs on one device. The key
+    raised a ValueError into the loop; now the call runs through torch, with the reason."""
+    def scaled(x, y):
+        return x * 2, y * 3
+    fused = memfuse.memory_efficient_fusion(scaled)
+    x, y = torch.randn(4, 8), torch.randn(8, device="meta")
+    for _ in range(2):
+        a, b = fused(x, y)
+        torch.testing.assert_close(a, x * 2)
+        assert b.device.type == "meta" and b.shape == y.shape
+    assert memfuse.stats()["eager_calls"] == 2 and memfuse.stats()["compiles"] == 0
+    assert "argument 'y' (position 1) is on meta, the other tensor arguments on cpu" in logs.text
