@@ -3,6 +3,8 @@ launch's argument checks, an extern's own rules) never reaches a loop that runs 
 runs through torch from then on, with eager's outputs and gradients, logged and counted
 (`first_run_fallbacks`); strict mode raises it (memfuse.driver.fallback: the first run's rules).
 Failures are injected at a generated kernel's launch, in the forward or the backward program."""
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -229,3 +231,24 @@ def test_tensor_arguments_on_two_devices_run_through_torch(logs):
         assert b.device.type == "meta" and b.shape == y.shape
     assert memfuse.stats()["eager_calls"] == 2 and memfuse.stats()["compiles"] == 0
     assert "argument 'y' (position 1) is on meta, the other tensor arguments on cpu" in logs.text
+
+
+@pytest.mark.compile_fails
+@pytest.mark.parametrize("front", ["function", "backend"])
+def test_a_kernel_triton_refuses_fails_the_compile_before_the_first_run(front, monkeypatch, logs):
+    """On a GPU every kernel of both programs is compiled before the first run (precompile): a
+    Triton CompilationError there fails the compile, so the graph runs through torch before a
+    memfuse forward saved anything a memfuse backward would need (dropout's seed included)."""
+    import ast
+    from triton.compiler.errors import CompilationError
+    from memfuse.runtime import precompile
+
+    def refused(graph, launch, device, config):
+        if "_backward_" in launch.kernel.source.name:
+            raise CompilationError(None, ast.parse("x").body[0], "injected: this kernel does not compile")
+    monkeypatch.setattr(precompile, "enabled", lambda device, config: True)   # the GPU's path, on the CPU
+    monkeypatch.setattr(precompile, "_warm_up", refused)
+    steps_match_eager(block, wrapped(front), steps=2)
+    assert memfuse.stats()["compiles"] == 0 and memfuse.stats()["first_run_fallbacks"] == 0
+    assert re.search(r"KernelCompileError: (memfuse: )?kernel memfuse_backward_0 does not compile with Triton: "
+                     r"injected", logs.text)
