@@ -24,7 +24,7 @@ from typing import Optional
 import sympy
 import torch
 from torch._guards import CompileContext, detect_fake_mode
-from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 from memfuse.patterns.attention import OutputMasks
 from memfuse.capture import decomposition_table
@@ -131,7 +131,8 @@ class FirstRunGuard:
             outputs = self.compiled(*args)
         except Exception as error:   # noqa: BLE001 -- the first run's failure: the graph runs through torch
             return self.fall_back(error, "forward")(*args)
-        self.run = self.compiled
+        if not any(isinstance(a, FakeTensor) for a in args):   # DDPOptimizer's compile-time call proves nothing
+            self.run = self.compiled
         return outputs
 
     def fall_back(self, error: Exception, program: str):
@@ -350,8 +351,8 @@ def _size_sources(primals: list) -> tuple[dict, dict]:
 
 def program_device(graph: torch.fx.Graph) -> torch.device:
     """Where the program allocates and launches: the accelerator of any tensor of the graph, its
-    arguments' and those it makes (`torch.arange(n, device=x.device)` in a graph that takes only
-    sizes: a mask built from the sequence length), else the CPU. A CPU tensor beside an accelerator
+    arguments' and those it makes (`torch.arange(n, device=...)` in a graph that takes no tensor,
+    or no argument at all: transformers' mask built at static sizes), else the CPU. A CPU tensor beside an accelerator
     is what eager allows: a 0-d tensor (a scalar) or a value only read for sizes. A graph on two
     accelerators is refused (a compile failure: it runs through torch)."""
     devices = {_normalized(n.meta["val"].device) for n in graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)}
@@ -364,7 +365,7 @@ def program_device(graph: torch.fx.Graph) -> torch.device:
 
 def _normalized(device: torch.device) -> torch.device:
     """A device with its index (a fake tensor's `cuda` is the current device)."""
-    if device.type == "cuda" and device.index is None:
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return device
 

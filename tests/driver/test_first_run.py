@@ -198,24 +198,26 @@ def test_a_kernel_argument_on_another_device_is_a_clear_error_at_the_first_launc
 
 
 def test_the_backends_program_runs_where_the_graph_makes_its_tensors():
-    """BART's mask graph (transformers' create_bidirectional_mask) takes only sizes and makes its
-    tensors with `torch.arange(n, device=...)` on the GPU: the program's device came from its tensor
-    arguments alone, none, so it launched on the CPU with GPU tensors. Fake CUDA tensors stand in."""
+    """BART's crash: its encoder's mask graph (transformers' create_bidirectional_mask at static
+    sizes) takes no argument at all and makes its tensors with `torch.arange(n, device=...)` on
+    the GPU. The program's device came from its tensor arguments alone, none, so it launched on the
+    CPU with GPU tensors (seen on an H200). Fake CUDA tensors stand in for the GPU's."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from memfuse.fronts.backend import program_device
 
     graph = torch.fx.Graph()
-    n = graph.placeholder("n")
-    n.meta["val"] = 16
-    arange = graph.call_function(torch.ops.aten.arange.default, (n,), {"device": torch.device("cuda")})
+    scale = graph.get_attr("scale")                  # a CPU scalar beside it, as eager allows
+    arange = graph.call_function(torch.ops.aten.arange.default, (16,), {"device": torch.device("cuda")})
+    node = graph.call_function(torch.ops.aten.mul.Tensor, (arange, scale))
     with FakeTensorMode():
-        arange.meta["val"] = torch.arange(16, device="cuda")
-        scalar = torch.tensor(2.0)                       # a CPU scalar beside it, as eager allows
-    node = graph.call_function(torch.ops.aten.mul.Tensor, (arange, 2.0))
-    node.meta["val"] = arange.meta["val"]
-    graph.get_attr("scale").meta["val"] = scalar
+        arange.meta["val"] = node.meta["val"] = torch.arange(16, device="cuda")
+        scale.meta["val"] = torch.tensor(2.0)
     graph.output((node,))
     assert program_device(graph) == torch.device("cuda", 0)
+    with FakeTensorMode():
+        scale.meta["val"] = torch.tensor(2.0, device="cuda:1")
+    with pytest.raises(NotImplementedError, match="several devices"):
+        program_device(graph)
 
 
 def test_tensor_arguments_on_two_devices_run_through_torch(logs):
