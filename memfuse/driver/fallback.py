@@ -32,7 +32,11 @@ problem (a transient error, the caller's input). The rules of the first run, wha
   recomputes the gradients through torch from them: the original function again (FusedFunction)
   or the joint graph AOTAutograd traced (the backend). A graph with random ops (dropout) draws its
   masks again there: its gradients for that one step are those of torch's masks, not of the masks
-  whose loss the forward returned (documented limit; strict mode raises instead).
+  whose loss the forward returned (documented limit; strict mode raises instead). A traced
+  function whose program returns a chunked loss head's logits (an output hook, which gives them a
+  backward of their own) cannot be recomputed so where gradients reach those logits: its failed
+  first backward is raised. On a GPU a kernel Triton refuses fails the compile itself
+  (runtime.precompile), before any forward ran, which leaves launches and externs to this rule.
 """
 from __future__ import annotations
 

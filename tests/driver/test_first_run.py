@@ -254,3 +254,21 @@ def test_a_kernel_triton_refuses_fails_the_compile_before_the_first_run(front, m
     assert memfuse.stats()["compiles"] == 0 and memfuse.stats()["first_run_fallbacks"] == 0
     assert re.search(r"KernelCompileError: (memfuse: )?kernel memfuse_backward_0 does not compile with Triton: "
                      r"injected", logs.text)
+
+
+@pytest.mark.parametrize("front", ["function", "backend"])
+def test_a_failed_first_backward_with_dropout_recomputes_with_torchs_masks(front, failing_launch):
+    """The documented limit: a graph with random ops whose first backward fails gets its gradients
+    for that step from torch's recomputation, with torch's masks (a dropout sample of its own); the
+    loop goes on, and the steps after run through torch as eager does."""
+    def dropped(x, w):
+        return torch.nn.functional.dropout(x * w, p=0.5, training=True).sum(-1)
+    failing_launch("backward")
+    compiled = memfuse.memory_efficient_fusion(dropped) if front == "function" else \
+        torch.compile(dropped, backend="memfuse")
+    for _ in range(2):
+        x, w = torch.randn(4, 8, requires_grad=True), torch.randn(8, requires_grad=True)
+        compiled(x, w).sum().backward()
+        kept = x.grad != 0                 # the recomputed mask: each gradient is w (scaled) or 0
+        torch.testing.assert_close(x.grad[kept], (2 * w).expand(4, 8)[kept])
+    assert memfuse.stats()["first_run_fallbacks"] == 1
