@@ -16,7 +16,9 @@ the decision, its reason and the way out, logged once on the `fallbacks` topic, 
 `stats()["eager_calls"]`; strict mode raises instead): an argument it cannot trace (an object the
 call may mutate, such as a KV cache), a functorch transform around the call, or a compile that
 failed (a trace that branches on a tensor's value, a function writing into its input, ...); the
-last is decided once per compile key. An error the original raises then is the user's, as in eager.
+last is decided once per compile key, and so is a compiled program whose first run fails, forward
+or backward (memfuse.driver.fallback: the first run's rules). Tensor arguments on two devices run
+the call through torch too. An error the original raises then is the user's, as in eager.
 """
 from __future__ import annotations
 
