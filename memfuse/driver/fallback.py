@@ -29,13 +29,13 @@ problem (a transient error, the caller's input). The rules of the first run, wha
 - a backward's first run failing: the forward ran memfuse's program and saved memfuse's values
   (recomputation plan, seeds), which torch cannot read. So until a backward has run once, each
   forward keeps its inputs (references, checked for in-place changes), and the failed backward
-  recomputes the gradients through torch from them: the original function again (FusedFunction)
+  recomputes the gradients through torch from them: the traced function again (FusedFunction)
   or the joint graph AOTAutograd traced (the backend). A graph with random ops (dropout) draws its
   masks again there: its gradients for that one step are those of torch's masks, not of the masks
   whose loss the forward returned (documented limit; strict mode raises instead). A traced
-  function whose program returns a chunked loss head's logits (an output hook, which gives them a
-  backward of their own) cannot be recomputed so where gradients reach those logits: its failed
-  first backward is raised. On a GPU a kernel Triton refuses fails the compile itself
+  function is run again as capture traced it (driver.compile.Compiled.traced: the patterns'
+  wrappers in, a chunked loss head's hidden states returned for its logits' own backward), so
+  every output the program returns gets its gradient. On a GPU a kernel Triton refuses fails the compile itself
   (runtime.precompile), before any forward ran, which leaves launches and externs to this rule.
 """
 from __future__ import annotations

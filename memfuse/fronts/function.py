@@ -148,14 +148,10 @@ class FusedFunction:
             raise RuntimeError(f"memfuse: {self._name()}: its backward program failed and the gradients would be "
                                f"recomputed through torch, but tensor inputs {changed} were modified in place since "
                                f"the forward") from error
-        count = entry.function.num_user_outputs
-        if any(g is not None for g in grad_outputs[count:]):   # an output hook's (the chunked loss head's logits)
-            raise RuntimeError(f"memfuse: {self._name()}: its backward program failed, and gradients reach the "
-                               f"outputs an output hook added, which torch cannot recompute") from error
         with torch.enable_grad():
             leaves = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
-            outputs = eager(*leaves)
-        pairs = [(o, g) for o, g in zip(outputs, grad_outputs[:count]) if g is not None and o.requires_grad]
+            outputs = eager(*leaves)     # the program's outputs: the caller's, then an output hook's
+        pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if g is not None and o.requires_grad]
         wanted = [leaf for leaf in leaves if leaf.requires_grad]
         gradients = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
                          if pairs and wanted else [None] * len(wanted))
@@ -389,27 +385,9 @@ class FusedFunction:
             return compiled
         entry = _CacheEntry(compiled.function, rebuilds[0], flat.tree, compiled.captured, compiled.plan,
                             input_names=compiled.input_names)
-        compiled.function.backward_through_torch = functools.partial(self._backward_through_torch, entry,
-                                                                     self._eager_outputs(flat))
+        compiled.function.backward_through_torch = functools.partial(
+            self._backward_through_torch, entry, _under_autocast_of(compiled.traced, key))
         return entry
-
-    def _eager_outputs(self, flat: "_Flat") -> Callable:
-        """(*tensors) -> the tensors of fn's output, run through torch on them with the call's other
-        leaves, under the autocast state the program was traced in (the key holds it). Keeps no
-        tensor of the compiling call."""
-        template = [None if isinstance(v, torch.Tensor) else v for v in flat.leaves]
-        positions = [i for i, v in enumerate(flat.leaves) if isinstance(v, torch.Tensor)]
-        device_type, enabled, dtype = autocast_state(flat.leaves[positions[0]].device.type)
-        tree = flat.tree
-
-        def eager_outputs(*tensors):
-            leaves = list(template)
-            for i, t in zip(positions, tensors):
-                leaves[i] = t
-            values = leaves if tree is None else tree_unflatten(leaves, tree)
-            with torch.autocast(device_type, dtype=dtype, enabled=True) if enabled else contextlib.nullcontext():
-                return _output_tensors(self._call(values), self._name())[0]
-        return eager_outputs
 
     def _source(self, flat: "_Flat", key: tuple, rebuilds: list) -> TracedFunction:
         """What the driver traces: fn on the call's tensors, the other leaves as constants, its
@@ -418,12 +396,16 @@ class FusedFunction:
         tensors = [flat.leaves[i] for i in positions]
         # a mask the backend's graph built from sizes and marked (memfuse.patterns.attention): built here again
         marks = {i: marked_form(flat.leaves[i]) for i in positions}
+        # the call's other leaves: no tensor of the compiling call stays alive with the function (a
+        # failed first backward runs it again: Compiled.traced)
+        template, tree = [None if isinstance(v, torch.Tensor) else v for v in flat.leaves], flat.tree
 
         def traced(*tensor_args):
-            leaves = list(flat.leaves)
+            leaves = list(template)
             for i, t in zip(positions, tensor_args):
                 leaves[i] = mask_like(t, marks[i]) if marks[i] else t
-            outputs, rebuild = _output_tensors(self._call(flat.values(leaves)), self._name())
+            outputs, rebuild = _output_tensors(self._call(leaves if tree is None else tree_unflatten(leaves, tree)),
+                                               self._name())
             rebuilds.append(rebuild)
             return outputs
 
@@ -433,6 +415,18 @@ class FusedFunction:
                               input_names=tuple(self._input_name(flat.tree, i) for i in positions),
                               returned_logits=self.graphs is None,
                               marked_inputs=tuple((self._input_name(flat.tree, i), form) for i, form in marks.items() if form))
+
+
+def _under_autocast_of(fn: Callable, key: tuple) -> Callable:
+    """`fn` run under the autocast state its compile key holds (the trace's: `_key`), wherever it is
+    called from (a backward runs outside the caller's autocast block)."""
+    dtype = next((part[1] for part in key if isinstance(part, tuple) and part[:1] == ("autocast",)), None)
+    device_type = next((part[2].type for part in key if isinstance(part, tuple) and part[:1] == ("T",)), "cpu")
+
+    def under_autocast(*tensors):
+        with torch.autocast(device_type, dtype=dtype) if dtype is not None else contextlib.nullcontext():
+            return fn(*tensors)
+    return under_autocast
 
 
 def _run(entry: "_CacheEntry", tensors: list) -> tuple:

@@ -272,3 +272,24 @@ def test_a_failed_first_backward_with_dropout_recomputes_with_torchs_masks(front
         kept = x.grad != 0                 # the recomputed mask: each gradient is w (scaled) or 0
         torch.testing.assert_close(x.grad[kept], (2 * w).expand(4, 8)[kept])
     assert memfuse.stats()["first_run_fallbacks"] == 1
+
+
+def test_a_failed_first_backward_recomputes_a_chunked_loss_heads_returned_logits(failing_launch):
+    """A traced function returning a chunked loss head's logits: the program returns the head's
+    hidden states too, for the logits' own backward (an output hook). The recomputation runs the
+    function as capture traced it (Compiled.traced, the head chunked in it), so gradients reaching
+    the logits are recomputed as well."""
+    def head(h, w, target):
+        logits = torch.nn.functional.linear(torch.tanh(h), w)
+        return torch.nn.functional.cross_entropy(logits, target), logits
+    failing_launch("backward")
+    compiled = memfuse.memory_efficient_fusion(head)
+    for _ in range(2):
+        h, w, target = torch.randn(6, 8), torch.randn(11, 8), torch.randint(0, 11, (6,))
+        leaves = [(h.clone().requires_grad_(), w.clone().requires_grad_()) for _ in range(2)]
+        results = [head(*leaves[0], target), compiled(*leaves[1], target)]
+        for loss, logits in results:
+            (loss + logits.square().mean()).backward()
+        torch.testing.assert_close(results[1], results[0])
+        torch.testing.assert_close([t.grad for t in leaves[1]], [t.grad for t in leaves[0]])
+    assert memfuse.stats()["loss_heads_chunked"] == 1 and memfuse.stats()["first_run_fallbacks"] == 1
