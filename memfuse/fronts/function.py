@@ -16,10 +16,13 @@ the decision, its reason and the way out, logged once on the `fallbacks` topic, 
 `stats()["eager_calls"]`; strict mode raises instead): an argument it cannot trace (an object the
 call may mutate, such as a KV cache), a functorch transform around the call, or a compile that
 failed (a trace that branches on a tensor's value, a function writing into its input, ...); the
-last is decided once per compile key. An error the original raises then is the user's, as in eager.
+last is decided once per compile key, and so is a compiled program whose first run fails, forward
+or backward (memfuse.driver.fallback: the first run's rules). Tensor arguments on two devices run
+the call through torch too. An error the original raises then is the user's, as in eager.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -37,8 +40,9 @@ from memfuse.base.config import Config
 from memfuse.base.source import Lines
 from memfuse.base.debug import STATS, describe_key_change, topic_log
 from memfuse.driver.compile import TracedFunction, compile_or_decide
-from memfuse.driver.fallback import (STRICT, EagerCall, StrictModeError, UntraceableOutputError, say_once,
-                    under_transform, untraceable_argument)
+from memfuse.driver.fallback import (STRICT, EagerCall, StrictModeError, UntraceableOutputError,
+                                     count_first_run_fallback, first_run_failed, mixed_devices, say_once,
+                                     under_transform, untraceable_argument)
 from memfuse.fronts.cuda_graphs import GraphedFunction
 from memfuse.ir.captured import Retrace
 from memfuse.runtime.function import CompiledFunction
@@ -99,14 +103,60 @@ class FusedFunction:
         entry, tensors = self._lookup(values)
         if isinstance(entry, EagerCall):
             return self.run_eager(entry, values)
+        if not entry.proven:
+            return self._first_run(entry, args, kwargs, values, tensors)
         self._remember(args, kwargs, values, entry)
-        device_type = tensors[0].device.type
-        if torch.is_autocast_enabled(device_type):
-            with torch.autocast(device_type, enabled=False):   # the trace's casts are in the program
-                outputs = entry.function(tensors)
-        else:
-            outputs = entry.function(tensors)
+        return entry.rebuild(_run(entry, tensors))
+
+    def _first_run(self, entry: "_CacheEntry", args: tuple, kwargs: dict, values: list, tensors: list):
+        """A compiled program's first call: where it fails (Triton's compile at the first launch, a
+        launch's checks, an extern's), the call and every later one of its key run through torch
+        (driver.fallback: the first run's rules; strict mode raises). The front cache serves the
+        key only once a call ran."""
+        try:
+            outputs = _run(entry, tensors)
+        except Exception as error:   # noqa: BLE001 -- the first run's failure: the original runs, with the reason
+            decision = self._first_run_failed(entry, "forward", error)
+            return self.run_eager(decision, values)
+        entry.proven = True
+        self._remember(args, kwargs, values, entry)
         return entry.rebuild(outputs)
+
+    def _first_run_failed(self, entry: "_CacheEntry", program: str, error: Exception) -> EagerCall:
+        """The decision to run `entry`'s key through torch from now on (once: a later failure of
+        the same entry finds it made); an error in strict mode, chained to the failure."""
+        decision = first_run_failed(self._name(), program, error)
+        if self.config.strict:
+            raise StrictModeError(f"{decision}{STRICT}") from error
+        if entry.retired is None:
+            entry.retired = decision
+            for table in (self.cache, self.exact):
+                for key, value in table.items():
+                    if value is entry:
+                        table[key] = decision
+            self.fronts.clear()          # the front caches may serve it: rebuilt by the next calls
+            count_first_run_fallback(error)
+        return entry.retired
+
+    def _backward_through_torch(self, entry: "_CacheEntry", eager: Callable, error: Exception, inputs: tuple,
+                                versions: list, grad_outputs: tuple) -> tuple:
+        """The gradients of a call whose first backward program failed, through torch: the original
+        function again on the inputs the forward kept, under autograd (runtime.function._first_backward)."""
+        decision = self._first_run_failed(entry, "backward", error)
+        say_once(decision)
+        changed = [i for i, (t, version) in enumerate(zip(inputs, versions)) if t._version != version]
+        if changed:
+            raise RuntimeError(f"memfuse: {self._name()}: its backward program failed and the gradients would be "
+                               f"recomputed through torch, but tensor inputs {changed} were modified in place since "
+                               f"the forward") from error
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
+            outputs = eager(*leaves)     # the program's outputs: the caller's, then an output hook's
+        pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if g is not None and o.requires_grad]
+        wanted = [leaf for leaf in leaves if leaf.requires_grad]
+        gradients = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
+                         if pairs and wanted else [None] * len(wanted))
+        return tuple(next(gradients) if leaf.requires_grad else None for leaf in leaves)
 
     def run_eager(self, decision: "EagerCall", values: list):
         """Run fn as written on the bound values, op by op through torch: the call `decision` says
@@ -171,7 +221,10 @@ class FusedFunction:
         return (torch.is_grad_enabled(), _autocast_now(), tree, *parts)
 
     def _lookup_key(self, flat: "_Flat", tensors: list):
-        key = self._key(flat)
+        try:
+            key = self._key(flat)
+        except _MixedDevices as mixed:   # decided per exact key (it holds each tensor's device)
+            return mixed.decision
         shapes = tuple(t.shape for t in tensors)
         compiled, slot, broken = self._find(key, shapes, tensors)
         if compiled is None:
@@ -281,8 +334,8 @@ class FusedFunction:
                 if device is None:
                     device = v.device
                 elif v.device != device:
-                    raise ValueError(f"memfuse: {self._name()}: argument {self._leaf_name(flat.tree, position)} is on "
-                                     f"{v.device}, expected {device} like the other tensor arguments")
+                    raise _MixedDevices(mixed_devices(self._name(), self._leaf_name(flat.tree, position), v.device,
+                                                      device))
                 shape = v.shape
                 rank = len(shape)
                 if tensor_index < self.static_prefix or isinstance(v, torch.nn.Parameter):
@@ -336,8 +389,11 @@ class FusedFunction:
                 continue
         if isinstance(compiled, EagerCall):
             return compiled
-        return _CacheEntry(compiled.function, rebuilds[0], flat.tree, compiled.captured, compiled.plan,
-                           input_names=compiled.input_names)
+        entry = _CacheEntry(compiled.function, rebuilds[0], flat.tree, compiled.captured, compiled.plan,
+                            input_names=compiled.input_names)
+        compiled.function.backward_through_torch = functools.partial(
+            self._backward_through_torch, entry, _under_autocast_of(compiled.traced, key))
+        return entry
 
     def _source(self, flat: "_Flat", key: tuple, rebuilds: list) -> TracedFunction:
         """What the driver traces: fn on the call's tensors, the other leaves as constants, its
@@ -346,12 +402,16 @@ class FusedFunction:
         tensors = [flat.leaves[i] for i in positions]
         # a mask the backend's graph built from sizes and marked (memfuse.patterns.attention): built here again
         marks = {i: marked_form(flat.leaves[i]) for i in positions}
+        # the call's other leaves: no tensor of the compiling call stays alive with the function (a
+        # failed first backward runs it again: Compiled.traced)
+        template, tree = [None if isinstance(v, torch.Tensor) else v for v in flat.leaves], flat.tree
 
         def traced(*tensor_args):
-            leaves = list(flat.leaves)
+            leaves = list(template)
             for i, t in zip(positions, tensor_args):
                 leaves[i] = mask_like(t, marks[i]) if marks[i] else t
-            outputs, rebuild = _output_tensors(self._call(flat.values(leaves)), self._name())
+            outputs, rebuild = _output_tensors(self._call(leaves if tree is None else tree_unflatten(leaves, tree)),
+                                               self._name())
             rebuilds.append(rebuild)
             return outputs
 
@@ -361,6 +421,28 @@ class FusedFunction:
                               input_names=tuple(self._input_name(flat.tree, i) for i in positions),
                               returned_logits=self.graphs is None,
                               marked_inputs=tuple((self._input_name(flat.tree, i), form) for i, form in marks.items() if form))
+
+
+def _under_autocast_of(fn: Callable, key: tuple) -> Callable:
+    """`fn` run under the autocast state its compile key holds (the trace's: `_key`), wherever it is
+    called from (a backward runs outside the caller's autocast block)."""
+    dtype = next((part[1] for part in key if isinstance(part, tuple) and part[:1] == ("autocast",)), None)
+    device_type = next((part[2].type for part in key if isinstance(part, tuple) and part[:1] == ("T",)), "cpu")
+
+    def under_autocast(*tensors):
+        with torch.autocast(device_type, dtype=dtype) if dtype is not None else contextlib.nullcontext():
+            return fn(*tensors)
+    return under_autocast
+
+
+def _run(entry: "_CacheEntry", tensors: list) -> tuple:
+    """The compiled program's outputs; with autocast off where it is on (the trace's casts are in
+    the program)."""
+    device_type = tensors[0].device.type
+    if torch.is_autocast_enabled(device_type):
+        with torch.autocast(device_type, enabled=False):
+            return entry.function(tensors)
+    return entry.function(tensors)
 
 
 def _layout(t: torch.Tensor):
@@ -609,6 +691,13 @@ _first = operator.itemgetter(0)
 _TENSOR = object()   # a tensor's slot among an output's constant leaves
 
 
+class _MixedDevices(Exception):
+    """`_key` found tensor arguments on two devices: `decision` runs the call through torch."""
+    def __init__(self, decision: EagerCall):
+        super().__init__(str(decision))
+        self.decision = decision
+
+
 class _Slot:
     """A placeholder bound in place of a real argument, to learn where each one goes."""
     def __init__(self, source: str, index):
@@ -631,6 +720,8 @@ class _CacheEntry:
         self.plan = plan
         self.input_names = input_names or []   # the user's name of each tensor argument, in order
         self.guard_values = None               # tensors -> (guard holds, ...), built at the first check
+        self.proven = False                    # a call ran it (FusedFunction._first_run)
+        self.retired: Optional[EagerCall] = None   # why its key runs through torch since a first run failed
 
     def broken_guard(self, tensors: list) -> str | None:
         """The first of the trace's layout guards (memfuse.capture.lower._guards) these tensors break, or None."""
