@@ -24,12 +24,11 @@ import dataclasses
 import functools
 import inspect
 import logging
-import operator
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import sympy
 import torch
-from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from memfuse.patterns.attention import mask_like, marked_form
 from memfuse.base import torch_private
@@ -37,15 +36,15 @@ from memfuse.base.config import Config
 from memfuse.base.source import Lines
 from memfuse.base.debug import STATS, describe_key_change, topic_log
 from memfuse.driver.compile import TracedFunction, compile_or_decide
-from memfuse.driver.fallback import (STRICT, EagerCall, StrictModeError, UntraceableOutputError, say_once,
+from memfuse.driver.fallback import (STRICT, EagerCall, StrictModeError, say_once,
                     under_transform, untraceable_argument)
 from memfuse.fronts.cuda_graphs import GraphedFunction
+from memfuse.fronts.outputs import CONSTANT_TYPES, key_path, output_tensors
 from memfuse.runtime.function import CompiledFunction
 from memfuse.runtime.program import SIZE_FUNCTIONS
 
 cache_log = topic_log("cache")
 recompile_log = topic_log("recompiles")
-CONSTANT_TYPES = (bool, int, float, type(None), str, torch.dtype)
 LEAF_TYPES = (torch.Tensor, *CONSTANT_TYPES)   # what a traced argument or output is made of
 EXACT_CACHE_SIZE = 4096   # distinct exact argument shapes remembered in the front cache
 
@@ -345,7 +344,7 @@ class FusedFunction:
             leaves = list(flat.leaves)
             for i, t in zip(positions, tensor_args):
                 leaves[i] = mask_like(t, marks[i]) if marks[i] else t
-            outputs, rebuild = _output_tensors(self._call(flat.values(leaves)), self._name())
+            outputs, rebuild = output_tensors(self._call(flat.values(leaves)), self._name())
             rebuilds.append(rebuild)
             return outputs
 
@@ -565,42 +564,7 @@ def _leaf_path(tree: Optional[TreeSpec], position: int) -> tuple:
         return position, ""
     arguments = [tree_flatten(value) for value in tree_unflatten(list(range(tree.num_leaves)), tree)]
     argument, (numbers, spec) = next((i, a) for i, a in enumerate(arguments) if position in a[0])
-    return argument, _key_path(spec, numbers.index(position))
-
-
-def _key_path(tree: TreeSpec, index: int) -> str:
-    """The path of leaf `index` in a pytree of this structure, as pytree's keystr writes it."""
-    try:
-        return keystr(tree_flatten_with_path(tree_unflatten(list(range(tree.num_leaves)), tree))[0][index][0])
-    except ValueError:   # a node registered without key paths (flatten_with_keys_fn)
-        return f"<leaf {index}>"
-
-
-def _output_tensors(out: Any, name: str) -> tuple:
-    """(the tensors of fn's output, in order; the function rebuilding the output from them). The
-    output is a tensor or a pytree of tensors and constants with at least one tensor."""
-    if isinstance(out, torch.Tensor):
-        return (out,), _first
-    leaves, tree = tree_flatten(out)
-    for index, leaf in enumerate(leaves):
-        if not isinstance(leaf, LEAF_TYPES):
-            raise UntraceableOutputError(f"{name} returns a {type(leaf).__name__} at output{_key_path(tree, index)}")
-    tensors = tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
-    if not tensors:
-        raise UntraceableOutputError(f"{name} returns no tensor (a {type(out).__name__}): nothing to compile")
-    if type(out) is tuple and len(tensors) == len(out):
-        return tensors, tuple
-    template = [_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-    return tensors, functools.partial(_rebuild, tree, template)
-
-
-def _rebuild(tree: TreeSpec, template: list, tensors) -> Any:
-    it = iter(tensors)
-    return tree_unflatten([next(it) if leaf is _TENSOR else leaf for leaf in template], tree)
-
-
-_first = operator.itemgetter(0)
-_TENSOR = object()   # a tensor's slot among an output's constant leaves
+    return argument, key_path(spec, numbers.index(position))
 
 
 class _Slot:
@@ -619,7 +583,7 @@ class _CacheEntry:
     def __init__(self, function: CompiledFunction, rebuild: Callable, tree: Optional[TreeSpec], captured, plan,
                  input_names=None):
         self.function = function
-        self.rebuild = rebuild                 # the program's output tensors -> fn's output (_output_tensors)
+        self.rebuild = rebuild                 # the program's output tensors -> fn's output (outputs.output_tensors)
         self.tree = tree                       # the arguments' structure, None for a flat call
         self.captured = captured
         self.plan = plan
