@@ -1,7 +1,8 @@
 # make test: fresh virtualenv, CPU torch, the suite through Triton's interpreter.
 # make bench: side-by-side benchmark of the seed's blocks; make bench-models: of whole HuggingFace
 # models; make bench-budget: memory budgets of those models beside torch.compile's; make
-# bench-loss-head: the loss head alone beside torch.compile, its auto-chunker and Liger-Kernel.
+# bench-loss-head: the loss head alone beside torch.compile, its auto-chunker and Liger-Kernel; make
+# bench-zoo: the model zoo (30+ families) in eager, torch.compile and memfuse, families in parallel.
 # Without a GPU they are small smoke runs through the interpreter, and say so.
 PYTHON ?= python3
 VENV   ?= .venv
@@ -19,7 +20,7 @@ endif
 BENCH_PY := $(or $(BENCH_PY),$(VENV)/bin/python)
 BENCH_SETUP = $(if $(filter $(VENV)/bin/python,$(BENCH_PY)),$(VENV)/.installed)
 
-.PHONY: test test-all bench bench-models bench-budget bench-loss-head install clean
+.PHONY: test test-all bench bench-models bench-zoo bench-budget bench-loss-head install clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +47,10 @@ bench: $(BENCH_SETUP)
 
 bench-models: $(BENCH_SETUP)
 	$(BENCH_PY) -m benchmarks.models $(ARGS)
+
+# ARGS: e.g. --families t5,swin --jobs 8 (a family whose JSON is in --out is skipped: --force reruns it)
+bench-zoo: $(BENCH_SETUP)
+	$(BENCH_PY) -m benchmarks.zoo $(ARGS)
 
 # ARGS: e.g. --models gpt2 --budgets 1.0,0.5 --modes memfuse_backend
 bench-budget: $(BENCH_SETUP)

@@ -71,17 +71,36 @@ class Size:
     ffn: int
     vocab: int
     batch: int
-    seq: int
+    seq: int  # tokens; a speech model's frames; an encoder-decoder's source length
+    image: int = 0  # a vision model's image side in pixels
+    classes: int = 0  # a classifier's labels
+    experts: int = 0  # a mixture of experts' experts per layer
 
 
 @dataclasses.dataclass(frozen=True)
 class Family:
+    """A model the benchmarks train: how to build it at a size, and a batch it takes whose output
+    has `.loss`. Built by transformers' `model_class` from `config`, or by `construct` (a model from
+    another library, wrapped so that it returns `.loss`)."""
+
     name: str
-    model_class: str  # in transformers
-    layers: str  # attribute path of the ModuleList of transformer layers (wrapped one by one)
+    model_class: str  # in transformers; or the constructed model's name
+    # attribute paths of the ModuleLists of layers (wrapped one by one; an encoder-decoder has two);
+    # None where the model has no list of layers
+    layers: str | tuple[str, ...] | None
     size: Size
     tiny: Size
-    config: Callable[[Size, float], object]  # (size, dropout) -> a transformers config
+    config: Callable[[Size, float], object] | None  # (size, dropout) -> a transformers config
+    inputs: Callable[[Size, torch.device], dict] | None = None  # a batch; None: make_batch's token ids
+    construct: Callable[[Size, float], nn.Module] | None = None  # (size, dropout) -> a model, without config
+
+    @property
+    def layer_paths(self) -> tuple[str, ...]:
+        return (self.layers,) if isinstance(self.layers, str) else tuple(self.layers or ())
+
+    def make_batch(self, size: Size, device: torch.device) -> dict:
+        """The family's batch at `size`: keyword arguments whose call returns an output with `.loss`."""
+        return (self.inputs or make_batch)(size, device)
 
 
 def _bert_config(size: Size, dropout: float):
@@ -124,12 +143,16 @@ def build(family: Family, size: Size, dropout: float, weights: dict | None = Non
     """A model from its config, in training mode, on the CPU: random weights drawn from
     MODEL_SEED, or `weights` (a state_dict) loaded over them. No cache by default: a training step
     needs no keys and values kept for generation, and a per-layer wrapper takes no Cache object."""
-    import transformers
-
-    config = family.config(size, dropout)
-    config.use_cache = use_cache
     torch.manual_seed(MODEL_SEED)
-    model = getattr(transformers, family.model_class)(config)
+    if family.construct is not None:
+        model = family.construct(size, dropout)
+    else:
+        import transformers
+
+        config = family.config(size, dropout)
+        config.use_cache = use_cache
+        torch.manual_seed(MODEL_SEED)
+        model = getattr(transformers, family.model_class)(config)
     if getattr(model, "loss_type", "") is None:
         # GPT2LMHeadModel's name gives transformers no loss type: its `loss_function` then warns once
         # through an lru_cache'd logger, where Dynamo breaks the graph between the head and the loss
@@ -158,7 +181,16 @@ def fresh(template: nn.Module, device: torch.device) -> nn.Module:
 
 
 def layer_list(model: nn.Module, family: Family) -> nn.ModuleList:
-    return operator.attrgetter(family.layers)(model)
+    """The family's (first) list of layers."""
+    return layer_lists(model, family)[0]
+
+
+def layer_lists(model: nn.Module, family: Family) -> list[nn.ModuleList]:
+    """Every list of layers the per-layer modes wrap (an encoder-decoder's two)."""
+    if not family.layer_paths:
+        raise ValueError(f"{family.name} has no list of layers to wrap one by one (Family.layers is None): "
+                         f"wrap the whole model instead")
+    return [operator.attrgetter(path)(model) for path in family.layer_paths]
 
 
 def make_batch(size: Size, device: torch.device) -> dict:
@@ -172,9 +204,9 @@ def make_batch(size: Size, device: torch.device) -> dict:
 def _each_layer(wrap: Callable[[nn.Module], nn.Module]) -> Callable[[nn.Module, Family], nn.Module]:
     """A mode that wraps every transformer layer in place and leaves the rest of the model eager."""
     def wrapper(model: nn.Module, family: Family) -> nn.Module:
-        layers = layer_list(model, family)
-        for index in range(len(layers)):
-            layers[index] = wrap(layers[index])
+        for layers in layer_lists(model, family):
+            for index in range(len(layers)):
+                layers[index] = wrap(layers[index])
         return model
     return wrapper
 
@@ -235,6 +267,9 @@ class Setup:
     tiny: bool
     settings: Settings
     use_cache: bool = False  # the models' config.use_cache
+    # Held around the warm-up, timed and memory steps (not the first step, which compiles): a lock
+    # that keeps processes sharing one GPU from timing at once (benchmarks.zoo's workers).
+    exclusive: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
     def autocast(self):
         if self.tiny:
@@ -361,14 +396,15 @@ def measure_speed(case: Case, mode: str) -> Row:
     first_step_s = time.perf_counter() - start
     compiled, compile_s = memfuse.stats(), memfuse.compile_times()
     model.zero_grad(set_to_none=False)  # the gradients stay allocated: part of the model's own memory
-    for _ in range(setup.settings.warmup_steps):
-        train_step(wrapped, batch, setup)
-    samples = step_seconds(lambda: train_step(wrapped, batch, setup), setup.settings.timed_steps, setup)
-    steps = setup.settings.warmup_steps + setup.settings.timed_steps
-    peak = kept = None
-    if setup.device.type == "cuda":
-        peak, kept = step_memory(wrapped, batch, setup)
-        steps += 1
+    with setup.exclusive():
+        for _ in range(setup.settings.warmup_steps):
+            train_step(wrapped, batch, setup)
+        samples = step_seconds(lambda: train_step(wrapped, batch, setup), setup.settings.timed_steps, setup)
+        steps = setup.settings.warmup_steps + setup.settings.timed_steps
+        peak = kept = None
+        if setup.device.type == "cuda":
+            peak, kept = step_memory(wrapped, batch, setup)
+            steps += 1
     return Row(case.family.name, mode, first_step_s=first_step_s, step_s=statistics.median(samples),
                step_samples_s=tuple(samples), peak_bytes=peak, kept_bytes=kept, memfuse_compile=compiled,
                memfuse_compile_s=compile_s,
@@ -457,22 +493,37 @@ def run_mode(case: Case, mode: str, reference: StepResult | None) -> Row:
     return row
 
 
-def run_model(family: Family, modes: tuple[str, ...], setup: Setup) -> dict:
-    """Every mode on the same weights and tokens; the model's part of the JSON."""
+def prepare(family: Family, setup: Setup) -> tuple[Case, StepResult | None]:
+    """The model's case (originals, batch) and eager's dropout-free step (None where it failed)."""
     size = family.tiny if setup.tiny else family.size
     templates = Templates.build(family, size, setup.use_cache)
-    case = Case(family, setup, templates, make_batch(size, setup.device))
-    reference = None
+    case = Case(family, setup, templates, family.make_batch(size, setup.device))
     try:
-        reference = dropout_free_step(case, "eager")
+        return case, dropout_free_step(case, "eager")
     except Exception as error:  # every row's check says so
         _error_text(error)
+        return case, None
+
+
+def describe(case: Case) -> dict:
+    """The model's part of the JSON but its rows."""
+    config = getattr(case.templates.dropout, "config", None)  # a constructed model may have none
+    size = case.family.tiny if case.setup.tiny else case.family.size
+    return {"model": case.family.name, "class": case.family.model_class, "size": dataclasses.asdict(size),
+            "dropout": DROPOUT, "use_cache": getattr(config, "use_cache", None),
+            "attention": getattr(config, "_attn_implementation", None),
+            "parameters": sum(p.numel() for p in case.templates.dropout.parameters())}
+
+
+def row_json(row: Row) -> dict:
+    return {**dataclasses.asdict(row), "it_s": row.it_s}
+
+
+def run_model(family: Family, modes: tuple[str, ...], setup: Setup) -> dict:
+    """Every mode on the same weights and tokens; the model's part of the JSON."""
+    case, reference = prepare(family, setup)
     rows = [run_mode(case, mode, reference) for mode in modes]
-    config = templates.dropout.config
-    return {"model": family.name, "class": family.model_class, "size": dataclasses.asdict(size),
-            "dropout": DROPOUT, "use_cache": config.use_cache, "attention": config._attn_implementation,
-            "parameters": sum(p.numel() for p in templates.dropout.parameters()),
-            "rows": [{**dataclasses.asdict(r), "it_s": r.it_s} for r in rows]}
+    return {**describe(case), "rows": [row_json(r) for r in rows]}
 
 
 # -- metadata, files ------------------------------------------------------------------------------
