@@ -15,8 +15,10 @@ A call memfuse cannot compile runs the original function through torch, op by op
 the decision, its reason and the way out, logged once on the `fallbacks` topic, counted in
 `stats()["eager_calls"]`; strict mode raises instead): an argument it cannot trace (an object the
 call may mutate, such as a KV cache), a functorch transform around the call, or a compile that
-failed (a trace that branches on a tensor's value, a function writing into its input, ...); the
-last is decided once per compile key. An error the original raises then is the user's, as in eager.
+failed (a function writing into its input, ...); the last is decided once per compile key. An
+error the original raises then is the user's, as in eager. A trace that stops where the function
+reads a tensor's value (`if t.any():`, `.item()`) runs the key through torch.compile with memfuse's
+backend instead, split at the read (fronts.split).
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ from memfuse.driver.fallback import (STRICT, EagerCall, StrictModeError, say_onc
                     under_transform, untraceable_argument)
 from memfuse.fronts.cuda_graphs import GraphedFunction
 from memfuse.fronts.outputs import CONSTANT_TYPES, key_path, output_tensors
+from memfuse.fronts.split import VALUE_READS, SplitCall, split_call, through_backend
 from memfuse.runtime.function import CompiledFunction
 from memfuse.runtime.program import SIZE_FUNCTIONS
 
@@ -108,7 +111,10 @@ class FusedFunction:
 
     def run_eager(self, decision: "EagerCall", values: list):
         """Run fn as written on the bound values, op by op through torch: the call `decision` says
-        memfuse cannot compile. Logged once per reason; an error in strict mode."""
+        memfuse cannot compile. Logged once per reason; an error in strict mode. A call whose trace
+        read a tensor's value runs through torch.compile instead (SplitCall, fronts.split)."""
+        if isinstance(decision, SplitCall):
+            return decision(values)
         if self.config.strict:
             raise StrictModeError(f"{decision}{STRICT}")
         say_once(decision)
@@ -326,15 +332,21 @@ class FusedFunction:
         """The compiled program (memfuse.driver.compile), or where compiling fails the decision to
         run this key through torch."""
         rebuilds = []                  # how the trace's output is rebuilt from its tensors
-        compiled = compile_or_decide(self._source(flat, key, rebuilds), self.config)
+        reads = []                     # reads of a tensor's value that stopped the trace (fronts.split)
+        compiled = compile_or_decide(self._source(flat, key, rebuilds, reads), self.config)
         if isinstance(compiled, EagerCall):
-            return compiled
+            if not reads:
+                return compiled
+            split = getattr(self.fn, "split_runner", None)     # a module's (module._ModuleCall)
+            return split_call(self._name(), reads[0],
+                              split(self.config) if split else through_backend(self._call, self.config))
         return _CacheEntry(compiled.function, rebuilds[0], flat.tree, compiled.captured, compiled.plan,
                            input_names=compiled.input_names)
 
-    def _source(self, flat: "_Flat", key: tuple, rebuilds: list) -> TracedFunction:
+    def _source(self, flat: "_Flat", key: tuple, rebuilds: list, reads: list) -> TracedFunction:
         """What the driver traces: fn on the call's tensors, the other leaves as constants, its
-        output's tensors returned and how to rebuild the output from them appended to `rebuilds`."""
+        output's tensors returned and how to rebuild the output from them appended to `rebuilds`;
+        where fn reads a tensor's value, the error that stops the trace appended to `reads`."""
         positions = [i for i, v in enumerate(flat.leaves) if isinstance(v, torch.Tensor)]
         tensors = [flat.leaves[i] for i in positions]
         # a mask the backend's graph built from sizes and marked (memfuse.patterns.attention): built here again
@@ -344,7 +356,12 @@ class FusedFunction:
             leaves = list(flat.leaves)
             for i, t in zip(positions, tensor_args):
                 leaves[i] = mask_like(t, marks[i]) if marks[i] else t
-            outputs, rebuild = output_tensors(self._call(flat.values(leaves)), self._name())
+            try:
+                out = self._call(flat.values(leaves))
+            except VALUE_READS as read:
+                reads.append(read)
+                raise
+            outputs, rebuild = output_tensors(out, self._name())
             rebuilds.append(rebuild)
             return outputs
 
