@@ -66,8 +66,8 @@ def split_call(name: str, read: Exception, run: Callable) -> SplitCall:
     message = (str(read).strip().splitlines() or [""])[0]
     return SplitCall(name, f"its trace stopped at {_user_frame(read)}: {type(read).__name__}: {message}",
                      "move the read out of the function or make it a Python number, for one memfuse program "
-                     "(transformers' layer drop: set the probability to 0 and upgrade transformers, which reads "
-                     "the draw only when it is above 0)", run=run)
+                     "(transformers' layer drop draws even at probability 0 up to 5.17; 5.24 draws only above 0)",
+                     run=run)
 
 
 def _user_frame(error: Exception) -> str:
