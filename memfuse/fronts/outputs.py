@@ -4,7 +4,8 @@ template that rebuilds the output from them on every call.
 An output is a tensor, or a pytree (tuple, list, dict, namedtuple, registered dataclass or node,
 such as a HuggingFace ModelOutput) whose leaves are tensors, constants, and *records*: objects of
 plain Python classes (with a `__dict__`) whose attributes hold tensors, constants, pytrees and
-records again. A HuggingFace model called with `use_cache` on (its default, in training too)
+records again (an object with `__slots__` beside its `__dict__` is no record: `vars` misses the
+slots). A HuggingFace model called with `use_cache` on (its default, in training too)
 returns one: its KV cache (a DynamicCache holding a list of layers, each holding keys and values).
 
 A record is rebuilt on every call as a new object of its class (`cls.__new__`, no `__init__`
@@ -144,7 +145,7 @@ class _Flattener:
         if isinstance(value, torch.Size):
             return _Tree(tree_flatten(tuple(value))[1], tuple(self.template(v, f"{path}[{i}]")
                                                               for i, v in enumerate(value)))
-        if hasattr(value, "__dict__") and not isinstance(value, type):
+        if hasattr(value, "__dict__") and not _slots(type(value)):
             return self._record(value, path)
         raise UntraceableOutputError(f"{self.name} returns a {type(value).__name__} at output{path}")
 
@@ -188,6 +189,11 @@ class _Flattener:
             kind = size.kind
             size.read = lambda tensors, value=value, dims=dims, kind=kind: \
                 kind(value(*(tensors[i].shape[d] for i, d in dims)))
+
+
+def _slots(cls: type) -> list:
+    """The attribute slots a class declares beside its `__dict__` (values vars() does not show)."""
+    return [name for c in cls.__mro__ for name in getattr(c, "__slots__", ()) if name not in ("__dict__", "__weakref__")]
 
 
 def _replaced(node) -> sympy.Expr:
