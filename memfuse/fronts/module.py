@@ -187,11 +187,16 @@ class _ModuleCall:
     def split_runner(self, config: Config) -> Callable:
         """(the values this call takes) -> the output: the module itself through torch.compile with
         memfuse's backend, where memfuse's trace stopped at a read of a tensor's value (fronts.split).
-        The module, not functional_call: the values' parameters and buffers are its own, and Dynamo
-        is free to break the graph inside its forward. Autocast as the call's, outside the compiled
+        The module's own call, not functional_call: the values' parameters and buffers are its own,
+        and Dynamo is free to break the graph inside its forward. Autocast as the call's, outside the compiled
         frames."""
-        key = self.key
-        compiled = through_backend(self.module, config)
+        key, module = self.key, self.module
+
+        def call_module(*args, **kwargs):
+            return module(*args, **kwargs)
+        # a function around the module: torch.compile of a module marks the module itself
+        # (`_is_torch_compile`), a new attribute that would make the next call walk the tree again
+        compiled = through_backend(call_module, config)
         device_type, enabled, dtype = key.autocast
 
         def run(values: list):

@@ -56,8 +56,15 @@ class SplitCall(EagerCall):
 
 
 def through_backend(target: Callable, config: Config) -> Callable:
-    """`torch.compile(target)` with memfuse's backend and this config."""
-    return torch.compile(target, backend=functools.partial(memfuse_backend, config=config))
+    """`torch.compile(target)` with memfuse's backend and this config: one backend object per
+    config, since Dynamo runs its compiled code only under the backend it was compiled for (a
+    second torch.compile of the same forward, for another compile key, reuses its graphs)."""
+    return torch.compile(target, backend=_backend(config))
+
+
+@functools.lru_cache(maxsize=None)
+def _backend(config: Config) -> Callable:
+    return functools.partial(memfuse_backend, config=config)
 
 
 def split_call(name: str, read: Exception, run: Callable) -> SplitCall:

@@ -63,6 +63,7 @@ def test_a_module_whose_forward_reads_a_random_draw_compiles_split_at_the_read(c
     compiles = stats["compiles"]
     fused(x)
     assert memfuse.stats()["compiles"] == compiles, "the next call runs the same graphs"
+    assert len(fused._memfuse_calls) == 1, "the split left the module tree as it was: no new call key, no retrace"
     said = [r.getMessage() for r in caplog.records if r.name == "memfuse.fallbacks"]
     assert len(said) == 1 and "LayerDrop runs through torch.compile with the memfuse backend, split where it " \
                               "reads a tensor's value: its trace stopped at test_split.py:" in said[0], said
