@@ -62,7 +62,8 @@ class StrictModeError(NotImplementedError):
 
 
 class UntraceableOutputError(TypeError):
-    """fn returns something other than a tensor or a pytree of tensors and constants."""
+    """fn returns something memfuse.fronts.outputs cannot rebuild: no tensor, an object it cannot see
+    into (no `__dict__`), a symbolic size no returned tensor carries."""
 
 
 @dataclass(frozen=True)
@@ -91,8 +92,8 @@ WAYS_OUT = (
      "write results to new tensors instead of into an argument (x = x * 2, not x.mul_(2)), or leave that "
      "module unfused (a module's buffers written in place are written back after the call)"),
     ((UntraceableOutputError,),
-     f"return a tensor, or a pytree (tuple, list, dict, dataclass) of tensors and constants ({CONSTANT_NAMES}) "
-     f"holding at least one tensor (a HuggingFace model returns its KV cache unless use_cache=False)"),
+     f"return a tensor, or a pytree (tuple, list, dict, dataclass) of tensors, constants ({CONSTANT_NAMES}) and "
+     f"objects whose attributes hold them (memfuse.fronts.outputs), with at least one tensor"),
     ((Exception,), "MEMFUSE_STRICT=1 raises the error with its traceback; if the original runs in eager, "
                    "this is memfuse's limit: please report it"),
 )

@@ -15,10 +15,12 @@ A call memfuse cannot compile runs the original function through torch, op by op
 the decision, its reason and the way out, logged once on the `fallbacks` topic, counted in
 `stats()["eager_calls"]`; strict mode raises instead): an argument it cannot trace (an object the
 call may mutate, such as a KV cache), a functorch transform around the call, or a compile that
-failed (a trace that branches on a tensor's value, a function writing into its input, ...); the
-last is decided once per compile key, and so is a compiled program whose first run fails, forward
-or backward (memfuse.driver.fallback: the first run's rules). Tensor arguments on two devices run
-the call through torch too. An error the original raises then is the user's, as in eager.
+failed (a function writing into its input, ...); the last is decided once per compile key, and
+so is a compiled program whose first run fails, forward or backward (memfuse.driver.fallback: the
+first run's rules). Tensor arguments on two devices run the call through torch too. An error the
+original raises then is the user's, as in eager. A trace that stops where the function reads a
+tensor's value (`if t.any():`, `.item()`) runs the key through torch.compile with memfuse's
+backend instead, split at the read (fronts.split).
 """
 from __future__ import annotations
 
@@ -27,12 +29,11 @@ import dataclasses
 import functools
 import inspect
 import logging
-import operator
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import sympy
 import torch
-from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from memfuse.patterns.attention import mask_like, marked_form
 from memfuse.base import torch_private
@@ -40,17 +41,18 @@ from memfuse.base.config import Config
 from memfuse.base.source import Lines
 from memfuse.base.debug import STATS, describe_key_change, topic_log
 from memfuse.driver.compile import TracedFunction, compile_or_decide
-from memfuse.driver.fallback import (STRICT, EagerCall, StrictModeError, UntraceableOutputError,
-                                     count_first_run_fallback, first_run_failed, mixed_devices, say_once,
-                                     under_transform, untraceable_argument)
+from memfuse.driver.fallback import (STRICT, EagerCall, StrictModeError, count_first_run_fallback,
+                                     first_run_failed, mixed_devices, say_once, under_transform,
+                                     untraceable_argument)
 from memfuse.fronts.cuda_graphs import GraphedFunction
+from memfuse.fronts.outputs import CONSTANT_TYPES, key_path, output_tensors
+from memfuse.fronts.split import VALUE_READS, SplitCall, split_call, through_backend
 from memfuse.ir.captured import Retrace
 from memfuse.runtime.function import CompiledFunction
 from memfuse.runtime.program import SIZE_FUNCTIONS
 
 cache_log = topic_log("cache")
 recompile_log = topic_log("recompiles")
-CONSTANT_TYPES = (bool, int, float, type(None), str, torch.dtype)
 LEAF_TYPES = (torch.Tensor, *CONSTANT_TYPES)   # what a traced argument or output is made of
 EXACT_CACHE_SIZE = 4096   # distinct exact argument shapes remembered in the front cache
 
@@ -160,7 +162,10 @@ class FusedFunction:
 
     def run_eager(self, decision: "EagerCall", values: list):
         """Run fn as written on the bound values, op by op through torch: the call `decision` says
-        memfuse cannot compile. Logged once per reason; an error in strict mode and compile-only."""
+        memfuse cannot compile. Logged once per reason; an error in strict mode and compile-only. A
+        call whose trace read a tensor's value runs through torch.compile instead (SplitCall, fronts.split)."""
+        if isinstance(decision, SplitCall):
+            return decision(values)
         if self.config.strict or self.config.compile_only:
             raise StrictModeError(f"{decision}{STRICT}")
         say_once(decision)
@@ -382,22 +387,28 @@ class FusedFunction:
         run this key through torch."""
         while True:
             rebuilds = []              # how the trace's output is rebuilt from its tensors
+            reads = []                 # reads of a tensor's value that stopped the trace (fronts.split)
             try:
-                compiled = compile_or_decide(self._source(flat, key, rebuilds), self.config)
+                compiled = compile_or_decide(self._source(flat, key, rebuilds, reads), self.config)
                 break
             except Retrace:            # the function returns more now (module.py: buffers written in place)
                 continue
         if isinstance(compiled, EagerCall):
-            return compiled
+            if not reads:
+                return compiled
+            split = getattr(self.fn, "split_runner", None)     # a module's (module._ModuleCall)
+            return split_call(self._name(), reads[0],
+                              split(self.config) if split else through_backend(self._call, self.config))
         entry = _CacheEntry(compiled.function, rebuilds[0], flat.tree, compiled.captured, compiled.plan,
                             input_names=compiled.input_names)
         compiled.function.backward_through_torch = functools.partial(
             self._backward_through_torch, entry, _under_autocast_of(compiled.traced, key))
         return entry
 
-    def _source(self, flat: "_Flat", key: tuple, rebuilds: list) -> TracedFunction:
+    def _source(self, flat: "_Flat", key: tuple, rebuilds: list, reads: list) -> TracedFunction:
         """What the driver traces: fn on the call's tensors, the other leaves as constants, its
-        output's tensors returned and how to rebuild the output from them appended to `rebuilds`."""
+        output's tensors returned and how to rebuild the output from them appended to `rebuilds`;
+        where fn reads a tensor's value, the error that stops the trace appended to `reads`."""
         positions = [i for i, v in enumerate(flat.leaves) if isinstance(v, torch.Tensor)]
         tensors = [flat.leaves[i] for i in positions]
         # a mask the backend's graph built from sizes and marked (memfuse.patterns.attention): built here again
@@ -410,8 +421,12 @@ class FusedFunction:
             leaves = list(template)
             for i, t in zip(positions, tensor_args):
                 leaves[i] = mask_like(t, marks[i]) if marks[i] else t
-            outputs, rebuild = _output_tensors(self._call(leaves if tree is None else tree_unflatten(leaves, tree)),
-                                               self._name())
+            try:
+                out = self._call(leaves if tree is None else tree_unflatten(leaves, tree))
+            except VALUE_READS as read:
+                reads.append(read)
+                raise
+            outputs, rebuild = output_tensors(out, self._name())
             rebuilds.append(rebuild)
             return outputs
 
@@ -653,42 +668,7 @@ def _leaf_path(tree: Optional[TreeSpec], position: int) -> tuple:
         return position, ""
     arguments = [tree_flatten(value) for value in tree_unflatten(list(range(tree.num_leaves)), tree)]
     argument, (numbers, spec) = next((i, a) for i, a in enumerate(arguments) if position in a[0])
-    return argument, _key_path(spec, numbers.index(position))
-
-
-def _key_path(tree: TreeSpec, index: int) -> str:
-    """The path of leaf `index` in a pytree of this structure, as pytree's keystr writes it."""
-    try:
-        return keystr(tree_flatten_with_path(tree_unflatten(list(range(tree.num_leaves)), tree))[0][index][0])
-    except ValueError:   # a node registered without key paths (flatten_with_keys_fn)
-        return f"<leaf {index}>"
-
-
-def _output_tensors(out: Any, name: str) -> tuple:
-    """(the tensors of fn's output, in order; the function rebuilding the output from them). The
-    output is a tensor or a pytree of tensors and constants with at least one tensor."""
-    if isinstance(out, torch.Tensor):
-        return (out,), _first
-    leaves, tree = tree_flatten(out)
-    for index, leaf in enumerate(leaves):
-        if not isinstance(leaf, LEAF_TYPES):
-            raise UntraceableOutputError(f"{name} returns a {type(leaf).__name__} at output{_key_path(tree, index)}")
-    tensors = tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
-    if not tensors:
-        raise UntraceableOutputError(f"{name} returns no tensor (a {type(out).__name__}): nothing to compile")
-    if type(out) is tuple and len(tensors) == len(out):
-        return tensors, tuple
-    template = [_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-    return tensors, functools.partial(_rebuild, tree, template)
-
-
-def _rebuild(tree: TreeSpec, template: list, tensors) -> Any:
-    it = iter(tensors)
-    return tree_unflatten([next(it) if leaf is _TENSOR else leaf for leaf in template], tree)
-
-
-_first = operator.itemgetter(0)
-_TENSOR = object()   # a tensor's slot among an output's constant leaves
+    return argument, key_path(spec, numbers.index(position))
 
 
 class _MixedDevices(Exception):
@@ -714,7 +694,7 @@ class _CacheEntry:
     def __init__(self, function: CompiledFunction, rebuild: Callable, tree: Optional[TreeSpec], captured, plan,
                  input_names=None):
         self.function = function
-        self.rebuild = rebuild                 # the program's output tensors -> fn's output (_output_tensors)
+        self.rebuild = rebuild                 # the program's output tensors -> fn's output (outputs.output_tensors)
         self.tree = tree                       # the arguments' structure, None for a flat call
         self.captured = captured
         self.plan = plan

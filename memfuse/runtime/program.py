@@ -122,11 +122,11 @@ class _ProgramWriter:
         self.graph = program.graph
         self.sizes = {s: sympy.Symbol(f"mf_s{i}") for i, s in enumerate(program.symbols)}
         self.printed: dict = {}      # size expression -> its Python text (`expr`)
-        # (the math that _SIZE_PRINTER writes: floor(s0/2) for a view(2, -1, D))
+        # (the math that _SIZE_PRINTER writes: mf_floor(mf_s0/2) for a view(2, -1, D))
         self.namespace: dict = {"mf_allocators": _ALLOCATORS, "mf_allocator": _allocator, "mf_STATS": STATS,
                                 "mf_reinterpret": _reinterpret, "mf_check_view": _check_view, "torch": torch,
                                 "mf_in_layout": _in_layout,
-                                "floor": math.floor, "ceil": math.ceil, "copysign": math.copysign}
+                                "mf_floor": math.floor, "mf_ceil": math.ceil, "mf_copysign": math.copysign}
         self.out = Lines()
         self.plan = program.buffers
         # values memfuse allocates (aligned, contiguous)
@@ -446,7 +446,16 @@ TENSOR_METHODS = {
 }
 
 
-_SIZE_PRINTER = LambdaPrinter({"allow_unknown_functions": True, "fully_qualified_modules": False, "inline": True})
+class _SizePrinter(LambdaPrinter):
+    """Size expressions as Python calling the math functions the program binds under `mf_` names
+    (`mf_floor(mf_s0/2)`): a value of the program may have a math function's name (an aten.floor
+    node is `floor`), and a local of that name would shadow the function in the whole program."""
+
+    def _module_format(self, fqn: str, register: bool = True) -> str:
+        return "mf_" + super()._module_format(fqn, register)
+
+
+_SIZE_PRINTER = _SizePrinter({"allow_unknown_functions": True, "fully_qualified_modules": False, "inline": True})
 
 
 _ALLOCATORS: dict = {}   # device -> (sizes, strides, dtype) -> an uninitialized tensor there
