@@ -605,8 +605,8 @@ def how_made(results: list[dict]) -> str:
     dropouts = sorted({r.get("dropout") for r in results if r.get("dropout") is not None})
     on_first = [r["model"] for r in results if r.get("timed_model_is_checked")]
     settings = results[0]["metadata"].get("settings") or {}
-    return (f"Timed steps ({settings.get('warmup_steps', '?')} warm-up, {settings.get('timed_steps', '?')} timed, "
-            f"CUDA events): one family at a time, every other family's process paused; `1st step s`: wrap and "
+    return (f"Timed steps ({settings.get('warmup_steps', '?')} warm-up, {settings.get('timed_steps', '?')} timed): "
+            f"one family at a time, every other family's process paused; `1st step s`: wrap and "
             f"compile beside the other families' compiles, `(cached)` where every compile-cache lookup hit. "
             f"Timed models' dropout: {', '.join(f'{d:g}' for d in dropouts) or '?'}. Loss and gradients: a "
             f"dropout-free step against eager's, the timed model's own first step for {len(on_first)} of "

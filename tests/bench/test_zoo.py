@@ -224,3 +224,11 @@ def test_compile_cache_lookups_say_whether_every_one_hit(monkeypatch):
     assert hf_models.compile_cache({**stats, "kernels_loaded": 5}, setup)[0]["memfuse_binaries_compiled"] == 1
     monkeypatch.setattr(torch._dynamo.utils, "counters", fresh_counters())
     assert hf_models.compile_cache({}, setup)[1] is None
+
+
+def test_the_report_says_how_its_timings_and_checks_were_made():
+    results = [{"model": "llama", "dropout": 0.1, "timed_model_is_checked": True, "metadata": {"settings": {}}},
+               {"model": "gpt2", "dropout": 0.1, "timed_model_is_checked": False, "metadata": {}}]
+    text = zoo.how_made(results)
+    assert "every other family's process paused" in text and "first step for 1 of 2 families" in text
+    assert "dropout: 0.1" in text
