@@ -13,14 +13,13 @@ through torch with their reasons (memfuse's `fallbacks` log, memfuse.stats()).
 
 How the run is made, and why its timings are clean. --jobs worker processes, one fresh process per
 family (an OOM or a hang leaves nothing behind; --timeout ends a family's process), compile in
-parallel: compiles are most of the cost (tens of seconds per family and mode, against a second of
-timed steps). A worker's warm-up, timed and memory steps run in a timing slot (TimingSlot): it takes
+parallel: compiles are most of the cost, the timed steps a small part. A worker's warm-up, timed and memory steps run in a timing slot (TimingSlot): it takes
 a file lock and PAUSES every other worker (SIGSTOP to its process group: the worker, inductor's
 compile subprocesses, Triton's compiler), waits GPU_SETTLE_S for their already queued kernels, times,
 then continues them (SIGCONT). A lock alone is not enough: the others' compiles (host) and first
 steps and checks (GPU) ran beside the timed steps and slowed host-bound modes at random (the first
-H200 run: one architecture at 0.47x in one mode and 0.94x in the other). A serial measure phase
-after a parallel warm phase would time cleanly too, but every compile's tracing (Dynamo's, memfuse's
+H200 run: models of one architecture fast in one memfuse mode and slow in the other). A serial
+measure phase after a parallel warm phase would time cleanly too, but every compile's tracing (Dynamo's, memfuse's
 capture and plan) runs again in it, uncached, for every family one at a time: more than the run's
 budget. With pausing, the serial part is only the timed steps themselves. The parent registers a
 worker (<out>/zoo-workers/<process group>) under the lock before it runs, and on its exit unregisters
