@@ -95,7 +95,7 @@ GPU_SETTLE_S = 0.2
 # The longest a timing slot keeps the other workers paused: past it (a timed step that hangs, or
 # waits on a lock a paused worker holds) they run again and the mode's row says its timing was not
 # exclusive, rather than the whole zoo waiting for one family's --timeout.
-SLOT_LIMIT_S = 120.0
+SLOT_LIMIT_S = 60.0
 POLL_S = 0.2  # how often the parent looks whether a worker has exited
 
 
@@ -182,6 +182,15 @@ def registered_workers(out_dir: Path) -> list[int]:
     return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit()) if folder.is_dir() else []
 
 
+def is_worker(pgid: int) -> bool:
+    """Whether the process leading group `pgid` is a zoo worker (its command line has --worker): a
+    stale registration (a killed command's) never pauses a process that reused its id."""
+    try:
+        return b"--worker" in Path(f"/proc/{pgid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+
+
 def signal_groups(pgids: list[int], signum: int) -> list[int]:
     """Send `signum` to each process group; the groups it reached (one that has exited is skipped)."""
     reached = []
@@ -209,7 +218,8 @@ class TimingSlot:
     def hold(self):
         with timing_lock(self.out_dir / LOCK_NAME):
             own = os.getpgid(0)
-            paused = signal_groups([g for g in registered_workers(self.out_dir) if g != own], signal.SIGSTOP)
+            others = [g for g in registered_workers(self.out_dir) if g != own and is_worker(g)]
+            paused = signal_groups(others, signal.SIGSTOP)
             watchdog = threading.Timer(self.limit_s, self._overrun, (paused,))
             watchdog.daemon = True
             start = time.perf_counter()

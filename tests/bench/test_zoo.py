@@ -68,8 +68,10 @@ def _becomes(pid: int, stopped: bool) -> bool:
 
 @pytest.fixture
 def other_worker(tmp_path):
-    """A sleeping process in a session of its own, registered as a worker of tmp_path's run."""
-    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    """A sleeping stand-in for a worker (--worker on its command line), in a session of its own,
+    registered in tmp_path's run."""
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "--worker", "stand-in"],
+                               start_new_session=True)
     zoo.register_worker(tmp_path, process.pid)
     yield process.pid
     os.killpg(process.pid, signal.SIGKILL)
@@ -85,6 +87,20 @@ def test_a_timing_slot_pauses_the_other_workers_and_continues_them(tmp_path, oth
     assert _becomes(other_worker, stopped=False)
     assert slot.report()["slot_holds"] == 1 and slot.report()["workers_paused_most"] == 1
     assert slot.overruns == 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_slot_pauses_no_process_but_a_workers(tmp_path):
+    """A registration left by a killed command whose id another process took: never paused."""
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        zoo.register_worker(tmp_path, process.pid)
+        with zoo.TimingSlot(tmp_path, settle_s=0.0).hold():
+            time.sleep(0.1)
+            assert _state(process.pid) != "T"
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
