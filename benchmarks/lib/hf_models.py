@@ -285,8 +285,9 @@ class Setup:
     settings: Settings
     use_cache: bool = False  # the models' config.use_cache
     dropout: float = DROPOUT  # the timed models' dropout (0: the timed model is the checked one)
-    # Held around the warm-up, timed and memory steps (not the first step, which compiles): a lock
-    # that keeps processes sharing one GPU from timing at once (benchmarks.zoo's workers).
+    # Held around the warm-up, timed and memory steps (not the first step, which compiles): what
+    # keeps processes sharing one host and GPU off the timed steps (benchmarks.zoo's TimingSlot:
+    # a lock, the other workers paused).
     exclusive: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
     def autocast(self):
