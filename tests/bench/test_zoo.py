@@ -208,6 +208,7 @@ def test_dropout_free_families_share_one_template():
     assert hf_models.Templates.build(llama, llama.tiny, use_cache=False).shared
     assert not hf_models.Templates.build(gpt2, gpt2.tiny, use_cache=False).shared
     assert hf_models.Templates.build(gpt2, gpt2.tiny, use_cache=False, dropout=0.0).shared
+    assert hf_models.Templates.build(llama, llama.tiny, use_cache=False, dropout=0.3).shared  # any --dropout
 
 
 @pytest.mark.parametrize("name, checked_on", [("llama", hf_models.CHECKED_ON_FIRST_STEP),
