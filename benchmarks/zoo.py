@@ -353,6 +353,9 @@ def spawn(name: str, args: argparse.Namespace, modes: tuple[str, ...], tiny: boo
             if rc is None:
                 os.killpg(process.pid, signal.SIGKILL)  # its own session: the worker and its compile workers
                 _exited(process, None)
+        except BaseException:  # interrupted (Ctrl-C): the worker does not outlive the command
+            signal_groups([process.pid], signal.SIGKILL)
+            raise
         finally:
             finish_worker(args.out, process)
     path = json_path(args.out, name, tiny)
