@@ -13,20 +13,21 @@ through torch with their reasons (memfuse's `fallbacks` log, memfuse.stats()).
 
 How the run is made, and why its timings are clean. --jobs worker processes, one fresh process per
 family (an OOM or a hang leaves nothing behind; --timeout ends a family's process), compile in
-parallel: compiles are most of the cost, the timed steps a small part. A worker's warm-up, timed and memory steps run in a timing slot (TimingSlot): it takes
-a file lock and PAUSES every other worker (SIGSTOP to its process group: the worker, inductor's
-compile subprocesses, Triton's compiler), waits GPU_SETTLE_S for their already queued kernels, times,
-then continues them (SIGCONT). A lock alone is not enough: the others' compiles (host) and first
-steps and checks (GPU) ran beside the timed steps and slowed host-bound modes at random (the first
-H200 run: models of one architecture fast in one memfuse mode and slow in the other). A serial
-measure phase after a parallel warm phase would time cleanly too, but every compile's tracing (Dynamo's, memfuse's
-capture and plan) runs again in it, uncached, for every family one at a time: more than the run's
-budget. With pausing, the serial part is only the timed steps themselves. The parent registers a
-worker (<out>/zoo-workers/<process group>) under the lock before it runs, and on its exit unregisters
-it and continues every worker under the lock (one that died holding a slot left them paused); a slot
+parallel: compiles are most of the cost, the timed steps a small part. A worker's warm-up, timed and
+memory steps run in a timing slot (TimingSlot): it takes a file lock and PAUSES every other worker
+(SIGSTOP to its process group: the worker, inductor's compile subprocesses, Triton's compiler),
+waits GPU_SETTLE_S for their already queued kernels, times, then continues them (SIGCONT). A lock
+alone is not enough: the others' compiles (host) and first steps and checks (GPU) ran beside the
+timed steps and slowed host-bound modes at random (the first H200 run: models of one architecture
+fast in one memfuse mode and slow in the other). A serial measure phase after a parallel warm phase
+would time cleanly too, but every compile's tracing (Dynamo's, memfuse's capture and plan) runs
+again in it, uncached, for every family one at a time: more than the run's budget. With pausing, the
+serial part is only the timed steps themselves. The parent registers a worker
+(<out>/zoo-workers/<process group>) under the lock before it runs, and on its exit unregisters it
+and continues every worker under the lock (one that died holding a slot left them paused); a slot
 held past SLOT_LIMIT_S continues the others and marks its row's timing not exclusive, so one hung
-family never stops the zoo. What stays shared: the first step's time (`1st step s`: compile under the
-other families' compiles) and the GPU's memory (the paused workers keep theirs).
+family never stops the zoo. What stays shared: the first step's time (`1st step s`: compile under
+the other families' compiles) and the GPU's memory (the paused workers keep theirs).
 
 The workers share on-disk compile caches (--compile-cache, default <out>/zoo-cache): inductor's FX
 graph and AOTAutograd caches, Triton's, memfuse's kernels and binary index. A family whose kernels
