@@ -160,9 +160,18 @@ def timing_lock(path: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def _start_time(pid: int) -> str | None:
+    """When the process started (clock ticks after boot, /proc/<pid>/stat's 22nd field; None: gone):
+    with its id, it names one process, never a later one that reused the id."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
 def register_worker(out_dir: Path, pgid: int) -> None:
     (out_dir / WORKERS_DIR).mkdir(parents=True, exist_ok=True)
-    (out_dir / WORKERS_DIR / str(pgid)).touch()
+    (out_dir / WORKERS_DIR / str(pgid)).write_text(_start_time(pgid) or "")
 
 
 def unregister_worker(out_dir: Path, pgid: int) -> None:
@@ -171,25 +180,19 @@ def unregister_worker(out_dir: Path, pgid: int) -> None:
 
 def clear_workers(out_dir: Path) -> None:
     """Forget the workers an earlier command left registered (its parent was killed: they died with
-    it, _die_with_parent): their process group ids may name other processes now."""
-    for pgid in registered_workers(out_dir):
-        unregister_worker(out_dir, pgid)
+    it, _die_with_parent)."""
+    folder = out_dir / WORKERS_DIR
+    for path in folder.iterdir() if folder.is_dir() else ():
+        path.unlink(missing_ok=True)
 
 
 def registered_workers(out_dir: Path) -> list[int]:
     """The process groups of the running workers (each worker runs in a session of its own, with
-    its compile subprocesses)."""
+    its compile subprocesses): each registered group whose leader is the process registered, so a
+    stale registration (a killed command's) never names a process that reused its id."""
     folder = out_dir / WORKERS_DIR
-    return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit()) if folder.is_dir() else []
-
-
-def is_worker(pgid: int) -> bool:
-    """Whether the process leading group `pgid` is a zoo worker (its command line has --worker): a
-    stale registration (a killed command's) never pauses a process that reused its id."""
-    try:
-        return b"--worker" in Path(f"/proc/{pgid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return False
+    files = sorted(p for p in folder.iterdir() if p.name.isdigit()) if folder.is_dir() else []
+    return [int(p.name) for p in files if p.read_text() and p.read_text() == _start_time(int(p.name))]
 
 
 def signal_groups(pgids: list[int], signum: int) -> list[int]:
@@ -219,7 +222,7 @@ class TimingSlot:
     def hold(self):
         with timing_lock(self.out_dir / LOCK_NAME):
             own = os.getpgid(0)
-            others = [g for g in registered_workers(self.out_dir) if g != own and is_worker(g)]
+            others = [g for g in registered_workers(self.out_dir) if g != own]
             paused = signal_groups(others, signal.SIGSTOP)
             watchdog = threading.Timer(self.limit_s, self._overrun, (paused,))
             watchdog.daemon = True
@@ -618,9 +621,12 @@ def how_made(results: list[dict]) -> str:
     dropouts = sorted({r.get("dropout") for r in results if r.get("dropout") is not None})
     on_first = [r["model"] for r in results if r.get("timed_model_is_checked")]
     settings = results[0]["metadata"].get("settings") or {}
+    # a JSON from before the timing slots has no `run`: its timed steps held a lock, others ran beside them
+    paused = all("run" in r for r in results)
+    how = ("one family at a time, every other family's process paused" if paused else
+           "one family at a time under a lock, OTHER FAMILIES COMPILING BESIDE THEM (not clean)")
     return (f"Timed steps ({settings.get('warmup_steps', '?')} warm-up, {settings.get('timed_steps', '?')} timed): "
-            f"one family at a time, every other family's process paused; `1st step s`: wrap and "
-            f"compile beside the other families' compiles, `(cached)` where every compile-cache lookup hit. "
+            f"{how}; `1st step s`: wrap and compile beside the other families' compiles, `(cached)` where every compile-cache lookup hit. "
             f"Timed models' dropout: {', '.join(f'{d:g}' for d in dropouts) or '?'}. Loss and gradients: a "
             f"dropout-free step against eager's, the timed model's own first step for {len(on_first)} of "
             f"{len(results)} families (no dropout), a dropout-free copy's for the others.")

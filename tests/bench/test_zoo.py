@@ -68,10 +68,8 @@ def _becomes(pid: int, stopped: bool) -> bool:
 
 @pytest.fixture
 def other_worker(tmp_path):
-    """A sleeping stand-in for a worker (--worker on its command line), in a session of its own,
-    registered in tmp_path's run."""
-    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "--worker", "stand-in"],
-                               start_new_session=True)
+    """A sleeping stand-in for a worker, in a session of its own, registered in tmp_path's run."""
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
     zoo.register_worker(tmp_path, process.pid)
     yield process.pid
     os.killpg(process.pid, signal.SIGKILL)
@@ -95,6 +93,8 @@ def test_a_slot_pauses_no_process_but_a_workers(tmp_path):
     process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
     try:
         zoo.register_worker(tmp_path, process.pid)
+        (tmp_path / zoo.WORKERS_DIR / str(process.pid)).write_text("1")  # registered: a process started earlier
+        assert zoo.registered_workers(tmp_path) == []
         with zoo.TimingSlot(tmp_path, settle_s=0.0).hold():
             time.sleep(0.1)
             assert _state(process.pid) != "T"
@@ -244,8 +244,11 @@ def test_compile_cache_lookups_say_whether_every_one_hit(monkeypatch):
 
 
 def test_the_report_says_how_its_timings_and_checks_were_made():
-    results = [{"model": "llama", "dropout": 0.1, "timed_model_is_checked": True, "metadata": {"settings": {}}},
-               {"model": "gpt2", "dropout": 0.1, "timed_model_is_checked": False, "metadata": {}}]
+    results = [{"model": "llama", "dropout": 0.1, "timed_model_is_checked": True, "metadata": {"settings": {}},
+                "run": {"slot_holds": 4}},
+               {"model": "gpt2", "dropout": 0.1, "timed_model_is_checked": False, "metadata": {}, "run": None}]
     text = zoo.how_made(results)
     assert "every other family's process paused" in text and "first step for 1 of 2 families" in text
     assert "dropout: 0.1" in text
+    del results[0]["run"]  # a JSON from before the timing slots
+    assert "not clean" in zoo.how_made(results)
