@@ -184,7 +184,10 @@ def join_column_sums(graph: Graph, steps: list, in_readers: set, placed: list) -
         k, moved = earlier if earlier is not None else (later, [])
         target = steps[k]
         owned = set(lone.nodes) - set(lone.recomputed)
-        target.recomputed = sorted((set(target.recomputed) | set(lone.recomputed)) - owned - set(target.nodes),
+        theirs = set(target.nodes) - set(target.recomputed)
+        # what either computes again stays computed again, unless the other owns it (computes it
+        # into memory): the target's own recomputed values are no new outputs
+        target.recomputed = sorted((set(target.recomputed) | set(lone.recomputed)) - owned - theirs,
                                    key=position.__getitem__)
         target.nodes = sorted(set(target.nodes) | set(lone.nodes), key=position.__getitem__)
         target.space = target.space.join(lone.space)
