@@ -56,6 +56,40 @@ class CallKey:
     kwarg_names: tuple
 
 
+class BoundForward:
+    """`fused_module.forward`: calls the fused forward and shows the original forward's signature,
+    as wrappers do (`inspect.signature`: HuggingFace Trainer keeps only the dataset columns the
+    forward names). A plain object, not a closure: deepcopy and pickle copy it with its module."""
+
+    __name__ = "forward"
+
+    def __init__(self, module: "FusedModule"):
+        self.__self__ = module
+
+    def __call__(self, *args, **kwargs):
+        return self.__self__._fused_forward(*args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(self.__self__.original.forward)
+
+    @property
+    def __doc__(self) -> "str | None":
+        return self.__self__.original.forward.__doc__
+
+
+class ForwardWithSignature:
+    """The class attribute `FusedModule.forward`: binds a BoundForward to an instance on first
+    read and keeps it in the instance's __dict__, which later reads find first (no descriptor per
+    call). An assignment (`model.forward = ...`, as accelerate's autocast does) replaces it."""
+
+    def __get__(self, module, owner=None):
+        if module is None:
+            return self
+        bound = module.__dict__["forward"] = BoundForward(module)
+        return bound
+
+
 class FusedModule(nn.Module):
     """`memory_efficient_fusion(module)`: the same parameters, buffers and state_dict keys as
     `module`, a fused forward and backward. Read the original through `.original`."""
@@ -78,7 +112,7 @@ class FusedModule(nn.Module):
         return self.__dict__["_memfuse_original"]
 
     @torch.compiler.disable   # inside torch.compile: a graph break around the fused call
-    def forward(self, *args, **kwargs):
+    def _fused_forward(self, *args, **kwargs):
         call, values, device = self._call_for(args, kwargs)
         if call.key.autocast[1]:
             # The trace ran under autocast and holds its casts; the compiled steps must not be
@@ -86,6 +120,8 @@ class FusedModule(nn.Module):
             with torch.autocast(device.type, enabled=False):
                 return call.write_back(call.fused(*values), values)
         return call.write_back(call.fused(*values), values)
+
+    forward = ForwardWithSignature()
 
     def compiled_for(self, *args, **kwargs) -> "_CacheEntry | EagerCall":
         """The compiled program (cache entry) a call with these arguments runs, compiled if it is
@@ -146,6 +182,8 @@ class FusedModule(nn.Module):
         state = dict(self.__dict__)
         state["_memfuse_calls"] = {}     # compiled programs are rebuilt on first use, never copied
         state["_memfuse_watch"] = None
+        if isinstance(state.get("forward"), BoundForward):   # bound to this instance: a copy binds its own
+            del state["forward"]
         return state
 
     def _get_name(self) -> str:
