@@ -18,6 +18,7 @@ value the walk read is still there (C loops over the submodules' dicts, ~10x che
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 import operator
@@ -79,20 +80,54 @@ class BoundForward:
 
 
 class ForwardWithSignature:
-    """The class attribute `FusedModule.forward`: binds a BoundForward to an instance on first
-    read and keeps it in the instance's __dict__, which later reads find first (no descriptor per
-    call). An assignment (`model.forward = ...`, as accelerate's autocast does) replaces it."""
+    """The class attribute `forward` of a FusedModule class: on an instance, binds a BoundForward
+    on first read and keeps it in the instance's __dict__, which later reads find first (no
+    descriptor per call; an assignment, `model.forward = ...` as accelerate's autocast does,
+    replaces it). On the class, a function with the signature of the wrapped class's forward:
+    clients read the class too (Trainer's `find_labels(type(model))`, `can_return_loss`)."""
+
+    def __init__(self, wrapped: "type | None" = None):
+        self.wrapped = wrapped
+        self.function = None
 
     def __get__(self, module, owner=None):
-        if module is None:
-            return self
-        bound = module.__dict__["forward"] = BoundForward(module)
-        return bound
+        if module is not None:
+            bound = module.__dict__["forward"] = BoundForward(module)
+            return bound
+        if self.function is None:
+            def forward(module, *args, **kwargs):
+                return module._fused_forward(*args, **kwargs)
+            forward.__qualname__ = f"{owner.__qualname__}.forward"
+            if self.wrapped is not None:
+                forward.__signature__ = inspect.signature(self.wrapped.forward)
+                forward.__doc__ = self.wrapped.forward.__doc__
+            self.function = forward
+        return self.function
+
+
+@functools.lru_cache(maxsize=None)
+def fused_class(wrapped: type) -> type:
+    """The FusedModule subclass for a wrapped module's class: named after it, `forward` with its
+    signature on the class (what clients that inspect `type(model)` read)."""
+    return type(f"Fused{wrapped.__name__}", (FusedModule,),
+                {"forward": ForwardWithSignature(wrapped), "__module__": __name__,
+                 "__qualname__": f"Fused{wrapped.__qualname__}", "__doc__": FusedModule.__doc__})
+
+
+def _new_fused(wrapped: type) -> "FusedModule":
+    """Unpickling and deepcopy: an empty instance of `fused_class(wrapped)`, whose state is set
+    next (a class made at run time is not importable by name)."""
+    return nn.Module.__new__(fused_class(wrapped))
 
 
 class FusedModule(nn.Module):
     """`memory_efficient_fusion(module)`: the same parameters, buffers and state_dict keys as
     `module`, a fused forward and backward. Read the original through `.original`."""
+
+    def __new__(cls, module: "nn.Module | None" = None, *args, **kwargs):
+        if cls is FusedModule and module is not None:
+            cls = fused_class(type(module))
+        return super().__new__(cls)
 
     def __init__(self, module: nn.Module, config: Config, *, cuda_graphs: bool = False):
         super().__init__()
@@ -185,6 +220,9 @@ class FusedModule(nn.Module):
         if isinstance(state.get("forward"), BoundForward):   # bound to this instance: a copy binds its own
             del state["forward"]
         return state
+
+    def __reduce_ex__(self, protocol):
+        return _new_fused, (type(self.original),), self.__getstate__()
 
     def _get_name(self) -> str:
         return f"memfuse.Fused[{self.original._get_name()}]"

@@ -85,3 +85,15 @@ def test_wrapper_inside_torch_compile_stays_a_graph_break():
     torch.testing.assert_close(compiled(x), fused.original(x.sin()) * 2)
     assert len(graphs) == 2              # the code before the wrapper and after it; memfuse runs it
     assert memfuse.stats()["compiles"] == 1
+
+
+def test_the_wrapper_class_shows_the_wrapped_class_forward():
+    """Trainer reads the class (`find_labels(type(model))`, `can_return_loss`): the wrapper's
+    class is made per wrapped class, named after it, its forward with that class's signature."""
+    fused = memfuse.memory_efficient_fusion(Head())
+    assert isinstance(fused, memfuse.FusedModule)
+    assert type(fused).__name__ == "FusedHead"
+    assert inspect.signature(type(fused).forward) == inspect.signature(Head.forward)
+    assert type(memfuse.memory_efficient_fusion(Head())) is type(fused)
+    assert type(copy.deepcopy(fused)) is type(fused)
+    assert type(pickle.loads(pickle.dumps(fused))) is type(fused)
