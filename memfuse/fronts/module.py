@@ -222,6 +222,8 @@ class FusedModule(nn.Module):
         return state
 
     def __reduce_ex__(self, protocol):
+        if type(self) is not fused_class(type(self.original)):   # a class made from it (FSDP2's): importable or not, as made
+            return super().__reduce_ex__(protocol)
         return _new_fused, (type(self.original),), self.__getstate__()
 
     def _get_name(self) -> str:

@@ -97,3 +97,12 @@ def test_the_wrapper_class_shows_the_wrapped_class_forward():
     assert type(memfuse.memory_efficient_fusion(Head())) is type(fused)
     assert type(copy.deepcopy(fused)) is type(fused)
     assert type(pickle.loads(pickle.dumps(fused))) is type(fused)
+
+
+def test_a_class_made_from_the_wrapper_class_survives_deepcopy():
+    """FSDP2's fully_shard swaps a module's class for one made from it: a copy keeps that class."""
+    fused = memfuse.memory_efficient_fusion(Head())
+    fused.__class__ = type("ShardedFusedHead", (type(fused),), {})
+    clone = copy.deepcopy(fused)
+    assert type(clone) is type(fused)
+    assert inspect.signature(clone.forward) == inspect.signature(fused.forward)
