@@ -10,7 +10,8 @@ at two sizes:
   - tiny (the family's `tiny` Size, fp32): one training step (forward, loss, backward) through
     Triton's interpreter; cases "family/style";
   - bench (its benchmark Size, under CPU bf16 autocast): the same compile with nothing run
-    (`compile_only`: the interpreter would take hours); cases "family/style@bench". At the tiny
+    (`compile_only`: memfuse.check_compiles, the step on fake tensors; the interpreter would take
+    hours); cases "family/style@bench". At the tiny
     sizes compile_only writes exactly the sources the training step does. The GPU's own kernels
     differ from these (CUDA's autocast rules, matmul padding and plans decided for a GPU), but
     the code that writes them is the same.
@@ -89,10 +90,16 @@ def train_step(style: str, model: torch.nn.Module, batch: dict) -> None:
 
 
 def compile_only(style: str, model: torch.nn.Module, batch: dict) -> None:
-    """What `train_step` compiles, and nothing run: `whole` through FusedModule.compiled_for;
-    `backend` through a backend that calls memfuse's ("memfuse", as Dynamo registered it) and then
-    stops the call (Compiled), so only the call's first graph is compiled (each family's step is one
-    graph: `train_step` at the tiny sizes dumps one folder)."""
+    """What `train_step` compiles, and nothing run: `memfuse.check_compiles` (the training step on
+    fake tensors: every graph, forward and backward, no kernel launched). On a tree without it:
+    `whole` through FusedModule.compiled_for; `backend` through a backend that calls memfuse's
+    ("memfuse", as Dynamo registered it) and then stops the call (Compiled), so only the call's
+    first graph is compiled (each family's step is one graph: `train_step` at the tiny sizes dumps
+    one folder)."""
+    check_compiles = getattr(memfuse, "check_compiles", None)
+    if check_compiles is not None:
+        check_compiles(model, **batch, style=style)
+        return
     if style == "whole":
         memfuse.memory_efficient_fusion(model).compiled_for(**batch)
         return

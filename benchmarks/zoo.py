@@ -1,22 +1,49 @@
 """The model zoo side by side: every family's training step in eager, torch.compile and memfuse.
 
-    python -m benchmarks.zoo [--families a,b] [--modes NAME,..] [--tiny] [--jobs N] [--timeout S] [--force]
-                             [--out DIR] [--charts DIR]
+    python -m benchmarks.zoo [--families a,b] [--modes NAME,..] [--tiny] [--jobs N] [--timeout S] [--budget S]
+                             [--dropout P] [--compile-cache DIR] [--force] [--out DIR] [--charts DIR]
     python -m benchmarks.zoo --report [--tiny] [--out DIR] [--charts DIR]
 
 The families are benchmarks/lib/zoo.py's (decoders dense and mixture-of-experts, encoders,
 encoder-decoders, vision transformers, speech, CNNs; timm's where it is installed), built from
 configs with random weights. Each mode runs benchmarks.lib.hf_models' harness (run_mode): the first
-step (compile included), warm-up and timed steps, one step's memory, then a dropout-free step
-compared with eager's loss and gradients; on top, the graph fallbacks and calls run through torch
-with their reasons (memfuse's `fallbacks` log, memfuse.stats()).
+step (compile included), warm-up and timed steps, one step's memory, then the check of a
+dropout-free step's loss and gradients against eager's; on top, the graph fallbacks and calls run
+through torch with their reasons (memfuse's `fallbacks` log, memfuse.stats()).
 
-Cost: --jobs worker processes, one fresh process per family (isolation: an OOM or a hang leaves
-nothing behind; --timeout ends a family's process). Compiles overlap; the warm-up, timed and
-memory steps hold a file lock (fcntl) so that one process times on the GPU at a time. A family
-whose zoo-<family>.json is in --out is skipped unless --force: a run can be split over commands
-(--families) or resumed. Then every zoo-*.json in --out is merged into zoo.md (table and summary
-line) and zoo.png (memfuse's speed ratio against its peak ratio, torch.compile = 1).
+How the run is made, and why its timings are clean. --jobs worker processes, one fresh process per
+family (an OOM or a hang leaves nothing behind; --timeout ends a family's process), compile in
+parallel: compiles are most of the cost, the timed steps a small part. A worker's warm-up, timed and
+memory steps run in a timing slot (TimingSlot): it takes a file lock and PAUSES every other worker
+(SIGSTOP to its process group: the worker, inductor's compile subprocesses, Triton's compiler),
+waits GPU_SETTLE_S for their already queued kernels, times, then continues them (SIGCONT). A lock
+alone is not enough: the others' compiles (host) and first steps and checks (GPU) ran beside the
+timed steps and slowed host-bound modes at random (the first H200 run: models of one architecture
+fast in one memfuse mode and slow in the other). A serial measure phase after a parallel warm phase
+would time cleanly too, but every compile's tracing (Dynamo's, memfuse's capture and plan) runs
+again in it, uncached, for every family one at a time: more than the run's budget. With pausing, the
+serial part is only the timed steps themselves. The parent registers a worker
+(<out>/zoo-workers/<process group>) under the lock before it runs, and on its exit unregisters it
+and continues every worker under the lock (one that died holding a slot left them paused); a slot
+held past SLOT_LIMIT_S continues the others and marks its row's timing not exclusive, so one hung
+family never stops the zoo. What stays shared: the first step's time (`1st step s`: compile under
+the other families' compiles) and the GPU's memory (the paused workers keep theirs).
+
+The workers share on-disk compile caches (--compile-cache, default <out>/zoo-cache): inductor's FX
+graph and AOTAutograd caches, Triton's, memfuse's kernels and binary index. A family whose kernels
+another family or an earlier command compiled loads them; each row records its first step's cache
+lookups (`compile_cache`, `compile_cached`; the table marks `(cached)`), and each command appends
+its phases (wall time, timing slots, the parallel rest, per family) to zoo-runs.json, for planning.
+
+One compile per mode where it is honest: a family whose config does not depend on dropout (most
+decoders) is checked on its timed model's first step (loss and gradients from zero: what a fresh
+dropout-free copy gives); one with dropout compiles a dropout-free copy for the check, unless
+--dropout 0, which times every family without dropout (the table then times models without
+dropout; `checked_on` in each row, `dropout` in each family's JSON).
+
+A family whose zoo-<family>.json is in --out is skipped unless --force: a run can be split over
+commands (--families, --budget) or resumed. Then every family's JSON in --out is merged into zoo.md
+(table and summary line) and zoo.png (memfuse's speed ratio against its peak ratio, torch.compile = 1).
 
 Without CUDA, or with --tiny: tiny configs on CPU in fp32 through the Triton interpreter, a smoke
 run (zoo-tiny-*.json; torch_compile only when --modes names it).
@@ -35,8 +62,11 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+
+STARTED = time.perf_counter()  # this process's start, before torch's import: a worker's wall time
 
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -58,6 +88,16 @@ TARGET_SPEED = 1.0  # issue 50's per-family bar: it/s >= 1.0x torch.compile's ..
 TARGET_PEAK = 0.8  # ... at a peak <= 0.8x its peak
 REASON_CHARS = 120  # of each fallback reason in the Markdown table (the JSON has them whole)
 LOCK_NAME = ".zoo-timing.lock"
+WORKERS_DIR = "zoo-workers"  # in --out: an empty file per running worker, named by its process group
+CACHE_DIR = "zoo-cache"  # in --out by default: inductor's, Triton's and memfuse's on-disk caches
+# A paused worker's kernels already queued on the GPU still run: the slot's holder waits this long,
+# longer than a queued step of the zoo's slowest family, before its warm-up steps.
+GPU_SETTLE_S = 0.2
+# The longest a timing slot keeps the other workers paused: past it (a timed step that hangs, or
+# waits on a lock a paused worker holds) they run again and the mode's row says its timing was not
+# exclusive, rather than the whole zoo waiting for one family's --timeout.
+SLOT_LIMIT_S = 60.0
+POLL_S = 0.2  # how often the parent looks whether a worker has exited
 
 
 # -- files ----------------------------------------------------------------------------------------
@@ -74,9 +114,14 @@ def load_results(out_dir: Path, tiny: bool) -> list[dict]:
     paths = [json_path(out_dir, name, tiny) for name in ZOO]
     known = [json.loads(p.read_text()) for p in paths if p.exists()]
     # a family measured where timm was installed is listed even where it is not (the report's machine)
-    extra = sorted(set(out_dir.glob(f"zoo-{'tiny-' if tiny else ''}*.json")) - set(paths))
-    return known + [json.loads(p.read_text()) for p in extra
-                    if tiny or not p.name.startswith("zoo-tiny-")]
+    extra = sorted(set(out_dir.glob(f"zoo-{'tiny-' if tiny else ''}*.json")) - set(paths) - {runs_path(out_dir, tiny)})
+    extra = [json.loads(p.read_text()) for p in extra if tiny or not p.name.startswith("zoo-tiny-")]
+    return known + [result for result in extra if "rows" in result]  # a family's, not a run record's
+
+
+def runs_path(out_dir: Path, tiny: bool) -> Path:
+    """The commands' phase timings (record_run)."""
+    return out_dir / f"zoo-{'tiny-' if tiny else ''}runs.json"
 
 
 # -- one family, in a worker process --------------------------------------------------------------
@@ -106,7 +151,7 @@ class FallbackReasons(logging.Handler):
 
 @contextlib.contextmanager
 def timing_lock(path: Path):
-    """Held while this process times: the other workers' timed steps wait, their compiles go on."""
+    """Held while a worker times, and while the parent registers or unregisters a worker."""
     with open(path, "a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
@@ -115,7 +160,97 @@ def timing_lock(path: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def run_family(name: str, modes: tuple[str, ...], setup: models.Setup) -> dict:
+def _start_time(pid: int) -> str | None:
+    """When the process started (clock ticks after boot, /proc/<pid>/stat's 22nd field; None: gone):
+    with its id, it names one process, never a later one that reused the id."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def register_worker(out_dir: Path, pgid: int) -> None:
+    (out_dir / WORKERS_DIR).mkdir(parents=True, exist_ok=True)
+    (out_dir / WORKERS_DIR / str(pgid)).write_text(_start_time(pgid) or "")
+
+
+def unregister_worker(out_dir: Path, pgid: int) -> None:
+    (out_dir / WORKERS_DIR / str(pgid)).unlink(missing_ok=True)
+
+
+def clear_workers(out_dir: Path) -> None:
+    """Forget the workers an earlier command left registered (its parent was killed: they died with
+    it, _die_with_parent)."""
+    folder = out_dir / WORKERS_DIR
+    for path in folder.iterdir() if folder.is_dir() else ():
+        path.unlink(missing_ok=True)
+
+
+def registered_workers(out_dir: Path) -> list[int]:
+    """The process groups of the running workers (each worker runs in a session of its own, with
+    its compile subprocesses): each registered group whose leader is the process registered, so a
+    stale registration (a killed command's) never names a process that reused its id."""
+    folder = out_dir / WORKERS_DIR
+    files = sorted(p for p in folder.iterdir() if p.name.isdigit()) if folder.is_dir() else []
+    return [int(p.name) for p in files if p.read_text() and p.read_text() == _start_time(int(p.name))]
+
+
+def signal_groups(pgids: list[int], signum: int) -> list[int]:
+    """Send `signum` to each process group; the groups it reached (one that has exited is skipped)."""
+    reached = []
+    for pgid in pgids:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signum)
+            reached.append(pgid)
+    return reached
+
+
+class TimingSlot:
+    """One worker's timed steps with nothing else running on the host or the GPU: the slot takes
+    the timing lock, pauses every other registered worker's process group (SIGSTOP: their compiles,
+    compile subprocesses and GPU work stop where they are), waits GPU_SETTLE_S for their queued
+    kernels, and on leaving continues them (SIGCONT). Counts what it cost, for the family's JSON."""
+
+    def __init__(self, out_dir: Path, settle_s: float = GPU_SETTLE_S, limit_s: float = SLOT_LIMIT_S):
+        self.out_dir, self.settle_s, self.limit_s = out_dir, settle_s, limit_s
+        self.held_s = 0.0  # the others paused: the run's serial part
+        self.holds = 0
+        self.overruns = 0  # holds that passed limit_s: the others ran again before the hold ended
+        self.paused_most = 0  # the most workers one hold paused
+
+    @contextlib.contextmanager
+    def hold(self):
+        with timing_lock(self.out_dir / LOCK_NAME):
+            own = os.getpgid(0)
+            others = [g for g in registered_workers(self.out_dir) if g != own]
+            paused = signal_groups(others, signal.SIGSTOP)
+            watchdog = threading.Timer(self.limit_s, self._overrun, (paused,))
+            watchdog.daemon = True
+            start = time.perf_counter()
+            watchdog.start()
+            try:
+                if paused:
+                    time.sleep(self.settle_s)
+                yield
+            finally:
+                watchdog.cancel()
+                signal_groups(paused, signal.SIGCONT)
+                self.held_s += time.perf_counter() - start
+                self.holds += 1
+                self.paused_most = max(self.paused_most, len(paused))
+
+    def _overrun(self, paused: list[int]) -> None:
+        self.overruns += 1
+        signal_groups(paused, signal.SIGCONT)
+        print(f"zoo: a timing slot held past {self.limit_s:.0f} s: the other workers run again, this mode's "
+              f"timing is not exclusive", file=sys.stderr, flush=True)
+
+    def report(self) -> dict:
+        return {"slot_s": self.held_s, "slot_holds": self.holds, "slot_overruns": self.overruns,
+                "workers_paused_most": self.paused_most}
+
+
+def run_family(name: str, modes: tuple[str, ...], setup: models.Setup, slot: TimingSlot) -> dict:
     """Every mode of one family on the same weights and batch; the family's JSON."""
     family = ZOO[name]
     case, reference = models.prepare(family, setup)
@@ -123,10 +258,11 @@ def run_family(name: str, modes: tuple[str, ...], setup: models.Setup) -> dict:
     for mode in modes:
         if mode in PER_LAYER_MODES and not family.layer_paths:
             continue  # a model without a list of layers (timm's) has no per-layer mode
-        recorder = FallbackReasons()
+        recorder, overruns = FallbackReasons(), slot.overruns
         with recorder.recording() as reasons:
             row = models.run_mode(case, mode, reference)
-        rows.append({**models.row_json(row), "fallback_reasons": reasons})
+        rows.append({**models.row_json(row), "fallback_reasons": reasons,
+                     "timing_exclusive": slot.overruns == overruns})
     return {"metadata": models.metadata(setup), "kind": KIND[name], **models.describe(case),
             "layers": list(family.layer_paths), "rows": rows}
 
@@ -149,12 +285,20 @@ def worker(args: argparse.Namespace) -> None:
 
     transformers.logging.set_verbosity_error()
     tiny = args.tiny
+    slot = TimingSlot(args.out)
     setup = models.Setup(torch.device("cpu" if tiny else "cuda"), tiny,
                          models.TINY_SETTINGS if tiny else GPU_SETTINGS, use_cache=args.use_cache,
-                         exclusive=lambda: timing_lock(args.out / LOCK_NAME))
+                         dropout=args.dropout, exclusive=slot.hold)
     if not tiny:
         torch.ones(8, 8, device=setup.device) @ torch.ones(8, 8, device=setup.device)  # CUDA and cuBLAS up
-    result = run_family(args.worker, _modes(args, tiny), setup)
+    result = run_family(args.worker, _modes(args, tiny), setup, slot)
+    rows = result["rows"]
+    result["run"] = {"wall_s": time.perf_counter() - STARTED, **slot.report(), "jobs": args.jobs,
+                     "first_steps_s": sum(r["first_step_s"] or 0.0 for r in rows),
+                     "checks_s": sum(r["check_s"] or 0.0 for r in rows),
+                     "compiles_cached": sum(r["compile_cached"] is True for r in rows),
+                     "compiles_cold": sum(r["compile_cached"] is False for r in rows),
+                     "cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR")}
     path = json_path(args.out, args.worker, tiny)
     path.write_text(json.dumps(result, indent=2, default=str) + "\n")
     print(f"wrote {path}", flush=True)
@@ -169,7 +313,7 @@ def _failed_result(name: str, modes: tuple[str, ...], tiny: bool, error: str) ->
                          "precision": "fp32" if tiny else "bf16 autocast, fp32 parameters"},
             "kind": KIND[name], "model": name, "class": family.model_class,
             "size": dataclasses.asdict(family.tiny if tiny else family.size), "parameters": None,
-            "layers": list(family.layer_paths),
+            "layers": list(family.layer_paths), "run": None,
             "rows": [{"mode": m, "error": error, "check_error": None, "it_s": None, "peak_bytes": None,
                       "kept_bytes": None, "first_step_s": None, "memfuse_compile": None, "memfuse_per_step": None,
                       "loss": None, "loss_error": None, "grad_error": None, "fallback_reasons": []} for m in modes]}
@@ -203,21 +347,21 @@ def spawn(name: str, args: argparse.Namespace, modes: tuple[str, ...], tiny: boo
     logs.mkdir(parents=True, exist_ok=True)
     log_path = logs / f"{'tiny-' if tiny else ''}{name}.log"
     command = [sys.executable, "-m", "benchmarks.zoo", "--worker", name, "--modes", ",".join(modes),
-               "--out", str(args.out), *(["--tiny"] if tiny else []), *(["--use-cache"] if args.use_cache else [])]
-    # inductor's compile workers: the cores shared among the families compiling at once
-    env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": str(max(1, (os.cpu_count() or 1) // args.jobs))}
-    if tiny:
-        env["TRITON_INTERPRET"] = "1"
+               "--out", str(args.out), "--jobs", str(args.jobs), "--dropout", repr(args.dropout),
+               *(["--tiny"] if tiny else []), *(["--use-cache"] if args.use_cache else [])]
     start = time.perf_counter()
     with open(log_path, "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                   cwd=Path(__file__).resolve().parent.parent, start_new_session=True)
+        process = start_worker(command, log, args, tiny)
         try:
-            rc = process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)  # its own session: the worker and its compile workers
-            process.wait()
-            rc = None
+            rc = _exited(process, timeout)
+            if rc is None:
+                os.killpg(process.pid, signal.SIGKILL)  # its own session: the worker and its compile workers
+                _exited(process, None)
+        except BaseException:  # interrupted (Ctrl-C): the worker does not outlive the command
+            signal_groups([process.pid], signal.SIGKILL)
+            raise
+        finally:
+            finish_worker(args.out, process)
     path = json_path(args.out, name, tiny)
     if rc is None and timeout < budget.family_s:
         return f"{name}: ended unfinished when --budget ran out (the next command reruns it)"
@@ -231,6 +375,52 @@ def spawn(name: str, args: argparse.Namespace, modes: tuple[str, ...], tiny: boo
     return f"{name}: {error} (log {log_path})"
 
 
+def worker_env(args: argparse.Namespace, tiny: bool) -> dict:
+    """A worker's environment: the run's compile caches (a family that compiles what another or an
+    earlier command compiled loads it), and its share of the cores for inductor's compile workers."""
+    cache = args.compile_cache or args.out / CACHE_DIR
+    env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": str(max(1, (os.cpu_count() or 1) // args.jobs)),
+           "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TRITON_CACHE_DIR": str(cache / "triton"),
+           "MEMFUSE_CACHE_DIR": str(cache / "memfuse")}
+    if tiny:
+        env["TRITON_INTERPRET"] = "1"
+    return env
+
+
+def start_worker(command: list[str], log, args: argparse.Namespace, tiny: bool) -> subprocess.Popen:
+    """The worker in a session of its own, registered (its process group paused by every other
+    worker's timing slot) before it runs beside a timed step: started under the timing lock."""
+    with timing_lock(args.out / LOCK_NAME):
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=worker_env(args, tiny),
+                                   cwd=Path(__file__).resolve().parent.parent, start_new_session=True)
+        register_worker(args.out, process.pid)
+    return process
+
+
+def _exited(process: subprocess.Popen, timeout: float | None) -> int | None:
+    """The worker's exit status once it has exited (None: still running after `timeout`), left
+    unreaped: until finish_worker reaps it its process id names no other process."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        flags = os.WEXITED | os.WNOWAIT | (0 if deadline is None else os.WNOHANG)
+        info = os.waitid(os.P_PID, process.pid, flags)
+        if info is not None:
+            return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(POLL_S)
+
+
+def finish_worker(out_dir: Path, process: subprocess.Popen) -> None:
+    """Unregister an exited worker and continue the others: one that died holding a timing slot
+    (crashed, or ended at --timeout) left them paused. Under the timing lock, so that no live
+    slot's pause is undone; then reap it."""
+    with timing_lock(out_dir / LOCK_NAME):
+        unregister_worker(out_dir, process.pid)
+        signal_groups(registered_workers(out_dir), signal.SIGCONT)
+    process.wait()
+
+
 def run_all(args: argparse.Namespace, tiny: bool) -> None:
     names = models._names(args.families, tuple(ZOO), "families")
     modes = _modes(args, tiny)
@@ -239,10 +429,33 @@ def run_all(args: argparse.Namespace, tiny: bool) -> None:
     if skipped:
         print(f"skipped (their JSON is in {args.out}; --force reruns): {', '.join(skipped)}", flush=True)
     print(f"{len(todo)} families x {', '.join(modes)}; {args.jobs} at a time", flush=True)
+    clear_workers(args.out)
     budget = Budget(args.timeout, args.budget)
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
         for message in pool.map(lambda name: spawn(name, args, modes, tiny, budget), todo):
             print(message, flush=True)
+    if todo:
+        print(record_run(args, todo, time.perf_counter() - budget.start, tiny), flush=True)
+
+
+def record_run(args: argparse.Namespace, families: list[str], wall_s: float, tiny: bool) -> str:
+    """Append this command's phases to runs_path() (cost planning): its wall time, the serial
+    part (timing slots: every other worker paused) and the parallel rest (compiles, checks), each
+    family's own (its JSON's `run`)."""
+    runs = {}
+    for name in families:
+        path = json_path(args.out, name, tiny)
+        runs[name] = json.loads(path.read_text()).get("run") if path.exists() else None
+    slot_s = sum(run["slot_s"] for run in runs.values() if run)
+    entry = {"date": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()), "jobs": args.jobs,
+             "dropout": args.dropout, "cache_dir": str(args.compile_cache or args.out / CACHE_DIR), "wall_s": wall_s,
+             "timing_slots_s": slot_s, "parallel_s": wall_s - slot_s, "families": runs}
+    path = runs_path(args.out, tiny)
+    history = json.loads(path.read_text()) if path.exists() else {"runs": []}
+    history["runs"].append(entry)
+    path.write_text(json.dumps(history, indent=2) + "\n")
+    return (f"{len(families)} families in {wall_s:.0f} s, {slot_s:.0f} s of it timing with the others paused; "
+            f"wrote {path}")
 
 
 def _modes(args: argparse.Namespace, tiny: bool) -> tuple[str, ...]:
@@ -277,9 +490,17 @@ def _short(text: str, limit: int) -> str:
 
 
 def _note(row: dict) -> str:
-    parts = [row.get("error") and f"error: {row['error']}", row.get("check_error") and f"check: {row['check_error']}"]
+    parts = [row.get("error") and f"error: {row['error']}", row.get("check_error") and f"check: {row['check_error']}",
+             row.get("timing_exclusive") is False and f"timing not exclusive (a slot past {SLOT_LIMIT_S:.0f} s)"]
     parts += [f"fallback: {_short(reason, REASON_CHARS)}" for reason in dict.fromkeys(row.get("fallback_reasons") or [])]
     return _short("; ".join(p for p in parts if p), models.ERROR_CHARS + 2 * REASON_CHARS)
+
+
+def _first_step(row: dict) -> str:
+    """The first step's seconds, marked where every compile-cache lookup hit (an earlier family or
+    command compiled it)."""
+    text = _fmt(row.get("first_step_s"), ".1f")
+    return f"{text} (cached)" if row.get("compile_cached") else text
 
 
 def table(results: list[dict], markdown: bool) -> str:
@@ -296,7 +517,7 @@ def table(results: list[dict], markdown: bool) -> str:
                 _fmt(_ratio(row, baseline, "it_s"), ".2f", suffix="x"),
                 _fmt(row.get("peak_bytes"), ".0f", 1 / models.MB),
                 _fmt(_ratio(row, baseline, "peak_bytes"), ".2f", suffix="x"),
-                _fmt(row.get("kept_bytes"), ".0f", 1 / models.MB), _fmt(row.get("first_step_s"), ".1f"),
+                _fmt(row.get("kept_bytes"), ".0f", 1 / models.MB), _first_step(row),
                 _fmt(_counter(row, "graph_fallbacks"), ".0f"), _fmt(_counter(row, "eager_calls"), ".0f"),
                 _fmt(row.get("loss"), ".4f"), _fmt(row.get("loss_error"), ".1e"), _fmt(row.get("grad_error"), ".1e"),
                 _fmt((baseline or {}).get("grad_error") if row["mode"] in MEMFUSE_MODES else None, ".1e"),
@@ -395,6 +616,22 @@ def write_chart(results: list[dict], path: Path) -> str:
     return f"wrote {path}"
 
 
+def how_made(results: list[dict]) -> str:
+    """What the table's timings and checks mean for these results (the module's docstring says why)."""
+    dropouts = sorted({r.get("dropout") for r in results if r.get("dropout") is not None})
+    on_first = [r["model"] for r in results if r.get("timed_model_is_checked")]
+    settings = results[0]["metadata"].get("settings") or {}
+    # a JSON from before the timing slots has no `run`: its timed steps held a lock, others ran beside them
+    paused = all("run" in r for r in results)
+    how = ("one family at a time, every other family's process paused" if paused else
+           "one family at a time under a lock, OTHER FAMILIES COMPILING BESIDE THEM (not clean)")
+    return (f"Timed steps ({settings.get('warmup_steps', '?')} warm-up, {settings.get('timed_steps', '?')} timed): "
+            f"{how}; `1st step s`: wrap and compile beside the other families' compiles, `(cached)` where every compile-cache lookup hit. "
+            f"Timed models' dropout: {', '.join(f'{d:g}' for d in dropouts) or '?'}. Loss and gradients: a "
+            f"dropout-free step against eager's, the timed model's own first step for {len(on_first)} of "
+            f"{len(results)} families (no dropout), a dropout-free copy's for the others.")
+
+
 def write_report(out_dir: Path, tiny: bool, charts: Path | None = None) -> None:
     """Merge every family's JSON of this kind in out_dir: stdout, <stem>.md and <stem>.png."""
     results = load_results(out_dir, tiny)
@@ -411,8 +648,8 @@ def write_report(out_dir: Path, tiny: bool, charts: Path | None = None) -> None:
         heading += " -- TINY RUN on CPU through the Triton interpreter: not a performance result"
     lines = [f"## {heading}", "",
              f"{meta['device']}, torch {meta['torch']}, triton {meta.get('triton')}, transformers "
-             f"{meta.get('transformers')}, {meta['precision']}, {meta['date']}", "", f"**Summary**: {summary}", "",
-             table(results, markdown=True), ""]
+             f"{meta.get('transformers')}, {meta['precision']}, {meta['date']}", "", how_made(results), "",
+             f"**Summary**: {summary}", "", table(results, markdown=True), ""]
     stem.with_suffix(".md").write_text("\n".join(lines))
     print(f"\nwrote {stem.with_suffix('.md')}")
     print(write_chart(results, stem.with_suffix(".png")))
@@ -437,6 +674,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--budget", type=float, metavar="SECONDS",
                         help="the whole command's time: no family starts after it, a running one is ended "
                              "at it and left for the next command (default: no limit)")
+    parser.add_argument("--dropout", type=float, default=models.DROPOUT,
+                        help=f"the timed models' dropout (default {models.DROPOUT}); 0: every family's timed "
+                             f"model is the checked one, one compile per mode (families without dropout "
+                             f"are checked on their timed model at any value)")
+    parser.add_argument("--compile-cache", type=Path, metavar="DIR",
+                        help=f"the compile caches the workers share (inductor's, Triton's, memfuse's; "
+                             f"default --out/{CACHE_DIR}): a command that reruns families loads what "
+                             f"an earlier one compiled")
     parser.add_argument("--force", action="store_true", help="rerun families whose JSON is already in --out")
     parser.add_argument("--report", action="store_true", help="only merge the JSONs in --out into the report")
     parser.add_argument("--out", type=Path, default=models.DEFAULT_OUT,
@@ -449,6 +694,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     args.out = args.out.resolve()
+    args.compile_cache = args.compile_cache and args.compile_cache.resolve()
     if args.report:
         return write_report(args.out, args.tiny, args.charts)
     tiny = args.tiny or not torch.cuda.is_available()

@@ -53,6 +53,8 @@ INPUT_COST = 1
 # from [tokens] targets); one that does not (a flip, a count) is kept: recomputing it would cost
 # an aten launch to spare few bytes.
 INDEX_EXPANSION = 2
+# aten gathers: an extern one whose result outweighs what it reads is not pinned (expanding_gather).
+GATHER_ATEN = {torch.ops.aten.index.Tensor, torch.ops.aten.index_select.default, torch.ops.aten.gather.default}
 # A value a kernel would write only to be saved costs this much more than the same bytes already
 # in memory (an extern's result, a forward output): a tie keeps what nothing has to write.
 WRITE_TIE = 1
@@ -134,10 +136,21 @@ def index_inputs(joint: Graph) -> dict:
     return found
 
 
-def pinned_reason(node: Node, index_bytes: dict, hints: dict) -> str | None:
+def expanding_gather(node: Node, joint: Graph | None, hints: dict) -> bool:
+    """An aten gather (`x[idx]`, index_select, gather) whose result holds more bytes than all it
+    reads: a mixture-of-experts layer's tokens gathered once per expert they are routed to (top-k
+    times its hidden states). Not pinned: the min-cut keeps it or its source and indices, whichever
+    costs fewer bytes, and the backward gathers again (one aten launch, bytes it reads and writes)."""
+    if joint is None or node.op is not Op.EXTERN or node.attr.target not in GATHER_ATEN:
+        return False
+    read = sum(value_bytes(joint[i].value, hints) for i in set(node.inputs))
+    return value_bytes(node.value, hints) > read
+
+
+def pinned_reason(node: Node, index_bytes: dict, hints: dict, joint: Graph | None = None) -> str | None:
     """Why `node` cannot be recomputed in the backward (it hangs from the source), or None."""
     if node.op in (Op.EXTERN, Op.GETITEM):
-        if is_view(node):
+        if is_view(node) or expanding_gather(node, joint, hints):
             return None
         if node.op is Op.EXTERN and node.name in index_bytes and node.value.dtype is not None and \
                 value_bytes(node.value, hints) >= INDEX_EXPANSION * max(index_bytes[node.name], 1):
@@ -250,7 +263,7 @@ def _flow_graph(captured, backward_only, backward_needed, grads, index_bytes) ->
         if node.op not in (Op.INPUT, Op.EXTERN, Op.GETITEM) and name not in fwd_outputs:
             capacity += WRITE_TIE
         flow.add_edge(inside, outside, capacity=capacity)
-        pinned = None if node.op is Op.INPUT else pinned_reason(node, index_bytes, captured.hints)
+        pinned = None if node.op is Op.INPUT else pinned_reason(node, index_bytes, captured.hints, joint)
         if node.op is Op.INPUT or pinned is not None:
             flow.add_edge(SOURCE, inside, capacity=INFINITE)
         if pinned is not None:
@@ -546,7 +559,7 @@ def _save_reason(node: Node, context: _Context) -> str:
                and context.backward[u].op is not Op.INPUT]
     narrow = f"; kept in {_dtype(node)}, the backward recomputes its {_dtype(context.joint[upcasts[0]])} " \
              f"upcast {upcasts[0]} (exact)" if upcasts else ""
-    pinned = pinned_reason(node, context.index_bytes, context.hints)
+    pinned = pinned_reason(node, context.index_bytes, context.hints, context.joint)
     if pinned == "an extern call" and node.name in context.index_bytes:
         return ("an index op on integer targets that does not expand them (a flip, a count): cheaper to keep "
                 f"than another aten launch{narrow}")
@@ -571,6 +584,8 @@ def _recompute_reason(node: Node, context: _Context) -> str:
         return "index op on integer targets: recomputed from the targets"
     if is_exact_upcast(node, context.joint):
         return "an exact upcast: recomputed from the narrower value"
+    if expanding_gather(node, context.joint, context.hints):
+        return "a gather larger than what it reads: gathered again from its source and indices"
     return "recomputed in the backward from saved inputs"
 
 

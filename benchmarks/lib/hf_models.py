@@ -122,7 +122,7 @@ def _gpt2_config(size: Size, dropout: float):
 def _llama_config(size: Size, dropout: float):
     from transformers import LlamaConfig
 
-    assert dropout in (0.0, DROPOUT), dropout  # Llama has no dropout but attention's (left at 0)
+    del dropout  # Llama has no dropout but attention's (left at 0): any value builds the same model
     return LlamaConfig(hidden_size=size.hidden, num_hidden_layers=size.layers, num_attention_heads=size.heads,
                        num_key_value_heads=size.kv_heads, intermediate_size=size.ffn, vocab_size=size.vocab,
                        max_position_embeddings=size.seq, bos_token_id=1, eos_token_id=2)
@@ -164,15 +164,33 @@ def build(family: Family, size: Size, dropout: float, weights: dict | None = Non
 
 @dataclasses.dataclass(frozen=True)
 class Templates:
-    """One model's two CPU originals with the same weights; every mode trains copies of them."""
+    """One model's two CPU originals with the same weights; every mode trains copies of them. Where
+    the two are the same model (a family without dropout, or a run at dropout 0) they are one
+    object, `shared`: a mode's timed model is then also its checked one, and its first step's loss
+    and gradients are the check (one compile per mode instead of two)."""
 
-    dropout: nn.Module  # DROPOUT where the family has dropout: the speed and memory steps
+    dropout: nn.Module  # `dropout` (DROPOUT) where the family has dropout: the speed and memory steps
     dropout_free: nn.Module  # every dropout probability 0.0: the steps compared with eager
 
+    @property
+    def shared(self) -> bool:
+        return self.dropout is self.dropout_free
+
     @staticmethod
-    def build(family: Family, size: Size, use_cache: bool) -> "Templates":
-        model = build(family, size, DROPOUT, use_cache=use_cache)
+    def build(family: Family, size: Size, use_cache: bool, dropout: float = DROPOUT) -> "Templates":
+        model = build(family, size, dropout, use_cache=use_cache)
+        if dropout == 0.0 or not has_dropout(family, size, dropout):
+            return Templates(model, model)
         return Templates(model, build(family, size, 0.0, model.state_dict(), use_cache))
+
+
+def has_dropout(family: Family, size: Size, dropout: float) -> bool:
+    """Whether `dropout` changes the family's model: its config at `dropout` differs from its
+    config at 0 (Llama's and most decoders' configs take no dropout). A constructed model has no
+    config to compare: counted as having dropout, so it is checked on a dropout-free copy."""
+    if family.config is None:
+        return True
+    return family.config(size, dropout).to_dict() != family.config(size, 0.0).to_dict()
 
 
 def fresh(template: nn.Module, device: torch.device) -> nn.Module:
@@ -266,8 +284,10 @@ class Setup:
     tiny: bool
     settings: Settings
     use_cache: bool = False  # the models' config.use_cache
-    # Held around the warm-up, timed and memory steps (not the first step, which compiles): a lock
-    # that keeps processes sharing one GPU from timing at once (benchmarks.zoo's workers).
+    dropout: float = DROPOUT  # the timed models' dropout (0: the timed model is the checked one)
+    # Held around the warm-up, timed and memory steps (not the first step, which compiles): what
+    # keeps processes sharing one host and GPU off the timed steps (benchmarks.zoo's TimingSlot:
+    # a lock, the other workers paused).
     exclusive: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
     def autocast(self):
@@ -306,6 +326,8 @@ class Row:
     memfuse_compile: dict | None = None  # memfuse.stats() after the first step (a mode that compiles)
     memfuse_compile_s: dict | None = None  # memfuse.compile_times() after the first step: seconds per stage
     memfuse_per_step: dict | None = None  # the counters' growth over the later steps, per step
+    compile_cache: dict | None = None  # the first step's compile-cache lookups, see compile_cache()
+    compile_cached: bool | None = None  # every lookup hit (None: nothing was looked up, e.g. eager)
     dynamo: dict | None = None  # Dynamo's graph and graph-break counts (torch.compile modes)
     error: str | None = None  # the speed/memory part raised: type and message
     loss: float | None = None  # the dropout-free copy's first-step loss
@@ -313,6 +335,8 @@ class Row:
     grad_error: float | None = None  # worst over parameters, see grad_error()
     worst_grad: str | None = None  # the parameter with that error
     check_error: str | None = None  # the dropout-free check raised
+    checked_on: str | None = None  # CHECKED_ON_FIRST_STEP or CHECKED_ON_COPY
+    check_s: float | None = None  # the check's own time (its compile included; ~0 on the first step)
 
     @property
     def it_s(self) -> float | None:
@@ -383,17 +407,55 @@ class Case:
     batch: dict
 
 
-def measure_speed(case: Case, mode: str) -> Row:
+def compile_cache(memfuse_stats: dict, setup: Setup) -> tuple[dict, bool | None]:
+    """The first step's lookups in the on-disk compile caches, from the counters isolate() cleared:
+    inductor's FX graph cache and AOTAutograd's cache (torch.compile and Dynamo's graphs), memfuse's
+    kernel binaries (precompile.BinaryIndex over Triton's cache: on a GPU only; the interpreter
+    compiles nothing). And whether every lookup hit: None where there was none (eager)."""
+    counters = torch._dynamo.utils.counters
+    lookups = {
+        "fx_graph_hits": counters["inductor"]["fxgraph_cache_hit"],
+        "fx_graph_misses": counters["inductor"]["fxgraph_cache_miss"] + counters["inductor"]["fxgraph_cache_bypass"],
+        "aot_autograd_hits": counters["aot_autograd"]["autograd_cache_hit"],
+        "aot_autograd_misses": counters["aot_autograd"]["autograd_cache_miss"]
+        + counters["aot_autograd"]["autograd_cache_bypass"],
+    }
+    if setup.device.type == "cuda":
+        binaries = memfuse_stats.get("kernels_generated", 0) - memfuse_stats.get("kernels_shared", 0)
+        lookups["memfuse_binaries_loaded"] = memfuse_stats.get("kernels_loaded", 0)
+        lookups["memfuse_binaries_compiled"] = max(0, binaries - lookups["memfuse_binaries_loaded"])
+    hits = sum(v for k, v in lookups.items() if k.endswith(("_hits", "_loaded")))
+    misses = sum(v for k, v in lookups.items() if k.endswith(("_misses", "_compiled")))
+    return lookups, (None if hits + misses == 0 else misses == 0)
+
+
+CHECKED_ON_FIRST_STEP = "the timed model's first step (it has no dropout)"
+CHECKED_ON_COPY = "a dropout-free copy's first step (a second compile)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Timed:
+    """measure_speed's result: the row, and the first step's loss and gradients where the timed
+    model is the dropout-free one (Templates.shared; else None)."""
+
+    row: Row
+    first_step: StepResult | None
+
+
+def measure_speed(case: Case, mode: str) -> Timed:
     """First step (wrap and compile included), warm-up, the timed steps, then one step's memory."""
     setup, batch = case.setup, case.batch
     model = fresh(case.templates.dropout, setup.device)
     setup.synchronize()
     start = time.perf_counter()
     wrapped = WRAPPERS[mode](model, case.family)
-    train_step(wrapped, batch, setup)
+    loss = train_step(wrapped, batch, setup)
     setup.synchronize()
     first_step_s = time.perf_counter() - start
     compiled, compile_s = memfuse.stats(), memfuse.compile_times()
+    cache, cached = compile_cache(compiled, setup)
+    # gradients from zero: the first step's are what a fresh dropout-free copy's step would give
+    first_step = StepResult(loss.item(), gradients(model)) if case.templates.shared else None
     model.zero_grad(set_to_none=False)  # the gradients stay allocated: part of the model's own memory
     with setup.exclusive():
         for _ in range(setup.settings.warmup_steps):
@@ -404,11 +466,12 @@ def measure_speed(case: Case, mode: str) -> Row:
         if setup.device.type == "cuda":
             peak, kept = step_memory(wrapped, batch, setup)
             steps += 1
-    return Row(case.family.name, mode, first_step_s=first_step_s, step_s=statistics.median(samples),
-               step_samples_s=tuple(samples), peak_bytes=peak, kept_bytes=kept, memfuse_compile=compiled,
-               memfuse_compile_s=compile_s,
-               memfuse_per_step=_counter_growth(memfuse.stats(), compiled, steps),
-               dynamo=_dynamo_counts() if mode in DYNAMO_MODES else None)
+    row = Row(case.family.name, mode, first_step_s=first_step_s, step_s=statistics.median(samples),
+              step_samples_s=tuple(samples), peak_bytes=peak, kept_bytes=kept, memfuse_compile=compiled,
+              memfuse_compile_s=compile_s, memfuse_per_step=_counter_growth(memfuse.stats(), compiled, steps),
+              compile_cache=cache, compile_cached=cached,
+              dynamo=_dynamo_counts() if mode in DYNAMO_MODES else None)
+    return Timed(row, first_step)
 
 
 def gradients(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -450,14 +513,17 @@ def dropout_free_step(case: Case, mode: str) -> StepResult:
     return StepResult(loss.item(), gradients(model))
 
 
-def check(case: Case, row: Row, reference: StepResult) -> Row:
-    """The dropout-free copy's loss and gradients against eager's (eager's row: a second eager copy,
-    so its errors show eager's own run-to-run differences)."""
-    result = dropout_free_step(case, row.mode)
+def check(case: Case, row: Row, reference: StepResult, first_step: StepResult | None = None) -> Row:
+    """The dropout-free model's loss and gradients against eager's (eager's row: a second eager
+    model, so its errors show eager's own run-to-run differences): the timed model's first step
+    where it is dropout-free (`first_step`), else a fresh dropout-free copy's step."""
+    start = time.perf_counter()
+    result = first_step if first_step is not None else dropout_free_step(case, row.mode)
     error, worst = grad_error(result.grads, reference.grads)
     loss = result.loss
     return dataclasses.replace(row, loss=loss, loss_error=abs(loss - reference.loss) / abs(reference.loss),
-                               grad_error=error, worst_grad=worst)
+                               grad_error=error, worst_grad=worst, check_s=time.perf_counter() - start,
+                               checked_on=CHECKED_ON_FIRST_STEP if first_step is not None else CHECKED_ON_COPY)
 
 
 def _error_text(error: Exception) -> str:
@@ -475,17 +541,18 @@ def _error_text(error: Exception) -> str:
 def run_mode(case: Case, mode: str, reference: StepResult | None) -> Row:
     """Speed and memory, then the dropout-free check; either part that raises is reported in the row."""
     print(f"{case.family.name} {mode} ...", flush=True)
-    row = Row(case.family.name, mode)
+    row, first_step = Row(case.family.name, mode), None
     isolate(case.setup)
     try:
-        row = measure_speed(case, mode)
+        timed = measure_speed(case, mode)
+        row, first_step = timed.row, timed.first_step
     except Exception as error:  # one failing mode must not end the comparison
         row = dataclasses.replace(row, error=_error_text(error))
     isolate(case.setup)
     try:
         if reference is None:
             raise RuntimeError("no eager reference (eager's dropout-free step failed)")
-        row = check(case, row, reference)
+        row = check(case, row, reference, first_step)
     except Exception as error:  # reported in the row
         row = dataclasses.replace(row, check_error=_error_text(error))
     isolate(case.setup)
@@ -495,7 +562,7 @@ def run_mode(case: Case, mode: str, reference: StepResult | None) -> Row:
 def prepare(family: Family, setup: Setup) -> tuple[Case, StepResult | None]:
     """The model's case (originals, batch) and eager's dropout-free step (None where it failed)."""
     size = family.tiny if setup.tiny else family.size
-    templates = Templates.build(family, size, setup.use_cache)
+    templates = Templates.build(family, size, setup.use_cache, setup.dropout)
     case = Case(family, setup, templates, family.make_batch(size, setup.device))
     try:
         return case, dropout_free_step(case, "eager")
@@ -509,7 +576,8 @@ def describe(case: Case) -> dict:
     config = getattr(case.templates.dropout, "config", None)  # a constructed model may have none
     size = case.family.tiny if case.setup.tiny else case.family.size
     return {"model": case.family.name, "class": case.family.model_class, "size": dataclasses.asdict(size),
-            "dropout": DROPOUT, "use_cache": getattr(config, "use_cache", None),
+            "dropout": case.setup.dropout, "timed_model_is_checked": case.templates.shared,
+            "use_cache": getattr(config, "use_cache", None),
             "attention": getattr(config, "_attn_implementation", None),
             "parameters": sum(p.numel() for p in case.templates.dropout.parameters())}
 
@@ -552,14 +620,19 @@ def metadata(setup: Setup) -> dict:
             "peak_bytes": "max_memory_allocated over one step - memory_allocated at its start "
                           "(model, gradients, batch)",
             "kept_bytes": "memory_allocated after forward+loss - at the step's start: kept for the backward",
-            "first_step_s": "wrap + first step, compile included, in this process (earlier modes "
-                            "may have left kernels in the compile caches)",
+            "first_step_s": "wrap + first step, compile included, in this process (earlier modes, or "
+                            "other processes sharing the on-disk caches, may have left kernels there: "
+                            "compile_cached)",
             "memfuse_compile": "memfuse.stats() after the first step",
             "memfuse_compile_s": "memfuse.compile_times() after the first step: seconds per compile stage "
                                  "(docs/debugging.md)",
             "memfuse_per_step": "growth of memfuse.stats() over the later steps, per step",
-            "loss_error": "dropout-free copy: |loss - eager's| / |eager's| on the same weights and tokens",
-            "grad_error": "dropout-free copy: max over parameters of ||g - eager's g|| / "
+            "compile_cache": "the first step's lookups in inductor's FX graph and AOTAutograd caches and "
+                             "memfuse's kernel binaries (GPU); compile_cached: every lookup hit",
+            "checked_on": "the dropout-free model the loss and gradients come from: the timed model's first "
+                          "step where it has no dropout, else a dropout-free copy compiled again",
+            "loss_error": "dropout-free model: |loss - eager's| / |eager's| on the same weights and tokens",
+            "grad_error": "dropout-free model: max over parameters of ||g - eager's g|| / "
                           f"max(||eager's g||, {GRAD_SCALE_FLOOR:g} x the largest ||eager's g||)",
         },
     }

@@ -122,6 +122,12 @@ class Config:
     # is looked at every call, one wait for the GPU a step (slower where steps are paced by the
     # host, as under FSDP2). options={"check_returned_masks": True} under torch.compile.
     check_returned_masks: bool = False
+    # Compile without running (memfuse.check_compiles; MEMFUSE_COMPILE_ONLY=1): every stage runs,
+    # codegen included, but no kernel is launched and none is handed to Triton's compiler (it needs
+    # a GPU); the programs run on fake tensors (FakeTensorMode), allocating, viewing and calling
+    # their externs' fake implementations, so a training step "runs" at any size in seconds. A
+    # compile that fails raises (as in strict mode): there is nothing to fall back for.
+    compile_only: bool = field(default_factory=lambda: _env_flag("MEMFUSE_COMPILE_ONLY"))
 
     def __post_init__(self):
         for name, what in (("loss_head_chunk_bytes", "bytes (a loss head chunk's logits)"),

@@ -35,9 +35,12 @@ COUNTERS = {
     "kernels_loaded": "kernels whose binary precompile loaded from Triton's cache through memfuse's index, "
                       "without Triton's compile (precompile.BinaryIndex)",
     "kernels_launched": "Triton kernel launches (runtime.Program._launch, every call)",
+    "launches_skipped": "kernel launches a compile-only program skipped (Config.compile_only, memfuse.check_compiles)",
     "extern_calls": "extern steps run (matmuls and other aten calls, views)",
     "fallbacks": "ops (capture) and kernel groups (schedule) sent to aten, counted once per compile",
     "graph_fallbacks": "Dynamo graphs the backend could not compile, run through torch instead (once per graph)",
+    "first_run_fallbacks": "compiled programs whose first run (forward or backward) failed: their graph or compile key "
+                           "runs through torch from then on (driver.fallback.first_run_failed)",
     "eager_calls": "calls that ran the original function or module through torch, op by op, instead of a "
                    "compiled program (api.EagerCall: each reason logged once on the fallbacks topic)",
     "graph_captures": "CUDA-graph instances captured (graphs.GraphedFunction, cuda_graphs=True)",

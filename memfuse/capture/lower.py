@@ -205,7 +205,8 @@ class Lowering(ViewRules, ColumnsInRegisters, SumsThroughViews, PermutesOfComput
         attention's query, key, value and gradients, whose last dim stays in place), stays an
         aten view: a strided read is a kernel that copies it, aten reads it where it lies. An
         `aten.view` of it becomes `aten.reshape`, which copies only where the strides need it
-        (attention's output, laid out as its query, needs none). Not a fallback. A reshape (VIEW)
+        (attention's output, laid out as its query, needs none). A custom op (Reads.AS_TRACED) takes
+        a strided view as aten made it, the strides eager hands it. Not a fallback. A reshape (VIEW)
         stays one only for ops registered as reading any strides (memfuse.ir.patterns): a matmul operand's reshape is the producing
         kernel's to write (padding.py)."""
         users = self.graph.users()
@@ -220,7 +221,9 @@ class Lowering(ViewRules, ColumnsInRegisters, SumsThroughViews, PermutesOfComput
                                                    if r.reads is Reads.LAST_DIM_IN_PLACE} \
                     | (RESHAPED_ATEN if strided else set())
             if not readers or name in outputs or any(
-                    r.op is not Op.EXTERN or called_op(r.attr.target) not in in_any_strides for r in readers):
+                    r.op is not Op.EXTERN or (called_op(r.attr.target) not in in_any_strides
+                                              and not (strided and extern_rule(r.attr.target).reads is Reads.AS_TRACED))
+                    for r in readers):
                 continue
             for r in readers:
                 if r.attr.target in RESHAPED_ATEN:

@@ -27,13 +27,14 @@ from typing import Callable, NamedTuple, Optional, Union
 
 import sympy
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from memfuse.base.config import Config
 from memfuse.base.debug import STATS, on_compile, timed, topic_log
 from memfuse.capture import capture, lower_graph
 from memfuse.ir.captured import Captured, Retrace
 from memfuse.driver.fallback import STRICT, EagerCall, StrictModeError, compile_failed
-from memfuse.ir.graph import Graph, GraphError, Symbol, verify
+from memfuse.ir.graph import Graph, Symbol, verify
 from memfuse.patterns.attention import MaskDecision, OutputMasks, returned_masks
 from memfuse.patterns import rewrite_graph
 from memfuse.plan import Plan, plan
@@ -115,38 +116,49 @@ class Compiled:
     function: Union[CompiledFunction, Programs]
     input_names: list
     output_masks: Optional[OutputMasks] = None   # a graph's returned masks, marked by its forward step
+    # a traced function's: the function capture traced, the patterns' wrappers in (the chunked loss
+    # head), returning what the program returns; what a failed first backward recomputes through torch
+    traced: Optional[Callable] = None
 
 
 # -- the driver ------------------------------------------------------------------------------------
 @timed("compile")
 def compile_program(source: Source, config: Config) -> Compiled:
     """Compile `source` into runnable programs: one line per stage (module docstring). Raises
-    where a stage fails; the caller decides what runs instead (compile_or_decide, graph_fallback)."""
+    where a stage fails; the caller decides what runs instead (compile_or_decide, graph_fallback).
+    Outside any FakeTensorMode the caller runs under (a compile-only step's, memfuse.check_compiles):
+    capture traces in a mode of its own, and the stages compute on real values."""
+    with unset_fake_temporarily():
+        return _compile_program(source, config)
+
+
+def _compile_program(source: Source, config: Config) -> Compiled:
     start = time.perf_counter()
     if precompile_enabled(source.device, config):
         start_driver(source.device)        # Triton's driver set-up runs beside the trace
-    captured, output_masks = _capture_with_patterns(source, config)     # capture, patterns
+    captured, output_masks, traced = _capture_with_patterns(source, config)   # capture, patterns
     the_plan = plan(captured, config.memory_budget)                     # plan
     _check(source.name, the_plan, captured, config)                     # verify, strict mode, aten count
     schedules = _schedules(the_plan, config)                            # schedule
     function = _runtime(source, the_plan, captured, schedules, config)  # buffers, codegen, runtime
     precompile([function.forward, function.backward], source.device, config)
-    compiled = Compiled(source.name, captured, the_plan, function, list(source.input_names), output_masks)
+    compiled = Compiled(source.name, captured, the_plan, function, list(source.input_names), output_masks, traced)
     _compiled(source, compiled, time.perf_counter() - start)            # counter, log line, compile hooks
     return compiled
 
 
 def compile_or_decide(source: TracedFunction, config: Config) -> Union[Compiled, EagerCall]:
     """The compiled program, or where compiling fails the decision to run the call through torch
-    (an error in strict mode, chained to the failure). Strict mode's own errors and the IR
-    verifier's (memfuse's bug) are raised as they are."""
+    (an error in strict mode, chained to the failure). Strict mode's own errors are raised as they
+    are. A GraphError (the IR verifier's, a schedule's "cannot read in one space": memfuse's own
+    limit or bug) is a decision like any failure: a loop that runs in eager never sees it."""
     try:
         return compile_program(source, config)
-    except (StrictModeError, GraphError, Retrace):
+    except (StrictModeError, Retrace):
         raise
     except Exception as e:   # noqa: BLE001 -- any failure to compile: the original runs, with the reason
         decision = compile_failed(source.name, e)
-        if config.strict:
+        if config.strict or config.compile_only:     # compile-only: nothing to fall back for
             raise StrictModeError(f"{decision}{STRICT}") from e
         fallback_log.debug("memfuse: %s: compiling failed", source.name, exc_info=e)
         return decision
@@ -192,14 +204,18 @@ def _free_symbols(graph: Graph) -> set:
 # -- patterns: the one place the driver calls the plug-ins (memfuse.patterns) -----------------------
 def _capture_with_patterns(source: Source, config: Config) -> tuple:
     """(the captured graph with what the patterns decided, the marks a graph's forward step puts on
-    the masks it returns). Loss heads: a traced function's are chunked while it is traced
+    the masks it returns, the function a traced function's capture traced last). Loss heads: a traced function's are chunked while it is traced
     (memfuse.patterns.rewrite_graph with trace=); a torch.compile graph's were rewritten in Dynamo's
     graph before AOTAutograd traced it (rewrite_graph of it: the front passes the decisions). Attention masks:
     capture's own decisions, then those of the masks a traced function is passed marked, or a
     graph returns."""
     if isinstance(source, TracedFunction):
-        rewritten = rewrite_graph(source.fn, config, trace=lambda fn: _capture(source, fn),
-                                  returned_logits=source.returned_logits)
+        traced = []
+
+        def trace(fn):
+            traced.append(fn)
+            return _capture(source, fn)
+        rewritten = rewrite_graph(source.fn, config, trace=trace, returned_logits=source.returned_logits)
         captured = rewritten.graph
         masks = [MaskDecision("argument", name, True,
                               f"marked {form} by the backend graph that returned it (memfuse.patterns.attention): traced "
@@ -207,11 +223,11 @@ def _capture_with_patterns(source: Source, config: Config) -> tuple:
                  for name, form in source.marked_inputs]
         return dataclasses.replace(captured, decisions=_with_masks({**captured.decisions, **rewritten.decisions},
                                                                    masks),
-                                   output_hooks=rewritten.output_hooks), None
+                                   output_hooks=rewritten.output_hooks), None, traced[-1]
     captured = _capture(source)
     masks, output_masks = _returned_masks(source, captured.num_fwd_outputs, config)
     return dataclasses.replace(captured, decisions=_with_masks({**captured.decisions, **dict(source.decisions)}, masks),
-                               aten_graph=source.gm), output_masks
+                               aten_graph=source.gm), output_masks, None
 
 
 def _with_masks(decisions: dict, masks: list) -> dict:

@@ -14,6 +14,29 @@ decision is a StrictModeError instead.
 A torch.compile graph whose compile failed, wherever it did (`graph_fallback`): the reason and
 where it was raised, logged and counted when the backend hands the graph back to torch; in strict
 mode a RuntimeError chained to the failure.
+
+A compiled program whose FIRST run fails (`first_run_failed`, `graph_fallback(first_run=...)`):
+Triton compiles a kernel at its first launch, a launch checks its arguments (their device, a
+kernel's limits), an extern checks its own rules (an attention kernel's alignment). Such a failure
+is a compile problem found late: the graph (a FusedFunction's compile key, a torch.compile graph)
+runs through torch from then on, logged and counted (`first_run_fallbacks`); strict mode raises.
+A later run's failure is raised as it is: the program ran before, so the failure is no compile
+problem (a transient error, the caller's input). The rules of the first run, what it may redo:
+- a forward's first run failing: nothing happened that torch could see twice. A program writes
+  only into buffers it allocates, never into its inputs (FusedFunction refuses an input mutation
+  at the trace; AOTAutograd applies a graph's input mutations, BatchNorm's running statistics,
+  after the compiled forward returned), so the call runs again through torch from its inputs.
+- a backward's first run failing: the forward ran memfuse's program and saved memfuse's values
+  (recomputation plan, seeds), which torch cannot read. So until a backward has run once, each
+  forward keeps its inputs (references, checked for in-place changes), and the failed backward
+  recomputes the gradients through torch from them: the traced function again (FusedFunction)
+  or the joint graph AOTAutograd traced (the backend). A graph with random ops (dropout) draws its
+  masks again there: its gradients for that one step are those of torch's masks, not of the masks
+  whose loss the forward returned (documented limit; strict mode raises instead). A traced
+  function is run again as capture traced it (driver.compile.Compiled.traced: the patterns'
+  wrappers in, a chunked loss head's hidden states returned for its logits' own backward), so
+  every output the program returns gets its gradient. On a GPU a kernel Triton refuses fails the compile itself
+  (runtime.precompile), before any forward ran, which leaves launches and externs to this rule.
 """
 from __future__ import annotations
 
@@ -39,7 +62,8 @@ class StrictModeError(NotImplementedError):
 
 
 class UntraceableOutputError(TypeError):
-    """fn returns something other than a tensor or a pytree of tensors and constants."""
+    """fn returns something memfuse.fronts.outputs cannot rebuild: no tensor, an object it cannot see
+    into (no `__dict__`), a symbolic size no returned tensor carries."""
 
 
 @dataclass(frozen=True)
@@ -68,8 +92,8 @@ WAYS_OUT = (
      "write results to new tensors instead of into an argument (x = x * 2, not x.mul_(2)), or leave that "
      "module unfused (a module's buffers written in place are written back after the call)"),
     ((UntraceableOutputError,),
-     f"return a tensor, or a pytree (tuple, list, dict, dataclass) of tensors and constants ({CONSTANT_NAMES}) "
-     f"holding at least one tensor (a HuggingFace model returns its KV cache unless use_cache=False)"),
+     f"return a tensor, or a pytree (tuple, list, dict, dataclass) of tensors, constants ({CONSTANT_NAMES}) and "
+     f"objects whose attributes hold them (memfuse.fronts.outputs), with at least one tensor"),
     ((Exception,), "MEMFUSE_STRICT=1 raises the error with its traceback; if the original runs in eager, "
                    "this is memfuse's limit: please report it"),
 )
@@ -81,6 +105,14 @@ def untraceable_argument(name: str, argument: str, value) -> EagerCall:
               f"a constant ({CONSTANT_NAMES}) or a pytree of them")
     cache = any(c.__name__.endswith("Cache") for c in type(value).__mro__)
     return EagerCall(name, reason, CACHE_WAY_OUT if cache else UNTRACEABLE_WAY_OUT)
+
+
+def mixed_devices(name: str, argument: str, device, expected) -> EagerCall:
+    """A call whose tensor arguments lie on two devices (eager allows a CPU scalar beside GPU
+    tensors); a program launches on one."""
+    return EagerCall(name, f"argument {argument} is on {device}, the other tensor arguments on {expected}: a "
+                           f"compiled program runs on one device",
+                     "pass every tensor argument on one device (a CPU scalar as a Python number, or moved with .to())")
 
 
 def under_transform(name: str) -> EagerCall:
@@ -130,18 +162,38 @@ def say_once(decision: EagerCall) -> None:
         fallback_log.warning("%s (said once per reason)", decision)
 
 
+def first_run_failed(name: str, program: str, error: Exception) -> EagerCall:
+    """The decision for a compiled call whose first `program` run ("forward", "backward") raised
+    `error`: run through torch from now on, for the reason."""
+    message = (str(error).strip().splitlines() or [""])[0].removeprefix("memfuse: ").rstrip(".")
+    return EagerCall(name, f"the compiled program's first {program} run failed in {_failed_stage(error)}: "
+                           f"{type(error).__name__}: {message[:MESSAGE_LIMIT]}", WAYS_OUT[-1][1])
+
+
+def count_first_run_fallback(error: Exception) -> None:
+    """Count a first run's failure, its traceback logged at MEMFUSE_LOG=debug (the decision itself:
+    say_once)."""
+    STATS["first_run_fallbacks"] += 1
+    fallback_log.debug("memfuse: a compiled program's first run failed", exc_info=error)
+
+
 # -- a torch.compile graph --------------------------------------------------------------------------
-def graph_fallback(name: str, error: Exception, strict: bool) -> str:
+def graph_fallback(name: str, error: Exception, strict: bool, first_run: str = "") -> str:
     """The decision for a torch.compile graph whose compile raised `error` (wherever it did:
-    AOTAutograd's trace, the partition, a compiler): the reason (the exception, where it was
-    raised), logged once with the way out and counted (`graph_fallbacks`); in strict mode an
-    error, chained to the failure."""
+    AOTAutograd's trace, the partition, a compiler), or whose program's `first_run` ("forward",
+    "backward") did: the reason (the exception, where it was raised), logged once with the way
+    out and counted (`graph_fallbacks`, and `first_run_fallbacks`); in strict mode an error,
+    chained to the failure."""
     reason = f"{type(error).__name__}: {error} (raised {_raised_at(error)})"
+    if first_run:
+        reason = f"its first {first_run} run failed: {reason}"
     if strict:
-        raise RuntimeError(f"memfuse: could not compile graph {name}: {reason}; strict mode "
+        what = f"run graph {name}" if first_run else f"compile graph {name}"
+        raise RuntimeError(f"memfuse: could not {what}: {reason}; strict mode "
                            f"(MEMFUSE_STRICT=1 / Config.strict) makes this an error, without it "
                            f"the graph runs through torch") from error
     STATS["graph_fallbacks"] += 1
+    STATS["first_run_fallbacks"] += bool(first_run)
     fallback_log.warning("memfuse: graph %s runs through torch (eager), not memfuse: %s. MEMFUSE_STRICT=1 "
                          "raises it with its traceback; MEMFUSE_LOG=debug logs the traceback here", name,
                          reason, exc_info=error if fallback_log.isEnabledFor(logging.DEBUG) else None)

@@ -16,6 +16,7 @@ from a dim of a tensor argument (`SizeSource`). Dynamo owns the guards.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import operator
 from dataclasses import dataclass, field
 from typing import Optional
@@ -23,7 +24,7 @@ from typing import Optional
 import sympy
 import torch
 from torch._guards import CompileContext, detect_fake_mode
-from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 from memfuse.patterns.attention import OutputMasks
 from memfuse.capture import decomposition_table
@@ -85,17 +86,19 @@ def memfuse_backend(gm: torch.fx.GraphModule, example_inputs, *, config: Optiona
         raise                  # Dynamo's own signals (restart the trace, skip the frame), not failures
     except Exception as e:
         return _through_torch(original, record, e, config)
-    return rewritten.attach(compiled)
+    return FirstRunGuard(rewritten.attach(compiled), original, record, config, compilers.first_runs)
 
 
-def _through_torch(gm: torch.fx.GraphModule, record: GraphRecord, error: Exception, config: Config):
-    """A graph memfuse could not compile runs as Dynamo captured it, op by op through torch:
+def _through_torch(gm: torch.fx.GraphModule, record: GraphRecord, error: Exception, config: Config,
+                   first_run: str = ""):
+    """A graph memfuse could not compile (or whose program's `first_run` failed: FirstRunGuard)
+    runs as Dynamo captured it, op by op through torch:
     exactly what eager runs, so it fails only where eager fails, and autograd records each op as
     in eager, so gradients are eager's. Not AOTAutograd again with torch's partition: the failure
     may be AOTAutograd's own trace (with memfuse's decompositions), and a second trace would cost
     a compile for nothing. The decision (logged, counted; in strict mode an error) is the
     driver's: memfuse.driver.fallback.graph_fallback."""
-    record.through_torch = graph_fallback(record.name, error, config.strict)
+    record.through_torch = graph_fallback(record.name, error, config.strict or config.compile_only, first_run)
     run = gm.forward
 
     def through_torch(*args):
@@ -103,6 +106,89 @@ def _through_torch(gm: torch.fx.GraphModule, record: GraphRecord, error: Excepti
             _saw(record)
         return run(*args)
     return torch._dynamo.disable(through_torch)    # Dynamo never traces the fallback itself
+
+
+class FirstRunGuard:
+    """What the backend hands Dynamo for a graph it compiled: the compiled function, whose first
+    call is guarded (memfuse.driver.fallback: the first run's rules). A failure there, or in the
+    first backward (FirstRuns), runs the graph through torch from then on (`_through_torch`); the
+    call whose forward failed runs through torch at once. Every call costs one more Python call."""
+
+    __slots__ = ("run", "compiled", "gm", "record", "config", "first_runs")
+
+    def __init__(self, compiled, gm: torch.fx.GraphModule, record: GraphRecord, config: Config,
+                 first_runs: "FirstRuns"):
+        self.run = self._first_call
+        self.compiled, self.gm, self.record, self.config = compiled, gm, record, config
+        self.first_runs = first_runs
+        first_runs.on_failure = self.fall_back
+
+    def __call__(self, *args):
+        return self.run(*args)
+
+    def _first_call(self, *args):
+        try:
+            outputs = self.compiled(*args)
+        except Exception as error:   # noqa: BLE001 -- the first run's failure: the graph runs through torch
+            return self.fall_back(error, "forward")(*args)
+        if not any(isinstance(a, FakeTensor) for a in args):   # DDPOptimizer's compile-time call proves nothing
+            self.run = self.compiled
+        return outputs
+
+    def fall_back(self, error: Exception, program: str):
+        """From now on the graph runs through torch, for `error` in the first `program` run; the
+        function that runs it so. Once: a later failure finds it decided."""
+        if self.record.through_torch is None:
+            self.run = _through_torch(self.gm, self.record, error, self.config, program)
+            if program == "forward":      # no memfuse backward will run: the forwards kept nothing for one
+                self.first_runs.kept.clear()
+        return self.run
+
+
+class FirstRuns:
+    """A training graph's programs until its backward has run once (memfuse.driver.fallback: the
+    first run's rules). Each forward until then keeps its primals under a ticket (a slot of the
+    context it saves, 0 once the backward is proven); a failed backward computes its gradients
+    through torch: the joint graph AOTAutograd traced (functional: the forward and the gradients,
+    no input written), interpreted on the kept primals and the tangents. At most KEPT forwards are
+    kept (a loop that runs forwards without a backward keeps no more); a backward whose primals
+    were dropped raises its failure."""
+
+    KEPT = 8
+
+    def __init__(self):
+        self.backward_proven = False
+        self.joint: Optional[tuple] = None    # (joint graph, number of forward outputs)
+        self.kept: dict = {}                  # ticket -> the primals a forward ran on
+        self.tickets = itertools.count(1)
+        self.on_failure = None                # FirstRunGuard.fall_back
+
+    def keep(self, args: list) -> int:
+        """The ticket of a forward run on `args` (the primals, kept): 0 once the backward is proven."""
+        if self.backward_proven:
+            return 0
+        ticket = next(self.tickets)
+        self.kept[ticket] = list(args)
+        while len(self.kept) > self.KEPT:
+            del self.kept[next(iter(self.kept))]
+        return ticket
+
+    def proven(self) -> None:
+        self.backward_proven = True
+        self.kept.clear()
+        self.joint = None
+
+    def backward_through_torch(self, error: Exception, ticket: int, tangents: list) -> list:
+        """The gradients of the forward `ticket` through torch, the graph run through torch from now
+        on (an error in strict mode); `error` raised where the primals or the joint graph are gone."""
+        primals = self.kept.pop(ticket, None)
+        if primals is None or self.joint is None or self.on_failure is None:
+            raise error
+        self.on_failure(error, "backward")
+        joint, num_fwd_outputs = self.joint
+        with torch.no_grad():
+            outputs = torch.fx.Interpreter(joint).run(*primals, *tangents, enable_io_processing=False)
+        return list(outputs[num_fwd_outputs:])
 
 
 def _input_names(gm: torch.fx.GraphModule) -> list:
@@ -185,6 +271,7 @@ class _Compilers:
     def __init__(self, config: Config, record: GraphRecord):
         self.config = config
         self.record = record
+        self.first_runs = FirstRuns()
 
     def partition(self, joint: torch.fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **_):
         with unset_fake_temporarily():   # see _Compilers: memfuse computes on real values
@@ -192,16 +279,17 @@ class _Compilers:
 
     def _partition(self, joint: torch.fx.GraphModule, num_primals: int, num_fwd_outputs: int):
         placeholders = joint.graph.find_nodes(op="placeholder")
-        device = _device(placeholders)
+        device = program_device(joint.graph)
         compiled = compile_program(self._source(joint, placeholders[:num_primals], device, num_fwd_outputs), self.config)
+        self.first_runs.joint = (joint, num_fwd_outputs)
         forward, backward = compiled.function
         captured, the_plan = self._compiled(compiled)
         fakes = _Fakes(detect_fake_mode([n.meta.get("val") for n in placeholders]), captured, device)
         saved = [s.name for s in the_plan.saved]
         saved_ints = [captured.joint[n].value.dtype is None for n in saved]
         forward_step = ForwardStep(forward, captured, the_plan.num_fwd_outputs, saved_ints, device,
-                                   masks=compiled.output_masks)
-        backward_step = BackwardStep(backward, captured, saved_ints, device)
+                                   masks=compiled.output_masks, first_runs=self.first_runs)
+        backward_step = BackwardStep(backward, captured, saved_ints, device, self.first_runs)
         fw_module = _forward_module(joint, placeholders[:num_primals], the_plan, saved_ints, forward_step, fakes)
         bw_module = _backward_module(joint, placeholders[num_primals:], the_plan, saved_ints, backward_step, fakes)
         return fw_module, bw_module
@@ -218,7 +306,7 @@ class _Compilers:
 
     def _inference(self, gm: torch.fx.GraphModule):
         placeholders = gm.graph.find_nodes(op="placeholder")
-        device = _device(placeholders)
+        device = program_device(gm.graph)
         compiled = compile_program(self._source(gm, placeholders, device), self.config)
         captured, the_plan = self._compiled(compiled)
         return _boxed(ForwardStep(compiled.function.forward, captured, the_plan.num_fwd_outputs, [], device,
@@ -261,10 +349,25 @@ def _size_sources(primals: list) -> tuple[dict, dict]:
     return sources, hints
 
 
-def _device(placeholders: list) -> torch.device:
-    """Where the program allocates: the accelerator of any tensor argument, else the CPU."""
-    devices = [n.meta["val"].device for n in placeholders if isinstance(n.meta.get("val"), torch.Tensor)]
-    return next((d for d in devices if d.type != "cpu"), torch.device("cpu"))
+def program_device(graph: torch.fx.Graph) -> torch.device:
+    """Where the program allocates and launches: the accelerator of any tensor of the graph, its
+    arguments' and those it makes (`torch.arange(n, device=...)` in a graph that takes no tensor,
+    or no argument at all: transformers' mask built at static sizes), else the CPU. A CPU tensor beside an accelerator
+    is what eager allows: a 0-d tensor (a scalar) or a value only read for sizes. A graph on two
+    accelerators is refused (a compile failure: it runs through torch)."""
+    devices = {_normalized(n.meta["val"].device) for n in graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)}
+    accelerators = sorted((d for d in devices if d.type != "cpu"), key=str)
+    if len(accelerators) > 1:
+        raise NotImplementedError(f"memfuse: the graph computes on several devices ({', '.join(map(str, accelerators))}): "
+                                  f"a program launches on one")
+    return accelerators[0] if accelerators else torch.device("cpu")
+
+
+def _normalized(device: torch.device) -> torch.device:
+    """A device with its index (a fake tensor's `cuda` is the current device)."""
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 # -- the steps AOTAutograd calls ----------------------------------------------------------------
@@ -280,12 +383,15 @@ def _boxed(step, record: Optional[GraphRecord] = None):
 
 
 class ForwardStep(torch.nn.Module):
-    """primals -> (*outputs, *saved tensors, context); context = [seed, *symbols, *saved ints].
+    """primals -> (*outputs, *saved tensors, context); context = [seed, *symbols, *saved ints, ticket]
+    (FirstRuns: the forward's primals kept for a failing first backward, 0 once one succeeded).
     Returned masks built from sizes leave marked with their form (`masks`, memfuse.patterns.attention)."""
 
     def __init__(self, program: Program, captured: Captured, num_outputs: int, saved_ints: list,
-                 device: torch.device, inference: bool = False, masks: Optional[OutputMasks] = None):
+                 device: torch.device, inference: bool = False, masks: Optional[OutputMasks] = None,
+                 first_runs: Optional[FirstRuns] = None):
         super().__init__()
+        self.first_runs = first_runs      # a training graph's: its primals kept until a backward ran
         self.masks = masks
         self.program = program
         self.sources = list(captured.symbols.values())
@@ -294,6 +400,9 @@ class ForwardStep(torch.nn.Module):
         self.saved_ints = saved_ints
         self.device = device
         self.inference = inference
+        # a compile-only program runs under FakeTensorMode: the context is made outside it, a host
+        # tensor whose values the backward step reads
+        self.context = _host_context if program.config.compile_only else _context
 
     def forward(self, *args):
         return self.boxed(list(args))
@@ -302,6 +411,8 @@ class ForwardStep(torch.nn.Module):
         """Runs on `args` and empties it (the program does): a tensor nothing else holds goes after
         its last reader."""
         symbol_values = tuple(source.read(args) for source in self.sources)
+        first_runs = self.first_runs
+        ticket = first_runs.keep(args) if first_runs is not None and not first_runs.backward_proven else 0
         seed = _draw_seed(self.device) if self.has_seed else 0
         if self.has_seed:
             args.append(seed)
@@ -314,18 +425,28 @@ class ForwardStep(torch.nn.Module):
         saved = outs[self.num_outputs:]
         tensors = [v for v, is_int in zip(saved, self.saved_ints) if not is_int]
         ints = [int(v) for v, is_int in zip(saved, self.saved_ints) if is_int]
-        context = torch.tensor([seed, *symbol_values, *ints], dtype=torch.int64)
-        return (*outs[:self.num_outputs], *tensors, context)
+        return (*outs[:self.num_outputs], *tensors, self.context([seed, *symbol_values, *ints, ticket]))
 
     def __deepcopy__(self, memo):
         return self   # compiled kernels are shared, never copied (AOTAutograd deep-copies graphs)
 
 
+def _context(values: list) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def _host_context(values: list) -> torch.Tensor:
+    with unset_fake_temporarily():
+        return torch.tensor(values, dtype=torch.int64)
+
+
 class BackwardStep(torch.nn.Module):
     """(*saved tensors, context, *tangents) -> one gradient (or None) per primal."""
 
-    def __init__(self, program: Program, captured: Captured, saved_ints: list, device: torch.device):
+    def __init__(self, program: Program, captured: Captured, saved_ints: list, device: torch.device,
+                 first_runs: FirstRuns):
         super().__init__()
+        self.first_runs = first_runs
         self.program = program
         self.num_symbols = len(captured.symbols)
         self.has_seed = captured.has_seed
@@ -343,13 +464,22 @@ class BackwardStep(torch.nn.Module):
         references once the node's are cleared) into the program's input list, which the program
         empties: each one goes after its last reader."""
         context = args[self.num_tensors].tolist()
-        symbol_values, ints = tuple(context[1:1 + self.num_symbols]), context[1 + self.num_symbols:]
+        symbol_values, ints = tuple(context[1:1 + self.num_symbols]), context[1 + self.num_symbols:-1]
         inputs = [ints[j] if is_int else args[j] for is_int, j in self.slots]
         if self.has_seed:
             inputs.append(context[0])
-        inputs += args[self.num_tensors + 1:]
+        tangents = args[self.num_tensors + 1:]
+        inputs += tangents
         args.clear()
-        return self.program.run(inputs, symbol_values, self.device)
+        ticket = context[-1]
+        if not ticket:
+            return self.program.run(inputs, symbol_values, self.device)
+        try:                          # a forward run before any backward succeeded (FirstRuns)
+            gradients = self.program.run(inputs, symbol_values, self.device)
+        except Exception as error:   # noqa: BLE001 -- the first run's failure: through torch, from the primals
+            return self.first_runs.backward_through_torch(error, ticket, tangents)
+        self.first_runs.proven()
+        return gradients
 
     def __deepcopy__(self, memo):
         return self
@@ -435,5 +565,5 @@ class _Fakes:
         return self.made[name]
 
     def context(self, saved_ints: list):
-        with self.mode:
-            return torch.empty((1 + len(self.captured.symbols) + sum(saved_ints),), dtype=torch.int64)
+        with self.mode:   # the seed, the symbols, the saved ints, the ticket
+            return torch.empty((2 + len(self.captured.symbols) + sum(saved_ints),), dtype=torch.int64)

@@ -15,21 +15,25 @@ A call memfuse cannot compile runs the original function through torch, op by op
 the decision, its reason and the way out, logged once on the `fallbacks` topic, counted in
 `stats()["eager_calls"]`; strict mode raises instead): an argument it cannot trace (an object the
 call may mutate, such as a KV cache), a functorch transform around the call, or a compile that
-failed (a trace that branches on a tensor's value, a function writing into its input, ...); the
-last is decided once per compile key. An error the original raises then is the user's, as in eager.
+failed (a function writing into its input, ...); the last is decided once per compile key, and
+so is a compiled program whose first run fails, forward or backward (memfuse.driver.fallback: the
+first run's rules). Tensor arguments on two devices run the call through torch too. An error the
+original raises then is the user's, as in eager. A trace that stops where the function reads a
+tensor's value (`if t.any():`, `.item()`) runs the key through torch.compile with memfuse's
+backend instead, split at the read (fronts.split).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
 import logging
-import operator
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import sympy
 import torch
-from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from memfuse.patterns.attention import mask_like, marked_form
 from memfuse.base import torch_private
@@ -37,16 +41,18 @@ from memfuse.base.config import Config
 from memfuse.base.source import Lines
 from memfuse.base.debug import STATS, describe_key_change, topic_log
 from memfuse.driver.compile import TracedFunction, compile_or_decide
-from memfuse.driver.fallback import (STRICT, EagerCall, StrictModeError, UntraceableOutputError, say_once,
-                    under_transform, untraceable_argument)
+from memfuse.driver.fallback import (STRICT, EagerCall, StrictModeError, count_first_run_fallback,
+                                     first_run_failed, mixed_devices, say_once, under_transform,
+                                     untraceable_argument)
 from memfuse.fronts.cuda_graphs import GraphedFunction
+from memfuse.fronts.outputs import CONSTANT_TYPES, key_path, output_tensors
+from memfuse.fronts.split import VALUE_READS, SplitCall, split_call, through_backend
 from memfuse.ir.captured import Retrace
 from memfuse.runtime.function import CompiledFunction
 from memfuse.runtime.program import SIZE_FUNCTIONS
 
 cache_log = topic_log("cache")
 recompile_log = topic_log("recompiles")
-CONSTANT_TYPES = (bool, int, float, type(None), str, torch.dtype)
 LEAF_TYPES = (torch.Tensor, *CONSTANT_TYPES)   # what a traced argument or output is made of
 EXACT_CACHE_SIZE = 4096   # distinct exact argument shapes remembered in the front cache
 
@@ -99,19 +105,68 @@ class FusedFunction:
         entry, tensors = self._lookup(values)
         if isinstance(entry, EagerCall):
             return self.run_eager(entry, values)
+        if not entry.proven:
+            return self._first_run(entry, args, kwargs, values, tensors)
         self._remember(args, kwargs, values, entry)
-        device_type = tensors[0].device.type
-        if torch.is_autocast_enabled(device_type):
-            with torch.autocast(device_type, enabled=False):   # the trace's casts are in the program
-                outputs = entry.function(tensors)
-        else:
-            outputs = entry.function(tensors)
+        return entry.rebuild(_run(entry, tensors))
+
+    def _first_run(self, entry: "_CacheEntry", args: tuple, kwargs: dict, values: list, tensors: list):
+        """A compiled program's first call: where it fails (Triton's compile at the first launch, a
+        launch's checks, an extern's), the call and every later one of its key run through torch
+        (driver.fallback: the first run's rules; strict mode raises). The front cache serves the
+        key only once a call ran."""
+        try:
+            outputs = _run(entry, tensors)
+        except Exception as error:   # noqa: BLE001 -- the first run's failure: the original runs, with the reason
+            decision = self._first_run_failed(entry, "forward", error)
+            return self.run_eager(decision, values)
+        entry.proven = True
+        self._remember(args, kwargs, values, entry)
         return entry.rebuild(outputs)
+
+    def _first_run_failed(self, entry: "_CacheEntry", program: str, error: Exception) -> EagerCall:
+        """The decision to run `entry`'s key through torch from now on (once: a later failure of
+        the same entry finds it made); an error in strict mode, chained to the failure."""
+        decision = first_run_failed(self._name(), program, error)
+        if self.config.strict:
+            raise StrictModeError(f"{decision}{STRICT}") from error
+        if entry.retired is None:
+            entry.retired = decision
+            for table in (self.cache, self.exact):
+                for key, value in table.items():
+                    if value is entry:
+                        table[key] = decision
+            self.fronts.clear()          # the front caches may serve it: rebuilt by the next calls
+            count_first_run_fallback(error)
+        return entry.retired
+
+    def _backward_through_torch(self, entry: "_CacheEntry", eager: Callable, error: Exception, inputs: tuple,
+                                versions: list, grad_outputs: tuple) -> tuple:
+        """The gradients of a call whose first backward program failed, through torch: the original
+        function again on the inputs the forward kept, under autograd (runtime.function._first_backward)."""
+        decision = self._first_run_failed(entry, "backward", error)
+        say_once(decision)
+        changed = [i for i, (t, version) in enumerate(zip(inputs, versions)) if t._version != version]
+        if changed:
+            raise RuntimeError(f"memfuse: {self._name()}: its backward program failed and the gradients would be "
+                               f"recomputed through torch, but tensor inputs {changed} were modified in place since "
+                               f"the forward") from error
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
+            outputs = eager(*leaves)     # the program's outputs: the caller's, then an output hook's
+        pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if g is not None and o.requires_grad]
+        wanted = [leaf for leaf in leaves if leaf.requires_grad]
+        gradients = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
+                         if pairs and wanted else [None] * len(wanted))
+        return tuple(next(gradients) if leaf.requires_grad else None for leaf in leaves)
 
     def run_eager(self, decision: "EagerCall", values: list):
         """Run fn as written on the bound values, op by op through torch: the call `decision` says
-        memfuse cannot compile. Logged once per reason; an error in strict mode."""
-        if self.config.strict:
+        memfuse cannot compile. Logged once per reason; an error in strict mode and compile-only. A
+        call whose trace read a tensor's value runs through torch.compile instead (SplitCall, fronts.split)."""
+        if isinstance(decision, SplitCall):
+            return decision(values)
+        if self.config.strict or self.config.compile_only:
             raise StrictModeError(f"{decision}{STRICT}")
         say_once(decision)
         STATS["eager_calls"] += 1
@@ -171,7 +226,10 @@ class FusedFunction:
         return (torch.is_grad_enabled(), _autocast_now(), tree, *parts)
 
     def _lookup_key(self, flat: "_Flat", tensors: list):
-        key = self._key(flat)
+        try:
+            key = self._key(flat)
+        except _MixedDevices as mixed:   # decided per exact key (it holds each tensor's device)
+            return mixed.decision
         shapes = tuple(t.shape for t in tensors)
         compiled, slot, broken = self._find(key, shapes, tensors)
         if compiled is None:
@@ -281,8 +339,8 @@ class FusedFunction:
                 if device is None:
                     device = v.device
                 elif v.device != device:
-                    raise ValueError(f"memfuse: {self._name()}: argument {self._leaf_name(flat.tree, position)} is on "
-                                     f"{v.device}, expected {device} like the other tensor arguments")
+                    raise _MixedDevices(mixed_devices(self._name(), self._leaf_name(flat.tree, position), v.device,
+                                                      device))
                 shape = v.shape
                 rank = len(shape)
                 if tensor_index < self.static_prefix or isinstance(v, torch.nn.Parameter):
@@ -329,29 +387,46 @@ class FusedFunction:
         run this key through torch."""
         while True:
             rebuilds = []              # how the trace's output is rebuilt from its tensors
+            reads = []                 # reads of a tensor's value that stopped the trace (fronts.split)
             try:
-                compiled = compile_or_decide(self._source(flat, key, rebuilds), self.config)
+                compiled = compile_or_decide(self._source(flat, key, rebuilds, reads), self.config)
                 break
             except Retrace:            # the function returns more now (module.py: buffers written in place)
                 continue
         if isinstance(compiled, EagerCall):
-            return compiled
-        return _CacheEntry(compiled.function, rebuilds[0], flat.tree, compiled.captured, compiled.plan,
-                           input_names=compiled.input_names)
+            if not reads:
+                return compiled
+            split = getattr(self.fn, "split_runner", None)     # a module's (module._ModuleCall)
+            return split_call(self._name(), reads[0],
+                              split(self.config) if split else through_backend(self._call, self.config))
+        entry = _CacheEntry(compiled.function, rebuilds[0], flat.tree, compiled.captured, compiled.plan,
+                            input_names=compiled.input_names)
+        compiled.function.backward_through_torch = functools.partial(
+            self._backward_through_torch, entry, _under_autocast_of(compiled.traced, key))
+        return entry
 
-    def _source(self, flat: "_Flat", key: tuple, rebuilds: list) -> TracedFunction:
+    def _source(self, flat: "_Flat", key: tuple, rebuilds: list, reads: list) -> TracedFunction:
         """What the driver traces: fn on the call's tensors, the other leaves as constants, its
-        output's tensors returned and how to rebuild the output from them appended to `rebuilds`."""
+        output's tensors returned and how to rebuild the output from them appended to `rebuilds`;
+        where fn reads a tensor's value, the error that stops the trace appended to `reads`."""
         positions = [i for i, v in enumerate(flat.leaves) if isinstance(v, torch.Tensor)]
         tensors = [flat.leaves[i] for i in positions]
         # a mask the backend's graph built from sizes and marked (memfuse.patterns.attention): built here again
         marks = {i: marked_form(flat.leaves[i]) for i in positions}
+        # the call's other leaves: no tensor of the compiling call stays alive with the function (a
+        # failed first backward runs it again: Compiled.traced)
+        template, tree = [None if isinstance(v, torch.Tensor) else v for v in flat.leaves], flat.tree
 
         def traced(*tensor_args):
-            leaves = list(flat.leaves)
+            leaves = list(template)
             for i, t in zip(positions, tensor_args):
                 leaves[i] = mask_like(t, marks[i]) if marks[i] else t
-            outputs, rebuild = _output_tensors(self._call(flat.values(leaves)), self._name())
+            try:
+                out = self._call(leaves if tree is None else tree_unflatten(leaves, tree))
+            except VALUE_READS as read:
+                reads.append(read)
+                raise
+            outputs, rebuild = output_tensors(out, self._name())
             rebuilds.append(rebuild)
             return outputs
 
@@ -361,6 +436,28 @@ class FusedFunction:
                               input_names=tuple(self._input_name(flat.tree, i) for i in positions),
                               returned_logits=self.graphs is None,
                               marked_inputs=tuple((self._input_name(flat.tree, i), form) for i, form in marks.items() if form))
+
+
+def _under_autocast_of(fn: Callable, key: tuple) -> Callable:
+    """`fn` run under the autocast state its compile key holds (the trace's: `_key`), wherever it is
+    called from (a backward runs outside the caller's autocast block)."""
+    dtype = next((part[1] for part in key if isinstance(part, tuple) and part[:1] == ("autocast",)), None)
+    device_type = next((part[2].type for part in key if isinstance(part, tuple) and part[:1] == ("T",)), "cpu")
+
+    def under_autocast(*tensors):
+        with torch.autocast(device_type, dtype=dtype) if dtype is not None else contextlib.nullcontext():
+            return fn(*tensors)
+    return under_autocast
+
+
+def _run(entry: "_CacheEntry", tensors: list) -> tuple:
+    """The compiled program's outputs; with autocast off where it is on (the trace's casts are in
+    the program)."""
+    device_type = tensors[0].device.type
+    if torch.is_autocast_enabled(device_type):
+        with torch.autocast(device_type, enabled=False):
+            return entry.function(tensors)
+    return entry.function(tensors)
 
 
 def _layout(t: torch.Tensor):
@@ -571,42 +668,14 @@ def _leaf_path(tree: Optional[TreeSpec], position: int) -> tuple:
         return position, ""
     arguments = [tree_flatten(value) for value in tree_unflatten(list(range(tree.num_leaves)), tree)]
     argument, (numbers, spec) = next((i, a) for i, a in enumerate(arguments) if position in a[0])
-    return argument, _key_path(spec, numbers.index(position))
+    return argument, key_path(spec, numbers.index(position))
 
 
-def _key_path(tree: TreeSpec, index: int) -> str:
-    """The path of leaf `index` in a pytree of this structure, as pytree's keystr writes it."""
-    try:
-        return keystr(tree_flatten_with_path(tree_unflatten(list(range(tree.num_leaves)), tree))[0][index][0])
-    except ValueError:   # a node registered without key paths (flatten_with_keys_fn)
-        return f"<leaf {index}>"
-
-
-def _output_tensors(out: Any, name: str) -> tuple:
-    """(the tensors of fn's output, in order; the function rebuilding the output from them). The
-    output is a tensor or a pytree of tensors and constants with at least one tensor."""
-    if isinstance(out, torch.Tensor):
-        return (out,), _first
-    leaves, tree = tree_flatten(out)
-    for index, leaf in enumerate(leaves):
-        if not isinstance(leaf, LEAF_TYPES):
-            raise UntraceableOutputError(f"{name} returns a {type(leaf).__name__} at output{_key_path(tree, index)}")
-    tensors = tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
-    if not tensors:
-        raise UntraceableOutputError(f"{name} returns no tensor (a {type(out).__name__}): nothing to compile")
-    if type(out) is tuple and len(tensors) == len(out):
-        return tensors, tuple
-    template = [_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-    return tensors, functools.partial(_rebuild, tree, template)
-
-
-def _rebuild(tree: TreeSpec, template: list, tensors) -> Any:
-    it = iter(tensors)
-    return tree_unflatten([next(it) if leaf is _TENSOR else leaf for leaf in template], tree)
-
-
-_first = operator.itemgetter(0)
-_TENSOR = object()   # a tensor's slot among an output's constant leaves
+class _MixedDevices(Exception):
+    """`_key` found tensor arguments on two devices: `decision` runs the call through torch."""
+    def __init__(self, decision: EagerCall):
+        super().__init__(str(decision))
+        self.decision = decision
 
 
 class _Slot:
@@ -625,12 +694,14 @@ class _CacheEntry:
     def __init__(self, function: CompiledFunction, rebuild: Callable, tree: Optional[TreeSpec], captured, plan,
                  input_names=None):
         self.function = function
-        self.rebuild = rebuild                 # the program's output tensors -> fn's output (_output_tensors)
+        self.rebuild = rebuild                 # the program's output tensors -> fn's output (outputs.output_tensors)
         self.tree = tree                       # the arguments' structure, None for a flat call
         self.captured = captured
         self.plan = plan
         self.input_names = input_names or []   # the user's name of each tensor argument, in order
         self.guard_values = None               # tensors -> (guard holds, ...), built at the first check
+        self.proven = False                    # a call ran it (FusedFunction._first_run)
+        self.retired: Optional[EagerCall] = None   # why its key runs through torch since a first run failed
 
     def broken_guard(self, tensors: list) -> str | None:
         """The first of the trace's layout guards (memfuse.capture.lower._guards) these tensors break, or None."""

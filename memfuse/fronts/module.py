@@ -18,12 +18,13 @@ value the walk read is still there (C loops over the submodules' dicts, ~10x che
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import itertools
 import operator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -35,6 +36,7 @@ from memfuse.fronts.function import FusedFunction, _CacheEntry, autocast_state
 from memfuse.ir.captured import MutatedInputError, Retrace
 from memfuse.base.config import Config
 from memfuse.driver.fallback import EagerCall
+from memfuse.fronts.split import through_backend
 
 # Per-instance state of nn.Module that the wrapper takes over from the original, so that
 # everything reading it (state_dict, load_state_dict, named_parameters, _apply) agrees.
@@ -283,6 +285,29 @@ class _ModuleCall:
                 if value is not values[i]:
                     values[i].copy_(value)
         return out
+
+    def split_runner(self, config: Config) -> Callable:
+        """(the values this call takes) -> the output: the module itself through torch.compile with
+        memfuse's backend, where memfuse's trace stopped at a read of a tensor's value (fronts.split).
+        The module's own call, not functional_call: the values' parameters and buffers are its own,
+        and Dynamo is free to break the graph inside its forward. Autocast as the call's, outside the compiled
+        frames."""
+        key, module = self.key, self.module
+
+        def call_module(*args, **kwargs):
+            return module(*args, **kwargs)
+        # a function around the module: torch.compile of a module marks the module itself
+        # (`_is_torch_compile`), a new attribute that would make the next call walk the tree again
+        compiled = through_backend(call_module, config)
+        device_type, enabled, dtype = key.autocast
+
+        def run(values: list):
+            rest = values[len(key.state):]
+            args, kwargs = rest[:key.num_args], dict(zip(key.kwarg_names, rest[key.num_args:]))
+            with torch.autocast(device_type, dtype=dtype, enabled=True, cache_enabled=False) if enabled else \
+                    contextlib.nullcontext():
+                return compiled(*args, **kwargs)
+        return run
 
     def _check_no_mutation(self, values) -> None:
         """While tracing (the values are FunctionalTensors): no argument written in place; a buffer

@@ -4,8 +4,9 @@ the core what it must know about the ops it adds or owns, as Thunder's
 
 Per extern op, one frozen `ExternRule`, looked up with a default (`rule(target)`):
 - `reads`: how the op reads its tensor operands: in memory as they lie (CONTIGUOUS, aten's default),
-  through any strides (ANY_STRIDES: the chunked loss head), or through any strides whose last is 1
-  (LAST_DIM_IN_PLACE: attention). capture keeps a view only such readers read an aten view.
+  through any strides (ANY_STRIDES: the chunked loss head), through any strides whose last is 1
+  (LAST_DIM_IN_PLACE: attention), or in the strides the trace gave them (AS_TRACED: a custom op
+  no pattern registered). capture keeps a view only such readers read an aten view.
 - `implementation`: what a program calls in the op's place (memfuse.runtime.externs): the same
   arguments and results, without the dispatcher's and autograd's wrappers.
 - `in_place`: the op's in-place twin (memfuse.schedule.reinplace): a callable that, given the graph
@@ -37,6 +38,7 @@ class Reads(enum.Enum):
     CONTIGUOUS = "in memory as they lie"              # aten's default: a view may need a copy first
     ANY_STRIDES = "through any strides"
     LAST_DIM_IN_PLACE = "through any strides whose last is 1"
+    AS_TRACED = "in the strides the trace gave them"
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,12 @@ class ExternRule:
 
 
 DEFAULT = ExternRule()
+# A custom op (torch.library, not aten's) no pattern registered: eager hands it its operands as
+# they are (a transposed weight as a transposed view), and torch.compile keeps their exact strides
+# (torch._functorch.config.custom_op_default_layout_constraint, "needs_exact_strides"). Copying such
+# a view to contiguous memory first would cost a kernel that reads and writes all of it (a stack of
+# expert weights per layer, forward and backward) and would hand the op strides eager never does.
+CUSTOM_OP = ExternRule(reads=Reads.AS_TRACED)
 RULES: dict = {}
 
 
@@ -79,8 +87,13 @@ def called_op(target):
 
 
 def rule(target) -> ExternRule:
-    """The registered rule of `target` (or of the op a wrapper target calls), else DEFAULT."""
-    return RULES.get(called_op(target), DEFAULT)
+    """The registered rule of `target` (or of the op a wrapper target calls), else CUSTOM_OP for a
+    custom op, else DEFAULT."""
+    op = called_op(target)
+    if op in RULES:
+        return RULES[op]
+    custom = isinstance(op, torch._ops.OpOverload) and op.namespace not in ("aten", "prim", "prims")
+    return CUSTOM_OP if custom else DEFAULT
 
 
 def reading(how: Reads) -> set:

@@ -76,7 +76,8 @@ class SizeOnlyMask:
         """(mask or None, is_causal) for a call at `sizes`."""
         form = self.forms.get(sizes, False)
         if form is False:
-            form = self.forms[sizes] = mask_form(self.evaluate(*sizes))
+            # built from sizes alone: looked at on real values, also under a compile-only step's FakeTensorMode
+            form = self.forms[sizes] = outside_trace(lambda: mask_form(self.evaluate(*sizes)))
             STATS["attention_masks_checked"] += 1
         if form is None:
             return self.evaluate(*sizes), False
@@ -157,7 +158,8 @@ class InputMask:
         key = (marked, tuple(source.shape), sizes)
         form = self.forms.get(key, False)
         if form is False:
-            form = self.forms[key] = mask_form(self.evaluate(mask_like(source, marked), *sizes))
+            # as SizeOnlyMask.resolve
+            form = self.forms[key] = outside_trace(lambda: mask_form(self.evaluate(mask_like(source, marked), *sizes)))
             STATS["attention_masks_checked"] += 1
         return form
 

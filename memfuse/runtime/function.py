@@ -4,9 +4,10 @@ needed), the autograd.Function that runs them, and the seeds its random ops draw
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from memfuse.base import torch_private
 from memfuse.base.config import Config
@@ -48,6 +49,11 @@ class CompiledFunction:
         self.num_user_outputs = self.num_fwd_outputs - sum(h.extra_outputs for h in self.output_hooks)
         if self.output_hooks:
             self.apply = self._with_output_hooks
+        # Until a backward has run once (memfuse.driver.fallback: the first run's rules), each forward
+        # keeps its inputs, and a failed backward asks the front for the gradients through torch:
+        # `backward_through_torch(error, inputs, their versions, grad_outputs) -> one gradient per input`.
+        self.backward_proven = self.backward is None
+        self.backward_through_torch: Optional[Callable] = None
 
     def run_forward(self, inputs) -> tuple:
         """(outputs, size values, seed input, device) of a forward run on the tensor inputs. The
@@ -98,7 +104,10 @@ def _draw_seed(device: torch.device) -> int:
 
 
 def _cpu_seed() -> int:
-    return int(torch.randint(0, SEED_LIMIT, (), dtype=torch.int64))
+    """From torch's CPU generator, outside any FakeTensorMode (a compile-only run's programs run
+    under one, where a drawn tensor would have no value to read)."""
+    with unset_fake_temporarily():
+        return int(torch.randint(0, SEED_LIMIT, (), dtype=torch.int64))
 
 
 def philox_seed_draw(generator) -> Callable[[], int]:
@@ -134,6 +143,8 @@ class _MemfuseFunction(torch.autograd.Function):
         # the backward's run: one attribute, not five; which program variant (Program.run_unhooked)
         # as autograd's SavedVariable decides whether to pack through a default hook
         ctx.call = (compiled, symbol_values, seed, device, _saved_tensors_hooks(False) is None)
+        if not compiled.backward_proven:     # for a first backward that fails (_first_backward)
+            ctx.first_inputs = (inputs, [t._version for t in inputs])
         if compiled.non_differentiable:
             ctx.mark_non_differentiable(*[outs[i] for i in compiled.non_differentiable])
             ctx._materialize_non_diff_grads = False   # the backward drops their gradients: no zeros made
@@ -150,7 +161,27 @@ class _MemfuseFunction(torch.autograd.Function):
         inputs = [*ctx.saved_tensors, *seed, *tangents]
         ctx.maybe_clear_saved_tensors()
         run = compiled.backward.run_unhooked if unhooked else compiled.backward.run
+        if not compiled.backward_proven:
+            return (None, *_first_backward(ctx, compiled, run, inputs, symbol_values, device, grad_outputs))
         return (None, *run(inputs, symbol_values, device))
+
+
+def _first_backward(ctx, compiled: CompiledFunction, run: Callable, inputs: list, symbol_values: tuple, device,
+                    grad_outputs: tuple):
+    """A backward program's run until one succeeded. A failure recomputes the gradients through
+    torch from the inputs this call's forward kept, where the front gave a way to
+    (`backward_through_torch`); else it is raised. What the forward saved is memfuse's (a
+    recomputation plan, a seed): torch cannot take over from it."""
+    try:
+        gradients = run(inputs, symbol_values, device)
+    except Exception as error:   # noqa: BLE001 -- the first run's failure: the front decides (driver.fallback)
+        through_torch = compiled.backward_through_torch
+        kept = getattr(ctx, "first_inputs", None)
+        if through_torch is None or kept is None:
+            raise
+        return through_torch(error, *kept, grad_outputs)
+    compiled.backward_proven = True
+    return gradients
 
 
 

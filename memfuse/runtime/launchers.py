@@ -59,6 +59,7 @@ class KernelLaunch:
         self.record = False              # keep the last call's arguments (benchmarks/tune.py)
         self.recorded = None
         self.direct: dict = {}           # device -> DirectLaunch, once compiled there for aligned inputs
+        self.checked: set = set()        # devices whose first launch checked its arguments' devices
 
     def __call__(self, device: torch.device, rows: Optional[int], pointers: Optional[tuple], values: tuple):
         """Launch on `values`, the kernel's value arguments (inputs, scalars, outputs and column
@@ -96,7 +97,11 @@ class KernelLaunch:
 
     def _launch(self, device: torch.device, rows: Optional[int], aligned: bool, values: tuple):
         """The general path: the first call on a device, the interpreter, unaligned inputs, launch
-        hooks, a recorded call; a compiled aligned launch on a GPU sets up the direct one."""
+        hooks, a recorded call; a compiled aligned launch on a GPU sets up the direct one. The first
+        launch on a device checks that every tensor argument lies there (check_devices)."""
+        if device not in self.checked:
+            check_devices(self.kernel, device, values)
+            self.checked.add(device)
         grid = self.grids.get(device)
         if grid is None or grid[0] is not self.configs.get(device):
             grid = self._grid(device)
@@ -202,6 +207,41 @@ class KernelLaunch:
         if counter is None:
             counter = self._counters[device] = torch.zeros(1 + FINISH_GROUPS_MAX, dtype=torch.int32, device=device)
         return counter
+
+
+class KernelDeviceError(ValueError):
+    """A kernel argument is a tensor on another device than the one its program launches on."""
+
+
+# arguments KernelLaunch appends itself (on the launch device), after the value arguments
+APPENDED_ROLES = ("partials", "counter", "rows", "tiles")
+
+
+def check_devices(kernel: CompiledKernel, device: torch.device, values: tuple) -> None:
+    """Every tensor among a launch's value arguments lies on `device`: Triton would read a CPU
+    tensor's address as a GPU pointer ("cannot be accessed from Triton (cpu tensor?)") and an
+    interpreted kernel a GPU tensor's as a host one. Checked at a kernel's first launch on a
+    device: a program hands a kernel the same values every call (its inputs, checked by the
+    compile key or by autograd, and what it allocates on its device), so one launch proves it."""
+    names = [a.name for a in kernel.source.args if a.role not in APPENDED_ROLES]
+    for name, value in zip(names, values):
+        if isinstance(value, torch.Tensor) and not _same_device(value.device, device):
+            raise KernelDeviceError(
+                f"memfuse: kernel {kernel.source.name}: argument {name} is a tensor on {value.device}, but the "
+                f"program launches on {device}: memfuse chose the wrong device for this value (please report it)")
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index == b.index or a.index is None or b.index is None)
+
+
+class SkippedLaunch(KernelLaunch):
+    """A generated kernel that a compile-only program (Config.compile_only) does not launch: the
+    kernel is generated and loaded as for a launch, its outputs are allocated by the program (fake
+    tensors under FakeTensorMode), and a call only counts itself (`launches_skipped`)."""
+
+    def __call__(self, device: torch.device, rows: Optional[int], pointers: Optional[tuple], values: tuple):
+        STATS["launches_skipped"] += 1
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,8 +9,10 @@ of the process. On a GPU memfuse starts both earlier:
   forward and the backward program is compiled and loaded in a pool of threads, each through
   Triton's own `JITFunction.warmup` with the argument types the launch will pass, so the first
   launch finds it in Triton's kernel cache. It returns once all are built: nothing races the
-  launches, and a kernel that fails to compile here is compiled (and fails) again at its launch,
-  with Triton's error there.
+  launches. A kernel Triton refuses to compile (`CompilationError`) fails the compile here
+  (`KernelCompileError`), before the first run: the graph runs through torch before a forward
+  saved anything a backward would need. Any other failure (a set-up, a warm-up API) is logged,
+  and the kernel compiles at its first launch, where the first run's guard catches a failure.
 
 With a warm disk cache a kernel skips Triton's `compile` altogether: `BinaryIndex` remembers,
 per generated kernel, launch configuration and GPU, where in Triton's cache its binary lies (the
@@ -40,6 +42,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from triton.compiler.errors import CompilationError
 
 from memfuse.base.config import Config
 from memfuse.base.debug import STATS, timed
@@ -49,6 +52,12 @@ from memfuse.runtime.launchers import KernelLaunch
 from memfuse.codegen.tuning import LaunchConfig
 
 log = logging.getLogger("memfuse.kernels")
+
+
+class KernelCompileError(RuntimeError):
+    """Triton refused to compile a generated kernel (precompile, before the program's first run)."""
+
+
 MAX_THREADS = 4           # kernels compiled at once (a program pair has 1-6 kernels)
 MOCK_INT = 2              # any int32 value: every scalar is do_not_specialize, only its width counts
 TRITON_KEY_TIMEOUT_S = 60
@@ -60,7 +69,7 @@ _lock = threading.RLock()
 
 
 def enabled(device: torch.device, config: Config) -> bool:
-    return config.precompile and device.type == "cuda"
+    return config.precompile and not config.compile_only and device.type == "cuda"
 
 
 def start_driver(device: torch.device) -> Future:
@@ -97,6 +106,10 @@ def precompile(programs: list, device: torch.device, config: Config, *, force: b
     for key, future in futures.items():
         (_, first), *twins = by_binary[key]
         error = future.exception()
+        if isinstance(error, CompilationError):   # its launch would fail alike: the compile fails now
+            message = (str(error).strip().splitlines() or [""])[-1]
+            raise KernelCompileError(f"memfuse: kernel {first.group.name} does not compile with Triton: "
+                                     f"{message}") from error
         if error is not None:
             log.info("memfuse: precompiling %s failed (%s: %s); it compiles at its first launch",
                      first.group.name, type(error).__name__, error)

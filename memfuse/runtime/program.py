@@ -25,7 +25,7 @@ from memfuse.ir.graph import Op, ValueRef
 from memfuse.ir.views import VIEW_TARGETS, Layout, contiguous, view_layout
 from memfuse.runtime.aten_groups import AtenGroup
 from memfuse.runtime.externs import substitute
-from memfuse.runtime.launchers import KernelLaunch
+from memfuse.runtime.launchers import KernelLaunch, SkippedLaunch
 from memfuse.schedule.steps import ExternStep, KernelGroup, Schedule
 
 
@@ -83,6 +83,15 @@ class Program:
         self.source, self.run = _ProgramWriter(self, self.device_inputs).write()
         self.source_unhooked, self.run_unhooked = (self.source, self.run) if not saved_inputs else \
             _ProgramWriter(self, self.device_inputs | frozenset(saved_inputs)).write()
+        self.runs = 0        # calls of a compile-only program (memfuse.check_compiles reports them)
+        if config.compile_only:
+            self.run, self.run_unhooked = self._counted(self.run), self._counted(self.run_unhooked)
+
+    def _counted(self, run: Callable) -> Callable:
+        def counted_run(inputs, sizes, device):
+            self.runs += 1
+            return run(inputs, sizes, device)
+        return counted_run
 
     def _shape_fn(self, name: str) -> Callable:
         return _size_fn(self.graph[name].value.shape, self.symbols)
@@ -100,7 +109,7 @@ class Program:
             return AtenGroup(g, step, rows, shapes, views)
         kernel = generate(g, step, self.config)
         STATS["kernels_generated"] += 1
-        return KernelLaunch(step, kernel, self.config)
+        return (SkippedLaunch if self.config.compile_only else KernelLaunch)(step, kernel, self.config)
 
 
 class _ProgramWriter:
@@ -113,11 +122,11 @@ class _ProgramWriter:
         self.graph = program.graph
         self.sizes = {s: sympy.Symbol(f"mf_s{i}") for i, s in enumerate(program.symbols)}
         self.printed: dict = {}      # size expression -> its Python text (`expr`)
-        # (the math that _SIZE_PRINTER writes: floor(s0/2) for a view(2, -1, D))
+        # (the math that _SIZE_PRINTER writes: mf_floor(mf_s0/2) for a view(2, -1, D))
         self.namespace: dict = {"mf_allocators": _ALLOCATORS, "mf_allocator": _allocator, "mf_STATS": STATS,
                                 "mf_reinterpret": _reinterpret, "mf_check_view": _check_view, "torch": torch,
                                 "mf_in_layout": _in_layout,
-                                "floor": math.floor, "ceil": math.ceil, "copysign": math.copysign}
+                                "mf_floor": math.floor, "mf_ceil": math.ceil, "mf_copysign": math.copysign}
         self.out = Lines()
         self.plan = program.buffers
         # values memfuse allocates (aligned, contiguous)
@@ -130,6 +139,8 @@ class _ProgramWriter:
         # local -> (Layout, None or the local flag it holds under): what views of it are made from
         self.layouts: dict = {v: (contiguous(self.graph[v].value.shape), None) for v in program.contiguous_inputs}
         self.extern_calls = 0
+        if program.config.compile_only:
+            self.namespace.update(COMPILE_ONLY_NAMESPACE)
 
     @timed("program")
     def write(self) -> tuple:
@@ -356,7 +367,7 @@ class _ProgramWriter:
             elif method is not None and not node.attr.kwargs:
                 call = f"{args[0]}.{method}({', '.join(args[1:])})"
             else:
-                call = f"{self.bind(substitute(node.attr.target), 'aten')}({', '.join(args)})"
+                call = f"{self.bind(self.implementation(node.attr.target), 'aten')}({', '.join(args)})"
             if node.attr.target in VIEW_TARGETS and not node.attr.kwargs and isinstance(node.attr.args[0], ValueRef):
                 self.view(name, node.attr.args[0].name, node.attr.target, node.attr.args[1:], call)
             else:
@@ -364,6 +375,12 @@ class _ProgramWriter:
                 if node.attr.target in MATMULS:    # a fresh row-major tensor
                     self.layouts[name] = (contiguous(node.value.shape), None)
             self.extern_calls += 1         # counted once a run, at its end (one line, not one a call)
+
+    def implementation(self, target):
+        """What an extern step calls: the target's substitute or registered implementation
+        (runtime.externs), or, in a compile-only program, the target itself, through the
+        dispatcher to its fake implementation (memfuse's own ops launch Triton kernels)."""
+        return target if self.program.config.compile_only else substitute(target)
 
     def view(self, name: str, source: str, target, args: tuple, call: str) -> None:
         """An extern view: made from its source's memory by strides (`mf_reinterpret`) where the
@@ -429,7 +446,16 @@ TENSOR_METHODS = {
 }
 
 
-_SIZE_PRINTER = LambdaPrinter({"allow_unknown_functions": True, "fully_qualified_modules": False, "inline": True})
+class _SizePrinter(LambdaPrinter):
+    """Size expressions as Python calling the math functions the program binds under `mf_` names
+    (`mf_floor(mf_s0/2)`): a value of the program may have a math function's name (an aten.floor
+    node is `floor`), and a local of that name would shadow the function in the whole program."""
+
+    def _module_format(self, fqn: str, register: bool = True) -> str:
+        return "mf_" + super()._module_format(fqn, register)
+
+
+_SIZE_PRINTER = _SizePrinter({"allow_unknown_functions": True, "fully_qualified_modules": False, "inline": True})
 
 
 _ALLOCATORS: dict = {}   # device -> (sizes, strides, dtype) -> an uninitialized tensor there
@@ -476,3 +502,17 @@ def _check_view(name: str, made: torch.Tensor, expected: torch.Tensor) -> None:
 
 # (tensor, sizes, strides, offset) -> a tensor over its memory: inductor's, else a view
 _reinterpret = torch_private.reinterpret_tensor
+
+
+def _dispatched_allocator(device: torch.device) -> Callable:
+    """torch.empty_strided through the dispatcher, so that FakeTensorMode sees it."""
+    def allocate(sizes, strides, dtype):
+        return torch.empty_strided(sizes, strides, dtype=dtype, device=device)
+    return allocate
+
+
+# A compile-only program (Config.compile_only) runs on fake tensors: its allocations and views go
+# through the dispatcher, where FakeTensorMode makes fakes; inductor's allocator and reinterpret
+# (torch_private) are C++ calls past it that would allocate real memory or lose the fake.
+COMPILE_ONLY_NAMESPACE = {"mf_allocators": {}, "mf_allocator": _dispatched_allocator,
+                          "mf_reinterpret": torch_private.as_strided_at}

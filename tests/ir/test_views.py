@@ -132,6 +132,17 @@ def test_a_size_inferred_by_minus_one_is_evaluated_per_call():
     assert_same(both.fused_grads, both.eager_grads, what="gradient")
 
 
+def test_a_value_named_like_a_size_function_leaves_the_size_its_function():
+    """A value named `floor` (aten.floor, stochastic depth's mask) beside the size floor(s0 / 2):
+    the program's local `floor` shadowed math.floor there (UnboundLocalError)."""
+    def fn(x):
+        keep = (x + 0.5).floor()
+        return x.view(2, -1, 8).transpose(0, 1) * 2 + keep.view(2, -1, 8).transpose(0, 1)
+    both = run_both(fn, [torch.randn(6, 8, requires_grad=True)])
+    assert_same(both.fused, both.eager)
+    assert_same(both.fused_grads, both.eager_grads, what="gradient")
+
+
 def test_one_compile_serves_every_leading_size():
     def fn(x, y):
         return torch.cat([x.permute(1, 0, 2), y], -1)[..., 4:].sin()

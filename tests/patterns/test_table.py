@@ -48,7 +48,8 @@ def test_a_wrapper_target_keeps_the_rules_of_the_op_it_calls():
 
 
 def test_the_patterns_register_their_capture_hooks_and_report_sections():
-    assert "attention_masks" in HOOKS and list(SECTIONS) == ["attention_masks", "loss_heads"]
+    assert {"attention_masks", "custom_backwards"} <= set(HOOKS)
+    assert list(SECTIONS) == ["attention_masks", "custom_backwards", "loss_heads"]
     assert {"loss_heads_chunked", "attention_masks_dropped"} <= set(memfuse.stats())
 
 

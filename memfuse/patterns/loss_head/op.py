@@ -514,6 +514,14 @@ def _in_place_backward(name: str, hidden_written: bool):
                            hidden_in_place=hidden_written and hidden_unit.dtype == hidden.dtype)
 
     torch.library.impl(f"memfuse::{name}", "CompositeExplicitAutograd")(implementation)
+
+    def fake(loss_gradient, logits_gradient, hidden, weight, bias, target, log_sum_exp, hidden_unit, weight_unit,
+             bias_unit, ignore_index, reduction, label_smoothing, dtype, chunk_bytes, transform=""):
+        """The results on fake tensors (a compile-only program runs the op on them): the units
+        written in place, as the schema says, and a new hidden-states gradient where it is not."""
+        return hidden_unit if hidden_written else hidden.new_empty(hidden.shape), weight_unit, bias_unit
+
+    torch.library.register_fake(f"memfuse::{name}")(fake)
     return implementation
 
 
