@@ -19,6 +19,7 @@ value the walk read is still there (C loops over the submodules' dicts, ~10x che
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import itertools
 import operator
@@ -58,9 +59,77 @@ class CallKey:
     kwarg_names: tuple
 
 
+class BoundForward:
+    """`fused_module.forward`: calls the fused forward and shows the original forward's signature,
+    as wrappers do (`inspect.signature`: HuggingFace Trainer keeps only the dataset columns the
+    forward names). A plain object, not a closure: deepcopy and pickle copy it with its module."""
+
+    __name__ = "forward"
+
+    def __init__(self, module: "FusedModule"):
+        self.__self__ = module
+
+    def __call__(self, *args, **kwargs):
+        return self.__self__._fused_forward(*args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(self.__self__.original.forward)
+
+    @property
+    def __doc__(self) -> "str | None":
+        return self.__self__.original.forward.__doc__
+
+
+class ForwardWithSignature:
+    """The class attribute `forward` of a FusedModule class: on an instance, binds a BoundForward
+    on first read and keeps it in the instance's __dict__, which later reads find first (no
+    descriptor per call; an assignment, `model.forward = ...` as accelerate's autocast does,
+    replaces it). On the class, a function with the signature of the wrapped class's forward:
+    clients read the class too (Trainer's `find_labels(type(model))`, `can_return_loss`)."""
+
+    def __init__(self, wrapped: "type | None" = None):
+        self.wrapped = wrapped
+        self.function = None
+
+    def __get__(self, module, owner=None):
+        if module is not None:
+            bound = module.__dict__["forward"] = BoundForward(module)
+            return bound
+        if self.function is None:
+            def forward(module, *args, **kwargs):
+                return module._fused_forward(*args, **kwargs)
+            forward.__qualname__ = f"{owner.__qualname__}.forward"
+            if self.wrapped is not None:
+                forward.__signature__ = inspect.signature(self.wrapped.forward)
+                forward.__doc__ = self.wrapped.forward.__doc__
+            self.function = forward
+        return self.function
+
+
+@functools.lru_cache(maxsize=None)
+def fused_class(wrapped: type) -> type:
+    """The FusedModule subclass for a wrapped module's class: named after it, `forward` with its
+    signature on the class (what clients that inspect `type(model)` read)."""
+    return type(f"Fused{wrapped.__name__}", (FusedModule,),
+                {"forward": ForwardWithSignature(wrapped), "__module__": __name__,
+                 "__qualname__": f"Fused{wrapped.__qualname__}", "__doc__": FusedModule.__doc__})
+
+
+def _new_fused(wrapped: type) -> "FusedModule":
+    """Unpickling and deepcopy: an empty instance of `fused_class(wrapped)`, whose state is set
+    next (a class made at run time is not importable by name)."""
+    return nn.Module.__new__(fused_class(wrapped))
+
+
 class FusedModule(nn.Module):
     """`memory_efficient_fusion(module)`: the same parameters, buffers and state_dict keys as
     `module`, a fused forward and backward. Read the original through `.original`."""
+
+    def __new__(cls, module: "nn.Module | None" = None, *args, **kwargs):
+        if cls is FusedModule and module is not None:
+            cls = fused_class(type(module))
+        return super().__new__(cls)
 
     def __init__(self, module: nn.Module, config: Config, *, cuda_graphs: bool = False):
         super().__init__()
@@ -80,7 +149,7 @@ class FusedModule(nn.Module):
         return self.__dict__["_memfuse_original"]
 
     @torch.compiler.disable   # inside torch.compile: a graph break around the fused call
-    def forward(self, *args, **kwargs):
+    def _fused_forward(self, *args, **kwargs):
         call, values, device = self._call_for(args, kwargs)
         if call.key.autocast[1]:
             # The trace ran under autocast and holds its casts; the compiled steps must not be
@@ -88,6 +157,8 @@ class FusedModule(nn.Module):
             with torch.autocast(device.type, enabled=False):
                 return call.write_back(call.fused(*values), values)
         return call.write_back(call.fused(*values), values)
+
+    forward = ForwardWithSignature()
 
     def compiled_for(self, *args, **kwargs) -> "_CacheEntry | EagerCall":
         """The compiled program (cache entry) a call with these arguments runs, compiled if it is
@@ -148,7 +219,14 @@ class FusedModule(nn.Module):
         state = dict(self.__dict__)
         state["_memfuse_calls"] = {}     # compiled programs are rebuilt on first use, never copied
         state["_memfuse_watch"] = None
+        if isinstance(state.get("forward"), BoundForward):   # bound to this instance: a copy binds its own
+            del state["forward"]
         return state
+
+    def __reduce_ex__(self, protocol):
+        if type(self) is not fused_class(type(self.original)):   # a class made from it (FSDP2's): importable or not, as made
+            return super().__reduce_ex__(protocol)
+        return _new_fused, (type(self.original),), self.__getstate__()
 
     def _get_name(self) -> str:
         return f"memfuse.Fused[{self.original._get_name()}]"
