@@ -7,8 +7,8 @@ from typing import Optional
 import torch
 
 from memfuse.base.source import Lines
-from memfuse.codegen.emit import is_simple, paren, plus, times
-from memfuse.ir.graph import Kind, Node, ValueRef
+from memfuse.codegen.emit import is_simple, literal, paren, plus, times
+from memfuse.ir.graph import Kind, Node, Op, ValueRef
 from memfuse.ir.ops import TRITON_DTYPES, accumulate_dtype, compute_dtype
 
 
@@ -61,7 +61,15 @@ class StridedReads:
             self.summed_loads(out, node, root_strides, mask)
         else:
             to = "" if node.value.dtype == torch.bool else f".to({TRITON_DTYPES[compute_dtype(node.value.dtype)]})"
-            out(f"{v} = tl.load({root}_ptr + {v}_offsets, mask={mask}, other=0){to}")
+            source = self.graph[root]
+            if source.op in (Op.SYMBOL, Op.CONSTANT):
+                # a scalar the kernel takes by value (a size expression, a constant: BEiT's
+                # relative-position index scatters `num_relative_distance - 3` into a table):
+                # nothing in memory to load, the view is the scalar at every position
+                scalar = literal(source.attr.value) if source.op is Op.CONSTANT else self.reg(root)
+                out(f"{v} = ({v}_offsets * 0 + {scalar}){to}")
+            else:
+                out(f"{v} = tl.load({root}_ptr + {v}_offsets, mask={mask}, other=0){to}")
         if inside is not None:
             fallback = self.operand(node.inputs[1], kind, compute_dtype(node.value.dtype), node.value.dtype)
             out(f"{v} = tl.where({inside}, {v}, {fallback})")

@@ -529,3 +529,24 @@ def test_a_cast_of_an_integer_constant_is_a_tensor_cast():
     fused = memfuse.memory_efficient_fusion(divided_by_root_width)
     assert not isinstance(fused.compiled_for(x), EagerCall)
     torch.testing.assert_close(fused(x), divided_by_root_width(x))
+
+
+def size_scattered_into_a_table(x: torch.Tensor) -> torch.Tensor:
+    """BEiT's relative-position index: sizes written into a table's first row and column."""
+    m = x.shape[0]
+    table = torch.zeros(m, m, dtype=torch.long)
+    table[0, 0:] = m - 3
+    table[0:, 0] = m - 2
+    return (x * table.sum(-1, keepdim=True).float()).sum(-1)
+
+
+def test_a_view_of_a_size_expression_is_the_scalar_not_a_load():
+    """A strided read whose root is a size expression (a scalar the kernel takes by value) reads
+    the scalar: the kernel loaded from `sub_ptr`, which it has no argument for (NameError at the
+    first launch: the call ran through torch)."""
+    fused = memfuse.memory_efficient_fusion(size_scattered_into_a_table)
+    for m in (6, 9):
+        x = torch.randn(m, 8)
+        torch.testing.assert_close(fused(x), size_scattered_into_a_table(x))
+    stats = memfuse.stats()
+    assert stats["eager_calls"] == 0 and stats["first_run_fallbacks"] == 0, stats
