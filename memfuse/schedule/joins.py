@@ -140,6 +140,8 @@ def _joinable_after(graph: Graph, steps: list, k: int, in_readers: set):
             n in graph[r].inputs and not reads_from_memory(graph, r, n) for r in second.nodes)} if joinable else set()
         if joinable and k in reads and k in steps_read(graph, second, owner, skip=direct):
             joinable = False                 # it reads the first one's results from memory too
+        if joinable and any(reads_from_memory(graph, r, n) for r in second.nodes for n in in_registers):
+            joinable = False                 # a view reads one in memory: the joint kernel would compute it too late
         shared = _shared_input(graph, first, second, in_readers) if joinable else None
         if joinable and (shared is not None or direct):
             return j, shared, direct, after

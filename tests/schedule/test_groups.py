@@ -601,3 +601,20 @@ def test_autocasts_bias_gradients_leave_their_kernels_in_fp32():
     for g, want in zip(got, torch.autograd.grad(_autocast_mlp(*args), args, grad)):
         assert g.dtype == want.dtype == torch.float32
         torch.testing.assert_close(g, want, rtol=2e-2, atol=2e-2)
+
+
+def clipped_plus_its_first_row(x: torch.Tensor) -> torch.Tensor:
+    """A value read in registers and, through a view (its first row), from memory by one kernel."""
+    t = torch.where(x > 0, x, x * 0.5)
+    return t * 2 + t[0][None, :]
+
+
+def test_a_kernel_reading_a_value_through_a_view_does_not_join_its_producer():
+    """The kernel that computes `t` stays before the one that reads `t[0]` from memory: joined, the
+    reader computed `t` in registers but read the view from a buffer never written (NameError at
+    the first run: BEiT's relative-position table wrapped layer by layer)."""
+    fused = memfuse.memory_efficient_fusion(clipped_plus_its_first_row)
+    x = torch.randn(17, 17)
+    torch.testing.assert_close(fused(x), clipped_plus_its_first_row(x))
+    stats = memfuse.stats()
+    assert stats["eager_calls"] == 0 and stats["first_run_fallbacks"] == 0, stats
