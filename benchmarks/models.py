@@ -34,7 +34,7 @@ import torch  # noqa: E402
 from benchmarks.lib.hf_models import (ALL_MODES, BASELINE_MODE, DEFAULT_OUT, ERROR_CHARS, FAMILIES,  # noqa: E402
                                       GPU_SETTINGS, MB, MODES, TINY_BANNER, TINY_MODES, TINY_SETTINGS, Setup,
                                       _names, json_path, load_results, metadata, report_stem, run_model)
-from benchmarks.lib.report import MISSING, _fmt, _markdown, _table  # noqa: E402
+from benchmarks.lib.report import MISSING, _fmt, _markdown, _table, write_report_files  # noqa: E402
 
 
 # -- the report -----------------------------------------------------------------------------------
@@ -147,12 +147,8 @@ def write_report(out_dir: Path, tiny: bool, charts: Path | None = None) -> None:
     heading = "HuggingFace models: one training step (forward, loss, backward)"
     if tiny:
         heading += " -- TINY RUN on CPU through the Triton interpreter: not a performance result"
-    stem.with_suffix(".md").write_text(f"## {heading}\n\n{render(results, markdown=True)}\n")
-    print(f"\nwrote {stem.with_suffix('.md')}")
-    print(write_chart(results, stem.with_suffix(".png")))
-    if charts is not None:
-        charts.mkdir(parents=True, exist_ok=True)
-        print(write_chart(results, charts / f"{stem.name}.png"))
+    write_report_files(stem, f"## {heading}\n\n{render(results, markdown=True)}\n",
+                       lambda path: write_chart(results, path), charts)
 
 
 # -- the command ----------------------------------------------------------------------------------

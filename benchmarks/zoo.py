@@ -74,7 +74,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 import torch  # noqa: E402
 
 from benchmarks.lib import hf_models as models  # noqa: E402  (sets TRITON_INTERPRET for --tiny before triton loads)
-from benchmarks.lib.report import MISSING, _fmt, _markdown, _table  # noqa: E402
+from benchmarks.lib.report import _fmt, _markdown, _table, write_report_files  # noqa: E402
 from benchmarks.lib.zoo import KIND, ZOO  # noqa: E402
 
 MODES = ("eager", "torch_compile", "memfuse_backend", "memfuse_whole")
@@ -650,12 +650,7 @@ def write_report(out_dir: Path, tiny: bool, charts: Path | None = None) -> None:
              f"{meta['device']}, torch {meta['torch']}, triton {meta.get('triton')}, transformers "
              f"{meta.get('transformers')}, {meta['precision']}, {meta['date']}", "", how_made(results), "",
              f"**Summary**: {summary}", "", table(results, markdown=True), ""]
-    stem.with_suffix(".md").write_text("\n".join(lines))
-    print(f"\nwrote {stem.with_suffix('.md')}")
-    print(write_chart(results, stem.with_suffix(".png")))
-    if charts is not None:
-        charts.mkdir(parents=True, exist_ok=True)
-        print(write_chart(results, charts / f"{stem.name}.png"))
+    write_report_files(stem, "\n".join(lines), lambda path: write_chart(results, path), charts)
 
 
 # -- the command ----------------------------------------------------------------------------------

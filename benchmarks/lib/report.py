@@ -6,6 +6,7 @@ import dataclasses
 import json
 import statistics
 from pathlib import Path
+from typing import Callable
 
 from benchmarks.lib.first_calls import FirstCallResult
 
@@ -67,6 +68,17 @@ class BenchResults:
     cells: list[CellResult]
     dynamic: list[DynamicResult]
     first_calls: list[FirstCallResult]
+
+
+def write_report_files(stem: Path, markdown: str, draw: Callable[[Path], str], charts: Path | None) -> None:
+    """A command's report: `stem`.md, the chart `draw` writes to `stem`.png, and the same chart into
+    `charts` (docs/img) where given."""
+    stem.with_suffix(".md").write_text(markdown)
+    print(f"\nwrote {stem.with_suffix('.md')}")
+    print(draw(stem.with_suffix(".png")))
+    if charts is not None:
+        charts.mkdir(parents=True, exist_ok=True)
+        print(draw(charts / f"{stem.name}.png"))
 
 
 def _fmt(value: float | None, spec: str, scale: float = 1.0, suffix: str = "") -> str:
