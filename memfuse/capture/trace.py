@@ -2,7 +2,7 @@
 whose leading dims are size symbols, then lowered (memfuse.capture.lower).
 
 AOTAutograd (`aot_export_joint_simple`) traces on fake tensors whose leading dims are size
-symbols and whose last dim is static, so every constant that depends on the batch or sequence
+symbols and whose last dim is static (but an integer or bool input's: `symbolic_last_dim`), so every constant that depends on the batch or sequence
 size stays symbolic (a SYMBOL node) instead of being baked in. What the trace assumed of the
 sizes and strides becomes the compile key's specialization and the per-call layout guards.
 """
@@ -118,8 +118,19 @@ def _untracked(graph: Graph, node: Node) -> bool:
     return untracked is not None and node.attr.index in untracked(call.attr)
 
 
+def symbolic_last_dim(t: torch.Tensor, static: bool = False) -> bool:
+    """Whether an input's last dim is traced as a size symbol instead of a compile-time D: true for
+    an integer or bool tensor not held static (token ids, labels, positions, 0/1 masks). Its last
+    dim counts items (a sequence), not the columns of rows a kernel reads: a new sequence length is a
+    new symbol value, not a new compile. A value computed with that dim last is a flat range of rows
+    (ir.graph.place): pointwise kernels take it, a reduction over it runs through aten. The compile
+    key (fronts.function) keeps such a dim with the leading sizes, by the same rule."""
+    return not static and t.dim() >= 1 and not t.dtype.is_floating_point and not t.dtype.is_complex
+
+
 def _fake_input(mode: FakeTensorMode, t: torch.Tensor, static: bool) -> torch.Tensor:
-    dims = [DimDynamic.STATIC if static or i == t.dim() - 1 else DimDynamic.DYNAMIC
+    symbolic_last = symbolic_last_dim(t, static)
+    dims = [DimDynamic.STATIC if static or (i == t.dim() - 1 and not symbolic_last) else DimDynamic.DYNAMIC
             for i in range(t.dim())]
     return mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(dynamic_sizes=dims))
 

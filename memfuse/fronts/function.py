@@ -2,7 +2,9 @@
 
 A compiled program is keyed by what it was specialized on: grad mode, the autocast state, and
 per tensor argument its dtype, device, rank, last dim (D), requires_grad, layout (contiguous;
-else whether its last stride is 1) and which leading dims are 0, 1 or equal to each other;
+else whether its last stride is 1) and which leading dims are 0, 1 or equal to each other; an
+integer or bool tensor's last dim (token ids, labels: a sequence length) is keyed as a leading
+dim, since the trace holds it as a size symbol (capture.trace.symbolic_last_dim);
 non-tensor arguments are constants of the graph and part of the key. An argument may also be a
 pytree (tuple, list, dict, registered dataclass or pytree node) of tensors and constants: its
 leaves are keyed as above and the structure (tree spec) joins the key. Leading sizes and strides
@@ -36,6 +38,7 @@ from memfuse.base import torch_private
 from memfuse.base.config import Config
 from memfuse.base.source import Lines
 from memfuse.base.debug import STATS, describe_key_change, topic_log
+from memfuse.capture.trace import symbolic_last_dim
 from memfuse.driver.compile import TracedFunction, compile_or_decide
 from memfuse.driver.fallback import (STRICT, EagerCall, StrictModeError, UntraceableOutputError, say_once,
                     under_transform, untraceable_argument)
@@ -285,15 +288,19 @@ class FusedFunction:
                                      f"{v.device}, expected {device} like the other tensor arguments")
                 shape = v.shape
                 rank = len(shape)
-                if tensor_index < self.static_prefix or isinstance(v, torch.nn.Parameter):
+                static = tensor_index < self.static_prefix or isinstance(v, torch.nn.Parameter)
+                symbolic = symbolic_last_dim(v, static)   # token ids, labels: the last dim is a size too
+                if static:
                     lead = ("static", tuple(shape))       # traced with every dim static
                 else:
                     # sizes 0 and 1 stand for themselves; others by equality class (-1, -2, ...)
-                    lead = () if rank < 2 else \
-                        tuple(s if s < 2 else sizes.setdefault(s, -1 - len(sizes)) for s in shape[:-1])
+                    lead = () if rank < 2 and not symbolic else \
+                        tuple(s if s < 2 else sizes.setdefault(s, -1 - len(sizes))
+                              for s in (shape if symbolic else shape[:-1]))
                 tensor_index += 1
                 needs_grad = needs_grad or v.requires_grad
-                parts.append(("T", v.dtype, device, rank, shape[-1] if rank else None, lead, v.requires_grad,
+                last = SIZE_SYMBOL if symbolic else shape[-1] if rank else None
+                parts.append(("T", v.dtype, device, rank, last, lead, v.requires_grad,
                               _layout(v), isinstance(v, torch.nn.Parameter), marked_form(v)))
             else:
                 parts.append(("C", type(v), v))
@@ -537,6 +544,7 @@ TensorGuards = torch_private.TensorGuards
 
 
 MISS = object()   # what _Front.call returns when it ran nothing
+SIZE_SYMBOL = "a size symbol"   # the D part of the key of a tensor whose last dim is traced as a symbol
 
 
 # -- pytrees: arguments and outputs ----------------------------------------------------------------
