@@ -30,6 +30,7 @@ import torch
 
 from memfuse.base.config import Config
 from memfuse.base.debug import STATS, on_compile, timed, topic_log
+from memfuse.base.progress import ProgressLine
 from memfuse.capture import capture, lower_graph
 from memfuse.ir.captured import Captured, Retrace
 from memfuse.driver.fallback import STRICT, EagerCall, StrictModeError, compile_failed
@@ -123,16 +124,27 @@ def compile_program(source: Source, config: Config) -> Compiled:
     """Compile `source` into runnable programs: one line per stage (module docstring). Raises
     where a stage fails; the caller decides what runs instead (compile_or_decide, graph_fallback)."""
     start = time.perf_counter()
+    kernels_before = STATS["kernels_generated"]
     if precompile_enabled(source.device, config):
         start_driver(source.device)        # Triton's driver set-up runs beside the trace
-    captured, output_masks = _capture_with_patterns(source, config)     # capture, patterns
-    the_plan = plan(captured, config.memory_budget)                     # plan
-    _check(source.name, the_plan, captured, config)                     # verify, strict mode, aten count
-    schedules = _schedules(the_plan, config)                            # schedule
-    function = _runtime(source, the_plan, captured, schedules, config)  # buffers, codegen, runtime
-    precompile([function.forward, function.backward], source.device, config)
+    line = ProgressLine(source.name)       # the stage on a terminal's progress line (base.progress)
+    try:
+        line.stage("capture")
+        captured, output_masks = _capture_with_patterns(source, config)     # capture, patterns
+        line.stage("plan")
+        the_plan = plan(captured, config.memory_budget)                     # plan
+        _check(source.name, the_plan, captured, config)                     # verify, strict mode, aten count
+        line.stage("schedule")
+        schedules = _schedules(the_plan, config)                            # schedule
+        line.stage("codegen")
+        function = _runtime(source, the_plan, captured, schedules, config)  # buffers, codegen, runtime
+        precompile([function.forward, function.backward], source.device, config, progress=line.kernels)
+    except BaseException:
+        line.clear()
+        raise
     compiled = Compiled(source.name, captured, the_plan, function, list(source.input_names), output_masks)
     _compiled(source, compiled, time.perf_counter() - start)            # counter, log line, compile hooks
+    line.finish(STATS["kernels_generated"] - kernels_before)
     return compiled
 
 
