@@ -9,6 +9,7 @@ sizes and strides becomes the compile key's specialization and the per-call layo
 from __future__ import annotations
 
 import contextlib
+import re
 from typing import Callable, Sequence
 
 import sympy
@@ -28,9 +29,9 @@ from memfuse.ir.patterns import rule, trace_modes
 
 @timed("capture")
 def capture(fn: Callable, args: Sequence[torch.Tensor], *, trace_joint: bool,
-            static_inputs: Sequence[bool] = ()) -> Captured:
+            static_inputs: Sequence[bool] = (), input_names: Sequence[str] = ()) -> Captured:
     """Trace `fn(*args)` (tensor args only) and lower it. `static_inputs[i]`: keep all dims of
-    input i static (parameters)."""
+    input i static (parameters). `input_names`: how messages name the inputs."""
     shape_env = ShapeEnv()
     # allow_non_fake_inputs: tensors the function closes over become graph constants
     fake_mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
@@ -44,6 +45,8 @@ def capture(fn: Callable, args: Sequence[torch.Tensor], *, trace_joint: bool,
     captured = Lowering(gm, symbols, hints, strided).run(num_primals=len(args), trace_joint=trace_joint)
     captured.stride_symbols = _stride_sources(fakes, symbols)
     captured.specialized, captured.layout_guards = _guards(shape_env, symbols, captured.stride_symbols)
+    if captured.specialized:
+        captured.specialized += _where_sizes_come_from(captured.specialized, fakes, input_names)
     captured.aten_graph = gm
     captured.differentiable_outputs = _differentiable_outputs(captured, fn, fakes)
     return captured
@@ -182,3 +185,14 @@ def _guards(shape_env: ShapeEnv, sizes: dict, strides: dict) -> tuple:
             specialized = f"the trace guards on {expr}"
     return specialized, layout
 
+
+def _where_sizes_come_from(guard: str, fakes: list, input_names: Sequence[str]) -> str:
+    """" (s3: input_ids dim 1, ...)": the argument and dim each size symbol in a guard's text is
+    (read as traced: a guard `Eq(s3, 8)` has since replaced s3 by 8 in the shapes)."""
+    named = {}
+    for i, fake in enumerate(fakes):
+        for d, size in enumerate(fake.shape):
+            expr = getattr(size.node, "_expr", None) if isinstance(size, torch.SymInt) else None
+            if isinstance(expr, sympy.Symbol) and expr not in named and re.search(rf"\b{expr}\b", guard):
+                named[expr] = f"{expr}: {input_names[i] if i < len(input_names) else f'input {i}'} dim {d}"
+    return f" ({', '.join(named.values())})" if named else ""

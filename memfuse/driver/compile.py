@@ -168,7 +168,8 @@ def compile_or_decide(source: TracedFunction, config: Config) -> Union[Compiled,
 def _capture(source: Source, fn: Optional[Callable] = None) -> Captured:
     """Trace `fn` (the source's function, as the patterns wrapped it) or lower the source's graph."""
     if isinstance(source, TracedFunction):
-        return capture(fn, source.tensors, trace_joint=source.trace_joint, static_inputs=source.static)
+        return capture(fn, source.tensors, trace_joint=source.trace_joint, static_inputs=source.static,
+                       input_names=source.input_names)
     return _lower(source)
 
 
