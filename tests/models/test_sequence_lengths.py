@@ -37,3 +37,28 @@ def test_a_whole_model_compiles_once_over_sequence_lengths_and_batch_sizes(famil
         assert error <= 1e-4, (batch, seq, where, error)
     stats = memfuse.stats()
     assert (stats["compiles"], stats["recompiles"], stats["eager_calls"]) == (1, 0, 0), stats
+
+
+def test_the_backend_compiles_the_graphs_dynamo_makes_and_no_more():
+    """torch.compile(backend="memfuse") over the same steps: Dynamo traces the first length
+    static, and at the second marks the sizes dynamic (automatic_dynamic_shapes): two graphs, the
+    same two as with backend="eager". memfuse compiles each once and adds no guard of its own that
+    would make a third; the losses match eager's."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    spec = bench.FAMILIES["gpt2"]
+    size = dataclasses.replace(spec.tiny, seq=max(s for _, s in STEPS))
+    model = bench.build(spec, size, 0.0)
+    eager = bench.build(spec, size, 0.0, model.state_dict())
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="memfuse")
+    for batch, seq in STEPS:
+        inputs = bench.make_batch(dataclasses.replace(size, batch=batch, seq=seq), CPU.device)
+        torch.testing.assert_close(bench.train_step(compiled, inputs, CPU), bench.train_step(eager, inputs, CPU),
+                                   rtol=1e-5, atol=1e-6)
+    stats = memfuse.stats()
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    assert (stats["compiles"], stats["graph_fallbacks"]) == (2, 0), stats
+    torch._dynamo.reset()
