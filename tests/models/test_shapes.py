@@ -212,3 +212,11 @@ def test_equal_sizes_of_token_ids_compile_their_own_program_and_say_why(caplog):
     assert memfuse.stats()["compiles"] == 2
     assert "argument 'ids' (position 2): D (last dim) a size symbol" not in caplog.text
     assert "argument 'ids' (position 2): size pattern (-2, -3) -> (-2, -2)" in caplog.text, caplog.text
+
+
+def test_explain_names_the_dims_that_are_size_symbols():
+    """explain() says which dims of which argument a new call may change without a compile."""
+    table, weight = torch.randn(50, D), torch.randn(D)
+    report = memfuse.explain(embed_and_norm, table, weight, torch.randint(0, 50, (2, 5)), torch.ones(2, 5, dtype=torch.int32))
+    assert report.symbolic_sizes == [("table", (0,)), ("ids", (0, 1)), ("keep", (0, 1))], report.symbolic_sizes
+    assert "symbols of the program, a new value compiles nothing: table dim 0; ids dims 0, 1; keep dims 0, 1" in str(report)
