@@ -29,13 +29,15 @@ from memfuse.ir.patterns import rule, trace_modes
 
 @timed("capture")
 def capture(fn: Callable, args: Sequence[torch.Tensor], *, trace_joint: bool,
-            static_inputs: Sequence[bool] = (), input_names: Sequence[str] = ()) -> Captured:
+            static_inputs: Sequence[bool] = (), input_names: Sequence[str] = (),
+            symbolic_last: bool = True) -> Captured:
     """Trace `fn(*args)` (tensor args only) and lower it. `static_inputs[i]`: keep all dims of
-    input i static (parameters). `input_names`: how messages name the inputs."""
+    input i static (parameters). `input_names`: how messages name the inputs. `symbolic_last`:
+    integer inputs' last dims as symbols (`symbolic_last_dim`), else static like any D."""
     shape_env = ShapeEnv()
     # allow_non_fake_inputs: tensors the function closes over become graph constants
     fake_mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
-    fakes = [_fake_input(fake_mode, t, static=i < len(static_inputs) and static_inputs[i])
+    fakes = [_fake_input(fake_mode, t, static=i < len(static_inputs) and static_inputs[i], symbolic_last=symbolic_last)
              for i, t in enumerate(args)]
     with compiling(), trace_modes():
         gm = _export(fn, tuple(fakes), trace_joint)
@@ -131,8 +133,8 @@ def symbolic_last_dim(t: torch.Tensor, static: bool = False) -> bool:
     return not static and t.dim() >= 1 and not t.dtype.is_floating_point and not t.dtype.is_complex
 
 
-def _fake_input(mode: FakeTensorMode, t: torch.Tensor, static: bool) -> torch.Tensor:
-    symbolic_last = symbolic_last_dim(t, static)
+def _fake_input(mode: FakeTensorMode, t: torch.Tensor, static: bool, symbolic_last: bool = True) -> torch.Tensor:
+    symbolic_last = symbolic_last and symbolic_last_dim(t, static)
     dims = [DimDynamic.STATIC if static or (i == t.dim() - 1 and not symbolic_last) else DimDynamic.DYNAMIC
             for i in range(t.dim())]
     return mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(dynamic_sizes=dims))

@@ -64,6 +64,7 @@ class TracedFunction:
     input_names: tuple              # the user's name of each tensor, as explain shows it
     returned_logits: bool = True    # the caller can take chunked logits fn returns (not with CUDA graphs)
     marked_inputs: tuple = ()       # (input name, form) per mask argument a backend graph marked (attention)
+    symbolic_last: bool = True      # integer inputs' last dims as size symbols (capture.trace.symbolic_last_dim)
 
     @property
     def device(self) -> torch.device:
@@ -169,7 +170,7 @@ def _capture(source: Source, fn: Optional[Callable] = None) -> Captured:
     """Trace `fn` (the source's function, as the patterns wrapped it) or lower the source's graph."""
     if isinstance(source, TracedFunction):
         return capture(fn, source.tensors, trace_joint=source.trace_joint, static_inputs=source.static,
-                       input_names=source.input_names)
+                       input_names=source.input_names, symbolic_last=source.symbolic_last)
     return _lower(source)
 
 

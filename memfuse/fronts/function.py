@@ -337,7 +337,10 @@ class FusedFunction:
         while True:
             rebuilds = []              # how the trace's output is rebuilt from its tensors
             try:
-                compiled = compile_or_decide(self._source(flat, key, rebuilds), self.config)
+                source = self._source(flat, key, rebuilds)
+                compiled = compile_or_decide(source, self.config)
+                if isinstance(compiled, EagerCall) and _has_symbolic_last_dims(source):
+                    compiled = self._with_static_last_dims(source, compiled, rebuilds)
                 break
             except Retrace:            # the function returns more now (module.py: buffers written in place)
                 continue
@@ -345,6 +348,20 @@ class FusedFunction:
             return compiled
         return _CacheEntry(compiled.function, rebuilds[0], flat.tree, compiled.captured, compiled.plan,
                            input_names=compiled.input_names)
+
+    def _with_static_last_dims(self, source: TracedFunction, failed: EagerCall, rebuilds: list):
+        """A compile with integer inputs' last dims as symbols failed: compile again with them
+        static. The program then holds those sizes, so its shapes join the compile key (its
+        `specialized` says why; a new sequence length compiles again), logged."""
+        rebuilds.clear()
+        compiled = compile_or_decide(dataclasses.replace(source, symbolic_last=False), self.config)
+        if isinstance(compiled, EagerCall):
+            return failed
+        recompile_log.info("memfuse: %s: compiling with the integer inputs' last dims as size symbols failed (%s); "
+                           "compiled with them static: the shapes join the compile key", self._name(), failed.reason)
+        compiled.captured.specialized = (f"integer inputs' last dims are static: compiling them as size symbols "
+                                         f"failed ({failed.reason})")
+        return compiled
 
     def _source(self, flat: "_Flat", key: tuple, rebuilds: list) -> TracedFunction:
         """What the driver traces: fn on the call's tensors, the other leaves as constants, its
@@ -368,6 +385,10 @@ class FusedFunction:
                               input_names=tuple(self._input_name(flat.tree, i) for i in positions),
                               returned_logits=self.graphs is None,
                               marked_inputs=tuple((self._input_name(flat.tree, i), form) for i, form in marks.items() if form))
+
+
+def _has_symbolic_last_dims(source: TracedFunction) -> bool:
+    return source.symbolic_last and any(symbolic_last_dim(t, static) for t, static in zip(source.tensors, source.static))
 
 
 def _layout(t: torch.Tensor):

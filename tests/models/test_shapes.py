@@ -220,3 +220,29 @@ def test_explain_names_the_dims_that_are_size_symbols():
     report = memfuse.explain(embed_and_norm, table, weight, torch.randint(0, 50, (2, 5)), torch.ones(2, 5, dtype=torch.int32))
     assert report.symbolic_sizes == [("table", (0,)), ("ids", (0, 1)), ("keep", (0, 1))], report.symbolic_sizes
     assert "symbols of the program, a new value compiles nothing: table dim 0; ids dims 0, 1; keep dims 0, 1" in str(report)
+
+
+def test_a_failed_compile_with_symbolic_token_dims_is_compiled_again_with_them_static(monkeypatch):
+    """Where the program with integer inputs' last dims as symbols fails to compile (a limit of a
+    later stage), the call is compiled again with them static, per shape, and says so; it does not
+    run through torch. (The first compile is made to fail here.)"""
+    from memfuse.driver.fallback import EagerCall
+    from memfuse.fronts import function
+
+    compile_or_decide = function.compile_or_decide
+
+    def failing_with_symbols(source, config):
+        if source.symbolic_last:
+            return EagerCall(source.name, "a stage failed", "none")
+        return compile_or_decide(source, config)
+
+    monkeypatch.setattr(function, "compile_or_decide", failing_with_symbols)
+    fused = memfuse.memory_efficient_fusion(embed_and_norm)
+    table, weight = torch.randn(50, D), torch.randn(D)
+    for b, s in [(2, 5), (2, 5), (3, 6)]:
+        ids, keep = torch.randint(0, 50, (b, s)), torch.ones(b, s, dtype=torch.bool)
+        torch.testing.assert_close(fused(table, weight, ids, keep), embed_and_norm(table, weight, ids, keep))
+    stats = memfuse.stats()
+    assert (stats["compiles"], stats["eager_calls"]) == (2, 0), stats    # one per shape
+    assert all("compiling them as size symbols failed (a stage failed)" in entry.captured.specialized
+               for entry in fused.cache.values())
