@@ -93,7 +93,9 @@ SLOW_TESTS = {
         r"|llama-memfuse_(backend|whole|per_layer_backend)|bert-memfuse_(backend|per_layer|per_layer_backend))\]",
         r"patterns/loss_head/test_op\.py::test_huggingface_heads_are_found_and_match_eager\[(gpt2|bert)\]",
         r"models/test_hf_layers\.py::test_layers_compile_and_match_eager\[(gpt2|bert)\]",
-        r"capture/test_gather\.py::test_hf_causal_lm_loss_behind_torch_compile_writes_no_vocab_row"],
+        r"capture/test_gather\.py::test_hf_causal_lm_loss_behind_torch_compile_writes_no_vocab_row",
+        r"models/test_sequence_lengths\.py::test_a_whole_model_compiles_once_over_sequence_lengths_and_batch_sizes"
+        r"\[llama\]"],
     "the model zoo's per-layer style, and Swin wrapped whole (minutes through the interpreter): every family "
     "runs through the backend and wrapped whole in the fast tier; test_hf_models.py runs per layer on three": [
         r"models/test_zoo\.py::test_matches_eager_and_runs_no_graph_through_torch\[(.*-memfuse_per_layer|swin-memfuse_whole)\]"],

@@ -76,8 +76,8 @@ TOPICS = ("graphs", "plan", "kernels", "cache", "recompiles", "fallbacks")
 _HANDLER_MARK = "_memfuse_handler"
 
 # The fields of one tensor argument's part of the compile key, in the order api.FusedFunction._key
-# builds it: ("T", dtype, device, rank, D, leading-size pattern, requires_grad, contiguous, parameter).
-TENSOR_KEY_FIELDS = ("tensor", "dtype", "device", "rank", "D (last dim)", "leading-size pattern",
+# builds it: ("T", dtype, device, rank, D, size pattern, requires_grad, contiguous, parameter).
+TENSOR_KEY_FIELDS = ("tensor", "dtype", "device", "rank", "D (last dim)", "size pattern",
                      "requires_grad", "layout", "nn.Parameter")
 
 

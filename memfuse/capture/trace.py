@@ -2,13 +2,14 @@
 whose leading dims are size symbols, then lowered (memfuse.capture.lower).
 
 AOTAutograd (`aot_export_joint_simple`) traces on fake tensors whose leading dims are size
-symbols and whose last dim is static, so every constant that depends on the batch or sequence
+symbols and whose last dim is static (but an integer or bool input's: `symbolic_last_dim`), so every constant that depends on the batch or sequence
 size stays symbolic (a SYMBOL node) instead of being baked in. What the trace assumed of the
 sizes and strides becomes the compile key's specialization and the per-call layout guards.
 """
 from __future__ import annotations
 
 import contextlib
+import re
 from typing import Callable, Sequence
 
 import sympy
@@ -28,13 +29,15 @@ from memfuse.ir.patterns import rule, trace_modes
 
 @timed("capture")
 def capture(fn: Callable, args: Sequence[torch.Tensor], *, trace_joint: bool,
-            static_inputs: Sequence[bool] = ()) -> Captured:
+            static_inputs: Sequence[bool] = (), input_names: Sequence[str] = (),
+            symbolic_last: bool = True) -> Captured:
     """Trace `fn(*args)` (tensor args only) and lower it. `static_inputs[i]`: keep all dims of
-    input i static (parameters)."""
+    input i static (parameters). `input_names`: how messages name the inputs. `symbolic_last`:
+    integer inputs' last dims as symbols (`symbolic_last_dim`), else static like any D."""
     shape_env = ShapeEnv()
     # allow_non_fake_inputs: tensors the function closes over become graph constants
     fake_mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
-    fakes = [_fake_input(fake_mode, t, static=i < len(static_inputs) and static_inputs[i])
+    fakes = [_fake_input(fake_mode, t, static=i < len(static_inputs) and static_inputs[i], symbolic_last=symbolic_last)
              for i, t in enumerate(args)]
     with compiling(), trace_modes():
         gm = _export(fn, tuple(fakes), trace_joint)
@@ -44,6 +47,8 @@ def capture(fn: Callable, args: Sequence[torch.Tensor], *, trace_joint: bool,
     captured = Lowering(gm, symbols, hints, strided).run(num_primals=len(args), trace_joint=trace_joint)
     captured.stride_symbols = _stride_sources(fakes, symbols)
     captured.specialized, captured.layout_guards = _guards(shape_env, symbols, captured.stride_symbols)
+    if captured.specialized:
+        captured.specialized += _where_sizes_come_from(captured.specialized, fakes, input_names)
     captured.aten_graph = gm
     captured.differentiable_outputs = _differentiable_outputs(captured, fn, fakes)
     return captured
@@ -118,8 +123,19 @@ def _untracked(graph: Graph, node: Node) -> bool:
     return untracked is not None and node.attr.index in untracked(call.attr)
 
 
-def _fake_input(mode: FakeTensorMode, t: torch.Tensor, static: bool) -> torch.Tensor:
-    dims = [DimDynamic.STATIC if static or i == t.dim() - 1 else DimDynamic.DYNAMIC
+def symbolic_last_dim(t: torch.Tensor, static: bool = False) -> bool:
+    """Whether an input's last dim is traced as a size symbol instead of a compile-time D: true for
+    an integer or bool tensor not held static (token ids, labels, positions, 0/1 masks). Its last
+    dim counts items (a sequence), not the columns of rows a kernel reads: a new sequence length is a
+    new symbol value, not a new compile. A value computed with that dim last is a flat range of rows
+    (ir.graph.place): pointwise kernels take it, a reduction over it runs through aten. The compile
+    key (fronts.function) keeps such a dim with the leading sizes, by the same rule."""
+    return not static and t.dim() >= 1 and not t.dtype.is_floating_point and not t.dtype.is_complex
+
+
+def _fake_input(mode: FakeTensorMode, t: torch.Tensor, static: bool, symbolic_last: bool = True) -> torch.Tensor:
+    symbolic_last = symbolic_last and symbolic_last_dim(t, static)
+    dims = [DimDynamic.STATIC if static or (i == t.dim() - 1 and not symbolic_last) else DimDynamic.DYNAMIC
             for i in range(t.dim())]
     return mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(dynamic_sizes=dims))
 
@@ -171,3 +187,14 @@ def _guards(shape_env: ShapeEnv, sizes: dict, strides: dict) -> tuple:
             specialized = f"the trace guards on {expr}"
     return specialized, layout
 
+
+def _where_sizes_come_from(guard: str, fakes: list, input_names: Sequence[str]) -> str:
+    """" (s3: input_ids dim 1, ...)": the argument and dim each size symbol in a guard's text is
+    (read as traced: a guard `Eq(s3, 8)` has since replaced s3 by 8 in the shapes)."""
+    named = {}
+    for i, fake in enumerate(fakes):
+        for d, size in enumerate(fake.shape):
+            expr = getattr(size.node, "_expr", None) if isinstance(size, torch.SymInt) else None
+            if isinstance(expr, sympy.Symbol) and expr not in named and re.search(rf"\b{expr}\b", guard):
+                named[expr] = f"{expr}: {input_names[i] if i < len(input_names) else f'input {i}'} dim {d}"
+    return f" ({', '.join(named.values())})" if named else ""

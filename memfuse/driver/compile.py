@@ -31,6 +31,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from memfuse.base.config import Config
 from memfuse.base.debug import STATS, on_compile, timed, topic_log
+from memfuse.base.progress import ProgressLine
 from memfuse.capture import capture, lower_graph
 from memfuse.ir.captured import Captured, Retrace
 from memfuse.driver.fallback import STRICT, EagerCall, StrictModeError, compile_failed
@@ -64,6 +65,7 @@ class TracedFunction:
     input_names: tuple              # the user's name of each tensor, as explain shows it
     returned_logits: bool = True    # the caller can take chunked logits fn returns (not with CUDA graphs)
     marked_inputs: tuple = ()       # (input name, form) per mask argument a backend graph marked (attention)
+    symbolic_last: bool = True      # integer inputs' last dims as size symbols (capture.trace.symbolic_last_dim)
 
     @property
     def device(self) -> torch.device:
@@ -134,16 +136,27 @@ def compile_program(source: Source, config: Config) -> Compiled:
 
 def _compile_program(source: Source, config: Config) -> Compiled:
     start = time.perf_counter()
+    kernels_before = STATS["kernels_generated"]
     if precompile_enabled(source.device, config):
         start_driver(source.device)        # Triton's driver set-up runs beside the trace
-    captured, output_masks, traced = _capture_with_patterns(source, config)   # capture, patterns
-    the_plan = plan(captured, config.memory_budget)                     # plan
-    _check(source.name, the_plan, captured, config)                     # verify, strict mode, aten count
-    schedules = _schedules(the_plan, config)                            # schedule
-    function = _runtime(source, the_plan, captured, schedules, config)  # buffers, codegen, runtime
-    precompile([function.forward, function.backward], source.device, config)
+    line = ProgressLine(source.name)       # the stage on a terminal's progress line (base.progress)
+    try:
+        line.stage("capture")
+        captured, output_masks, traced = _capture_with_patterns(source, config)   # capture, patterns
+        line.stage("plan")
+        the_plan = plan(captured, config.memory_budget)                     # plan
+        _check(source.name, the_plan, captured, config)                     # verify, strict mode, aten count
+        line.stage("schedule")
+        schedules = _schedules(the_plan, config)                            # schedule
+        line.stage("codegen")
+        function = _runtime(source, the_plan, captured, schedules, config)  # buffers, codegen, runtime
+        precompile([function.forward, function.backward], source.device, config, progress=line.kernels)
+    except BaseException:
+        line.clear()
+        raise
     compiled = Compiled(source.name, captured, the_plan, function, list(source.input_names), output_masks, traced)
     _compiled(source, compiled, time.perf_counter() - start)            # counter, log line, compile hooks
+    line.finish(STATS["kernels_generated"] - kernels_before)
     return compiled
 
 
@@ -168,7 +181,8 @@ def compile_or_decide(source: TracedFunction, config: Config) -> Union[Compiled,
 def _capture(source: Source, fn: Optional[Callable] = None) -> Captured:
     """Trace `fn` (the source's function, as the patterns wrapped it) or lower the source's graph."""
     if isinstance(source, TracedFunction):
-        return capture(fn, source.tensors, trace_joint=source.trace_joint, static_inputs=source.static)
+        return capture(fn, source.tensors, trace_joint=source.trace_joint, static_inputs=source.static,
+                       input_names=source.input_names, symbolic_last=source.symbolic_last)
     return _lower(source)
 
 

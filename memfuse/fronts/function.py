@@ -2,7 +2,9 @@
 
 A compiled program is keyed by what it was specialized on: grad mode, the autocast state, and
 per tensor argument its dtype, device, rank, last dim (D), requires_grad, layout (contiguous;
-else whether its last stride is 1) and which leading dims are 0, 1 or equal to each other;
+else whether its last stride is 1) and which leading dims are 0, 1 or equal to each other; an
+integer or bool tensor's last dim (token ids, labels: a sequence length) is keyed as a leading
+dim, since the trace holds it as a size symbol (capture.trace.symbolic_last_dim);
 non-tensor arguments are constants of the graph and part of the key. An argument may also be a
 pytree (tuple, list, dict, registered dataclass or pytree node) of tensors and constants: its
 leaves are keyed as above and the structure (tree spec) joins the key. Leading sizes and strides
@@ -40,6 +42,7 @@ from memfuse.base import torch_private
 from memfuse.base.config import Config
 from memfuse.base.source import Lines
 from memfuse.base.debug import STATS, describe_key_change, topic_log
+from memfuse.capture.trace import symbolic_last_dim
 from memfuse.driver.compile import TracedFunction, compile_or_decide
 from memfuse.driver.fallback import (STRICT, EagerCall, StrictModeError, count_first_run_fallback,
                                      first_run_failed, mixed_devices, say_once, under_transform,
@@ -343,15 +346,19 @@ class FusedFunction:
                                                       device))
                 shape = v.shape
                 rank = len(shape)
-                if tensor_index < self.static_prefix or isinstance(v, torch.nn.Parameter):
+                static = tensor_index < self.static_prefix or isinstance(v, torch.nn.Parameter)
+                symbolic = symbolic_last_dim(v, static)   # token ids, labels: the last dim is a size too
+                if static:
                     lead = ("static", tuple(shape))       # traced with every dim static
                 else:
                     # sizes 0 and 1 stand for themselves; others by equality class (-1, -2, ...)
-                    lead = () if rank < 2 else \
-                        tuple(s if s < 2 else sizes.setdefault(s, -1 - len(sizes)) for s in shape[:-1])
+                    lead = () if rank < 2 and not symbolic else \
+                        tuple(s if s < 2 else sizes.setdefault(s, -1 - len(sizes))
+                              for s in (shape if symbolic else shape[:-1]))
                 tensor_index += 1
                 needs_grad = needs_grad or v.requires_grad
-                parts.append(("T", v.dtype, device, rank, shape[-1] if rank else None, lead, v.requires_grad,
+                last = SIZE_SYMBOL if symbolic else shape[-1] if rank else None
+                parts.append(("T", v.dtype, device, rank, last, lead, v.requires_grad,
                               _layout(v), isinstance(v, torch.nn.Parameter), marked_form(v)))
             else:
                 parts.append(("C", type(v), v))
@@ -389,7 +396,10 @@ class FusedFunction:
             rebuilds = []              # how the trace's output is rebuilt from its tensors
             reads = []                 # reads of a tensor's value that stopped the trace (fronts.split)
             try:
-                compiled = compile_or_decide(self._source(flat, key, rebuilds, reads), self.config)
+                source = self._source(flat, key, rebuilds, reads)
+                compiled = compile_or_decide(source, self.config)
+                if isinstance(compiled, EagerCall) and not reads and _has_symbolic_last_dims(source):
+                    compiled = self._with_static_last_dims(source, compiled, rebuilds)
                 break
             except Retrace:            # the function returns more now (module.py: buffers written in place)
                 continue
@@ -404,6 +414,20 @@ class FusedFunction:
         compiled.function.backward_through_torch = functools.partial(
             self._backward_through_torch, entry, _under_autocast_of(compiled.traced, key))
         return entry
+
+    def _with_static_last_dims(self, source: TracedFunction, failed: EagerCall, rebuilds: list):
+        """A compile with integer inputs' last dims as symbols failed: compile again with them
+        static. The program then holds those sizes, so its shapes join the compile key (its
+        `specialized` says why; a new sequence length compiles again), logged."""
+        rebuilds.clear()
+        compiled = compile_or_decide(dataclasses.replace(source, symbolic_last=False), self.config)
+        if isinstance(compiled, EagerCall):
+            return failed
+        recompile_log.info("memfuse: %s: compiling with the integer inputs' last dims as size symbols failed (%s); "
+                           "compiled with them static: the shapes join the compile key", self._name(), failed.reason)
+        compiled.captured.specialized = (f"integer inputs' last dims are static: compiling them as size symbols "
+                                         f"failed ({failed.reason})")
+        return compiled
 
     def _source(self, flat: "_Flat", key: tuple, rebuilds: list, reads: list) -> TracedFunction:
         """What the driver traces: fn on the call's tensors, the other leaves as constants, its
@@ -458,6 +482,10 @@ def _run(entry: "_CacheEntry", tensors: list) -> tuple:
         with torch.autocast(device_type, enabled=False):
             return entry.function(tensors)
     return entry.function(tensors)
+
+
+def _has_symbolic_last_dims(source: TracedFunction) -> bool:
+    return source.symbolic_last and any(symbolic_last_dim(t, static) for t, static in zip(source.tensors, source.static))
 
 
 def _layout(t: torch.Tensor):
@@ -634,6 +662,7 @@ TensorGuards = torch_private.TensorGuards
 
 
 MISS = object()   # what _Front.call returns when it ran nothing
+SIZE_SYMBOL = "a size symbol"   # the D part of the key of a tensor whose last dim is traced as a symbol
 
 
 # -- pytrees: arguments and outputs ----------------------------------------------------------------

@@ -166,6 +166,8 @@ class Report:
     # Captured.decisions: each pattern's decisions by its name (memfuse.ir.patterns), also read as
     # attributes (`report.<pattern name>`)
     patterns: dict = field(default_factory=dict)
+    # (argument, its dims that are size symbols of the program: a new value reuses it), per argument
+    symbolic_sizes: list = field(default_factory=list)
 
     def __getattr__(self, name: str):
         patterns = self.__dict__.get("patterns", {})
@@ -237,7 +239,10 @@ def build_report(entry, name: str) -> Report:
                   saved, the_plan.saved_bytes, decisions, kernels, externs, not_fused, fallbacks,
                   captured.specialized, entry=entry, paddings=paddings, budget=the_plan.budget, placed=placed,
                   merged=dict(captured.merged),
-                  patterns={name: list(decisions) for name, decisions in captured.decisions.items()})
+                  patterns={name: list(decisions) for name, decisions in captured.decisions.items()},
+                  symbolic_sizes=[(argument, dims) for name, argument in arguments.items()
+                                  if (dims := tuple(d for d, size in enumerate(joint[name].value.shape)
+                                                    if not getattr(size, "is_number", True)))])
 
 
 def _read_program(program_name: str, program, hints: dict, kernels: list, externs: list,
@@ -313,6 +318,11 @@ def format_report(r: Report) -> str:
 def _graph_lines(r: Report) -> list:
     lines = ["", "graphs", f"  joint     {r.joint}", f"  forward   {r.forward}"]
     lines.append(f"  backward  {r.backward}" if r.backward is not None else "  backward  none (no input needs a gradient)")
+    if r.symbolic_sizes:
+        dims = "; ".join(f"{argument} dim{'s' if len(d) > 1 else ''} {', '.join(map(str, d))}"
+                         for argument, d in r.symbolic_sizes)
+        lines.append(f"  sizes     symbols of the program, a new value compiles nothing: {dims}; "
+                     f"every other dim is fixed in it")
     if r.specialized:
         lines.append(f"  leading sizes are part of the compile key: {r.specialized}")
     if r.merged:

@@ -39,7 +39,7 @@ import threading
 import types
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from triton.compiler.errors import CompilationError
@@ -86,10 +86,12 @@ def start_driver(device: torch.device) -> Future:
 
 
 @timed("precompile")
-def precompile(programs: list, device: torch.device, config: Config, *, force: bool = False) -> int:
+def precompile(programs: list, device: torch.device, config: Config, *, force: bool = False,
+               progress: Optional[Callable[[int, int], None]] = None) -> int:
     """Compile every generated kernel of `programs` (runtime.Program, None skipped) for `device`
     in parallel threads and wait for them, twins (codegen) once for all; returns how many
-    binaries were handed to Triton."""
+    binaries were handed to Triton. `progress(done, total)` hears of each binary built
+    (base.progress: the compile's progress line)."""
     if not (force or enabled(device, config)):
         return 0
     by_binary: dict = {}           # (function, launch config) -> its launches: twins share one binary
@@ -103,7 +105,9 @@ def precompile(programs: list, device: torch.device, config: Config, *, force: b
     if device.type == "cuda":
         start_driver(device).result()      # one driver set-up, never two racing ones
     futures = {key: _executor().submit(_warm_up, *launches[0], device, config) for key, launches in by_binary.items()}
-    for key, future in futures.items():
+    for done, (key, future) in enumerate(futures.items()):
+        if progress is not None:
+            progress(done, len(futures))
         (_, first), *twins = by_binary[key]
         error = future.exception()
         if isinstance(error, CompilationError):   # its launch would fail alike: the compile fails now
@@ -116,6 +120,8 @@ def precompile(programs: list, device: torch.device, config: Config, *, force: b
         elif device.type == "cuda":
             for _, twin in twins:
                 twin.launcher.compiled[(device.index, key[1])] = future.result()
+    if progress is not None:
+        progress(len(futures), len(futures))
     return len(by_binary)
 
 

@@ -78,8 +78,10 @@ class Program:
         self.device_inputs = frozenset(device_inputs)
         self.steps = [self._prepare(step) for step in schedule.steps]
         self.buffers = plan_buffers(schedule)
-        if config.check:
-            verify_buffer_plan(self.buffers, schedule)
+        # always, not only under Config.check: a plan that makes a buffer twice or reads one
+        # before it is made fails the compile (the call then runs through torch, logged) instead
+        # of the program failing in the training loop
+        verify_buffer_plan(self.buffers, schedule)
         self.source, self.run = _ProgramWriter(self, self.device_inputs).write()
         self.source_unhooked, self.run_unhooked = (self.source, self.run) if not saved_inputs else \
             _ProgramWriter(self, self.device_inputs | frozenset(saved_inputs)).write()

@@ -148,6 +148,9 @@ def test_recompile_names_specialized_leading_sizes(logs):
     said = compile_twice(logs, first, second, fn=relu_matmul)
     assert "leading sizes [8, 16], [16, 32] -> [9, 16], [16, 32]" in said
     assert any("leading sizes join the compile key" in m for m in messages(logs, "recompiles"))
+    # the guard's size symbol named as the argument and dim it is
+    assert any(re.search(r"guards on Eq\((s\d+), 16\) \(\1: w dim 0\)", m) for m in messages(logs, "recompiles")), \
+        messages(logs, "recompiles")
 
 
 def test_new_batch_size_is_a_cache_hit(logs):

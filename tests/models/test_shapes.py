@@ -168,3 +168,81 @@ def test_one_dim_inputs(fn):
         assert not reasons and stats["extern_calls"] == 0
     else:
         assert reasons == {"reduction over a non-[M, D] tensor or over every dim"}
+
+
+def embed_and_norm(table, weight, ids, keep):
+    """Token ids [B, S] -> rows of `table`, layer-normed, padded positions (keep == 0) zeroed."""
+    rows = table[ids]
+    normed = torch.nn.functional.layer_norm(rows, rows.shape[-1:], weight)
+    return normed * keep.unsqueeze(-1)
+
+
+# six sequence lengths over three batch sizes, no two sizes equal (equal sizes share a symbol)
+BATCH_AND_SEQUENCE = [(2, 5), (3, 6), (4, 7), (2, 9), (3, 11), (4, 13)]
+
+
+def test_a_new_sequence_length_of_token_ids_is_a_new_symbol_value():
+    """Integer inputs [B, S] (token ids, 0/1 masks): S is traced as a size symbol and keyed as a
+    leading size, not as D: six sequence lengths and three batch sizes make one program, whose
+    outputs and gradients match eager's at each."""
+    fused = memfuse.memory_efficient_fusion(embed_and_norm)
+    table, weight = torch.randn(50, D, requires_grad=True), torch.randn(D, requires_grad=True)
+    for b, s in BATCH_AND_SEQUENCE:
+        ids, keep = torch.randint(0, 50, (b, s)), torch.randint(0, 2, (b, s))
+        grad_output = torch.randn(b, s, D)
+        out, grads = forward_backward(fused, [table, weight], dict(ids=ids, keep=keep), grad_output)
+        ref_out, ref_grads = forward_backward(embed_and_norm, [table, weight], dict(ids=ids, keep=keep), grad_output)
+        assert rel_error(out, ref_out) <= 1e-5, (b, s)
+        for g, r in zip(grads, ref_grads):
+            assert rel_error(g, r) <= 1e-5, (b, s)
+    stats = memfuse.stats()
+    assert (stats["compiles"], stats["recompiles"]) == (1, 0), stats
+    entry, = fused.cache.values()
+    assert entry.captured.specialized is None
+
+
+def test_equal_sizes_of_token_ids_compile_their_own_program_and_say_why(caplog):
+    """The rule's minimum: a sequence length equal to the batch size shares its symbol (as equal
+    leading sizes do), a program of its own; the recompile log names the argument and its sizes."""
+    fused = memfuse.memory_efficient_fusion(embed_and_norm)
+    table, weight = torch.randn(50, D), torch.randn(D)
+    with caplog.at_level("INFO", logger="memfuse.recompiles"):
+        for b, s in [(2, 5), (3, 3), (4, 4), (3, 7)]:
+            fused(table, weight, torch.randint(0, 50, (b, s)), torch.ones(b, s, dtype=torch.bool))
+    assert memfuse.stats()["compiles"] == 2
+    assert "argument 'ids' (position 2): D (last dim) a size symbol" not in caplog.text
+    assert "argument 'ids' (position 2): size pattern (-2, -3) -> (-2, -2)" in caplog.text, caplog.text
+
+
+def test_explain_names_the_dims_that_are_size_symbols():
+    """explain() says which dims of which argument a new call may change without a compile."""
+    table, weight = torch.randn(50, D), torch.randn(D)
+    report = memfuse.explain(embed_and_norm, table, weight, torch.randint(0, 50, (2, 5)), torch.ones(2, 5, dtype=torch.int32))
+    assert report.symbolic_sizes == [("table", (0,)), ("ids", (0, 1)), ("keep", (0, 1))], report.symbolic_sizes
+    assert "symbols of the program, a new value compiles nothing: table dim 0; ids dims 0, 1; keep dims 0, 1" in str(report)
+
+
+def test_a_failed_compile_with_symbolic_token_dims_is_compiled_again_with_them_static(monkeypatch):
+    """Where the program with integer inputs' last dims as symbols fails to compile (a limit of a
+    later stage), the call is compiled again with them static, per shape, and says so; it does not
+    run through torch. (The first compile is made to fail here.)"""
+    from memfuse.driver.fallback import EagerCall
+    from memfuse.fronts import function
+
+    compile_or_decide = function.compile_or_decide
+
+    def failing_with_symbols(source, config):
+        if source.symbolic_last:
+            return EagerCall(source.name, "a stage failed", "none")
+        return compile_or_decide(source, config)
+
+    monkeypatch.setattr(function, "compile_or_decide", failing_with_symbols)
+    fused = memfuse.memory_efficient_fusion(embed_and_norm)
+    table, weight = torch.randn(50, D), torch.randn(D)
+    for b, s in [(2, 5), (2, 5), (3, 6)]:
+        ids, keep = torch.randint(0, 50, (b, s)), torch.ones(b, s, dtype=torch.bool)
+        torch.testing.assert_close(fused(table, weight, ids, keep), embed_and_norm(table, weight, ids, keep))
+    stats = memfuse.stats()
+    assert (stats["compiles"], stats["eager_calls"]) == (2, 0), stats    # one per shape
+    assert all("compiling them as size symbols failed (a stage failed)" in entry.captured.specialized
+               for entry in fused.cache.values())
