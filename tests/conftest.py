@@ -101,9 +101,9 @@ SLOW_TESTS = {
         r"models/test_zoo\.py::test_matches_eager_and_runs_no_graph_through_torch\[(.*-memfuse_per_layer|swin-memfuse_whole)\]"],
     "the before/after kernel identity check: a tiny model compiled and stepped twice, once in a fresh process": [
         r"bench/test_generated_sources\.py::test_record_is_the_same_in_a_fresh_process"],
-    "the zoo's families other than the bench models' at their GPU sizes, compile-only (tens of seconds each; "
-    "bert, gpt2 and llama stay fast)": [
-        r"models/test_zoo_real_sizes\.py::test_compiles_at_real_size\[(?!(bert|gpt2|llama)-)"],
+    "Swin wrapped whole at its GPU size, compile-only (minutes on CI's cores; every other zoo family at its "
+    "GPU size, in both styles, runs in the fast tier, about 10 s each)": [
+        r"models/test_zoo_real_sizes\.py::test_compiles_at_real_size\[swin-whole\]"],
     "the GPU's flushing arithmetic over every adversarial quotient (IEEE arithmetic stays fast)": [
         r"ir/test_division\.py::test_(row|column)_divisor_within_two_ulps_of_division\[flushing\]"],
 }
