@@ -34,6 +34,7 @@ from memfuse.driver.fallback import graph_fallback
 from memfuse.patterns import rewrite_graph
 from memfuse.ir.patterns import trace_modes
 from memfuse.ir.captured import Captured
+from memfuse.ir.targets import InputError
 from memfuse.plan import Plan
 from memfuse.runtime.function import _draw_seed
 from memfuse.runtime.program import Program
@@ -129,6 +130,8 @@ class FirstRunGuard:
     def _first_call(self, *args):
         try:
             outputs = self.compiled(*args)
+        except InputError:           # the inputs' fault, as in eager: the program stays
+            raise
         except Exception as error:   # noqa: BLE001 -- the first run's failure: the graph runs through torch
             return self.fall_back(error, "forward")(*args)
         if not any(isinstance(a, FakeTensor) for a in args):   # DDPOptimizer's compile-time call proves nothing
@@ -476,6 +479,8 @@ class BackwardStep(torch.nn.Module):
             return self.program.run(inputs, symbol_values, self.device)
         try:                          # a forward run before any backward succeeded (FirstRuns)
             gradients = self.program.run(inputs, symbol_values, self.device)
+        except InputError:
+            raise
         except Exception as error:   # noqa: BLE001 -- the first run's failure: through torch, from the primals
             return self.first_runs.backward_through_torch(error, ticket, tangents)
         self.first_runs.proven()

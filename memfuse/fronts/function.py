@@ -51,6 +51,7 @@ from memfuse.fronts.cuda_graphs import GraphedFunction
 from memfuse.fronts.outputs import CONSTANT_TYPES, key_path, output_tensors
 from memfuse.fronts.split import VALUE_READS, SplitCall, split_call, through_backend
 from memfuse.ir.captured import Retrace
+from memfuse.ir.targets import InputError
 from memfuse.runtime.function import CompiledFunction
 from memfuse.runtime.program import SIZE_FUNCTIONS
 
@@ -120,6 +121,8 @@ class FusedFunction:
         key only once a call ran."""
         try:
             outputs = _run(entry, tensors)
+        except InputError:           # the inputs' fault, as in eager: the program stays
+            raise
         except Exception as error:   # noqa: BLE001 -- the first run's failure: the original runs, with the reason
             decision = self._first_run_failed(entry, "forward", error)
             return self.run_eager(decision, values)

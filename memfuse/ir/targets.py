@@ -7,6 +7,12 @@ from dataclasses import dataclass
 import torch
 
 
+class InputError(RuntimeError):
+    """An error the call's inputs cause, raised where eager's own op raises for them too (a target
+    outside the vocabulary): the caller's to fix, never a reason for memfuse to stop running its
+    program (the first run's guards let it through: memfuse.driver.fallback)."""
+
+
 @dataclass(frozen=True)
 class IndexCheck:
     """An extern target that checks an index tensor lies in [0, width) and returns a 0: a fused
@@ -17,8 +23,11 @@ class IndexCheck:
 
     def __call__(self, index: torch.Tensor) -> torch.Tensor:
         inside = ((index >= 0) & (index < self.width)).all()
-        torch._assert_async(inside, f"memfuse: gather index out of bounds: an index lies outside [0, {self.width}) "
-                                    "(eager's gather, or cross_entropy's target check, raises here too)")
+        try:
+            torch._assert_async(inside, f"memfuse: gather index out of bounds: an index lies outside [0, "
+                                        f"{self.width}) (eager's gather, or cross_entropy's target check, raises here too)")
+        except RuntimeError as error:      # the CPU's at once (CUDA's is a device assert)
+            raise InputError(str(error)) from None
         return torch.zeros((), dtype=self.dtype, device=index.device)
 
     def __repr__(self) -> str:

@@ -12,6 +12,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from memfuse.base import torch_private
 from memfuse.base.config import Config
 from memfuse.ir.patterns import with_output_hooks
+from memfuse.ir.targets import InputError
 from memfuse.runtime.program import Program
 
 
@@ -174,6 +175,8 @@ def _first_backward(ctx, compiled: CompiledFunction, run: Callable, inputs: list
     recomputation plan, a seed): torch cannot take over from it."""
     try:
         gradients = run(inputs, symbol_values, device)
+    except InputError:
+        raise
     except Exception as error:   # noqa: BLE001 -- the first run's failure: the front decides (driver.fallback)
         through_torch = compiled.backward_through_torch
         kept = getattr(ctx, "first_inputs", None)

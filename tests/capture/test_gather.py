@@ -92,6 +92,10 @@ def test_a_target_outside_the_vocabulary_raises(bad, config):
     fused = memfuse.memory_efficient_fusion(lm_head_loss("mean"), config=CONFIGS[config])
     with pytest.raises(RuntimeError, match=r"gather index out of bounds.*\[0, 40\)"):
         fused(*args)
+    # the inputs' fault, not the program's: it stays, and runs the next call
+    fused(*head_args(torch.float32, TARGETS["some_ignored"]))
+    stats = memfuse.stats()
+    assert stats["first_run_fallbacks"] == 0 and stats["eager_calls"] == 0, stats
 
 
 def gather_of_computed(x, w, index):
