@@ -21,7 +21,9 @@ kernel's limits), an extern checks its own rules (an attention kernel's alignmen
 is a compile problem found late: the graph (a FusedFunction's compile key, a torch.compile graph)
 runs through torch from then on, logged and counted (`first_run_fallbacks`); strict mode raises.
 A later run's failure is raised as it is: the program ran before, so the failure is no compile
-problem (a transient error, the caller's input). The rules of the first run, what it may redo:
+problem (a transient error, the caller's input). An `InputError` (memfuse.ir.targets: a gather
+index outside the vocabulary, which eager's op rejects too) is the caller's at any run: raised, the
+program kept. The rules of the first run, what it may redo:
 - a forward's first run failing: nothing happened that torch could see twice. A program writes
   only into buffers it allocates, never into its inputs (FusedFunction refuses an input mutation
   at the trace; AOTAutograd applies a graph's input mutations, BatchNorm's running statistics,
