@@ -30,7 +30,7 @@ from memfuse.ir.patterns import rule, trace_modes
 @timed("capture")
 def capture(fn: Callable, args: Sequence[torch.Tensor], *, trace_joint: bool,
             static_inputs: Sequence[bool] = (), input_names: Sequence[str] = (),
-            symbolic_last: bool = True) -> Captured:
+            symbolic_last: bool = False) -> Captured:
     """Trace `fn(*args)` (tensor args only) and lower it. `static_inputs[i]`: keep all dims of
     input i static (parameters). `input_names`: how messages name the inputs. `symbolic_last`:
     integer inputs' last dims as symbols (`symbolic_last_dim`), else static like any D."""

@@ -65,7 +65,7 @@ class TracedFunction:
     input_names: tuple              # the user's name of each tensor, as explain shows it
     returned_logits: bool = True    # the caller can take chunked logits fn returns (not with CUDA graphs)
     marked_inputs: tuple = ()       # (input name, form) per mask argument a backend graph marked (attention)
-    symbolic_last: bool = True      # integer inputs' last dims as size symbols (capture.trace.symbolic_last_dim)
+    symbolic_last: bool = False     # integer inputs' last dims as size symbols (capture.trace.symbolic_last_dim)
 
     @property
     def device(self) -> torch.device:

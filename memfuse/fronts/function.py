@@ -350,7 +350,8 @@ class FusedFunction:
                 shape = v.shape
                 rank = len(shape)
                 static = tensor_index < self.static_prefix or isinstance(v, torch.nn.Parameter)
-                symbolic = symbolic_last_dim(v, static)   # token ids, labels: the last dim is a size too
+                # token ids, labels: the last dim is a size too (Config.symbolic_token_dims)
+                symbolic = self.config.symbolic_token_dims and symbolic_last_dim(v, static)
                 if static:
                     lead = ("static", tuple(shape))       # traced with every dim static
                 else:
@@ -462,6 +463,7 @@ class FusedFunction:
                               trace_joint=key[0], contiguous=tuple(t.is_contiguous() for t in tensors),
                               input_names=tuple(self._input_name(flat.tree, i) for i in positions),
                               returned_logits=self.graphs is None,
+                              symbolic_last=self.config.symbolic_token_dims,
                               marked_inputs=tuple((self._input_name(flat.tree, i), form) for i, form in marks.items() if form))
 
 
