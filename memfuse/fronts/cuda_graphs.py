@@ -34,6 +34,12 @@ What is static, per captured instance:
 
 Without CUDA tensors (the Triton interpreter, CPU runs) there are no graphs: the call runs the
 normal path, with the same seed-from-memory kernels, and says so once in the log.
+
+Failures follow the other fronts' rules (driver.fallback). The warm-up is the programs' first run:
+where it fails, the signature's compiled entry is retired and the call (and every later one of its
+key) runs through torch, logged and counted (`first_run_fallbacks`). A capture that fails after a
+good warm-up (a host sync, an allocation outside the graph's pool) leaves the programs correct but
+not capturable: that signature runs without graphs from then on, said once. Strict mode raises both.
 """
 from __future__ import annotations
 
@@ -46,8 +52,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from memfuse.base import torch_private
 from memfuse.base.debug import STATS, topic_log
-from memfuse.driver.fallback import EagerCall
+from memfuse.driver.fallback import STRICT, EagerCall, StrictModeError
 from memfuse.ir.graph import Op
+from memfuse.ir.targets import InputError
 
 log = logging.getLogger("memfuse")
 cache_log = topic_log("cache")
@@ -122,7 +129,20 @@ class GraphedFunction:
             if isinstance(entry, EagerCall):     # a compile that failed
                 return self.fused.run_eager(entry, values)
             signature = self.signatures[key] = _Signature(entry, self.fused._name())
-        instance = self._instance(signature, tensors)
+        if signature.ungraphed:
+            return _format(signature.entry, signature.entry.function(tensors))
+        try:
+            instance = self._instance(signature, tensors)
+        except _WarmUpFailed as failure:
+            del self.signatures[key]
+            decision = self.fused._first_run_failed(signature.entry, failure.program, failure.__cause__)
+            return self.fused.run_eager(decision, values)
+        except _CaptureFailed as failure:
+            if self.fused.config.strict:
+                raise StrictModeError(f"{failure}{STRICT}") from failure.__cause__
+            signature.ungraphed = True
+            self._tell("capture", "%s", failure)
+            return _format(signature.entry, signature.entry.function(tensors))
         if instance is None:
             return _format(signature.entry, signature.entry.function(tensors))
         STATS["graph_replays"] += 1
@@ -169,6 +189,19 @@ class GraphedFunction:
             log.warning("memfuse: %s: " + message, self.fused._name(), *args)
 
 
+class _WarmUpFailed(Exception):
+    """The warm-up (the programs' first run) failed in `program` ("forward" or "backward"); the
+    failure is the exception's __cause__."""
+
+    def __init__(self, program: str):
+        super().__init__(program)
+        self.program = program
+
+
+class _CaptureFailed(RuntimeError):
+    """The programs ran, but capturing them into a CUDA graph failed."""
+
+
 def _format(entry, outputs):
     return entry.rebuild(tuple(outputs))
 
@@ -179,6 +212,18 @@ class _Signature:
         self.name = name                 # the fused function's name, for messages
         self.instances: list = []
         self.owned: set = set()          # tensor positions always copied into graph buffers
+        self.ungraphed = False           # its capture failed: it runs without graphs
+
+
+def _warm_up(recorder, body: Callable[[], None], device: torch.device, running: list) -> None:
+    """The recorder's warm-up of `body`, a failure in it raised as _WarmUpFailed naming the program
+    that was running (`running[0]`); an input's own error passes through, as in eager."""
+    try:
+        recorder.warm_up(body, device)
+    except InputError:
+        raise
+    except Exception as error:   # noqa: BLE001 -- the first run's failure: the caller runs the original
+        raise _WarmUpFailed(running[0]) from error
 
 
 class _Instance:
@@ -221,12 +266,14 @@ class _Instance:
             instance = _Instance(compiled, inputs, borrowed, getattr(recorder, "rebinds", False))
             try:
                 instance._capture(recorder, device)
-            except RuntimeError as e:
-                raise RuntimeError(
-                    f"memfuse: {signature.name}: cuda_graphs=True: capturing its programs into a CUDA graph failed "
-                    f"({e}). A step that syncs with the host or allocates outside the graph's pool (an aten "
-                    f"fallback: MEMFUSE_LOG=fallbacks lists them) cannot be captured; use cuda_graphs=False "
-                    f"for this function.") from e
+            except (_WarmUpFailed, InputError):
+                raise
+            except Exception as e:   # noqa: BLE001 -- the programs ran in the warm-up: only the capture failed
+                raise _CaptureFailed(
+                    f"cuda_graphs=True: capturing its programs into a CUDA graph failed ({type(e).__name__}: {e}); "
+                    f"running without graphs for this call signature. A step that syncs with the host or "
+                    f"allocates outside the graph's pool (an aten fallback: MEMFUSE_LOG=fallbacks lists them) "
+                    f"cannot be captured") from e
         instance.unbind()                # borrowed tensors are not kept: only their addresses
         instance.returned = _storage_counts(instance.outputs + instance.grads)
         return instance
@@ -249,18 +296,21 @@ class _Instance:
             return run_forward()
 
         if compiled.backward is None:
-            recorder.warm_up(run_forward, device)
+            _warm_up(recorder, run_forward, device, running=["forward"])
             outs, self.forward = recorder.capture(advance_and_run_forward, device)
             self.outputs = outs[:n]
             return
+
+        running = ["forward"]
 
         def warm_up() -> None:
             outs = run_forward()
             tangents = [torch.zeros_like(outs[i], memory_format=torch.contiguous_format)
                         for i in compiled.differentiable]
+            running[0] = "backward"
             compiled.backward.run(outs[n:] + seed + tangents, symbol_values, device)
 
-        recorder.warm_up(warm_up, device)
+        _warm_up(recorder, warm_up, device, running)
         outs, self.forward = recorder.capture(advance_and_run_forward, device)
         self.outputs = outs[:n]
         # a saved primal input is read where the caller's tensor lies (the ctx keeps it alive)

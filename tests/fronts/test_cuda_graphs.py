@@ -13,6 +13,8 @@ import torch.nn.functional as F
 import memfuse
 from memfuse.fronts import cuda_graphs as graphs
 from memfuse.runtime import function as runtime
+from memfuse.runtime import launchers
+from memfuse.driver.fallback import StrictModeError
 from helpers import BLOCKS, block_inputs, forward_backward, leaves_like, rel_error
 from tests.ir.test_dropout import with_dropout_output, with_mask, within_rate
 
@@ -350,3 +352,46 @@ def test_generated_seed_kernel_is_readable(tmp_path):
     memfuse.memory_efficient_fusion(bias_dropout, config=config)(x, b, 0.3)
     text = "\n".join(p.read_text() for p in Path(tmp_path, "kernels").glob("*.py"))
     assert "seed_ptr,  # [1] int64 dropout seed, read from memory" in text
+
+
+# -- failures: the first run's rules, and a capture that fails ------------------------------------
+@pytest.mark.parametrize("program", ["forward", "backward"])
+def test_a_warm_up_that_fails_runs_the_call_through_torch(emulated, monkeypatch, program):
+    """The warm-up is the programs' first run: its failure retires the compiled entry, and this
+    call and the later ones run through torch with eager's results, counted."""
+    launch = launchers.KernelLaunch._launch
+
+    def failing(self, device, rows, aligned, values):
+        if f"_{program}_" in self.kernel.source.name:
+            raise RuntimeError(f"injected: launching {self.kernel.source.name} failed")
+        return launch(self, device, rows, aligned, values)
+    monkeypatch.setattr(launchers.KernelLaunch, "_launch", failing)
+    fused = memfuse.memory_efficient_fusion(bias_dropout, cuda_graphs=True)
+    x, b = make()
+    for _ in range(2):
+        out, grads = step(fused, (x, b), torch.ones(x.shape), p=0.0)
+        torch.testing.assert_close(out, (x + b).detach())
+        torch.testing.assert_close(grads, [torch.ones(x.shape), torch.full(b.shape, float(x.shape[0]))])
+    stats = memfuse.stats()
+    assert stats["first_run_fallbacks"] == 1 and stats["graph_captures"] == 0 and stats["eager_calls"] == 2
+
+
+def test_a_capture_that_fails_runs_without_graphs_and_says_so(emulated, monkeypatch, caplog):
+    def failing_capture(self, body, device):
+        raise RuntimeError("operation not permitted when stream is capturing")
+    monkeypatch.setattr(graphs.EagerRecorder, "capture", failing_capture)
+    fused = memfuse.memory_efficient_fusion(bias_dropout, cuda_graphs=True)
+    x, b = make()
+    with caplog.at_level(logging.WARNING, logger="memfuse"):
+        for _ in range(2):
+            out, grads = step(fused, (x, b), torch.ones(x.shape), p=0.0)
+            torch.testing.assert_close(out, (x + b).detach())
+            torch.testing.assert_close(grads, [torch.ones(x.shape), torch.full(b.shape, float(x.shape[0]))])
+    stats = memfuse.stats()
+    assert stats["graph_captures"] == 0 and stats["eager_calls"] == 0 and stats["compiles"] == 1
+    [said] = [r.getMessage() for r in caplog.records if "capturing its programs" in r.getMessage()]
+    assert "running without graphs" in said and "stream is capturing" in said
+
+    strict = memfuse.memory_efficient_fusion(bias_dropout, config=memfuse.Config(strict=True), cuda_graphs=True)
+    with pytest.raises(StrictModeError, match="capturing its programs"):
+        strict(x, b, p=0.0)
