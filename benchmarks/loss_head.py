@@ -275,8 +275,9 @@ def chunker_settings(peer: str) -> dict:
     graph's passes, so the chunker's counter would read 0 for a graph it did chunk."""
     name = chunker_config_name()
     settings = {f"{name}.enable": True, "fx_graph_cache": False}
-    if CHUNKER_AMPLIFY_RATIO[peer] is not None:
-        settings[f"{name}.amplify_ratio_threshold"] = CHUNKER_AMPLIFY_RATIO[peer]
+    threshold = f"{name}.amplify_ratio_threshold"  # absent from a torch whose chunker has no such knob
+    if CHUNKER_AMPLIFY_RATIO[peer] is not None and threshold in torch._inductor.config.get_config_copy():
+        settings[threshold] = CHUNKER_AMPLIFY_RATIO[peer]
     return settings
 
 
@@ -399,7 +400,8 @@ class Case:
 
 def measure(case: Case, peer: str) -> Row:
     """First call (wrap and compile included) and its errors, warm-up, timed steps, one step's peak;
-    then, for memfuse, what explain says about the loss head."""
+    then whether it chunked: for memfuse what explain says about the loss head, for the
+    auto-chunker Inductor's counter over its compile."""
     head, setup = case.head, case.setup
 
     def step(fn):
@@ -414,7 +416,7 @@ def measure(case: Case, peer: str) -> Row:
         loss = train_step(fn, head, case.workload, setup.device)
         setup.synchronize()
         first_call_s = time.perf_counter() - start
-        auto_chunkings = torch._inductor.metrics.num_auto_chunking
+        auto_chunkings = getattr(torch._inductor.metrics, "num_auto_chunking", None)  # None: no such counter
         loss_error, grad_error = errors(loss, head, case.reference)
         clear_grads(head)
         for _ in range(setup.settings.warmup_steps):
@@ -430,18 +432,21 @@ def measure(case: Case, peer: str) -> Row:
         chunked, lines = explain_loss_head(fn, case)
         row = dataclasses.replace(row, chunked_loss_head=chunked, explain=lines)
     if peer in CHUNKER_PEERS:
-        row = dataclasses.replace(row, chunked_loss_head=auto_chunkings > 0, auto_chunkings=auto_chunkings,
+        fired = None if auto_chunkings is None else auto_chunkings > 0
+        row = dataclasses.replace(row, chunked_loss_head=fired, auto_chunkings=auto_chunkings,
                                   explain=(chunker_line(peer, auto_chunkings),))
     return row
 
 
-def chunker_line(peer: str, auto_chunkings: int) -> str:
+def chunker_line(peer: str, auto_chunkings: int | None) -> str:
     """What the auto-chunker did in a peer's compile, from Inductor's counter, with its threshold."""
-    ratio = CHUNKER_AMPLIFY_RATIO[peer]
-    threshold = f"amplify_ratio_threshold {ratio}" if ratio is not None else "Inductor's default thresholds"
+    set_ratio = [value for key, value in chunker_settings(peer).items() if key.endswith(".amplify_ratio_threshold")]
+    threshold = f"amplify_ratio_threshold {set_ratio[0]}" if set_ratio else "Inductor's default thresholds"
+    if auto_chunkings is None:
+        return f"auto-chunker on ({threshold}), not checked: this torch has no metrics.num_auto_chunking"
     if auto_chunkings > 0:
         return f"auto-chunker fired: num_auto_chunking = {auto_chunkings} ({threshold})"
-    return (f"auto-chunker DID NOT FIRE: num_auto_chunking = 0 ({threshold}; TORCH_LOGS=+auto_chunker "
+    return (f"auto-chunker DID NOT FIRE: num_auto_chunking = 0 ({threshold}; TORCH_LOGS=auto_chunker "
             f"says why): this row is plain torch.compile")
 
 
