@@ -226,8 +226,8 @@ def liger_rewrite(fn: Callable) -> Callable:
     return rewritten(fn, lambda hidden, weight, target: fused(weight, hidden, target))
 
 
-# Cut Cross-Entropy's gradient filter (`filter_eps`): "high" as it ships, which skips the logits'
-# gradient where its softmax is below bf16's resolution; None computes every term.
+# Cut Cross-Entropy's gradient filter (`filter_eps`): "high" as it ships, which skips a block of
+# the logits' gradient where every softmax value is below the dtype's eps / 32; None computes every term.
 CCE_FILTERS = {"cce": "high", "cce_exact": None}
 
 
