@@ -330,7 +330,7 @@ def missing_reason(peer: str, tiny: bool, named: bool, soft_cap: float | None = 
         return _has_module("liger_kernel.transformers")
     if peer in CCE_FILTERS:
         if tiny:
-            return "not run in --tiny: Cut Cross-Entropy's Triton kernels fail in Triton's interpreter (a GPU runs them)"
+            return "not run in --tiny: Cut Cross-Entropy's kernels fail in Triton's interpreter (a GPU runs them)"
         return _has_module("cut_cross_entropy")
     if peer in TORCH_LCE_OPTIONS:
         if not hasattr(torch.nn, "LinearCrossEntropyOptions"):
@@ -621,8 +621,8 @@ def render(result: dict, markdown: bool) -> str:
     table = report._markdown(headers, body) if markdown else report._table(headers, body)
     targets = [f"- {line}" for line in result["targets"]]
     explained = [f"- {r['form']} {r['peer']}: {line}" for r in result["rows"] for line in r["explain"]]
-    return "\n".join([head, "", table, "", "Target (issue 18):", *targets, "", "How each peer chunked (memfuse.explain; the auto-chunker's counter):",
-                      *explained])
+    chunking_heading = "How each peer chunked (memfuse.explain; the auto-chunker's counter):"
+    return "\n".join([head, "", table, "", "Target (issue 18):", *targets, "", chunking_heading, *explained])
 
 
 def write_report(result: dict, path_stem: Path) -> None:
