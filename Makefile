@@ -1,8 +1,8 @@
 # make test: fresh virtualenv, CPU torch, the suite through Triton's interpreter.
 # make bench: side-by-side benchmark of the seed's blocks; make bench-models: of whole HuggingFace
 # models; make bench-budget: memory budgets of those models beside torch.compile's; make
-# bench-loss-head: the loss head alone beside torch.compile, its auto-chunker and Liger-Kernel; make
-# bench-zoo: the model zoo (30+ families) in eager, torch.compile and memfuse, families in parallel.
+# bench-loss-head: the loss head alone beside torch.compile, its auto-chunker, Liger-Kernel, Cut
+# Cross-Entropy and F.linear_cross_entropy (torch >= 2.13); make bench-zoo: the model zoo (30+ families) in eager, torch.compile and memfuse, families in parallel.
 # Without a GPU they are small smoke runs through the interpreter, and say so.
 PYTHON ?= python3
 VENV   ?= .venv
@@ -56,7 +56,7 @@ bench-zoo: $(BENCH_SETUP)
 bench-budget: $(BENCH_SETUP)
 	$(BENCH_PY) -m benchmarks.budget $(ARGS)
 
-# ARGS: e.g. --autocast, --forms function --peers eager,liger,memfuse, --ignore-fraction 0.1
+# ARGS: e.g. --autocast, --forms function --peers eager,liger,cce,torch_lce,memfuse, --ignore-fraction 0.1
 bench-loss-head: $(BENCH_SETUP)
 	$(BENCH_PY) -m benchmarks.loss_head $(ARGS)
 

@@ -1,6 +1,7 @@
-"""The loss head alone (issue 18): `cross_entropy((hidden @ weight.T).float(), target)`, forward
-and backward, side by side: eager, torch.compile, torch.compile with its auto-chunker,
-Liger-Kernel's fused linear cross-entropy, and memfuse on the unchanged code.
+"""The loss head alone (issues 18, 52): `cross_entropy((hidden @ weight.T).float(), target)`, forward
+and backward, side by side: eager, torch.compile, torch.compile with its auto-chunker, Liger-Kernel's
+fused linear cross-entropy, Cut Cross-Entropy, torch's own `F.linear_cross_entropy` with its
+chunking options (torch >= 2.13), and memfuse on the unchanged code.
 
     python -m benchmarks.loss_head [--tokens 8192] [--hidden 4096] [--vocab 128256] [--dtype bfloat16]
                                    [--ignore-fraction F] [--autocast] [--forms function,module]
@@ -11,13 +12,32 @@ nn.Module (nn.Linear(hidden, vocab, bias=False), then cross_entropy); every peer
 this process, one after another, on the same tensors. `--autocast`: fp32 weights under
 torch.autocast(bfloat16), hidden states in --dtype. Per peer: the median step time, the step's
 peak memory above the inputs', the first call, the loss and gradients against an fp32 reference
-(fp64 on CPU), and for memfuse whether `memfuse.explain` reports a chunked loss head. A peer that
-cannot run here (Liger not installed, no auto-chunker in this torch) has a row saying why.
-Writes loss-head-<variant>.json and .md into --out (variant: the dtype, or "autocast").
+(fp64 on CPU), and whether it chunked: for memfuse what `memfuse.explain` reports, for the
+auto-chunker `torch._inductor.metrics.num_auto_chunking` after its compile. A peer that cannot run
+here (a package not installed, no auto-chunker or no `F.linear_cross_entropy` in this torch) has a
+row saying why. Writes loss-head-<variant>.json and .md into --out (variant: the dtype, or "autocast").
+
+The peers (`--peers`):
+  torch_compile_chunker          Inductor's auto-chunker, set in code before the compile, static
+                                 shapes, its amplification threshold lowered so a head whose weight
+                                 is as large as its logits qualifies (CHUNKER_AMPLIFY_RATIO says why)
+  torch_compile_chunker_default  the same at Inductor's own thresholds (it does not fire on an LLM head)
+  liger                          LigerFusedLinearCrossEntropyLoss (the user's code rewritten)
+  cce, cce_exact                 cut_cross_entropy.linear_cross_entropy, as shipped (its gradient
+                                 filter, filter_eps="high") and with the filter off (filter_eps=None)
+  torch_lce, torch_lce_aspect1,  F.linear_cross_entropy(options=LinearCrossEntropyOptions(...)):
+  torch_lce_rows1024             chunking "auto", "aspect_ratio", and 1024 rows a chunk
+
+Liger-Kernel and Cut Cross-Entropy are pure-Python wheels over torch and triton. Where the GPU
+machine lacks them, carry them as wheels (made here, in the repository root, by the device README's
+`pip download ... -d .whl liger-kernel cut-cross-entropy`) and start the command with
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit;
 
 Without CUDA, or with --tiny, a tiny head runs on CPU in fp32 through the Triton interpreter
-(torch.compile's peers only when --peers names them): a smoke run of the harness, not a
-measurement (loss-head-tiny-*). docs/results.md says how the columns are measured.
+(torch.compile's peers only when --peers names them; Cut Cross-Entropy's kernels do not run in the
+interpreter): a smoke run of the harness, not a measurement (loss-head-tiny-*). docs/results.md
+says how the columns are measured.
 """
 
 from __future__ import annotations
@@ -25,6 +45,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import importlib
 import importlib.metadata
 import io
 import json
@@ -190,49 +211,133 @@ def clear_grads(head: Head) -> None:
 
 
 # -- the peers --------------------------------------------------------------------------------------
+def rewritten(fn: Callable, fused: Callable) -> Callable:
+    """The head rewritten as its users must for a fused op `fused(hidden, weight, target)`: the
+    same weight (the module's own for the module form), ignore_index -100 and the mean."""
+    if isinstance(fn, LossHead):
+        return lambda hidden, target: fused(hidden, fn.linear.weight, target)
+    return lambda hidden, weight, target: fused(hidden, weight, target)
+
+
 def liger_rewrite(fn: Callable) -> Callable:
-    """The head rewritten for Liger-Kernel, as its users must: the same weight into its fused op
-    (ignore_index -100 and the mean, as cross_entropy's defaults)."""
     from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
-    fused = LigerFusedLinearCrossEntropyLoss(softcap=getattr(fn, "soft_cap", None))
-    if isinstance(fn, LossHead):
-        return lambda hidden, target: fused(fn.linear.weight, hidden, target)
-    return lambda hidden, weight, target: fused(weight, hidden, target)
+    fused = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, softcap=getattr(fn, "soft_cap", None))
+    return rewritten(fn, lambda hidden, weight, target: fused(weight, hidden, target))
+
+
+# Cut Cross-Entropy's gradient filter (`filter_eps`): "high" as it ships, which skips a block of
+# the logits' gradient where every softmax value is below the dtype's eps / 32; None computes every term.
+CCE_FILTERS = {"cce": "high", "cce_exact": None}
+
+
+def cce_rewrite(fn: Callable, filter_eps: str | None) -> Callable:
+    from cut_cross_entropy import linear_cross_entropy
+
+    return rewritten(fn, lambda hidden, weight, target: linear_cross_entropy(
+        hidden, weight, target, ignore_index=IGNORE_INDEX, softcap=getattr(fn, "soft_cap", None),
+        filter_eps=filter_eps))
+
+
+# F.linear_cross_entropy's chunking options (torch >= 2.13) -> the peer that runs with them:
+# "auto" (its per-device pick: 'aspect_ratio:2' and the 'compact' accumulation on CUDA bf16), one
+# chunk's logits as large as the hidden states, and memfuse's default 1024 rows a chunk.
+TORCH_LCE_OPTIONS = {
+    "torch_lce": {},
+    "torch_lce_aspect1": {"chunking_method": "aspect_ratio"},
+    "torch_lce_rows1024": {"chunking_method": None, "batch_chunk_size": 1024},
+}
+
+
+def torch_lce_rewrite(fn: Callable, options: dict) -> Callable:
+    chunking = torch.nn.LinearCrossEntropyOptions(**options)
+    return rewritten(fn, lambda hidden, weight, target: F.linear_cross_entropy(
+        hidden, weight, target, ignore_index=IGNORE_INDEX, options=chunking))
+
+
+# Inductor's auto-chunker chunks from a matmul whose output is more than `amplify_ratio_threshold`
+# (8) times its inputs' bytes. An LLM head's weight is among those inputs: 8192 tokens x hidden
+# 4096 -> vocabulary 128256 amplifies 1.9x, so at its own threshold the chunker never fires on the
+# head it was written for. The chunker peer lowers the threshold to 1 (any matmul whose output
+# outweighs its inputs); the _default peer keeps Inductor's, to show that it does not fire.
+CHUNKER_AMPLIFY_RATIO = {"torch_compile_chunker": 1, "torch_compile_chunker_default": None}
+
+
+def chunker_config_name() -> str | None:
+    """The auto-chunker's namespace in torch._inductor.config (`auto_chunker` in torch 2.11 and
+    2.13; `AutoChunker` in its early form), or None where this torch has none."""
+    return next((name for name in ("auto_chunker", "AutoChunker") if hasattr(torch._inductor.config, name)), None)
+
+
+def chunker_settings(peer: str) -> dict:
+    """The Inductor config a chunker peer compiles under: the chunker on (and its threshold where
+    the peer lowers it), and the FX graph cache off: a graph served from a cache skips the joint
+    graph's passes, so the chunker's counter would read 0 for a graph it did chunk."""
+    name = chunker_config_name()
+    settings = {f"{name}.enable": True, "fx_graph_cache": False}
+    threshold = f"{name}.amplify_ratio_threshold"  # absent from a torch whose chunker has no such knob
+    if CHUNKER_AMPLIFY_RATIO[peer] is not None and threshold in torch._inductor.config.get_config_copy():
+        settings[threshold] = CHUNKER_AMPLIFY_RATIO[peer]
+    return settings
 
 
 # peer -> (the head's function, the memfuse options of --chunk-mib) -> what the peer runs
 WRAPPERS: dict[str, Callable[[Callable, dict], Callable]] = {
     "eager": lambda fn, options: fn,
-    "torch_compile": lambda fn, options: torch.compile(fn),
-    "torch_compile_chunker": lambda fn, options: torch.compile(fn),  # under peer_context(): the auto-chunker on
+    "torch_compile": lambda fn, options: torch.compile(fn, dynamic=False),
+    # under peer_context(): the auto-chunker on, before the compile (which runs at the first call)
+    "torch_compile_chunker": lambda fn, options: torch.compile(fn, dynamic=False),
+    "torch_compile_chunker_default": lambda fn, options: torch.compile(fn, dynamic=False),
     "liger": lambda fn, options: liger_rewrite(fn),
+    **{peer: (lambda fn, options, eps=eps: cce_rewrite(fn, eps)) for peer, eps in CCE_FILTERS.items()},
+    **{peer: (lambda fn, options, chunking=chunking: torch_lce_rewrite(fn, chunking))
+       for peer, chunking in TORCH_LCE_OPTIONS.items()},
     "memfuse": lambda fn, options: memfuse.memory_efficient_fusion(fn, config=Config(**options)),
     "memfuse_backend": lambda fn, options: torch.compile(fn, backend="memfuse", options=options),
 }
 PEERS = tuple(WRAPPERS)
 MEMFUSE_PEERS = ("memfuse", "memfuse_backend")
-COMPILE_PEERS = ("torch_compile", "torch_compile_chunker")  # --tiny runs them only when --peers names them
+CHUNKER_PEERS = tuple(CHUNKER_AMPLIFY_RATIO)
+COMPILE_PEERS = ("torch_compile", *CHUNKER_PEERS)  # --tiny runs them only when --peers names them
 
 
 def peer_context(peer: str):
-    """torch.compile's auto-chunker is a global of Inductor's: set around that peer's compile and run."""
-    if peer == "torch_compile_chunker":
-        return torch._inductor.config.patch({"auto_chunker.enable": True})
-    return contextlib.nullcontext()
+    """The auto-chunker is a global of Inductor's: set around that peer's compile and run, with
+    AOTAutograd's cache off too (a cached graph skips the chunker's pass; chunker_settings)."""
+    if peer not in CHUNKER_PEERS:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch._inductor.config.patch(chunker_settings(peer)))
+    stack.enter_context(torch._functorch.config.patch(enable_autograd_cache=False))
+    return stack
 
 
-def missing_reason(peer: str, tiny: bool, named: bool) -> str | None:
+def _has_module(name: str) -> str | None:
+    try:
+        importlib.import_module(name)
+    except ImportError as error:
+        return f"not installed ({error}); the module docstring says how a GPU run carries its wheel"
+    return None
+
+
+def missing_reason(peer: str, tiny: bool, named: bool, soft_cap: float | None = None) -> str | None:
     """Why `peer` cannot run here, or None."""
     if tiny and peer in COMPILE_PEERS and not named:
         return "not run in --tiny: Inductor builds C++ kernels on the CPU for tens of seconds (--peers names it)"
-    if peer == "torch_compile_chunker" and not hasattr(torch._inductor.config, "auto_chunker"):
-        return f"torch {torch.__version__} has no torch._inductor.config.auto_chunker"
+    if peer in CHUNKER_PEERS and chunker_config_name() is None:
+        return f"not available: torch {torch.__version__} has no auto-chunker in torch._inductor.config"
     if peer == "liger":
-        try:
-            import liger_kernel.transformers  # noqa: F401
-        except ImportError as error:
-            return f"not installed ({error})"
+        return _has_module("liger_kernel.transformers")
+    if peer in CCE_FILTERS:
+        if tiny:
+            return "not run in --tiny: Cut Cross-Entropy's kernels fail in Triton's interpreter (a GPU runs them)"
+        return _has_module("cut_cross_entropy")
+    if peer in TORCH_LCE_OPTIONS:
+        if not hasattr(torch.nn, "LinearCrossEntropyOptions"):
+            return (f"not available: torch {torch.__version__} has no F.linear_cross_entropy with chunking "
+                    f"options (torch >= 2.13 has)")
+        if soft_cap is not None:
+            return "not available: F.linear_cross_entropy has no soft cap"
     return None
 
 
@@ -278,8 +383,9 @@ class Row:
     loss: float | None = None
     loss_error: float | None = None
     grad_error: float | None = None
-    chunked_loss_head: bool | None = None  # memfuse peers: explain reports a chunked loss head
-    explain: tuple = ()  # explain's lines about the loss head, or why there are none
+    chunked_loss_head: bool | None = None  # memfuse: explain reports a chunked loss head; chunker: it fired
+    explain: tuple = ()  # explain's lines about the loss head, or the auto-chunker's count, or why not
+    auto_chunkings: int | None = None  # chunker peers: torch._inductor.metrics.num_auto_chunking after the compile
     time_ratio: float | None = None  # step_s / the fastest row's of the form
     memory_ratio: float | None = None  # peak_bytes / the least row's of the form
 
@@ -294,7 +400,8 @@ class Case:
 
 def measure(case: Case, peer: str) -> Row:
     """First call (wrap and compile included) and its errors, warm-up, timed steps, one step's peak;
-    then, for memfuse, what explain says about the loss head."""
+    then whether it chunked: for memfuse what explain says about the loss head, for the
+    auto-chunker Inductor's counter over its compile."""
     head, setup = case.head, case.setup
 
     def step(fn):
@@ -302,12 +409,14 @@ def measure(case: Case, peer: str) -> Row:
         clear_grads(head)
 
     with peer_context(peer):
+        torch._inductor.metrics.reset()  # the auto-chunker's counter: this peer's compile alone
         setup.synchronize()
         start = time.perf_counter()
         fn = WRAPPERS[peer](head.fn, case.workload.memfuse_options())
         loss = train_step(fn, head, case.workload, setup.device)
         setup.synchronize()
         first_call_s = time.perf_counter() - start
+        auto_chunkings = getattr(torch._inductor.metrics, "num_auto_chunking", None)  # None: no such counter
         loss_error, grad_error = errors(loss, head, case.reference)
         clear_grads(head)
         for _ in range(setup.settings.warmup_steps):
@@ -322,7 +431,23 @@ def measure(case: Case, peer: str) -> Row:
     if peer in MEMFUSE_PEERS:
         chunked, lines = explain_loss_head(fn, case)
         row = dataclasses.replace(row, chunked_loss_head=chunked, explain=lines)
+    if peer in CHUNKER_PEERS:
+        fired = None if auto_chunkings is None else auto_chunkings > 0
+        row = dataclasses.replace(row, chunked_loss_head=fired, auto_chunkings=auto_chunkings,
+                                  explain=(chunker_line(peer, auto_chunkings),))
     return row
+
+
+def chunker_line(peer: str, auto_chunkings: int | None) -> str:
+    """What the auto-chunker did in a peer's compile, from Inductor's counter, with its threshold."""
+    set_ratio = [value for key, value in chunker_settings(peer).items() if key.endswith(".amplify_ratio_threshold")]
+    threshold = f"amplify_ratio_threshold {set_ratio[0]}" if set_ratio else "Inductor's default thresholds"
+    if auto_chunkings is None:
+        return f"auto-chunker on ({threshold}), not checked: this torch has no metrics.num_auto_chunking"
+    if auto_chunkings > 0:
+        return f"auto-chunker fired: num_auto_chunking = {auto_chunkings} ({threshold})"
+    return (f"auto-chunker DID NOT FIRE: num_auto_chunking = 0 ({threshold}; TORCH_LOGS=auto_chunker "
+            f"says why): this row is plain torch.compile")
 
 
 def host_seconds(step: Callable[[], None], setup: models.Setup, count: int) -> float:
@@ -425,9 +550,9 @@ def run_form(form: str, inputs: Inputs, ref: Reference, workload: Workload, setu
 
 
 # -- metadata, files, the report --------------------------------------------------------------------
-def _liger_version() -> str | None:
+def _version(distribution: str) -> str | None:
     try:
-        return importlib.metadata.version("liger-kernel")
+        return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
         return None
 
@@ -440,7 +565,9 @@ def metadata(workload: Workload, setup: models.Setup, inputs: Inputs) -> dict:
         **meta,
         "precision": f"{workload.dtype} hidden, fp32 weight under autocast(bfloat16)" if workload.autocast
         else f"{workload.dtype} hidden and weight",
-        "liger_kernel": _liger_version(),
+        "liger_kernel": _version("liger-kernel"),
+        "cut_cross_entropy": _version("cut-cross-entropy"),
+        "torch_linear_cross_entropy": hasattr(torch.nn, "LinearCrossEntropyOptions"),
         "workload": dataclasses.asdict(workload),
         "input_bytes": sum(t.numel() * t.element_size() for t in (inputs.hidden, inputs.weight, inputs.target)),
         "grad_bytes": grad_bytes,
@@ -454,7 +581,10 @@ def metadata(workload: Workload, setup: models.Setup, inputs: Inputs) -> dict:
             "grad_error": "first step: max over hidden and weight of ||grad - reference|| / ||reference||",
             "time_ratio": "step_s / the fastest peer's of the same form",
             "memory_ratio": "peak_bytes / the least peer's of the same form",
-            "chunked_loss_head": "memfuse peers: memfuse.explain's report names a chunked loss head",
+            "chunked_loss_head": "memfuse peers: memfuse.explain's report names a chunked loss head; auto-chunker "
+                                 "peers: auto_chunkings > 0",
+            "auto_chunkings": "auto-chunker peers: torch._inductor.metrics.num_auto_chunking after the first "
+                              "call (graphs the chunker rewrote; Inductor's and AOTAutograd's caches off)",
         },
     }
 
@@ -486,11 +616,13 @@ def render(result: dict, markdown: bool) -> str:
              fmt(r["grad_error"], ".1e"), _chunked(r), _note(r)] for r in result["rows"]]
     head = (f"- {w['tokens']} tokens x hidden {w['hidden']} -> vocab {w['vocab']}, {meta['precision']}, "
             f"{w['ignore_fraction']:.0%} of targets ignored; {meta['device']}, torch {meta['torch']}, "
-            f"triton {meta['triton']}, liger-kernel {meta['liger_kernel'] or 'not installed'}, {meta['date']}")
+            f"triton {meta['triton']}, liger-kernel {meta['liger_kernel'] or 'not installed'}, cut-cross-entropy "
+            f"{meta.get('cut_cross_entropy') or 'not installed'}, {meta['date']}")
     table = report._markdown(headers, body) if markdown else report._table(headers, body)
     targets = [f"- {line}" for line in result["targets"]]
     explained = [f"- {r['form']} {r['peer']}: {line}" for r in result["rows"] for line in r["explain"]]
-    return "\n".join([head, "", table, "", "Target (issue 18):", *targets, "", "memfuse.explain:", *explained])
+    chunking_heading = "How each peer chunked (memfuse.explain; the auto-chunker's counter):"
+    return "\n".join([head, "", table, "", "Target (issue 18):", *targets, "", chunking_heading, *explained])
 
 
 def write_report(result: dict, path_stem: Path) -> None:
@@ -560,12 +692,12 @@ def main(argv: list[str] | None = None) -> None:
                  "triton loads (python -m benchmarks.loss_head --tiny does)")
     forms = models._names(args.forms, tuple(FORMS), "forms")
     named = models._names(args.peers, PEERS, "peers") if args.peers else ()
-    missing = {peer: missing_reason(peer, tiny, peer in named) for peer in named or PEERS}
     settings = models.TINY_SETTINGS if tiny else GPU_SETTINGS
     if args.timed_steps:
         settings = dataclasses.replace(settings, timed_steps=args.timed_steps)
     setup = models.Setup(torch.device("cpu" if tiny else "cuda"), tiny, settings)
     workload = workload_of(args, tiny)
+    missing = {peer: missing_reason(peer, tiny, peer in named, workload.soft_cap) for peer in named or PEERS}
     if tiny:
         print(TINY_BANNER, flush=True)
     inputs = make_inputs(workload, setup.device)

@@ -103,3 +103,121 @@ def test_bad_arguments_are_named(argv, named, capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(argv)
     assert named in capsys.readouterr().err
+
+
+# -- the peers of issue 52: the auto-chunker, Cut Cross-Entropy, F.linear_cross_entropy ----------------
+def _tiny_case(form="function", soft_cap=None):
+    workload = bench.workload_of(bench.parse_args(["--tiny"]), tiny=True)
+    workload = bench.dataclasses.replace(workload, soft_cap=soft_cap)
+    device = bench.torch.device("cpu")
+    setup = bench.models.Setup(device, True, bench.models.TINY_SETTINGS)
+    inputs = bench.make_inputs(workload, device)
+    return bench.Case(workload, setup, bench.FORMS[form](inputs, soft_cap), bench.reference(inputs, device, soft_cap))
+
+
+@pytest.mark.parametrize("peer, ratio", [("torch_compile_chunker", 1), ("torch_compile_chunker_default", None)])
+def test_chunker_peers_compile_with_the_chunker_on_and_the_caches_off(peer, ratio):
+    """Inside the peer's context Inductor's config has the chunker on (its amplification threshold
+    lowered for the chunker peer, Inductor's own for _default) and no cache that would skip its pass."""
+    config = bench.torch._inductor.config
+    default_ratio = config.auto_chunker.amplify_ratio_threshold
+    with bench.peer_context(peer):
+        assert config.auto_chunker.enable and not config.fx_graph_cache
+        assert not bench.torch._functorch.config.enable_autograd_cache
+        assert config.auto_chunker.amplify_ratio_threshold == (ratio if ratio is not None else default_ratio)
+    assert not config.auto_chunker.enable
+
+
+@pytest.mark.parametrize("fires", [True, False])
+def test_a_chunker_row_says_whether_the_chunker_fired(fires, monkeypatch):
+    """The row reads torch._inductor.metrics.num_auto_chunking for this peer's compile alone (a
+    count left by an earlier compile does not count) and says when the chunker did not fire."""
+    metrics = bench.torch._inductor.metrics
+
+    def wrap(fn, options):
+        def call(*args):
+            if fires:
+                metrics.num_auto_chunking += 1
+            return fn(*args)
+        return call
+
+    monkeypatch.setitem(bench.WRAPPERS, "torch_compile_chunker", wrap)
+    metrics.num_auto_chunking = 5  # an earlier compile's
+    row = bench.run_peer(_tiny_case(), "torch_compile_chunker", None)
+    assert row.error is None and row.auto_chunkings == (1 if fires else 0)
+    assert row.chunked_loss_head is fires
+    line, = row.explain
+    assert ("fired: num_auto_chunking = 1" in line) if fires else ("DID NOT FIRE" in line)
+    assert "amplify_ratio_threshold 1" in line
+
+
+@pytest.mark.slow
+def test_the_auto_chunker_fires_on_a_head_only_below_its_default_threshold(tmp_path):
+    """Inductor's compile on CPU (tens of seconds each): a head whose logits outweigh its inputs
+    5.3x (an LLM head's: 1.9x at 8192 tokens x 4096 -> 128256) chunks under the chunker peer
+    and not at Inductor's default threshold (8); both within the fp64 reference's reach."""
+    bench.main(["--tiny", "--tokens", "1024", "--hidden", "64", "--vocab", "512", "--forms", "function",
+                "--peers", "torch_compile_chunker,torch_compile_chunker_default", "--out", str(tmp_path)])
+    rows = {r["peer"]: r for r in json.loads((tmp_path / "loss-head-tiny-float32.json").read_text())["rows"]}
+    assert rows["torch_compile_chunker"]["auto_chunkings"] == 1, rows["torch_compile_chunker"]
+    assert rows["torch_compile_chunker_default"]["auto_chunkings"] == 0
+    for row in rows.values():
+        assert row["error"] is None and row["loss_error"] < 1e-5 and row["grad_error"] < 1e-5, row
+
+
+@pytest.mark.skipif(not hasattr(bench.torch.nn, "LinearCrossEntropyOptions"), reason="torch < 2.13")
+@pytest.mark.parametrize("form", list(bench.FORMS))
+def test_torch_linear_cross_entropy_peers_match_the_reference(form):
+    """Each of F.linear_cross_entropy's chunking options runs the head (ignored targets included)
+    within the fp64 reference's reach, in eager, on CPU."""
+    case = _tiny_case(form)
+    for peer in bench.TORCH_LCE_OPTIONS:
+        assert bench.missing_reason(peer, tiny=True, named=False) is None
+        row = bench.run_peer(case, peer, None)
+        assert row.error is None and row.loss_error < 1e-5 and row.grad_error < 1e-5, row
+
+
+def test_missing_peers_say_why(monkeypatch):
+    monkeypatch.setitem(bench.sys.modules, "cut_cross_entropy", None)  # import fails: not installed
+    assert bench.missing_reason("cce", tiny=False, named=False).startswith("not installed")
+    assert "interpreter" in bench.missing_reason("cce_exact", tiny=True, named=True)
+    assert "soft cap" in bench.missing_reason("torch_lce", tiny=True, named=False, soft_cap=30.0)
+    monkeypatch.delattr(bench.torch.nn, "LinearCrossEntropyOptions", raising=False)
+    assert "torch >= 2.13" in bench.missing_reason("torch_lce_rows1024", tiny=False, named=False)
+    monkeypatch.setattr(bench, "chunker_config_name", lambda: None)
+    assert "no auto-chunker" in bench.missing_reason("torch_compile_chunker", tiny=False, named=True)
+
+
+@pytest.mark.parametrize("form", list(bench.FORMS))
+@pytest.mark.parametrize("peer, filter_eps", list(bench.CCE_FILTERS.items()))
+def test_cce_gets_the_users_weight_ignore_index_soft_cap_and_filter(form, peer, filter_eps, monkeypatch):
+    """Cut Cross-Entropy's kernels need a GPU: a stand-in with its signature checks what the rewrite
+    passes (the module's own weight for the module form) and computes the head, so the row matches."""
+    calls = []
+
+    def linear_cross_entropy(e, c, targets, ignore_index=-100, softcap=None, reduction="mean", shift=False,
+                             filter_eps="high"):
+        calls.append((c, ignore_index, softcap, filter_eps))
+        logits = e @ c.T
+        logits = logits if softcap is None else bench.torch.tanh(logits / softcap) * softcap
+        return bench.F.cross_entropy(logits.float(), targets, ignore_index=ignore_index)
+
+    monkeypatch.setitem(bench.sys.modules, "cut_cross_entropy",
+                        type(bench.sys)("cut_cross_entropy"))
+    monkeypatch.setattr(bench.sys.modules["cut_cross_entropy"], "linear_cross_entropy", linear_cross_entropy,
+                        raising=False)
+    case = _tiny_case(form, soft_cap=2.0)
+    row = bench.run_peer(case, peer, None)
+    assert row.error is None and row.loss_error < 1e-5 and row.grad_error < 1e-5, row
+    weight, ignore_index, softcap, eps = calls[0]
+    assert weight is case.head.leaves[1] and ignore_index == bench.IGNORE_INDEX and softcap == 2.0
+    assert eps == filter_eps
+
+
+def test_liger_peer_matches_the_reference_in_the_interpreter():
+    pytest.importorskip("liger_kernel.transformers")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Liger's kernels on CPU need Triton's interpreter")
+    for form in bench.FORMS:
+        row = bench.run_peer(_tiny_case(form), "liger", None)
+        assert row.error is None and row.loss_error < 1e-5 and row.grad_error < 1e-5, row
