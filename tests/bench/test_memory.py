@@ -1,0 +1,163 @@
+"""benchmarks/memory.py (make bench-memory): the doubling-then-bisection search over a fake
+`fits`, a mode's search resuming from an earlier command's sizes, errors recorded as a size's
+failure, the checkpoint-offload mode, the report, and one tiny run in fresh processes."""
+import json
+import os
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from benchmarks import memory  # noqa: E402
+
+
+def fits_up_to(largest: int, calls: list):
+    def fits(size):
+        calls.append(size)
+        return size <= largest
+    return fits
+
+
+def test_search_doubles_then_bisects_to_the_granularity():
+    calls = []
+    found = memory.search(fits_up_to(1000, calls), start=256, granularity=64, limit=1 << 20)
+    assert found.largest == 960 and found.smallest_failed == 1024 and found.complete
+    # doubling 256, 512, 1024 (fails); bisection 768, 896, 960
+    assert found.tried == (256, 512, 1024, 768, 896, 960) == tuple(calls)
+
+
+def test_search_where_the_start_fails_or_nothing_fails():
+    assert memory.search(fits_up_to(100, []), 256, 64, 4096) == memory.Search(None, 256, (256,), True)
+    everything = memory.search(fits_up_to(10**9, []), 256, 64, 4096)
+    assert everything.largest == 4096 and everything.smallest_failed is None and everything.complete
+    batches = memory.search(fits_up_to(5, []), 1, 1, 4096)
+    assert batches.largest == 5 and batches.tried == (1, 2, 4, 8, 6, 5)
+
+
+def test_search_stops_where_fits_says_the_time_is_spent():
+    answers = iter([True, True, None])
+    found = memory.search(lambda size: next(answers), 16, 8, 1024)
+    assert found == memory.Search(32, None, (16, 32, 64), complete=False)
+
+
+def _fake_probe(largest_tokens: int, calls: list):
+    def probe(run, mode, seq, batch):
+        calls.append((batch, seq))
+        fits = batch * seq <= largest_tokens
+        return {"fits": fits, "seq": seq, "batch": batch, "oom": not fits, "step_s": 1.0,
+                "tokens_per_s": float(batch * seq), "peak_bytes": batch * seq * 10**6,
+                **({} if fits else {"error": "OutOfMemoryError: CUDA out of memory"})}
+    return probe
+
+
+def _run(deadline=float("inf")):
+    return memory.Run(memory.TINY, tiny=True, timeout_s=10, cap_tokens=None, deadline=deadline)
+
+
+def test_a_mode_search_reuses_the_sizes_an_earlier_command_tried(monkeypatch):
+    calls = []
+    first = memory.search_mode(_run(deadline=time.monotonic() - 1), memory.Mode("eager"), "seq", 0,
+                               probe=_fake_probe(40, calls))
+    assert not first["complete"] and calls == []  # past the deadline: no size starts
+    partial = memory.search_mode(_run(), memory.Mode("eager"), "seq", 0, probe=_fake_probe(40, calls))
+    assert partial["largest"] == 40 and partial["complete"] and partial["at_largest"]["tokens_per_s"] == 40
+    calls.clear()
+    again = memory.search_mode(_run(), memory.Mode("eager"), "seq", 0, probe=_fake_probe(40, calls),
+                               known=partial["probes"])
+    assert calls == [] and again["largest"] == 40
+    batch = memory.search_mode(_run(), memory.Mode("eager"), "batch", 16, probe=_fake_probe(40, calls))
+    assert batch["largest"] == 2 and all(seq == 16 for _, seq in calls)
+
+
+def test_a_failing_size_records_its_error_and_whether_it_ran_out_of_memory(monkeypatch):
+    def raises(error):
+        def train_size(*args):
+            raise error
+        return train_size
+
+    monkeypatch.setattr(memory, "train_size", raises(ValueError("memfuse: memory_budget must be a number")))
+    failed = memory.run_one(memory.TINY, memory.Mode.parse("memfuse@12GB"), 16, 1, cuda=False, cap_tokens=None)
+    assert failed["fits"] is False and failed["oom"] is False and failed["error"].startswith("ValueError: memfuse")
+    monkeypatch.setattr(memory, "train_size", raises(torch.OutOfMemoryError("CUDA out of memory")))
+    assert memory.run_one(memory.TINY, memory.Mode("eager"), 16, 1, cuda=False, cap_tokens=None)["oom"] is True
+    capped = memory.run_one(memory.TINY, memory.Mode("eager"), 32, 1, cuda=False, cap_tokens=24)
+    assert capped["fits"] is False and "tiny cap" in capped["error"]
+
+
+def test_mode_names_carry_budgets():
+    assert memory.Mode.parse("memfuse@12GB") == memory.Mode("memfuse", "12GB")
+    assert memory.Mode.parse("torch_compile@0.1").name == "torch_compile@0.1"
+    assert memory._memfuse_budget("12GB") == "12GB" and memory._memfuse_budget("0.3") == 0.3
+    assert memory._memfuse_budget("") is None
+    for bad in ("eager@0.5", "sometimes"):
+        with pytest.raises(ValueError):
+            memory.Mode.parse(bad)
+
+
+def test_checkpoint_offload_packs_each_layers_input_once_and_keeps_the_gradients(monkeypatch):
+    """The offload mode's save_on_cpu sees each checkpointed layer's input hidden states and
+    nothing the layer saves inside (that is recomputed); the gradients are eager's."""
+    import transformers
+    packed = []
+    real_save_on_cpu = torch.autograd.graph.save_on_cpu
+
+    class CountingSaveOnCpu(real_save_on_cpu):
+        def __init__(self, pin_memory=False, device_type="cuda"):
+            super().__init__(pin_memory, device_type)
+            pack = self.pack_hook
+            self.pack_hook = lambda tensor: packed.append(tuple(tensor.shape)) or pack(tensor)
+
+    monkeypatch.setattr(torch.autograd.graph, "save_on_cpu", CountingSaveOnCpu)
+    config = memory.llama_config(memory.TINY, 16)
+    ids = torch.randint(0, memory.TINY.vocab, (1, 16), generator=torch.Generator().manual_seed(0))
+    grads = {}
+    for mode in ("eager", "checkpoint_offload"):
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(config).train()
+        memory.wrap(model, memory.Mode(mode), cuda=False)(input_ids=ids, labels=ids).loss.backward()
+        grads[mode] = {name: p.grad for name, p in model.named_parameters()}
+    assert packed.count((1, 16, memory.TINY.hidden)) == memory.TINY.layers
+    assert all(shape != (1, 16, memory.TINY.ffn) for shape in packed)  # the MLP's insides are recomputed
+    for name, grad in grads["eager"].items():
+        torch.testing.assert_close(grads["checkpoint_offload"][name], grad, rtol=1e-5, atol=1e-6)
+
+
+def _row(mode, largest, tokens_per_s, failure=None):
+    at = {"tokens_per_s": tokens_per_s, "peak_bytes": 5 * 10**9}
+    return {"mode": mode, "search": "seq", "seq": None, "largest": largest, "complete": True,
+            "at_largest": at if largest else None, "first_failure": failure}
+
+
+def test_the_report_compares_each_mode_with_the_best_peer():
+    rows = [_row("eager", 4096, 1000.0), _row("checkpoint", 8192, 800.0),
+            _row("memfuse", 16384, 1200.0), _row("memfuse@12GB", None, 0,
+                                                 {"oom": False, "error": "ValueError: memory_budget must be"})]
+    assert memory.best_peer(rows)["mode"] == "checkpoint"  # memfuse is no peer
+    text = memory.table(rows, "seq")
+    assert "| memfuse | 16384 | 1200 | 5.0 | 2.00x | 1.50x | - |" in text
+    assert "| memfuse@12GB | none fits | - | - | - | - | ValueError: memory_budget must be |" in text
+    assert "Best peer: checkpoint (8192)" in text
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the tiny run needs Triton's interpreter")
+def test_tiny_run_in_fresh_processes(tmp_path, capsys):
+    """Two modes searched in fresh processes against a fake cap of 24 tokens: 16 fits, 32 fails,
+    24 fits; the report and chart are written; a second command skips both modes."""
+    args = ["--tiny", "--modes", "eager,checkpoint_offload", "--tiny-cap-tokens", "24", "--chart-seq", "16",
+            "--out", str(tmp_path), "--charts", str(tmp_path / "charts")]
+    memory.main(args)
+    result = json.loads((tmp_path / "memory-tiny.json").read_text())
+    for row in result["seq"]:
+        assert (row["largest"], row["tried"], row["complete"]) == (24, [16, 32, 24], True), row
+        assert row["at_largest"]["tokens_per_s"] > 0 and "tiny cap" in row["first_failure"]["error"]
+    assert [point["mode"] for point in result["chart"]] == ["eager", "checkpoint_offload"]
+    assert result["metadata"]["tiny"] and result["batch"] == []
+    markdown = (tmp_path / "memory-tiny.md").read_text()
+    assert "| eager | 24 |" in markdown and "TINY RUN" in markdown
+    assert (tmp_path / "charts" / "memory-tiny-seq16.png").exists()
+    capsys.readouterr()
+    memory.main(args)
+    assert capsys.readouterr().out.count("done earlier") == 2
