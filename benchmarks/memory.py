@@ -31,7 +31,7 @@ Search: from a start size, doubling until a size fails (CUDA out of memory, or a
 then bisection between the last size that fitted and the first that failed, to SEQ_GRANULARITY tokens
 or BATCH_GRANULARITY samples. Each size runs in a fresh process (this script with --one) so an
 out-of-memory leaves nothing behind, under a timeout (--timeout-s). A size fits when its process
-trains FIRST_STEPS + WARMUP_STEPS + TIMED_STEPS steps; its tokens/s come from the timed steps, its
+trains GPU_STEPS (first, warm-up, timed); its tokens/s come from the timed steps, its
 peak is torch.cuda.max_memory_allocated over all of them (parameters, gradients and AdamW state
 included: what has to fit on the GPU).
 
@@ -64,9 +64,20 @@ from typing import Callable
 
 RESULTS = Path(__file__).parent / "results"
 CHARTS = Path(__file__).parent.parent / "docs" / "charts"
-FIRST_STEPS = 1  # compiles
-WARMUP_STEPS = 1
-TIMED_STEPS = 3  # each timed on its own; tokens/s from their median
+
+
+@dataclasses.dataclass(frozen=True)
+class Steps:
+    """The steps a size's process trains: the first (compiles), warm-up, then the timed ones (each
+    timed on its own; tokens/s from their median)."""
+
+    first: int
+    warmup: int
+    timed: int
+
+
+GPU_STEPS = Steps(first=1, warmup=1, timed=3)
+TINY_STEPS = Steps(first=1, warmup=0, timed=1)  # the interpreter is slow; a tiny run measures nothing
 SEQ_START, SEQ_GRANULARITY, SEQ_LIMIT = 1024, 256, 1 << 20  # tokens
 BATCH_START, BATCH_GRANULARITY, BATCH_LIMIT = 1, 1, 4096  # samples
 TINY_SEQ_START, TINY_SEQ_GRANULARITY = 16, 8
@@ -259,7 +270,7 @@ def state_bytes(model, optimizer) -> int:
 
 
 def train_size(model_spec: Model, mode: Mode, seq: int, batch: int, cuda: bool) -> dict:
-    """Build the model on the device, wrap it, train FIRST + WARMUP + TIMED steps at batch x seq."""
+    """Build the model on the device, wrap it, train GPU_STEPS (CPU: TINY_STEPS) at batch x seq."""
     import torch
     import transformers
     device = torch.device("cuda" if cuda else "cpu")
@@ -292,12 +303,13 @@ def train_size(model_spec: Model, mode: Mode, seq: int, batch: int, cuda: bool) 
             torch.cuda.synchronize()
         return time.perf_counter() - start
 
+    steps = GPU_STEPS if cuda else TINY_STEPS
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    first = [step() for _ in range(FIRST_STEPS)]
-    for _ in range(WARMUP_STEPS):
+    first = [step() for _ in range(steps.first)]
+    for _ in range(steps.warmup):
         step()
-    timed = [step() for _ in range(TIMED_STEPS)]
+    timed = [step() for _ in range(steps.timed)]
     step_s = statistics.median(timed)
     peak = torch.cuda.max_memory_allocated() if cuda else None
     state = state_bytes(model, optimizer)
@@ -308,13 +320,17 @@ def train_size(model_spec: Model, mode: Mode, seq: int, batch: int, cuda: bool) 
             "memfuse": memfuse.stats() if mode.is_memfuse else None}
 
 
+def over_tiny_cap(seq: int, batch: int, cap_tokens: int) -> dict:
+    return {"fits": False, "seq": seq, "batch": batch, "oom": False,
+            "error": f"tiny cap: {batch} x {seq} tokens > --tiny-cap-tokens {cap_tokens} (a CPU stand-in for "
+                     f"out of memory)"}
+
+
 def run_one(model_spec: Model, mode: Mode, seq: int, batch: int, cuda: bool, cap_tokens: int | None) -> dict:
     """One size's result: fits, or the error that stopped it (an out-of-memory says so)."""
-    import torch
     if cap_tokens is not None and batch * seq > cap_tokens:
-        return {"fits": False, "seq": seq, "batch": batch, "oom": False,
-                "error": f"tiny cap: {batch} x {seq} tokens > --tiny-cap-tokens {cap_tokens} (a CPU stand-in "
-                         f"for out of memory)"}
+        return over_tiny_cap(seq, batch, cap_tokens)
+    import torch
     try:
         return train_size(model_spec, mode, seq, batch, cuda)
     except Exception as error:  # any failure bounds the search; the parent records it
@@ -492,7 +508,7 @@ def metadata(tiny: bool) -> dict:
     return {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "tiny": tiny,
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() and not tiny else "cpu",
             "torch": torch.__version__, "transformers": transformers.__version__, "argv": sys.argv[1:],
-            "steps": {"first": FIRST_STEPS, "warmup": WARMUP_STEPS, "timed": TIMED_STEPS},
+            "steps": dataclasses.asdict(TINY_STEPS if tiny else GPU_STEPS),
             "definitions": {
                 "step": "forward, loss, backward, AdamW step (fused on CUDA, foreach=False on CPU), zero_grad",
                 "largest": "the largest size whose fresh process trained every step (search: doubling, then "
@@ -528,6 +544,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="tiny runs: a size with more tokens per step fails (a stand-in for memory)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a worker: train this mode at --batch x --seq
     args = parser.parse_args(argv)
+    if args.one and args.tiny and args.batch * args.seq > args.tiny_cap_tokens:
+        # answered before importing torch: a capped size costs the search no model
+        print(RESULT_PREFIX + json.dumps(over_tiny_cap(args.seq, args.batch, args.tiny_cap_tokens)), flush=True)
+        return
     from benchmarks.lib import hf_models  # noqa: F401  (sets TRITON_INTERPRET before triton loads)
     import torch
     tiny = args.tiny or not torch.cuda.is_available()

@@ -144,19 +144,19 @@ def test_the_report_compares_each_mode_with_the_best_peer():
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the tiny run needs Triton's interpreter")
 def test_tiny_run_in_fresh_processes(tmp_path, capsys):
-    """Two modes searched in fresh processes against a fake cap of 24 tokens: 16 fits, 32 fails,
-    24 fits; the report and chart are written; a second command skips both modes."""
-    args = ["--tiny", "--modes", "eager,checkpoint_offload", "--tiny-cap-tokens", "24", "--chart-seq", "16",
+    """Two modes searched in fresh processes against a fake cap of 16 tokens: 16 fits, 32 and
+    24 fail; the report and chart are written; a second command skips both modes."""
+    args = ["--tiny", "--modes", "eager,checkpoint_offload", "--tiny-cap-tokens", "16", "--chart-seq", "16",
             "--out", str(tmp_path), "--charts", str(tmp_path / "charts")]
     memory.main(args)
     result = json.loads((tmp_path / "memory-tiny.json").read_text())
     for row in result["seq"]:
-        assert (row["largest"], row["tried"], row["complete"]) == (24, [16, 32, 24], True), row
+        assert (row["largest"], row["tried"], row["complete"]) == (16, [16, 32, 24], True), row
         assert row["at_largest"]["tokens_per_s"] > 0 and "tiny cap" in row["first_failure"]["error"]
     assert [point["mode"] for point in result["chart"]] == ["eager", "checkpoint_offload"]
     assert result["metadata"]["tiny"] and result["batch"] == []
     markdown = (tmp_path / "memory-tiny.md").read_text()
-    assert "| eager | 24 |" in markdown and "TINY RUN" in markdown
+    assert "| eager | 16 |" in markdown and "TINY RUN" in markdown
     assert (tmp_path / "charts" / "memory-tiny-seq16.png").exists()
     capsys.readouterr()
     memory.main(args)
