@@ -63,7 +63,7 @@ from pathlib import Path
 from typing import Callable
 
 RESULTS = Path(__file__).parent / "results"
-CHARTS = Path(__file__).parent.parent / "docs" / "charts"
+CHARTS = Path(__file__).parent.parent / "docs" / "img"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -349,6 +349,8 @@ class Run:
     timeout_s: float
     cap_tokens: int | None  # tiny runs only
     deadline: float  # time.monotonic() after which no size starts
+    start: int | None = None  # the search's first size (None: SEQ_START or BATCH_START)
+    granularity: int | None = None  # its bisection's step (None: SEQ_GRANULARITY or BATCH_GRANULARITY)
 
 
 def probe_in_fresh_process(run: Run, mode: Mode, seq: int, batch: int) -> dict:
@@ -383,6 +385,17 @@ def mode_path(out: Path, model: str, kind: str, mode: Mode) -> Path:
     return out / f"memory-{model}" / kind / f"{mode.name}.json"
 
 
+def search_bounds(kind: str, run: Run) -> tuple[int, int, int]:
+    """(start, granularity, limit) of a search: the named defaults, or the command's --start and
+    --granularity (a coarser search tries fewer sizes: one that fits a short GPU slot)."""
+    if kind == "seq":
+        start, granularity = (TINY_SEQ_START, TINY_SEQ_GRANULARITY) if run.tiny else (SEQ_START, SEQ_GRANULARITY)
+        limit = SEQ_LIMIT
+    else:
+        start, granularity, limit = BATCH_START, BATCH_GRANULARITY, BATCH_LIMIT
+    return run.start or start, run.granularity or granularity, limit
+
+
 def search_mode(run: Run, mode: Mode, kind: str, seq: int, probe=probe_in_fresh_process, known=()) -> dict:
     """One mode's search (kind 'seq': the sequence at batch 1; 'batch': the batch at `seq`), reusing
     `known` probes (an earlier command's) at the same sizes."""
@@ -396,11 +409,7 @@ def search_mode(run: Run, mode: Mode, kind: str, seq: int, probe=probe_in_fresh_
             probes[batch, length] = probe(run, mode, length, batch)
         return probes[batch, length]["fits"]
 
-    if kind == "seq":
-        start, granularity, limit = ((TINY_SEQ_START, TINY_SEQ_GRANULARITY, SEQ_LIMIT) if run.tiny
-                                     else (SEQ_START, SEQ_GRANULARITY, SEQ_LIMIT))
-    else:
-        start, granularity, limit = BATCH_START, BATCH_GRANULARITY, BATCH_LIMIT
+    start, granularity, limit = search_bounds(kind, run)
     found = search(fits, start, granularity, limit)
     at = lambda size: None if size is None else probes[(1, size) if kind == "seq" else (size, seq)]  # noqa: E731
     return {"mode": mode.name, "search": kind, "seq": seq if kind == "batch" else None,
@@ -533,6 +542,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)  # of --one
     parser.add_argument("--modes", help=f"comma-separated (default: {','.join(MODES)}); a base from "
                         f"{', '.join(BASES)}, {' and '.join(BUDGETED)} with @budget")
+    parser.add_argument("--start", type=int, help=f"the first size (default: {SEQ_START} tokens, "
+                        f"{BATCH_START} sample)")
+    parser.add_argument("--granularity", type=int, help=f"the bisection's step (default: {SEQ_GRANULARITY} "
+                        f"tokens, {BATCH_GRANULARITY} sample)")
     parser.add_argument("--budget-s", type=float, default=float("inf"), help="start no size after this many s")
     parser.add_argument("--timeout-s", type=float, default=PROBE_TIMEOUT_S, help="per size")
     parser.add_argument("--force", action="store_true", help="search again modes that have a complete JSON")
@@ -563,18 +576,17 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as error:
         parser.error(str(error))
     run = Run(model, tiny, args.timeout_s, args.tiny_cap_tokens if tiny else None,
-              deadline=time.monotonic() + args.budget_s)
+              deadline=time.monotonic() + args.budget_s, start=args.start, granularity=args.granularity)
     for mode in modes:
         path = mode_path(args.out, model.name, args.search, mode)
-        earlier = json.loads(path.read_text()) if path.exists() else None
-        if earlier and earlier["complete"] and earlier.get("seq") == (args.seq if args.search == "batch" else None) \
-                and not args.force:
+        earlier = json.loads(path.read_text()) if path.exists() and not args.force else None
+        if earlier and earlier.get("seq") != (args.seq if args.search == "batch" else None):
+            earlier = None  # a batch search at another sequence: nothing to reuse
+        if earlier and earlier["complete"] and earlier["granularity"] == search_bounds(args.search, run)[1]:
             print(f"{mode.name}: done earlier ({path}); --force searches again", flush=True)
             continue
         print(f"{mode.name}: searching {args.search} ...", flush=True)
-        known = earlier["probes"] if earlier and not args.force and earlier.get("seq") == (
-            args.seq if args.search == "batch" else None) else ()
-        result = search_mode(run, mode, args.search, args.seq, known=known)
+        result = search_mode(run, mode, args.search, args.seq, known=earlier["probes"] if earlier else ())
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=1))
     write_report(args.out, model.name, modes, tiny, run, args.chart_seq, args.charts)

@@ -161,3 +161,12 @@ def test_tiny_run_in_fresh_processes(tmp_path, capsys):
     capsys.readouterr()
     memory.main(args)
     assert capsys.readouterr().out.count("done earlier") == 2
+
+
+def test_start_and_granularity_from_the_command_replace_the_defaults():
+    coarse = memory.Run(memory.MODELS["llama16"], tiny=False, timeout_s=10, cap_tokens=None,
+                        deadline=float("inf"), start=8192, granularity=4096)
+    assert memory.search_bounds("seq", coarse) == (8192, 4096, memory.SEQ_LIMIT)
+    default = memory.Run(memory.MODELS["llama16"], False, 10, None, float("inf"))
+    assert memory.search_bounds("seq", default)[:2] == (memory.SEQ_START, memory.SEQ_GRANULARITY)
+    assert memory.search_bounds("batch", default)[:2] == (memory.BATCH_START, memory.BATCH_GRANULARITY)
