@@ -54,6 +54,7 @@ import dataclasses
 import functools
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -283,6 +284,7 @@ def train_size(model_spec: Model, mode: Mode, seq: int, batch: int, cuda: bool) 
             model = transformers.LlamaForCausalLM(llama_config(model_spec, seq)).train()
     finally:
         torch.set_default_dtype(default)
+    model.to(dtype)  # a no-op where the default dtype reached every parameter
     wrapped = wrap(model, mode, cuda)
     optimizer = (torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, fused=True) if cuda
                  else torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, foreach=False))
@@ -353,6 +355,20 @@ class Run:
     granularity: int | None = None  # its bisection's step (None: SEQ_GRANULARITY or BATCH_GRANULARITY)
 
 
+def run_in_own_group(command: list[str], env: dict, timeout_s: float) -> subprocess.CompletedProcess | None:
+    """`command`'s output, or None past `timeout_s`: then it and every process it started (its
+    process group: inductor's compile workers, say) are killed, so nothing of a size outlives it."""
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                          start_new_session=True) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+            return None
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
 def probe_in_fresh_process(run: Run, mode: Mode, seq: int, batch: int) -> dict:
     """This script with --one in a new process: its RESULT line, or why there was none."""
     command = [sys.executable, "-m", "benchmarks.memory", "--one", mode.name, "--seq", str(seq), "--batch", str(batch)]
@@ -360,9 +376,8 @@ def probe_in_fresh_process(run: Run, mode: Mode, seq: int, batch: int) -> dict:
     started = time.perf_counter()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent.parent),
                                                                       os.environ.get("PYTHONPATH")]))}
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=run.timeout_s, env=env)
-    except subprocess.TimeoutExpired:
+    done = run_in_own_group(command, env, run.timeout_s)
+    if done is None:
         result = {"fits": False, "seq": seq, "batch": batch, "oom": False,
                   "error": f"timeout: no result in {run.timeout_s:g} s"}
     else:

@@ -4,6 +4,7 @@ failure, the checkpoint-offload mode, the report, and one tiny run in fresh proc
 import json
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -170,3 +171,26 @@ def test_start_and_granularity_from_the_command_replace_the_defaults():
     default = memory.Run(memory.MODELS["llama16"], False, 10, None, float("inf"))
     assert memory.search_bounds("seq", default)[:2] == (memory.SEQ_START, memory.SEQ_GRANULARITY)
     assert memory.search_bounds("batch", default)[:2] == (memory.BATCH_START, memory.BATCH_GRANULARITY)
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` still runs: a killed process that nothing has reaped yet is a zombie (Z)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_a_size_past_its_timeout_is_killed_with_the_processes_it_started(tmp_path):
+    """The size's process and a process it started (as inductor starts compile workers, holding its
+    output pipes) are both gone when the timeout answers, not when they end on their own."""
+    marker = tmp_path / "grandchild.pid"
+    script = f"sleep 60 & echo $! > {marker}; sleep 60"
+    started = time.monotonic()
+    assert memory.run_in_own_group(["sh", "-c", script], dict(os.environ), timeout_s=1) is None
+    assert time.monotonic() - started < 30
+    time.sleep(0.2)
+    assert not _running(int(marker.read_text()))
+    done = memory.run_in_own_group(["sh", "-c", "echo RESULT {}"], dict(os.environ), timeout_s=30)
+    assert done.returncode == 0 and done.stdout.strip() == "RESULT {}"
