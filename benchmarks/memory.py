@@ -507,12 +507,12 @@ def draw_chart(chart: list[dict], title: str, path: Path) -> Path | None:
 
 
 def chart_points(run: Run, modes: list[Mode], seq: int, out: Path, probe=probe_in_fresh_process) -> list[dict]:
-    """Every mode at batch 1 x `seq`: a size its seq search already tried, or a fresh probe (kept in
+    """Every mode at batch 1 x `seq`: a size its searches already tried, or a fresh probe (kept in
     OUT/memory-<model>/chart/)."""
     points = []
     for mode in modes:
-        searched = mode_path(out, run.model.name, "seq", mode)
-        known = json.loads(searched.read_text())["probes"] if searched.exists() else []
+        searched = [mode_path(out, run.model.name, kind, mode) for kind in ("seq", "batch")]
+        known = [p for path in searched if path.exists() for p in json.loads(path.read_text())["probes"]]
         point = next((p for p in known if (p["batch"], p["seq"]) == (1, seq)), None)
         path = out / f"memory-{run.model.name}" / "chart" / f"{mode.name}-seq{seq}.json"
         if point is None and path.exists():

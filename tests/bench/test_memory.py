@@ -194,3 +194,17 @@ def test_a_size_past_its_timeout_is_killed_with_the_processes_it_started(tmp_pat
     assert not _running(int(marker.read_text()))
     done = memory.run_in_own_group(["sh", "-c", "echo RESULT {}"], dict(os.environ), timeout_s=30)
     assert done.returncode == 0 and done.stdout.strip() == "RESULT {}"
+
+
+def test_the_chart_reuses_a_size_either_search_tried(tmp_path):
+    calls = []
+    run = _run()
+    batch = memory.search_mode(run, memory.Mode("eager"), "batch", 16, probe=_fake_probe(40, calls))
+    path = memory.mode_path(tmp_path, run.model.name, "batch", memory.Mode("eager"))
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(batch))
+    calls.clear()
+    points = memory.chart_points(run, [memory.Mode("eager"), memory.Mode("checkpoint")], 16, tmp_path,
+                                 probe=_fake_probe(40, calls))
+    assert calls == [(1, 16)]  # checkpoint's only: eager's batch search tried batch 1 x 16
+    assert [(p["mode"], p["tokens_per_s"]) for p in points] == [("eager", 16.0), ("checkpoint", 16.0)]
