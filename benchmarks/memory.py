@@ -85,6 +85,8 @@ TINY_SEQ_START, TINY_SEQ_GRANULARITY = 16, 8
 TINY_CAP_TOKENS = 40
 PROBE_TIMEOUT_S = 480
 LEARNING_RATE = 1e-5
+# memfuse.stats() counters of calls and graphs that ran through torch instead of memfuse's programs
+THROUGH_TORCH = ("first_run_fallbacks", "graph_fallbacks", "eager_calls")
 ERROR_CHARS = 140  # of an error in the Markdown table (the JSON has it whole)
 RESULT_PREFIX = "RESULT "
 BASES = ("eager", "checkpoint", "checkpoint_offload", "torch_compile", "memfuse", "memfuse_per_layer")
@@ -316,10 +318,34 @@ def train_size(model_spec: Model, mode: Mode, seq: int, batch: int, cuda: bool) 
     peak = torch.cuda.max_memory_allocated() if cuda else None
     state = state_bytes(model, optimizer)
     import memfuse
-    return {"fits": True, "seq": seq, "batch": batch, "step_s": step_s, "tokens_per_s": batch * seq / step_s,
-            "first_step_s": first[0], "step_samples_s": timed, "peak_bytes": peak, "state_bytes": state,
-            "peak_above_state_bytes": None if peak is None else peak - state,
-            "memfuse": memfuse.stats() if mode.is_memfuse else None}
+    result = {"fits": True, "seq": seq, "batch": batch, "step_s": step_s, "tokens_per_s": batch * seq / step_s,
+              "first_step_s": first[0], "step_samples_s": timed, "peak_bytes": peak, "state_bytes": state,
+              "peak_above_state_bytes": None if peak is None else peak - state,
+              "memfuse": memfuse.stats() if mode.is_memfuse else None}
+    return judge_through_torch(result)
+
+
+def judge_through_torch(result: dict) -> dict:
+    """A memfuse mode's size that memfuse ran (in part) through torch does not fit in that mode: its
+    program's first run failed (out of memory, say) and torch's ops ran instead, so the size says
+    what torch fits. The measured numbers stay in the result beside the reason."""
+    counted = {name: (result["memfuse"] or {}).get(name, 0) for name in THROUGH_TORCH}
+    if not any(counted.values()):
+        return result
+    ran = ", ".join(f"{name} {count}" for name, count in counted.items() if count)
+    return {**result, "fits": False, "oom": False,
+            "error": f"memfuse ran part of the step through torch ({ran}; the child's stderr says why): "
+                     f"not counted as fitting in this mode"}
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """torch's OutOfMemoryError, or an error whose message or cause says so (a library that wraps it)."""
+    import torch
+    while error is not None:
+        if isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower():
+            return True
+        error = error.__cause__
+    return False
 
 
 def over_tiny_cap(seq: int, batch: int, cap_tokens: int) -> dict:
@@ -332,12 +358,11 @@ def run_one(model_spec: Model, mode: Mode, seq: int, batch: int, cuda: bool, cap
     """One size's result: fits, or the error that stopped it (an out-of-memory says so)."""
     if cap_tokens is not None and batch * seq > cap_tokens:
         return over_tiny_cap(seq, batch, cap_tokens)
-    import torch
     try:
         return train_size(model_spec, mode, seq, batch, cuda)
     except Exception as error:  # any failure bounds the search; the parent records it
         traceback.print_exc()
-        return {"fits": False, "seq": seq, "batch": batch, "oom": isinstance(error, torch.OutOfMemoryError),
+        return {"fits": False, "seq": seq, "batch": batch, "oom": is_out_of_memory(error),
                 "error": f"{type(error).__name__}: {error}"}
 
 

@@ -87,6 +87,29 @@ def test_a_failing_size_records_its_error_and_whether_it_ran_out_of_memory(monke
     assert capped["fits"] is False and "tiny cap" in capped["error"]
 
 
+def test_an_out_of_memory_wrapped_by_a_library_still_counts_as_one():
+    try:
+        try:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        except torch.OutOfMemoryError as error:
+            raise RuntimeError("memfuse: the first run failed") from error
+    except RuntimeError as wrapped:
+        assert memory.is_out_of_memory(wrapped)
+    assert not memory.is_out_of_memory(ValueError("memory_budget must be a number"))
+
+
+def test_a_memfuse_size_run_through_torch_does_not_fit_in_that_mode():
+    """memfuse's program failed its first run (an out-of-memory, say) and torch ran the step: the
+    size is torch's, not memfuse's; the numbers stay beside the reason."""
+    measured = {"fits": True, "tokens_per_s": 10.0, "memfuse": {"compiles": 1, "first_run_fallbacks": 1}}
+    judged = memory.judge_through_torch(measured)
+    assert judged["fits"] is False and "first_run_fallbacks 1" in judged["error"]
+    assert judged["tokens_per_s"] == 10.0
+    clean = {"fits": True, "memfuse": {"compiles": 1, "first_run_fallbacks": 0, "eager_calls": 0}}
+    assert memory.judge_through_torch(clean) is clean
+    assert memory.judge_through_torch({"fits": True, "memfuse": None})["fits"]  # not a memfuse mode
+
+
 def test_mode_names_carry_budgets():
     assert memory.Mode.parse("memfuse@12GB") == memory.Mode("memfuse", "12GB")
     assert memory.Mode.parse("torch_compile@0.1").name == "torch_compile@0.1"
