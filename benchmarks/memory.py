@@ -552,6 +552,9 @@ def chart_points(run: Run, modes: list[Mode], seq: int, out: Path, probe=probe_i
 
 
 def metadata(tiny: bool) -> dict:
+    """The run's device and versions. Called after every size's process has ended: the device name
+    is this process's first touch of the GPU (a CUDA context of its own would take memory from the
+    sizes' processes)."""
     import torch
     import transformers
     return {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "tiny": tiny,
@@ -601,11 +604,11 @@ def main(argv: list[str] | None = None) -> None:
         # answered before importing torch: a capped size costs the search no model
         print(RESULT_PREFIX + json.dumps(over_tiny_cap(args.seq, args.batch, args.tiny_cap_tokens)), flush=True)
         return
-    from benchmarks.lib import hf_models  # noqa: F401  (sets TRITON_INTERPRET before triton loads)
     import torch
     tiny = args.tiny or not torch.cuda.is_available()
     model = TINY if tiny else MODELS[args.model]
     if args.one:
+        from benchmarks.lib import hf_models  # noqa: F401  (sets TRITON_INTERPRET before triton loads)
         # hf_models (imported by wrap) sets TRITON_INTERPRET when --tiny is in sys.argv or there is no CUDA
         result = run_one(model, Mode.parse(args.one), args.seq, args.batch, cuda=not tiny,
                          cap_tokens=args.tiny_cap_tokens if tiny else None)
