@@ -2,13 +2,15 @@
 and the tokens/s there, for each way of running a model: issue 52's memory as users state it.
 
     python -m benchmarks.memory [--model llama16|llama8b] [--search seq|batch] [--seq N] [--modes M,..]
-                                [--budget-s S] [--timeout-s S] [--force] [--chart-seq N] [--charts DIR]
+                                [--start N] [--granularity N] [--budget-s S] [--timeout-s S] [--force]
+                                [--chart-seq N] [--charts DIR]
                                 [--out DIR] [--tiny [--tiny-cap-tokens N]]
 
 A step is what a training loop runs: forward, loss, backward, then AdamW's step and zero_grad. AdamW
-is `fused=True` on a GPU: one kernel set over all parameters with no temporaries (the default
-`foreach` implementation allocates whole-model temporaries, a peak of its own that would cap every
-mode alike); on CPU `foreach=False` (per parameter, no whole-model temporary either).
+is `fused=True` on a GPU: its kernels update each parameter in registers (the default `foreach`
+implementation takes the square root of every exp_avg_sq into a temporary the size of all the
+parameters: 16 GB for an 8B model in bf16, a peak of its own that would cap every mode alike); on
+CPU `foreach=False` (one parameter at a time: no whole-model temporary either).
 
 Models (random weights from configs, transformers' LlamaForCausalLM, SDPA attention):
   llama16  16 layers, hidden 2048, 32 heads, 8 KV heads, FFN 8192, vocab 128256, embeddings tied:
@@ -18,26 +20,30 @@ Models (random weights from configs, transformers' LlamaForCausalLM, SDPA attent
 
 Modes (`base` or `base@budget`):
   eager               the model as built
-  checkpoint          model.gradient_checkpointing_enable() (non-reentrant): each layer recomputed
+  checkpoint          transformers' activation (gradient) checkpointing, non-reentrant: each layer
+                      recomputed in the backward
   checkpoint_offload  the same, each checkpointed layer's saved inputs offloaded to pinned host
                       memory (torch.autograd.graph.save_on_cpu around the checkpoint: Unsloth's way)
   torch_compile       torch.compile(model); `torch_compile@0.1` sets
                       torch._functorch.config.activation_memory_budget = 0.1 before compiling
   memfuse             memfuse.memory_efficient_fusion(model); `memfuse@12GB` passes
-                      memory_budget="12GB" (a byte budget), `memfuse@0.3` a fraction
+                      memory_budget="12GB" (a byte budget: until memfuse takes one, every size
+                      records its ValueError), `memfuse@0.3` a fraction
   memfuse_per_layer   each decoder layer wrapped, the rest eager
 
 Search: from a start size, doubling until a size fails (CUDA out of memory, or any error, recorded),
 then bisection between the last size that fitted and the first that failed, to SEQ_GRANULARITY tokens
-or BATCH_GRANULARITY samples. Each size runs in a fresh process (this script with --one) so an
-out-of-memory leaves nothing behind, under a timeout (--timeout-s). A size fits when its process
+or BATCH_GRANULARITY samples (--start and --granularity: a coarser search for a short slot). Each
+size runs in a fresh process (this script with --one) so an out-of-memory leaves nothing behind,
+under a timeout (--timeout-s; the process group is killed past it). A size fits when its process
 trains GPU_STEPS (first, warm-up, timed); its tokens/s come from the timed steps, its
 peak is torch.cuda.max_memory_allocated over all of them (parameters, gradients and AdamW state
-included: what has to fit on the GPU).
+included: what has to fit on the GPU). A memfuse mode's size that memfuse ran partly through torch
+(its program's first run failed, counted in memfuse.stats()) does not fit in that mode.
 
 Each model x search x mode is a JSON in OUT/memory-<model>/<search>/ with every size tried; a mode
-with a complete JSON is skipped unless --force; --budget-s stops starting sizes after that many
-seconds (the next command resumes, reusing the sizes already tried). The report
+with a complete JSON (at the same granularity) is skipped unless --force; --budget-s stops starting
+sizes after that many seconds (the next command resumes, reusing the sizes already tried). The report
 (OUT/memory-<model>.json and .md) merges them; --chart-seq N draws peak against step time for every
 mode at batch 1 and N tokens into --charts.
 
