@@ -292,7 +292,10 @@ def train_size(model_spec: Model, mode: Mode, seq: int, batch: int, cuda: bool) 
             model = transformers.LlamaForCausalLM(llama_config(model_spec, seq)).train()
     finally:
         torch.set_default_dtype(default)
-    model.to(dtype)  # a no-op where the default dtype reached every parameter
+    # not model.to(dtype): that would also round RoPE's fp32 inverse frequencies to bf16
+    stray = sorted({str(p.dtype) for p in model.parameters()} - {str(dtype)})
+    if stray:
+        raise RuntimeError(f"built with default dtype {dtype}, some parameters are {stray}")
     wrapped = wrap(model, mode, cuda)
     optimizer = (torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, fused=True) if cuda
                  else torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, foreach=False))
