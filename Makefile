@@ -2,7 +2,9 @@
 # make bench: side-by-side benchmark of the seed's blocks; make bench-models: of whole HuggingFace
 # models; make bench-budget: memory budgets of those models beside torch.compile's; make
 # bench-loss-head: the loss head alone beside torch.compile, its auto-chunker, Liger-Kernel, Cut
-# Cross-Entropy and F.linear_cross_entropy (torch >= 2.13); make bench-zoo: the model zoo (30+ families) in eager, torch.compile and memfuse, families in parallel.
+# Cross-Entropy and F.linear_cross_entropy (torch >= 2.13); make bench-zoo: the model zoo (30+
+# families) in eager, torch.compile and memfuse, families in parallel; make bench-memory: the
+# longest sequence and largest batch that train one step, per mode.
 # Without a GPU they are small smoke runs through the interpreter, and say so.
 PYTHON ?= python3
 VENV   ?= .venv
@@ -20,7 +22,7 @@ endif
 BENCH_PY := $(or $(BENCH_PY),$(VENV)/bin/python)
 BENCH_SETUP = $(if $(filter $(VENV)/bin/python,$(BENCH_PY)),$(VENV)/.installed)
 
-.PHONY: test test-all bench bench-models bench-zoo bench-budget bench-loss-head install clean
+.PHONY: test test-all bench bench-models bench-zoo bench-memory bench-budget bench-loss-head install clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +53,11 @@ bench-models: $(BENCH_SETUP)
 # ARGS: e.g. --families t5,swin --jobs 8 (a family whose JSON is in --out is skipped: --force reruns it)
 bench-zoo: $(BENCH_SETUP)
 	$(BENCH_PY) -m benchmarks.zoo $(ARGS)
+
+# ARGS: e.g. --model llama8b --search batch --seq 4096 --modes eager,memfuse,memfuse@12GB --budget-s 3000
+# (a model x search x mode whose JSON is complete in --out is skipped: --force searches again)
+bench-memory: $(BENCH_SETUP)
+	$(BENCH_PY) -m benchmarks.memory $(ARGS)
 
 # ARGS: e.g. --models gpt2 --budgets 1.0,0.5 --modes memfuse_backend
 bench-budget: $(BENCH_SETUP)
