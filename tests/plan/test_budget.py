@@ -267,3 +267,34 @@ def test_a_seeded_aten_call_is_never_recomputed():
         grads[budget] = [t.grad for t in inputs]
     for g, r in zip(grads[0.1], grads[1.0]):
         torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-6)
+
+
+# -- byte budgets ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("value, parsed", [
+    ("12GB", 12 * 10**9), ("12GiB", 12 * 2**30), ("800MB", 800 * 10**6), ("1.5GB", 1_500_000_000),
+    ("1.5 GiB", 3 * 2**29), ("64kib", 64 * 2**10), (5_000_000, 5_000_000), (0.5, 0.5), (1, 1), (1.0, 1.0)])
+def test_budget_in_bytes_parses(value, parsed):
+    """A string with a unit is whole bytes (GB decimal, GiB binary); an int above 1 is bytes; a
+    number in (0, 1] stays a fraction."""
+    config = memfuse.Config(memory_budget=value)
+    assert config.memory_budget == parsed and type(config.memory_budget) is type(parsed)
+    assert config.memory_fraction == (1.0 if isinstance(value, str) or parsed == 5_000_000 else parsed)
+
+
+@pytest.mark.parametrize("value", ["12", "12XB", "GB", "-1GB", "0GB", "1B", 2.5, 12e9, -3, [1]])
+def test_bad_byte_budget_is_a_clear_error(value):
+    with pytest.raises(ValueError, match=r"memory_budget must be .* or a byte target .*\"12GB\".*got "):
+        memfuse.Config(memory_budget=value)
+    with pytest.raises(ValueError, match=r"memory_budget must be"):
+        memfuse.memory_efficient_fusion(mlp, memory_budget=value)
+
+
+def test_byte_budget_from_the_environment_and_options(monkeypatch):
+    monkeypatch.setenv("MEMFUSE_MEMORY_BUDGET", "12GiB")
+    assert memfuse.Config().memory_budget == 12 * 2**30
+    monkeypatch.setenv("MEMFUSE_MEMORY_BUDGET", "12 parsecs")
+    with pytest.raises(ValueError, match=r"memory_budget must be"):
+        memfuse.Config()
+    monkeypatch.delenv("MEMFUSE_MEMORY_BUDGET")
+    from memfuse.base.config import config_with_options
+    assert config_with_options(memfuse.Config(), {"memory_budget": "800MB"}).memory_budget == 800 * 10**6
