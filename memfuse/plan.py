@@ -90,12 +90,87 @@ class Plan:
     num_fwd_outputs: int
     saved: list = field(default_factory=list)        # SavedValue, in forward-output order
     decisions: dict = field(default_factory=dict)    # node name -> (Decision, reason)
-    budget: Budget | None = None   # what Config.memory_budget < 1 changed; None at 1.0
+    budget: Budget | PeakBudget | None = None   # what Config.memory_budget changed; None at 1.0
+    offloaded: tuple = ()
 
     @property
     def saved_bytes(self) -> int:
         """Bytes kept alive for the backward beyond the inputs (hinted sizes)."""
         return sum(s.bytes for s in self.saved if not s.is_input)
+
+
+# `Plan.offloaded`: the saved values (names as in Plan.saved, forward-output order) the forward copies
+# to pinned host memory and the backward fetches back ahead of its first reader (the runtime's);
+# set only under a byte budget whose target needs it.
+
+
+# -- the predicted peak ----------------------------------------------------------------------------
+def predicted_peak(plan: Plan, hints: dict) -> int:
+    """The most bytes this step holds on the device at once, as this program sees it (size symbols
+    at their hints): the forward's inputs (parameters, batch: the caller's, alive throughout) plus the
+    larger of the forward's and the backward's own live bytes (`_live_peak`). Counted: each value an
+    aten call makes or reads and each value a program returns, from the step that makes it to its
+    last reader; the saved values from their producer to the forward's end and in the backward from
+    its start to their last reader; an offloaded one (Plan.offloaded) in the forward only to its last
+    forward reader and in the backward only from its first reader; the tangents; the gradients to the
+    backward's end. Left out: a fused kernel's intermediates (registers) and the schedule's exact
+    grouping, optimizer state, gradients accumulated from earlier steps, the forward's returned
+    outputs while the backward runs, other graphs of a split model, what an extern allocates inside
+    itself (a chunked loss head's chunk), the allocator's rounding and cached blocks."""
+    forward_inputs = [n for n in plan.forward.inputs if plan.forward[n].op is not Op.SEED]
+    sizes = {name: value_bytes(node.value, hints) for graph in (plan.forward, plan.backward) if graph is not None
+             for name, node in graph.nodes.items()}
+    saved = [s.name for s in plan.saved if not s.is_input]
+    return _peak(plan.forward, plan.backward, forward_inputs, saved, set(plan.offloaded), sizes)
+
+
+def _peak(forward: Graph, backward: Graph | None, forward_inputs: list, saved: list, offloaded: set,
+          sizes: dict) -> int:
+    """predicted_peak's sum, from the two programs and each value's bytes (`sizes`)."""
+    inputs = sum(sizes[n] for n in forward_inputs)
+    peak = _live_peak(forward, sizes, counted_inputs=(), late=set(), held_to_end=set(forward.outputs) - offloaded)
+    if backward is not None:
+        tangents = [n for n in backward.inputs if n not in forward.outputs and backward[n].op is not Op.SEED]
+        peak = max(peak, _live_peak(backward, sizes, counted_inputs=saved + tangents, late=offloaded,
+                                    held_to_end=set(backward.outputs)))
+    return inputs + peak
+
+
+def _live_peak(graph: Graph, sizes: dict, counted_inputs, late: set, held_to_end: set) -> int:
+    """The most bytes of `graph`'s materialized values alive at once, walking its nodes in order:
+    a value lives from the node that makes it (an input in `counted_inputs`: from the start, or from
+    its first reader where `late`) to its last reader (a view's readers are its base's), or to the end
+    when `held_to_end`. Materialized: what an aten call makes or reads, what the graph returns."""
+    order = {name: k for k, name in enumerate(graph.nodes)}
+    base: dict = {}
+    for name, node in graph.nodes.items():
+        base[name] = base[node.inputs[0]] if is_view(node) and node.inputs else name
+    held = {base[o] for o in held_to_end if o in base}
+    counted = set(counted_inputs)
+    materialized = {base[o] for o in graph.outputs if o in base} | counted
+    first, last = {}, {}
+    for name, node in graph.nodes.items():
+        if node.op in (Op.EXTERN, Op.GETITEM) and not is_view(node):
+            materialized.add(name)
+            materialized.update(base[i] for i in node.inputs)
+        for i in node.inputs:
+            first.setdefault(base[i], order[name])
+            last[base[i]] = order[name]
+    end = len(order)
+    change = [0] * (end + 2)
+    for name in materialized:
+        node = graph[name]
+        if node.op in LEAF and name not in counted or node.value.dtype is None:
+            continue      # the caller's (primals, saved inputs), a seed, a constant, a tuple
+        start = first.get(name, end) if name in late else 0 if node.op in LEAF else order[name]
+        stop = end if name in held else max(last.get(name, order[name]), start)
+        change[start] += sizes[name]
+        change[stop + 1] -= sizes[name]
+    peak = live = 0
+    for delta in change:
+        live += delta
+        peak = max(peak, live)
+    return peak
 
 
 def is_view(node: Node) -> bool:

@@ -1,6 +1,8 @@
 """Config.memory_budget: a smaller budget never keeps more, results and gradients stay eager's at
 every budget, dropout masks are regenerated from the seed (never drawn afresh, unlike PyTorch issue
 #190758), the torch.compile option, the explain lines, and clear errors for bad values."""
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -8,7 +10,7 @@ import torch.nn.functional as F
 import memfuse
 from helpers import BLOCKS, block_inputs, rel_error
 from memfuse.capture import capture
-from memfuse.plan import MAX_MATMUL_CHAIN, Decision, matmul_chain, plan
+from memfuse.plan import MAX_MATMUL_CHAIN, Decision, matmul_chain, plan, predicted_peak
 
 BUDGETS = (1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)
 P = 0.3
@@ -48,6 +50,11 @@ def residual_layers(x, *weights):
 
 def residual_inputs():
     return [torch.randn(12, 16)] + [torch.randn(*shape) / 4 for _ in range(3) for shape in ((16, 32), (32, 16))]
+
+
+def wide_residual_inputs(tokens=512):
+    """Activations ([tokens, 64] each) outweigh the weights: the step's peak is theirs."""
+    return [torch.randn(tokens, 16)] + [torch.randn(*shape) / 4 for _ in range(3) for shape in ((16, 64), (64, 16))]
 
 
 LAYER_NORM_TENSORS, LAYER_NORM_CONSTS, _ = block_inputs("layer_norm_block", (2, 5, 24))
@@ -298,3 +305,23 @@ def test_byte_budget_from_the_environment_and_options(monkeypatch):
     monkeypatch.delenv("MEMFUSE_MEMORY_BUDGET")
     from memfuse.base.config import config_with_options
     assert config_with_options(memfuse.Config(), {"memory_budget": "800MB"}).memory_budget == 800 * 10**6
+
+
+def matmul_sigmoid(x, w):
+    return ((x @ w).sigmoid(),)
+
+
+def test_predicted_peak_counts_the_inputs_and_the_larger_programs_live_bytes():
+    """x [256, 8], w [8, 32] in fp32: the inputs (9216 B) are alive throughout; the forward holds mm
+    and the sigmoid it returns and saves (2 x 32 KiB) at once, the backward the saved sigmoid and the
+    tangent (2 x 32 KiB) until mul_1 replaces the sigmoid: 9216 + 65536."""
+    joint = capture(matmul_sigmoid, leaves([torch.randn(256, 8), torch.randn(8, 32)]), trace_joint=True)
+    assert predicted_peak(plan(joint), joint.hints) == 9216 + 2 * 256 * 32 * 4
+
+
+def test_offloading_and_recomputing_lower_the_predicted_peak():
+    joint = capture(residual_layers, leaves(wide_residual_inputs()), trace_joint=True)
+    default = plan(joint)
+    everything = dataclasses.replace(default, offloaded=tuple(s.name for s in default.saved if not s.is_input))
+    assert predicted_peak(everything, joint.hints) < predicted_peak(default, joint.hints)
+    assert predicted_peak(plan(joint, 0.3), joint.hints) < predicted_peak(default, joint.hints)
