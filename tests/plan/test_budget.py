@@ -10,7 +10,8 @@ import torch.nn.functional as F
 import memfuse
 from helpers import BLOCKS, block_inputs, rel_error
 from memfuse.capture import capture
-from memfuse.plan import MAX_MATMUL_CHAIN, Decision, matmul_chain, plan, predicted_peak
+from memfuse.base.debug import human_bytes
+from memfuse.plan import MAX_MATMUL_CHAIN, Decision, MemoryBudgetError, matmul_chain, plan, predicted_peak
 
 BUDGETS = (1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)
 P = 0.3
@@ -325,3 +326,88 @@ def test_offloading_and_recomputing_lower_the_predicted_peak():
     everything = dataclasses.replace(default, offloaded=tuple(s.name for s in default.saved if not s.is_input))
     assert predicted_peak(everything, joint.hints) < predicted_peak(default, joint.hints)
     assert predicted_peak(plan(joint, 0.3), joint.hints) < predicted_peak(default, joint.hints)
+
+
+def cumsum_tanh_layers(x):
+    """Four layers whose cumsum stays an aten call the budget never releases: recomputing cannot
+    lower the peak, offloading the saved cumsums (2 MiB each at [1024, 512]) can."""
+    for _ in range(4):
+        x = torch.cumsum(torch.tanh(x), -1)
+    return (x.sum(),)
+
+
+def test_a_byte_target_the_default_plan_meets_moves_nothing():
+    joint = capture(residual_layers, leaves(wide_residual_inputs()), trace_joint=True)
+    default = plan(joint)
+    peak = predicted_peak(default, joint.hints)
+    the_plan = plan(joint, peak)
+    assert [s.name for s in the_plan.saved] == [s.name for s in default.saved] and the_plan.offloaded == ()
+    assert the_plan.budget.peak_before == the_plan.budget.peak_after == peak and the_plan.budget.moves == ()
+
+
+def test_a_byte_target_forces_recompute_and_matches_eager():
+    """A target below the default plan's predicted peak: matmul outputs are recomputed (cheaper than
+    an offload, and none is large enough to offload), and the step is eager's."""
+    tensors = wide_residual_inputs(tokens=256)
+    joint = capture(residual_layers, leaves(tensors), trace_joint=True)
+    default_peak = predicted_peak(plan(joint), joint.hints)
+    target = default_peak - 64 * 1024
+    the_plan = plan(joint, target)
+    assert predicted_peak(the_plan, joint.hints) == the_plan.budget.peak_after <= target
+    assert the_plan.offloaded == () and the_plan.saved_bytes < plan(joint).saved_bytes
+    assert any(m.choice == "recompute" for m in the_plan.budget.moves)
+    recomputed = [m.name for m in the_plan.budget.moves if m.choice == "recompute"]
+    assert all(the_plan.decisions[n][0] is Decision.RECOMPUTE for n in recomputed)
+    assert the_plan.decisions[recomputed[0]][1].startswith(f"recomputed for the memory budget {human_bytes(target)}: ")
+
+    eager_in, fused_in = leaves(tensors), leaves(tensors)
+    expected = residual_layers(*eager_in)[0]
+    fused = memfuse.memory_efficient_fusion(residual_layers, memory_budget=target)
+    actual = fused(*fused_in)[0]
+    assert fused.compiled_for(*leaves(tensors)).plan.budget.target_bytes == target
+    grad = torch.randn_like(expected)
+    expected.backward(grad)
+    actual.backward(grad)
+    assert rel_error(actual.detach(), expected.detach()) < 1e-5
+    for a, e in zip(fused_in, eager_in):
+        assert rel_error(a.grad, e.grad) < 1e-5
+
+
+@pytest.mark.parametrize("name, make", [("residual_layers", lambda: wide_residual_inputs(8192)),
+                                        ("cumsum_tanh_layers", lambda: [torch.randn(1024, 512)])])
+def test_the_predicted_peak_is_monotone_in_the_target(name, make):
+    fn = {"residual_layers": residual_layers, "cumsum_tanh_layers": cumsum_tanh_layers}[name]
+    joint = capture(fn, leaves(make()), trace_joint=True)
+    default_peak = predicted_peak(plan(joint), joint.hints)
+    peaks = []
+    for target in range(default_peak, 0, -default_peak // 8):
+        try:
+            peaks.append(predicted_peak(plan(joint, target), joint.hints))
+        except MemoryBudgetError:
+            break
+        assert peaks[-1] <= target
+    assert len(peaks) > 2 and peaks == sorted(peaks, reverse=True) and peaks[-1] < default_peak, peaks
+
+
+def test_a_target_that_needs_offload_sets_plan_offloaded():
+    joint = capture(cumsum_tanh_layers, leaves([torch.randn(1024, 512)]), trace_joint=True)
+    default = plan(joint)
+    the_plan = plan(joint, predicted_peak(default, joint.hints) - 1)
+    assert the_plan.offloaded == ("cumsum",)        # read last by the backward: its copies hide best
+    assert [s.name for s in the_plan.saved] == [s.name for s in default.saved]
+    decision, reason = the_plan.decisions["cumsum"]
+    assert decision is Decision.SAVE and reason.startswith("offloaded for the memory budget ")
+    assert plan(joint, predicted_peak(the_plan, joint.hints) - 1).offloaded == ("cumsum", "cumsum_1")
+
+
+def test_a_target_below_the_least_is_a_clear_error():
+    joint = capture(cumsum_tanh_layers, leaves([torch.randn(1024, 512)]), trace_joint=True)
+    """Nothing here is recomputable (cumsums stay aten calls): the least is every cumsum offloaded."""
+    default = plan(joint)
+    everything = dataclasses.replace(default, offloaded=tuple(s.name for s in default.saved if not s.is_input))
+    least = predicted_peak(everything, joint.hints)
+    with pytest.raises(MemoryBudgetError, match=rf"memory_budget 5.0 MiB \(5242880 bytes\) is below the least "
+                                                rf"this step can need: a predicted peak of {human_bytes(least)} "
+                                                rf"\({least} bytes\)"):
+        plan(joint, 5 * 2**20)
+    assert plan(joint, least).budget.peak_after == least
