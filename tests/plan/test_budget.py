@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import memfuse
-from helpers import BLOCKS, block_inputs, rel_error
+from helpers import BLOCKS, block_inputs, counters, delta, rel_error
 from memfuse.capture import capture
 from memfuse.base.debug import human_bytes
 from memfuse.plan import MAX_MATMUL_CHAIN, Decision, MemoryBudgetError, matmul_chain, plan, predicted_peak
@@ -411,3 +411,20 @@ def test_a_target_below_the_least_is_a_clear_error():
                                                 rf"\({least} bytes\)"):
         plan(joint, 5 * 2**20)
     assert plan(joint, least).budget.peak_after == least
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_target_below_the_least_reaches_the_caller_not_torch(monkeypatch, strict):
+    """A user error, not a compile failure: raised as it is by memory_efficient_fusion and by the
+    torch.compile backend, never run through torch (which would ignore the budget)."""
+    monkeypatch.setenv("MEMFUSE_STRICT", "1" if strict else "0")
+    x = leaves([torch.randn(1024, 512)])
+    with pytest.raises(MemoryBudgetError, match="is below the least this step can need"):
+        memfuse.memory_efficient_fusion(cumsum_tanh_layers, memory_budget="5MiB")(*x)
+    torch._dynamo.reset()
+    before = counters()
+    compiled = torch.compile(cumsum_tanh_layers, backend="memfuse", options={"memory_budget": "5MiB"})
+    with pytest.raises(Exception, match="is below the least this step can need") as caught:
+        compiled(*x)
+    assert isinstance(getattr(caught.value, "inner_exception", caught.value), MemoryBudgetError)   # Dynamo's wrapper
+    assert delta(before)["graph_fallbacks"] == 0
