@@ -2,6 +2,7 @@
 every budget, dropout masks are regenerated from the seed (never drawn afresh, unlike PyTorch issue
 #190758), the torch.compile option, the explain lines, and clear errors for bad values."""
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -428,3 +429,21 @@ def test_a_target_below_the_least_reaches_the_caller_not_torch(monkeypatch, stri
         compiled(*x)
     assert isinstance(getattr(caught.value, "inner_exception", caught.value), MemoryBudgetError)   # Dynamo's wrapper
     assert delta(before)["graph_fallbacks"] == 0
+
+
+def test_explain_prints_a_byte_budgets_target_peaks_and_moves(capsys):
+    """The target, the predicted peak before and after, and a line per moved value: its choice, its
+    bytes and the reason."""
+    tensors = [torch.randn(1024, 512)]
+    joint = capture(cumsum_tanh_layers, leaves(tensors), trace_joint=True)
+    target = predicted_peak(plan(joint), joint.hints) - 1
+    report = memfuse.explain(memfuse.memory_efficient_fusion(cumsum_tanh_layers, memory_budget=target),
+                             *leaves(tensors))
+    text = capsys.readouterr().out
+    budget = report.budget
+    assert budget.target_bytes == target and budget.peak_after <= target < budget.peak_before
+    assert (f"memory budget {human_bytes(target)} ({target} bytes) for the step's predicted peak: the default "
+            f"plan's {human_bytes(budget.peak_before)}, this plan's {human_bytes(budget.peak_after)}") in text
+    assert re.search(r"\n    cumsum  offload     2\.0 MiB  to pinned host memory: \d+ us each way over the host link",
+                     text), text
+    assert report.entry.plan.offloaded == ("cumsum",)
