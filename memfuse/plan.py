@@ -568,8 +568,8 @@ def _seconds(seconds: float) -> str:
 
 @dataclass
 class _Step:
-    """The byte budget's search state: the cut, the saved values offloaded, what each moved value
-    chose, and the two programs of the cut (their predicted peak, and the times offload can hide behind)."""
+    """The byte budget's search state: the cut, the saved values offloaded, the two programs of the
+    cut (the times an offload's copies can hide behind) and their predicted peak."""
     cut: frozenset
     offloaded: frozenset
     forward: Graph
@@ -591,6 +591,7 @@ class _PeakSearch:
         self.backward_only = backward_only
         self.sizes = {name: value_bytes(node.value, self.hints) for name, node in joint.nodes.items()}
         self.fwd_outputs = set(joint.outputs[:self.n_fwd])
+        self._recompute_seconds: dict = {}
 
     def step(self, cut: frozenset, offloaded: frozenset) -> _Step:
         joint, captured = self.joint, self.captured
@@ -608,9 +609,11 @@ class _PeakSearch:
 
     def recompute_seconds(self, cut) -> float:
         """The time the backward of `cut` spends recomputing the forward (recompute_cost, views free)."""
-        recomputed = _recomputed(self.joint, cut, self.grads, self.backward_only)
-        return sum(recompute_cost(self.joint[n], self.joint, self.hints) for n in recomputed
-                   if not is_view(self.joint[n])) / HBM_BYTES_PER_SECOND
+        if cut not in self._recompute_seconds:
+            recomputed = _recomputed(self.joint, cut, self.grads, self.backward_only)
+            self._recompute_seconds[cut] = sum(recompute_cost(self.joint[n], self.joint, self.hints)
+                                               for n in recomputed if not is_view(self.joint[n])) / HBM_BYTES_PER_SECOND
+        return self._recompute_seconds[cut]
 
     def compute_seconds(self, name: str) -> float:
         """An aten call's device time, what an offload's copies hide behind; a fused node's counts
@@ -629,7 +632,7 @@ class _PeakSearch:
         for name in reversed(forward_order):
             after[name] = total
             total += self.compute_seconds(name)
-        before, first, total = {}, {}, 0.0
+        first, total = {}, 0.0
         for name, node in state.backward.nodes.items():
             for i in node.inputs:
                 first.setdefault(i, total)
