@@ -592,6 +592,7 @@ class _PeakSearch:
         self.sizes = {name: value_bytes(node.value, self.hints) for name, node in joint.nodes.items()}
         self.fwd_outputs = set(joint.outputs[:self.n_fwd])
         self._recompute_seconds: dict = {}
+        self._cost: dict = {}         # node -> recompute_cost, each read many times over the search
 
     def step(self, cut: frozenset, offloaded: frozenset) -> _Step:
         joint, captured = self.joint, self.captured
@@ -611,8 +612,8 @@ class _PeakSearch:
         """The time the backward of `cut` spends recomputing the forward (recompute_cost, views free)."""
         if cut not in self._recompute_seconds:
             recomputed = _recomputed(self.joint, cut, self.grads, self.backward_only)
-            self._recompute_seconds[cut] = sum(recompute_cost(self.joint[n], self.joint, self.hints)
-                                               for n in recomputed if not is_view(self.joint[n])) / HBM_BYTES_PER_SECOND
+            self._recompute_seconds[cut] = sum(self.cost(n) for n in recomputed
+                                               if not is_view(self.joint[n])) / HBM_BYTES_PER_SECOND
         return self._recompute_seconds[cut]
 
     def compute_seconds(self, name: str) -> float:
@@ -621,7 +622,12 @@ class _PeakSearch:
         node = self.joint[name]
         if node.op is not Op.EXTERN or is_view(node):
             return 0.0
-        return (recompute_cost(node, self.joint, self.hints) - EXTERN_LAUNCH_BYTES) / HBM_BYTES_PER_SECOND
+        return (self.cost(name) - EXTERN_LAUNCH_BYTES) / HBM_BYTES_PER_SECOND
+
+    def cost(self, name: str) -> float:
+        if name not in self._cost:
+            self._cost[name] = recompute_cost(self.joint[name], self.joint, self.hints)
+        return self._cost[name]
 
     def offload_candidates(self, state: _Step) -> dict:
         """Saved value -> (seconds its copies do not hide, transfer seconds each way): the values of
