@@ -91,7 +91,7 @@ class Plan:
     num_fwd_outputs: int
     saved: list = field(default_factory=list)        # SavedValue, in forward-output order
     decisions: dict = field(default_factory=dict)    # node name -> (Decision, reason)
-    budget: Budget | PeakBudget | None = None   # what Config.memory_budget changed; None at 1.0
+    budget: Budget | None = None   # what Config.memory_budget < 1 changed; None at 1.0
     offloaded: tuple = ()
 
     @property
@@ -536,8 +536,9 @@ class Move:
 
 @dataclass(frozen=True)
 class PeakBudget:
-    """What a byte budget changed: the target, the predicted peak of the default plan and of this
-    one, the pins released for recomputation (name -> tier, as Budget's) and each moved value."""
+    """What a byte budget changed (Plan.budget, in Budget's place): the target, the predicted peak of
+    the default plan and of this one, the pins released for recomputation (name -> tier, as
+    Budget's) and each moved value."""
     target_bytes: int
     peak_before: int
     peak_after: int
