@@ -42,6 +42,7 @@ import torch
 from networkx.algorithms.flow import boykov_kolmogorov
 
 from memfuse.ir.captured import Captured
+from memfuse.base.config import is_byte_budget
 from memfuse.base.debug import human_bytes, timed
 from memfuse.ir.graph import LEAF, REDUCTION, Graph, Kind, Matmul, Node, Op, Reduce, value_bytes
 
@@ -91,11 +92,86 @@ class Plan:
     saved: list = field(default_factory=list)        # SavedValue, in forward-output order
     decisions: dict = field(default_factory=dict)    # node name -> (Decision, reason)
     budget: Budget | None = None   # what Config.memory_budget < 1 changed; None at 1.0
+    offloaded: tuple = ()
 
     @property
     def saved_bytes(self) -> int:
         """Bytes kept alive for the backward beyond the inputs (hinted sizes)."""
         return sum(s.bytes for s in self.saved if not s.is_input)
+
+
+# `Plan.offloaded`: the saved values (names as in Plan.saved, forward-output order) the forward copies
+# to pinned host memory and the backward fetches back ahead of its first reader (the runtime's);
+# set only under a byte budget whose target needs it.
+
+
+# -- the predicted peak ----------------------------------------------------------------------------
+def predicted_peak(plan: Plan, hints: dict) -> int:
+    """The most bytes this step holds on the device at once, as this program sees it (size symbols
+    at their hints): the forward's inputs (parameters, batch: the caller's, alive throughout) plus the
+    larger of the forward's and the backward's own live bytes (`_live_peak`). Counted: each value an
+    aten call makes or reads and each value a program returns, from the step that makes it to its
+    last reader; the saved values from their producer to the forward's end and in the backward from
+    its start to their last reader; an offloaded one (Plan.offloaded) in the forward only to its last
+    forward reader and in the backward only from its first reader; the tangents; the gradients to the
+    backward's end. Left out: a fused kernel's intermediates (registers) and the schedule's exact
+    grouping, optimizer state, gradients accumulated from earlier steps, the forward's returned
+    outputs while the backward runs, other graphs of a split model, what an extern allocates inside
+    itself (a chunked loss head's chunk), the allocator's rounding and cached blocks."""
+    forward_inputs = [n for n in plan.forward.inputs if plan.forward[n].op is not Op.SEED]
+    sizes = {name: value_bytes(node.value, hints) for graph in (plan.forward, plan.backward) if graph is not None
+             for name, node in graph.nodes.items()}
+    saved = [s.name for s in plan.saved if not s.is_input]
+    return _peak(plan.forward, plan.backward, forward_inputs, saved, set(plan.offloaded), sizes)
+
+
+def _peak(forward: Graph, backward: Graph | None, forward_inputs: list, saved: list, offloaded: set,
+          sizes: dict) -> int:
+    """predicted_peak's sum, from the two programs and each value's bytes (`sizes`)."""
+    inputs = sum(sizes[n] for n in forward_inputs)
+    peak = _live_peak(forward, sizes, counted_inputs=(), late=set(), held_to_end=set(forward.outputs) - offloaded)
+    if backward is not None:
+        tangents = [n for n in backward.inputs if n not in forward.outputs and backward[n].op is not Op.SEED]
+        peak = max(peak, _live_peak(backward, sizes, counted_inputs=saved + tangents, late=offloaded,
+                                    held_to_end=set(backward.outputs)))
+    return inputs + peak
+
+
+def _live_peak(graph: Graph, sizes: dict, counted_inputs, late: set, held_to_end: set) -> int:
+    """The most bytes of `graph`'s materialized values alive at once, walking its nodes in order:
+    a value lives from the node that makes it (an input in `counted_inputs`: from the start, or from
+    its first reader where `late`) to its last reader (a view's readers are its base's), or to the end
+    when `held_to_end`. Materialized: what an aten call makes or reads, what the graph returns."""
+    order = {name: k for k, name in enumerate(graph.nodes)}
+    base: dict = {}
+    for name, node in graph.nodes.items():
+        base[name] = base[node.inputs[0]] if is_view(node) and node.inputs else name
+    held = {base[o] for o in held_to_end if o in base}
+    counted = set(counted_inputs)
+    materialized = {base[o] for o in graph.outputs if o in base} | counted
+    first, last = {}, {}
+    for name, node in graph.nodes.items():
+        if node.op in (Op.EXTERN, Op.GETITEM) and not is_view(node):
+            materialized.add(name)
+            materialized.update(base[i] for i in node.inputs)
+        for i in node.inputs:
+            first.setdefault(base[i], order[name])
+            last[base[i]] = order[name]
+    end = len(order)
+    change = [0] * (end + 2)
+    for name in materialized:
+        node = graph[name]
+        if node.op in LEAF and name not in counted or node.value.dtype is None:
+            continue      # the caller's (primals, saved inputs), a seed, a constant, a tuple
+        start = first.get(name, end) if name in late else 0 if node.op in LEAF else order[name]
+        stop = end if name in held else max(last.get(name, order[name]), start)
+        change[start] += sizes[name]
+        change[stop + 1] -= sizes[name]
+    peak = live = 0
+    for delta in change:
+        live += delta
+        peak = max(peak, live)
+    return peak
 
 
 def is_view(node: Node) -> bool:
@@ -164,9 +240,11 @@ def pinned_reason(node: Node, index_bytes: dict, hints: dict, joint: Graph | Non
 
 
 @timed("plan")
-def plan(captured: Captured, memory_budget: float = 1.0) -> Plan:
-    """The default plan (the byte-cheapest cut), or under `memory_budget` < 1 one that keeps at most
-    that fraction of its saved bytes where recomputing more can get there (`_within_budget`)."""
+def plan(captured: Captured, memory_budget: float | int = 1.0) -> Plan:
+    """The default plan (the byte-cheapest cut); under a fraction `memory_budget` < 1 one that keeps
+    at most that fraction of its saved bytes where recomputing more can get there (`_within_budget`);
+    under a byte budget (an int above 1: Config.memory_budget parsed) one whose predicted peak is at
+    most that many bytes, recomputing and offloading (`_within_peak`; MemoryBudgetError where none can)."""
     joint = captured.joint
     if captured.num_tangents == 0 and len(joint.outputs) == captured.num_fwd_outputs:
         return plan_inference(captured)
@@ -181,8 +259,11 @@ def plan(captured: Captured, memory_budget: float = 1.0) -> Plan:
     index_bytes = {n: sum(value_bytes(joint[i].value, captured.hints) for i in srcs) for n, srcs in index_ops.items()}
     flow, pins = _flow_graph(captured, backward_only, backward_needed, grads, index_bytes)
     default_cut = _cut(flow)
-    cut, budget = default_cut, None
-    if memory_budget < 1:
+    cut, budget, offloaded = default_cut, None, frozenset()
+    if is_byte_budget(memory_budget):
+        cut, offloaded, budget = _within_peak(flow, pins, default_cut, memory_budget, captured, index_bytes,
+                                              backward_only)
+    elif memory_budget < 1:
         cut, budget = _within_budget(flow, pins, default_cut, memory_budget, captured, index_bytes,
                                      backward_only)
 
@@ -203,7 +284,7 @@ def plan(captured: Captured, memory_budget: float = 1.0) -> Plan:
                         _save_reason(joint[n], context))
              for n in saved_names]
     decisions = _decisions(joint, forward, backward, saved, backward_only, context)
-    return Plan(forward, backward, n_fwd, saved, decisions, budget)
+    return Plan(forward, backward, n_fwd, saved, decisions, budget, tuple(n for n in saved_names if n in offloaded))
 
 
 def _backward(joint: Graph, captured: Captured, saved_names: list, tangents: list, grads: list) -> Graph:
@@ -329,6 +410,10 @@ class Budget:
     short_of_target: str | None = None
     refused_chain: int = 0     # the longest matmul chain of the refused cuts that keep fewer bytes
 
+    @property
+    def label(self) -> str:
+        return f"{self.fraction:g}"
+
     def __str__(self) -> str:
         head = (f"memory budget {self.fraction:g}: the default plan saves {human_bytes(self.default_bytes)}, "
                 f"target {human_bytes(self.target_bytes)}, reached {human_bytes(self.reached_bytes)}")
@@ -368,41 +453,270 @@ def recompute_cost(node: Node, joint: Graph, hints: dict) -> float:
 
 
 def _within_budget(flow, pins, default_cut, fraction, captured, index_bytes, backward_only) -> tuple:
-    """(cut, Budget): release pins one at a time, re-cutting after each, until the cut keeps at most
-    `fraction` of the default cut's bytes. Each time the pin released is, among those a saved value
-    hangs from (`_held_bytes`), of the cheapest tier, and within it the cheapest to recompute per
-    byte of saved values hanging from it. The sequence of cuts does not depend on `fraction`, only
-    where it stops: a smaller budget never keeps more. Short of the target, the sequence's cheapest
-    cut. A cut whose backward rebuilds a chain of more than MAX_MATMUL_CHAIN matmuls is never chosen."""
+    """(cut, Budget): the cuts of `_released_cuts` until one keeps at most `fraction` of the default
+    cut's bytes. The sequence of cuts does not depend on `fraction`, only where it stops: a smaller
+    budget never keeps more. Short of the target, the sequence's cheapest cut."""
     joint, hints = captured.joint, captured.hints
     grads = [g for g in joint.outputs[captured.num_fwd_outputs:] if g is not None]
     default_bytes = _saved_bytes(default_cut, joint, hints)
     target = int(fraction * default_bytes)
-    position = {name: i for i, name in enumerate(joint.nodes)}
-    cut, released, refused = default_cut, {}, []
-    best = (default_bytes, cut, dict(released))
+    refused: list = []
+    cuts = _released_cuts(flow, pins, default_cut, joint, hints, index_bytes, grads, backward_only, refused)
+    best = (default_bytes, default_cut, {})
     while best[0] > target:
+        step = next(cuts, None)
+        if step is None:
+            break
+        best = step
+    reached, cut, released = best
+    short = None if reached <= target else _short_of_target(cut, pins, index_bytes, joint, hints)
+    refused_chain = max((chain for kept, chain in refused if kept < reached), default=0)
+    return cut, Budget(fraction, default_bytes, target, reached, released, short, refused_chain)
+
+
+def _released_cuts(flow, pins, default_cut, joint, hints, index_bytes, grads, backward_only, refused: list):
+    """(saved bytes, cut, released pins) of each cut, keeping fewer bytes than the one before, that
+    releasing pins one at a time, re-cutting after each, reaches. Each time the pin released is, among
+    those a saved value hangs from (`_held_bytes`), of the cheapest tier, and within it the cheapest to
+    recompute per byte of saved values hanging from it. A cut whose backward rebuilds a chain of more
+    than MAX_MATMUL_CHAIN matmuls is never yielded: appended to `refused` (its bytes, its chain)."""
+    position = {name: i for i, name in enumerate(joint.nodes)}
+    cut, released, best = default_cut, {}, _saved_bytes(default_cut, joint, hints)
+    while True:
         held = {n: b for n, b in _held_bytes(cut, pins, joint, hints).items()
                 if budget_tier(joint[n], index_bytes) is not None}
         if not held:
-            break
+            return
         name = min(held, key=lambda n: (BUDGET_TIERS.index(budget_tier(joint[n], index_bytes)),
                                         recompute_cost(joint[n], joint, hints) / max(held[n], 1), position[n]))
         flow.remove_edge(SOURCE, (name, Side.IN))
         del pins[name]
         released[name] = budget_tier(joint[name], index_bytes)
         cut = _cut(flow, BUDGET_FLOW)
-        if _saved_bytes(cut, joint, hints) >= best[0]:
+        kept = _saved_bytes(cut, joint, hints)
+        if kept >= best:
             continue
         chain = matmul_chain(joint, _recomputed(joint, cut, grads, backward_only))
         if chain > MAX_MATMUL_CHAIN:
-            refused.append((_saved_bytes(cut, joint, hints), chain))
+            refused.append((kept, chain))
         else:
-            best = (_saved_bytes(cut, joint, hints), cut, dict(released))
-    reached, cut, released = best
-    short = None if reached <= target else _short_of_target(cut, pins, index_bytes, joint, hints)
-    refused_chain = max((chain for kept, chain in refused if kept < reached), default=0)
-    return cut, Budget(fraction, default_bytes, target, reached, released, short, refused_chain)
+            best = kept
+            yield kept, cut, dict(released)
+
+
+# -- a byte budget ---------------------------------------------------------------------------------
+# A byte target (Config.memory_budget "12GB") is one for the predicted peak (predicted_peak). From the
+# default cut the planner moves saved values, one step at a time, to recompute (the next cut of the
+# pin-release sequence above, `_released_cuts`) or to offload (a saved value copied to pinned host
+# memory in the forward and fetched back ahead of its backward reader), the one that costs less
+# time per byte it frees, until the predicted peak is at most the target. The cost model, in seconds:
+# the device's memory bandwidth (a matmul's FLOPs count MATMUL_FLOPS_PER_BYTE to the byte, as in
+# recompute_cost) and the host link, which an offloaded value crosses twice.
+HBM_BYTES_PER_SECOND = 4e12
+HOST_LINK_BYTES_PER_SECOND = 25e9
+# Values smaller than this are never offloaded: each copy is one more launch, one more pinned host
+# block and one more event to wait on, for little memory.
+MIN_OFFLOAD_BYTES = 2**20
+
+
+class MemoryBudgetError(ValueError):
+    """A byte budget below the least this step can need: the caller's to change (a larger budget, a
+    smaller batch or sequence), never a reason to run through torch (memfuse.driver.fallback)."""
+
+
+@dataclass(frozen=True)
+class Move:
+    """A value a byte budget moved from the default plan: its choice ("keep", "recompute",
+    "offload"), its bytes and why."""
+    name: str
+    choice: str
+    bytes: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class PeakBudget:
+    """What a byte budget changed (Plan.budget, in Budget's place): the target, the predicted peak of
+    the default plan and of this one, the pins released for recomputation (name -> tier, as
+    Budget's) and each moved value."""
+    target_bytes: int
+    peak_before: int
+    peak_after: int
+    released: dict
+    moves: tuple = ()
+
+    @property
+    def label(self) -> str:
+        return human_bytes(self.target_bytes)
+
+    def move(self, name: str) -> Move | None:
+        return next((m for m in self.moves if m.name == name), None)
+
+    def __str__(self) -> str:
+        lines = [f"memory budget {self.label} ({self.target_bytes} bytes) for the step's predicted peak: "
+                 f"the default plan's {human_bytes(self.peak_before)}, this plan's {human_bytes(self.peak_after)}"]
+        if not self.moves:
+            lines[0] += " (the default plan fits: nothing moved)"
+        width = max([len(m.name) for m in self.moves] + [4])
+        lines += [f"  {m.name:<{width}}  {m.choice:<9} {human_bytes(m.bytes):>9}  {m.reason}" for m in self.moves]
+        return "\n".join(lines)
+
+
+def _seconds(seconds: float) -> str:
+    """A cost model's estimate, as the reasons print it."""
+    return f"{seconds * 1e6:.0f} us"
+
+
+@dataclass
+class _Step:
+    """The byte budget's search state: the cut, the saved values offloaded, the two programs of the
+    cut (the times an offload's copies can hide behind) and their predicted peak."""
+    cut: frozenset
+    offloaded: frozenset
+    forward: Graph
+    backward: Graph
+    peak: int
+
+
+class _PeakSearch:
+    """The byte budget's search (`_within_peak`): the step state of a cut and offloaded set, and the
+    time costs of each move."""
+
+    def __init__(self, captured: Captured, backward_only: set):
+        self.captured, self.joint, self.hints = captured, captured.joint, captured.hints
+        joint = self.joint
+        self.n_fwd = captured.num_fwd_outputs
+        self.grads = [g for g in joint.outputs[self.n_fwd:] if g is not None]
+        self.primals = joint.inputs[:captured.num_primals]
+        self.tangents = joint.inputs[len(joint.inputs) - captured.num_tangents:]
+        self.backward_only = backward_only
+        self.sizes = {name: value_bytes(node.value, self.hints) for name, node in joint.nodes.items()}
+        self.fwd_outputs = set(joint.outputs[:self.n_fwd])
+        self._recompute_seconds: dict = {}
+        self._cost: dict = {}         # node -> recompute_cost, each read many times over the search
+
+    def step(self, cut: frozenset, offloaded: frozenset) -> _Step:
+        joint, captured = self.joint, self.captured
+        full = cut | frozenset(row_statistics(joint, cut, self.grads, self.backward_only))
+        saved_names = [n for n in joint.nodes if n in full]
+        forward = _subgraph(joint, inputs=self.primals + (["seed"] if captured.has_seed else []),
+                            outputs=list(joint.outputs[:self.n_fwd]) + saved_names)
+        backward = _backward(joint, captured, saved_names, self.tangents, list(joint.outputs[self.n_fwd:]))
+        computed = [n for n in saved_names if joint[n].op is not Op.INPUT]
+        peak = _peak(forward, backward, self.primals, computed, set(offloaded), self.sizes)
+        return _Step(cut, offloaded, forward, backward, peak)
+
+    def on_device(self, cut, offloaded) -> int:
+        return sum(self.sizes[n] for n in cut if self.joint[n].op is not Op.INPUT and n not in offloaded)
+
+    def recompute_seconds(self, cut) -> float:
+        """The time the backward of `cut` spends recomputing the forward (recompute_cost, views free)."""
+        if cut not in self._recompute_seconds:
+            recomputed = _recomputed(self.joint, cut, self.grads, self.backward_only)
+            self._recompute_seconds[cut] = sum(self.cost(n) for n in recomputed
+                                               if not is_view(self.joint[n])) / HBM_BYTES_PER_SECOND
+        return self._recompute_seconds[cut]
+
+    def compute_seconds(self, name: str) -> float:
+        """An aten call's device time, what an offload's copies hide behind; a fused node's counts
+        nothing (a conservative estimate: the copy may hide behind less than it does)."""
+        node = self.joint[name]
+        if node.op is not Op.EXTERN or is_view(node):
+            return 0.0
+        return (self.cost(name) - EXTERN_LAUNCH_BYTES) / HBM_BYTES_PER_SECOND
+
+    def cost(self, name: str) -> float:
+        if name not in self._cost:
+            self._cost[name] = recompute_cost(self.joint[name], self.joint, self.hints)
+        return self._cost[name]
+
+    def offload_candidates(self, state: _Step) -> dict:
+        """Saved value -> (seconds its copies do not hide, transfer seconds each way): the values of
+        at least MIN_OFFLOAD_BYTES the forward makes for the backward alone (not an input, not a
+        forward output the caller holds anyway), not yet offloaded."""
+        forward_order = list(state.forward.nodes)
+        after, total = {}, 0.0
+        for name in reversed(forward_order):
+            after[name] = total
+            total += self.compute_seconds(name)
+        first, total = {}, 0.0
+        for name, node in state.backward.nodes.items():
+            for i in node.inputs:
+                first.setdefault(i, total)
+            total += self.compute_seconds(name)
+        found = {}
+        for name in state.cut:
+            node = self.joint[name]
+            if node.op is Op.INPUT or name in self.fwd_outputs or name in state.offloaded or \
+                    node.value.dtype is None or self.sizes[name] < MIN_OFFLOAD_BYTES:
+                continue
+            transfer = self.sizes[name] / HOST_LINK_BYTES_PER_SECOND
+            hidden_out, hidden_back = after.get(name, 0.0), first.get(name, 0.0)
+            found[name] = (max(0.0, transfer - hidden_out) + max(0.0, transfer - hidden_back), transfer)
+        return found
+
+
+def _within_peak(flow, pins, default_cut, target: int, captured, index_bytes, backward_only) -> tuple:
+    """(cut, offloaded names, PeakBudget): from the default cut, one move at a time, the cheaper in
+    time per byte it frees on the device: the next cut of `_released_cuts` (recompute) or the saved
+    value whose offload costs least per byte (`_PeakSearch.offload_candidates`), until the predicted
+    peak is at most `target`. The moves do not depend on the target, only where they stop: a smaller
+    target never predicts a higher peak. Past the last move, a MemoryBudgetError naming the least."""
+    search = _PeakSearch(captured, backward_only)
+    joint, hints = captured.joint, captured.hints
+    cuts = _released_cuts(flow, pins, default_cut, joint, hints, index_bytes, search.grads, backward_only, [])
+    state = search.step(default_cut, frozenset())
+    before, least, released, moves = state.peak, state.peak, {}, {}
+    pending = next(cuts, None)
+    while state.peak > target:
+        candidates = search.offload_candidates(state)
+        offload = min(candidates, key=lambda n: (candidates[n][0] / search.sizes[n], -search.sizes[n], n),
+                      default=None)
+        offload_rate = candidates[offload][0] / search.sizes[offload] if offload else INFINITE
+        recompute_rate, recompute_seconds, freed = INFINITE, 0.0, 0
+        if pending is not None:
+            kept_offloaded = state.offloaded & pending[1]
+            freed = search.on_device(state.cut, state.offloaded) - search.on_device(pending[1], kept_offloaded)
+            recompute_seconds = max(0.0, search.recompute_seconds(pending[1]) - search.recompute_seconds(state.cut))
+            recompute_rate = recompute_seconds / freed if freed > 0 else INFINITE
+        if pending is None and offload is None:
+            raise MemoryBudgetError(
+                f"memfuse: memory_budget {human_bytes(target)} ({target} bytes) is below the least this step "
+                f"can need: a predicted peak of {human_bytes(least)} ({least} bytes) with every value the "
+                f"budget may recompute recomputed and every saved value of at least {human_bytes(MIN_OFFLOAD_BYTES)} "
+                f"offloaded to host memory (memfuse.plan.predicted_peak: the inputs, parameters included, and "
+                f"the larger program's live values). Way out: a budget of at least {human_bytes(least)}, or a "
+                f"smaller batch or sequence")
+        if offload is not None and offload_rate <= recompute_rate:
+            unhidden, transfer = candidates[offload]
+            than = (f"recomputing the next values would cost {_seconds(recompute_seconds)} for "
+                    f"{human_bytes(freed)}" if pending is not None else "nothing else the budget may recompute is left")
+            moves[offload] = Move(offload, "offload", search.sizes[offload],
+                                  f"to pinned host memory: {_seconds(transfer)} each way over the host link, "
+                                  f"{_seconds(unhidden)} of it not hidden behind the compute after its producer "
+                                  f"and before its backward reader; {than}")
+            state = search.step(state.cut, state.offloaded | {offload})
+        else:
+            _, cut, released = pending
+            than = (f"offloading {offload} would cost {_seconds(candidates[offload][0])} for "
+                    f"{human_bytes(search.sizes[offload])}" if offload else
+                    f"no saved value left of at least {human_bytes(MIN_OFFLOAD_BYTES)} to offload")
+            for name in state.cut - cut:
+                moves[name] = Move(name, "recompute", search.sizes[name],
+                                   f"recomputing frees {human_bytes(freed)} for {_seconds(recompute_seconds)} of "
+                                   f"the backward; {than}")
+            for name in cut - state.cut:
+                moves[name] = Move(name, "keep", search.sizes[name],
+                                   "kept instead: the backward recomputes the released values from it")
+            state = search.step(cut, state.offloaded & cut)
+            released, pending = pending[2], next(cuts, None)
+        least = min(least, state.peak)
+    position = {name: k for k, name in enumerate(joint.nodes)}
+    final = tuple(m for name, m in sorted(moves.items(), key=lambda item: position[item[0]])
+                  if (m.choice == "recompute") != (name in state.cut) and
+                  (m.choice != "offload" or name in state.offloaded) and
+                  (m.choice != "keep" or name not in default_cut))
+    return state.cut, state.offloaded, PeakBudget(target, before, state.peak, released, final)
 
 
 def _recomputed(joint: Graph, cut, grads: list, backward_only: set) -> set:
@@ -546,12 +860,15 @@ class _Context:
     backward: Graph
     index_bytes: dict
     hints: dict
-    budget: Budget | None
+    budget: Budget | PeakBudget | None
     default_recomputed: frozenset
     statistics: dict               # row_statistics: saved row reduction -> its chain's length
 
 
 def _save_reason(node: Node, context: _Context) -> str:
+    move = context.budget.move(node.name) if isinstance(context.budget, PeakBudget) else None
+    if move is not None and move.choice == "offload":
+        return f"offloaded for the memory budget {context.budget.label}: {move.reason}"
     if node.op is Op.INPUT:
         return "an input, alive anyway: the backward recomputes from it"
     upcasts = [u for u in context.users[node.name]
@@ -574,7 +891,7 @@ def _save_reason(node: Node, context: _Context) -> str:
 def _recompute_reason(node: Node, context: _Context) -> str:
     if context.budget is not None and node.name not in context.default_recomputed:
         kind = context.budget.released.get(node.name) or _budget_kind(node)
-        return (f"recomputed for the memory budget {context.budget.fraction:g}: "
+        return (f"recomputed for the memory budget {context.budget.label}: "
                 f"{human_bytes(value_bytes(node.value, context.hints))}, {kind}")
     if not node.inputs:
         return "a constant (the column index, a fill): rebuilt in the backward for free"

@@ -2,25 +2,59 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
-def _env_budget() -> float:
-    """MEMFUSE_MEMORY_BUDGET, read as Config.memory_budget (1.0 when unset)."""
+# The units a byte budget may be written in: decimal (GB = 10**9 bytes, as disk and GPU makers
+# count) and binary (GiB = 2**30, as torch.cuda.memory_allocated and nvidia-smi's MiB count).
+BYTE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_BYTES_TEXT = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]+)\s*$")
+BUDGET_EXPECTED = ("memory_budget must be a number in (0, 1] (a fraction of the default plan's saved bytes; "
+                   "1.0 keeps the default plan) or a byte target for the step's peak: a whole number of bytes "
+                   "above 1, or a string with a unit (\"12GB\" = 12*10**9 bytes, \"12GiB\" = 12*2**30, \"800MB\")")
+
+
+def is_byte_budget(budget) -> bool:
+    """A parsed Config.memory_budget that is a byte target (an int above 1), not a fraction."""
+    return isinstance(budget, int) and not isinstance(budget, bool) and budget > 1
+
+
+def parse_memory_budget(value):
+    """Config.memory_budget as the planner reads it: a fraction (a float or int in (0, 1]) as it is,
+    a byte count (an int above 1) as it is, a string with a unit ("12GB", "1.5GiB") as whole bytes.
+    Anything else is a ValueError naming memory_budget and what it takes."""
+    if isinstance(value, str):
+        match = _BYTES_TEXT.match(value)
+        unit = match and BYTE_UNITS.get(match.group(2).upper())
+        if unit and int(float(match.group(1)) * unit) > 1:
+            return int(float(match.group(1)) * unit)
+    elif is_byte_budget(value) or not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value <= 1:
+        return value
+    raise ValueError(f"memfuse: {BUDGET_EXPECTED}, got {value!r}")
+
+
+def _env_budget():
+    """MEMFUSE_MEMORY_BUDGET, read as Config.memory_budget (1.0 when unset): a number is a fraction,
+    a number with a unit ("12GB") a byte target."""
     text = os.environ.get("MEMFUSE_MEMORY_BUDGET", "").strip()
     if not text:
         return 1.0
+    if _BYTES_TEXT.match(text):
+        return text
     try:
         return float(text)
     except ValueError:
         raise ValueError(f"memfuse: MEMFUSE_MEMORY_BUDGET={text!r} is not a number; expected a fraction in "
-                         f"(0, 1] of the default plan's saved bytes, e.g. 0.5") from None
+                         f"(0, 1] of the default plan's saved bytes, e.g. 0.5, or a byte target with a unit, "
+                         f"e.g. 12GB (10**9 bytes) or 12GiB (2**30)") from None
 
 
 # A loss-head chunk's most token rows (where Config.loss_head_chunk_rows is unset, on one process:
@@ -94,11 +128,16 @@ class Config:
     # taken as large, is at least this. pad_mm's test: above half the machine balance, about 100-150 on
     # current data-centre GPUs in bf16 (the LM head of GPT-2: 756; a [101 x 64] test matmul: 39).
     pad_matmul_min_intensity: float = 100.0
-    # The bytes the forward may keep for the backward, as a fraction in (0, 1] of what the default
-    # plan keeps: below 1.0 the planner recomputes more in the backward, cheapest first (memfuse.plan's
-    # budget: reductions over M, then matmuls). MEMFUSE_MEMORY_BUDGET sets it; so does
-    # `memory_efficient_fusion(fn, memory_budget=0.5)` and torch.compile's options={"memory_budget": 0.5}.
-    memory_budget: float = field(default_factory=_env_budget)
+    # The memory the planner aims for, one of two kinds (memfuse.plan's budget):
+    # - a fraction in (0, 1] of the bytes the default plan keeps for the backward: below 1.0 the
+    #   planner recomputes more in the backward, cheapest first (reductions over M, then matmuls);
+    # - a byte target for the step's peak as this program sees it (memfuse.plan.predicted_peak): an
+    #   int above 1, or a string with a unit, "12GB" (decimal, 10**9 bytes) or "12GiB" (binary,
+    #   2**30), parsed to whole bytes here. The planner keeps, recomputes or offloads to host memory
+    #   (Plan.offloaded) per value, cheapest time first, until the predicted peak is at most the target.
+    # MEMFUSE_MEMORY_BUDGET sets it; so do `memory_efficient_fusion(fn, memory_budget=0.5)` and
+    # torch.compile's options={"memory_budget": "12GB"}.
+    memory_budget: Union[float, int, str] = field(default_factory=_env_budget)
     # The loss head (a linear layer's output read only by cross_entropy) runs chunked, its
     # [tokens, vocab] logits never whole (memfuse.patterns.loss_head.detect, memfuse.patterns.loss_head.op). MEMFUSE_CHUNK_LOSS_HEAD=0
     # turns it off; options={"chunk_loss_head": False} under torch.compile.
@@ -144,10 +183,13 @@ class Config:
                 raise ValueError(f"memfuse: {name} must be a positive whole number of {what}, got {value!r}")
         if self.loss_head_plan not in LOSS_HEAD_PLANS:
             raise ValueError(f"memfuse: loss_head_plan must be one of {LOSS_HEAD_PLANS}, got {self.loss_head_plan!r}")
-        budget = self.memory_budget
-        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget <= 1:
-            raise ValueError(f"memfuse: memory_budget must be a number in (0, 1] (a fraction of the default "
-                             f"plan's saved bytes; 1.0 keeps the default plan), got {budget!r}")
+        object.__setattr__(self, "memory_budget", parse_memory_budget(self.memory_budget))
+
+    @property
+    def memory_fraction(self) -> float:
+        """The budget as a fraction of the default plan's saved bytes: 1.0 under a byte target, which
+        the planner reaches by its own moves (what scales by the fraction, a loss-head chunk, stays)."""
+        return 1.0 if is_byte_budget(self.memory_budget) else float(self.memory_budget)
 
 
 # torch.compile(model, backend="memfuse", options={...}): the Config fields an option may set.

@@ -38,7 +38,7 @@ from memfuse.driver.fallback import STRICT, EagerCall, StrictModeError, compile_
 from memfuse.ir.graph import Graph, Symbol, verify
 from memfuse.patterns.attention import MaskDecision, OutputMasks, returned_masks
 from memfuse.patterns import rewrite_graph
-from memfuse.plan import Plan, plan
+from memfuse.plan import MemoryBudgetError, Plan, plan
 from memfuse.runtime.precompile import enabled as precompile_enabled, precompile, start_driver
 from memfuse.runtime.function import CompiledFunction
 from memfuse.runtime.program import Program
@@ -164,10 +164,12 @@ def compile_or_decide(source: TracedFunction, config: Config) -> Union[Compiled,
     """The compiled program, or where compiling fails the decision to run the call through torch
     (an error in strict mode, chained to the failure). Strict mode's own errors are raised as they
     are. A GraphError (the IR verifier's, a schedule's "cannot read in one space": memfuse's own
-    limit or bug) is a decision like any failure: a loop that runs in eager never sees it."""
+    limit or bug) is a decision like any failure: a loop that runs in eager never sees it. A byte
+    budget below the least the step can need (MemoryBudgetError) is the caller's setting to change,
+    raised as it is: running through torch would silently ignore the budget the caller set."""
     try:
         return compile_program(source, config)
-    except (StrictModeError, Retrace):
+    except (StrictModeError, Retrace, MemoryBudgetError):
         raise
     except Exception as e:   # noqa: BLE001 -- any failure to compile: the original runs, with the reason
         decision = compile_failed(source.name, e)

@@ -23,7 +23,9 @@ runs through torch from then on, logged and counted (`first_run_fallbacks`); str
 A later run's failure is raised as it is: the program ran before, so the failure is no compile
 problem (a transient error, the caller's input). An `InputError` (memfuse.ir.targets: a gather
 index outside the vocabulary, which eager's op rejects too) is the caller's at any run: raised, the
-program kept. The rules of the first run, what it may redo:
+program kept. So is a `MemoryBudgetError` (memfuse.plan: a byte budget below the least the step
+can need), at compile time: the caller's setting, which running through torch would ignore. The
+rules of the first run, what it may redo:
 - a forward's first run failing: nothing happened that torch could see twice. A program writes
   only into buffers it allocates, never into its inputs (FusedFunction refuses an input mutation
   at the trace; AOTAutograd applies a graph's input mutations, BatchNorm's running statistics,

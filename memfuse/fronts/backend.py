@@ -35,7 +35,7 @@ from memfuse.patterns import rewrite_graph
 from memfuse.ir.patterns import trace_modes
 from memfuse.ir.captured import Captured
 from memfuse.ir.targets import InputError
-from memfuse.plan import Plan
+from memfuse.plan import MemoryBudgetError, Plan
 from memfuse.runtime.function import _draw_seed
 from memfuse.runtime.program import Program
 
@@ -85,6 +85,8 @@ def memfuse_backend(gm: torch.fx.GraphModule, example_inputs, *, config: Optiona
             compiled = backend(gm, example_inputs)
     except (RestartAnalysis, SkipFrame, ShortenTraceback):
         raise                  # Dynamo's own signals (restart the trace, skip the frame), not failures
+    except MemoryBudgetError:
+        raise                  # the caller's budget, below what the graph can need: theirs to change
     except Exception as e:
         return _through_torch(original, record, e, config)
     return FirstRunGuard(rewritten.attach(compiled), original, record, config, compilers.first_runs)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -13,7 +13,7 @@ from memfuse.fronts.module import FusedModule
 
 
 def memory_efficient_fusion(fn: Callable, *, config: Optional[Config] = None, cuda_graphs: bool = False,
-                            memory_budget: Optional[float] = None):
+                            memory_budget: Optional[Union[float, int, str]] = None):
     """Wrap `fn` (tensors, constants and pytrees of them -> the same): same signature, same
     results as eager within float tolerance, forward and backward fused into Triton kernels.
     An nn.Module becomes a `FusedModule` (module.py) sharing its parameters and state_dict keys.
@@ -22,8 +22,10 @@ def memory_efficient_fusion(fn: Callable, *, config: Optional[Config] = None, cu
     programs are captured into CUDA graphs and replayed (cuda_graphs.py; docs/usage.md says what is
     static). Outputs live in graph memory, rewritten by a later replay once nothing holds them.
 
-    `memory_budget` (Config.memory_budget, in (0, 1]): keep at most this fraction of the default
-    plan's saved bytes for the backward, recomputing more there (memfuse.plan)."""
+    `memory_budget` (Config.memory_budget): a fraction in (0, 1] keeps at most that fraction of the
+    default plan's saved bytes for the backward, recomputing more there; bytes (an int, or "12GB" =
+    12*10**9, "12GiB" = 12*2**30) are a target for the step's predicted peak, reached by recomputing
+    or offloading to host memory per value (memfuse.plan)."""
     config = config or Config()
     if memory_budget is not None:
         config = dataclasses.replace(config, memory_budget=memory_budget)

@@ -160,7 +160,7 @@ class Report:
     memfuse_saved: Optional[SavedMemory] = None   # the fused function, measured the same way
     entry: Any = field(default=None, repr=False, compare=False)   # the cache entry read
     paddings: list = field(default_factory=list)   # PaddingRow per extern matmul, forward then backward
-    budget: Any = None                 # plan.Budget: what Config.memory_budget < 1 changed
+    budget: Any = None                 # plan.Budget or plan.PeakBudget: what Config.memory_budget changed
     placed: list = field(default_factory=list)     # PlacedRow, forward then backward
     merged: dict = field(default_factory=dict)      # Captured.merged: duplicate dropped -> node kept
     # Captured.decisions: each pattern's decisions by its name (memfuse.ir.patterns), also read as
@@ -350,8 +350,8 @@ def _saved_lines(r: Report) -> list:
         lines.append(f"  {s.name:<{width}}  {s.kind:<6} {_dtype(s.dtype):<8} {str(list(s.shape)):<14} "
                      f"{human_bytes(s.bytes):>9}  {what}: {s.reason}")
     lines.append(f"  beyond the inputs: {human_bytes(r.saved_bytes)} planned")
-    if r.budget is not None:
-        lines.append(f"  {r.budget}")
+    if r.budget is not None:      # a byte budget's: the target, the peaks, a line per moved value
+        lines += [f"  {line}" for line in str(r.budget).splitlines()]
     if r.memfuse_saved is not None:
         lines.append("  measured on the example args (saved_tensors_hooks, unique storages not among the inputs):")
         lines.append(f"    memfuse          {human_bytes(r.memfuse_saved.bytes):>9} in {r.memfuse_saved.tensors} tensors")

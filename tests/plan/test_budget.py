@@ -1,14 +1,18 @@
 """Config.memory_budget: a smaller budget never keeps more, results and gradients stay eager's at
 every budget, dropout masks are regenerated from the seed (never drawn afresh, unlike PyTorch issue
 #190758), the torch.compile option, the explain lines, and clear errors for bad values."""
+import dataclasses
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import memfuse
-from helpers import BLOCKS, block_inputs, rel_error
+from helpers import BLOCKS, block_inputs, counters, delta, rel_error
 from memfuse.capture import capture
-from memfuse.plan import MAX_MATMUL_CHAIN, Decision, matmul_chain, plan
+from memfuse.base.debug import human_bytes
+from memfuse.plan import MAX_MATMUL_CHAIN, Decision, MemoryBudgetError, matmul_chain, plan, predicted_peak
 
 BUDGETS = (1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)
 P = 0.3
@@ -48,6 +52,11 @@ def residual_layers(x, *weights):
 
 def residual_inputs():
     return [torch.randn(12, 16)] + [torch.randn(*shape) / 4 for _ in range(3) for shape in ((16, 32), (32, 16))]
+
+
+def wide_residual_inputs(tokens=512):
+    """Activations ([tokens, 64] each) outweigh the weights: the step's peak is theirs."""
+    return [torch.randn(tokens, 16)] + [torch.randn(*shape) / 4 for _ in range(3) for shape in ((16, 64), (64, 16))]
 
 
 LAYER_NORM_TENSORS, LAYER_NORM_CONSTS, _ = block_inputs("layer_norm_block", (2, 5, 24))
@@ -267,3 +276,174 @@ def test_a_seeded_aten_call_is_never_recomputed():
         grads[budget] = [t.grad for t in inputs]
     for g, r in zip(grads[0.1], grads[1.0]):
         torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-6)
+
+
+# -- byte budgets ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("value, parsed", [
+    ("12GB", 12 * 10**9), ("12GiB", 12 * 2**30), ("800MB", 800 * 10**6), ("1.5GB", 1_500_000_000),
+    ("1.5 GiB", 3 * 2**29), ("64kib", 64 * 2**10), (5_000_000, 5_000_000), (0.5, 0.5), (1, 1), (1.0, 1.0)])
+def test_budget_in_bytes_parses(value, parsed):
+    """A string with a unit is whole bytes (GB decimal, GiB binary); an int above 1 is bytes; a
+    number in (0, 1] stays a fraction."""
+    config = memfuse.Config(memory_budget=value)
+    assert config.memory_budget == parsed and type(config.memory_budget) is type(parsed)
+    assert config.memory_fraction == (1.0 if isinstance(value, str) or parsed == 5_000_000 else parsed)
+
+
+@pytest.mark.parametrize("value", ["12", "12XB", "GB", "-1GB", "0GB", "1B", 2.5, 12e9, -3, [1]])
+def test_bad_byte_budget_is_a_clear_error(value):
+    with pytest.raises(ValueError, match=r"memory_budget must be .* or a byte target .*\"12GB\".*got "):
+        memfuse.Config(memory_budget=value)
+    with pytest.raises(ValueError, match=r"memory_budget must be"):
+        memfuse.memory_efficient_fusion(mlp, memory_budget=value)
+
+
+def test_byte_budget_from_the_environment_and_options(monkeypatch):
+    monkeypatch.setenv("MEMFUSE_MEMORY_BUDGET", "12GiB")
+    assert memfuse.Config().memory_budget == 12 * 2**30
+    monkeypatch.setenv("MEMFUSE_MEMORY_BUDGET", "12 parsecs")
+    with pytest.raises(ValueError, match=r"memory_budget must be"):
+        memfuse.Config()
+    monkeypatch.delenv("MEMFUSE_MEMORY_BUDGET")
+    from memfuse.base.config import config_with_options
+    assert config_with_options(memfuse.Config(), {"memory_budget": "800MB"}).memory_budget == 800 * 10**6
+
+
+def matmul_sigmoid(x, w):
+    return ((x @ w).sigmoid(),)
+
+
+def test_predicted_peak_counts_the_inputs_and_the_larger_programs_live_bytes():
+    """x [256, 8], w [8, 32] in fp32: the inputs (9216 B) are alive throughout; the forward holds mm
+    and the sigmoid it returns and saves (2 x 32 KiB) at once, the backward the saved sigmoid and the
+    tangent (2 x 32 KiB) until mul_1 replaces the sigmoid: 9216 + 65536."""
+    joint = capture(matmul_sigmoid, leaves([torch.randn(256, 8), torch.randn(8, 32)]), trace_joint=True)
+    assert predicted_peak(plan(joint), joint.hints) == 9216 + 2 * 256 * 32 * 4
+
+
+def test_offloading_and_recomputing_lower_the_predicted_peak():
+    joint = capture(residual_layers, leaves(wide_residual_inputs()), trace_joint=True)
+    default = plan(joint)
+    everything = dataclasses.replace(default, offloaded=tuple(s.name for s in default.saved if not s.is_input))
+    assert predicted_peak(everything, joint.hints) < predicted_peak(default, joint.hints)
+    assert predicted_peak(plan(joint, 0.3), joint.hints) < predicted_peak(default, joint.hints)
+
+
+def cumsum_tanh_layers(x):
+    """Four layers whose cumsum stays an aten call the budget never releases: recomputing cannot
+    lower the peak, offloading the saved cumsums (2 MiB each at [1024, 512]) can."""
+    for _ in range(4):
+        x = torch.cumsum(torch.tanh(x), -1)
+    return (x.sum(),)
+
+
+def test_a_byte_target_the_default_plan_meets_moves_nothing():
+    joint = capture(residual_layers, leaves(wide_residual_inputs()), trace_joint=True)
+    default = plan(joint)
+    peak = predicted_peak(default, joint.hints)
+    the_plan = plan(joint, peak)
+    assert [s.name for s in the_plan.saved] == [s.name for s in default.saved] and the_plan.offloaded == ()
+    assert the_plan.budget.peak_before == the_plan.budget.peak_after == peak and the_plan.budget.moves == ()
+
+
+def test_a_byte_target_forces_recompute_and_matches_eager():
+    """A target below the default plan's predicted peak: matmul outputs are recomputed (cheaper than
+    an offload, and none is large enough to offload), and the step is eager's."""
+    tensors = wide_residual_inputs(tokens=256)
+    joint = capture(residual_layers, leaves(tensors), trace_joint=True)
+    default_peak = predicted_peak(plan(joint), joint.hints)
+    target = default_peak - 64 * 1024
+    the_plan = plan(joint, target)
+    assert predicted_peak(the_plan, joint.hints) == the_plan.budget.peak_after <= target
+    assert the_plan.offloaded == () and the_plan.saved_bytes < plan(joint).saved_bytes
+    assert any(m.choice == "recompute" for m in the_plan.budget.moves)
+    recomputed = [m.name for m in the_plan.budget.moves if m.choice == "recompute"]
+    assert all(the_plan.decisions[n][0] is Decision.RECOMPUTE for n in recomputed)
+    assert the_plan.decisions[recomputed[0]][1].startswith(f"recomputed for the memory budget {human_bytes(target)}: ")
+
+    eager_in, fused_in = leaves(tensors), leaves(tensors)
+    expected = residual_layers(*eager_in)[0]
+    fused = memfuse.memory_efficient_fusion(residual_layers, memory_budget=target)
+    actual = fused(*fused_in)[0]
+    assert fused.compiled_for(*leaves(tensors)).plan.budget.target_bytes == target
+    grad = torch.randn_like(expected)
+    expected.backward(grad)
+    actual.backward(grad)
+    assert rel_error(actual.detach(), expected.detach()) < 1e-5
+    for a, e in zip(fused_in, eager_in):
+        assert rel_error(a.grad, e.grad) < 1e-5
+
+
+@pytest.mark.parametrize("name, make", [("residual_layers", lambda: wide_residual_inputs(8192)),
+                                        ("cumsum_tanh_layers", lambda: [torch.randn(1024, 512)])])
+def test_the_predicted_peak_is_monotone_in_the_target(name, make):
+    fn = {"residual_layers": residual_layers, "cumsum_tanh_layers": cumsum_tanh_layers}[name]
+    joint = capture(fn, leaves(make()), trace_joint=True)
+    default_peak = predicted_peak(plan(joint), joint.hints)
+    peaks = []
+    for target in range(default_peak, 0, -default_peak // 8):
+        try:
+            peaks.append(predicted_peak(plan(joint, target), joint.hints))
+        except MemoryBudgetError:
+            break
+        assert peaks[-1] <= target
+    assert len(peaks) > 2 and peaks == sorted(peaks, reverse=True) and peaks[-1] < default_peak, peaks
+
+
+def test_a_target_that_needs_offload_sets_plan_offloaded():
+    joint = capture(cumsum_tanh_layers, leaves([torch.randn(1024, 512)]), trace_joint=True)
+    default = plan(joint)
+    the_plan = plan(joint, predicted_peak(default, joint.hints) - 1)
+    assert the_plan.offloaded == ("cumsum",)        # read last by the backward: its copies hide best
+    assert [s.name for s in the_plan.saved] == [s.name for s in default.saved]
+    decision, reason = the_plan.decisions["cumsum"]
+    assert decision is Decision.SAVE and reason.startswith("offloaded for the memory budget ")
+    assert plan(joint, predicted_peak(the_plan, joint.hints) - 1).offloaded == ("cumsum", "cumsum_1")
+
+
+def test_a_target_below_the_least_is_a_clear_error():
+    joint = capture(cumsum_tanh_layers, leaves([torch.randn(1024, 512)]), trace_joint=True)
+    """Nothing here is recomputable (cumsums stay aten calls): the least is every cumsum offloaded."""
+    default = plan(joint)
+    everything = dataclasses.replace(default, offloaded=tuple(s.name for s in default.saved if not s.is_input))
+    least = predicted_peak(everything, joint.hints)
+    with pytest.raises(MemoryBudgetError, match=rf"memory_budget 5.0 MiB \(5242880 bytes\) is below the least "
+                                                rf"this step can need: a predicted peak of {human_bytes(least)} "
+                                                rf"\({least} bytes\)"):
+        plan(joint, 5 * 2**20)
+    assert plan(joint, least).budget.peak_after == least
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_target_below_the_least_reaches_the_caller_not_torch(monkeypatch, strict):
+    """A user error, not a compile failure: raised as it is by memory_efficient_fusion and by the
+    torch.compile backend, never run through torch (which would ignore the budget)."""
+    monkeypatch.setenv("MEMFUSE_STRICT", "1" if strict else "0")
+    x = leaves([torch.randn(1024, 512)])
+    with pytest.raises(MemoryBudgetError, match="is below the least this step can need"):
+        memfuse.memory_efficient_fusion(cumsum_tanh_layers, memory_budget="5MiB")(*x)
+    torch._dynamo.reset()
+    before = counters()
+    compiled = torch.compile(cumsum_tanh_layers, backend="memfuse", options={"memory_budget": "5MiB"})
+    with pytest.raises(Exception, match="is below the least this step can need") as caught:
+        compiled(*x)
+    assert isinstance(getattr(caught.value, "inner_exception", caught.value), MemoryBudgetError)   # Dynamo's wrapper
+    assert delta(before)["graph_fallbacks"] == 0
+
+
+def test_explain_prints_a_byte_budgets_target_peaks_and_moves(capsys):
+    """The target, the predicted peak before and after, and a line per moved value: its choice, its
+    bytes and the reason."""
+    tensors = [torch.randn(1024, 512)]
+    joint = capture(cumsum_tanh_layers, leaves(tensors), trace_joint=True)
+    target = predicted_peak(plan(joint), joint.hints) - 1
+    report = memfuse.explain(memfuse.memory_efficient_fusion(cumsum_tanh_layers, memory_budget=target),
+                             *leaves(tensors))
+    text = capsys.readouterr().out
+    budget = report.budget
+    assert budget.target_bytes == target and budget.peak_after <= target < budget.peak_before
+    assert (f"memory budget {human_bytes(target)} ({target} bytes) for the step's predicted peak: the default "
+            f"plan's {human_bytes(budget.peak_before)}, this plan's {human_bytes(budget.peak_after)}") in text
+    assert re.search(r"\n    cumsum  offload     2\.0 MiB  to pinned host memory: \d+ us each way over the host link",
+                     text), text
+    assert report.entry.plan.offloaded == ("cumsum",)

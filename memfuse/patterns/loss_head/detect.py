@@ -168,7 +168,7 @@ def chunk_bytes(config: Config, vocab: int, dtype: torch.dtype) -> int:
     rows, _ = rows_cap(config)
     configured = config.loss_head_chunk_bytes if rows is None else min(config.loss_head_chunk_bytes, rows * row)
     floor = min(configured, BUDGET_MIN_CHUNK_ROWS * row)
-    return max(1, int(configured * config.memory_budget), floor)
+    return max(1, int(configured * config.memory_fraction), floor)
 
 
 def rows_cap(config: Config) -> tuple[Optional[int], str]:

@@ -240,6 +240,7 @@ def test_chunks_follow_the_byte_budget_and_the_memory_budget():
     more_rows = Config(loss_head_chunk_rows=8192)                 # 8192 rows: over 256 MiB
     assert chunk_bytes(more_rows, *llama) == 256 * 2**20
     assert chunk_bytes(dataclasses.replace(more_rows, memory_budget=0.8), *llama) == int(0.8 * 256 * 2**20)
+    assert chunk_bytes(dataclasses.replace(more_rows, memory_budget="12GB"), *llama) == 256 * 2**20   # bytes: no scaling
     wider = (300_000, torch.bfloat16)                            # 1024 rows: 614 MB, over 256 MiB
     assert loss_head.chunk_rows(8192, *wider, chunk_bytes(Config(), *wider)) == 256
 
