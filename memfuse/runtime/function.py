@@ -35,13 +35,15 @@ class CompiledFunction:
         self.symbol_values = eval(f"lambda inputs: ({reads}{',' if len(self.symbol_sources) == 1 else ''})")
         primals = plan.forward.inputs[:len(contiguous)]
         self.forward = Program(build_schedule(plan.forward, "forward"), self.symbol_order, config,
-                               {name for name, known in zip(primals, contiguous) if known}, plan.forward.inputs)
+                               {name for name, known in zip(primals, contiguous) if known}, plan.forward.inputs,
+                               offloaded=plan.offloaded)
         self.backward = None
         if plan.backward is not None:    # inputs: what the forward saved, [the seed], the tangents
             inputs = plan.backward.inputs
             saved = len(inputs) - len(self.differentiable) - self.has_seed
             self.backward = Program(build_schedule(plan.backward, "backward"), self.symbol_order, config,
-                                    device_inputs=inputs[saved:], saved_inputs=inputs[:saved], returns_gradients=True)
+                                    device_inputs=inputs[saved:], saved_inputs=inputs[:saved], returns_gradients=True,
+                                    offloaded=plan.offloaded)
         # (*tensor inputs) -> the forward's outputs: what a repeated call runs (api._Front)
         self.apply = self.forward_only if self.backward is None else functools.partial(_function_apply, self)
         # what the caller's outputs need after a run (memfuse.ir.patterns.OutputHook: the chunked loss
