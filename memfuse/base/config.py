@@ -173,7 +173,7 @@ class Config:
 
 # torch.compile(model, backend="memfuse", options={...}): the Config fields an option may set.
 OPTIONS = ("memory_budget", "chunk_loss_head", "loss_head_chunk_rows", "loss_head_chunk_bytes",
-           "loss_head_plan", "check_returned_masks")
+           "loss_head_plan", "check_returned_masks", "offload_saved", "offload_min_bytes", "offload_fetch_ahead")
 
 
 def config_with_options(config: Config, options: dict | None) -> Config:

@@ -1,0 +1,250 @@
+"""Offloaded saved values (Plan.offloaded, memfuse.runtime.offload; Config.offload_saved forces it):
+results and gradients are eager's and bitwise those of the run that keeps them on the device; the
+forward returns host copies made right after the step that makes each value; the backward fetches
+each one a few launching steps before its first reader and waits right before it, never at the
+start; dropout masks are regenerated from the seed as without offloading; torch.compile's graphs
+pass the host tensors through; CUDA graphs turn it off. On a GPU: the memory held between the
+forward and the backward drops by the offloaded bytes."""
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import memfuse
+from helpers import rel_error
+from memfuse.driver.fallback import StrictModeError
+from memfuse.fronts.backend import watch
+
+ALL = memfuse.Config(offload_saved="all", offload_min_bytes=0, check=True)
+
+
+def residual_layers(x, *weights):
+    """Three pre-norm MLP layers on a residual stream, as a transformer's."""
+    for up, down in zip(weights[::2], weights[1::2]):
+        x = x + F.gelu(F.layer_norm(x, x.shape[-1:]) @ up) @ down
+    return (x,)
+
+
+def residual_inputs(rows=12, width=16, device="cpu"):
+    generator = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(rows, width, generator=generator)]
+    tensors += [torch.randn(*shape, generator=generator) / 4 for _ in range(3) for shape in ((width, 32), (32, width))]
+    return [t.to(device) for t in tensors]
+
+
+P = 0.3
+
+
+def dropout_mlp(x, w1, w2):
+    """The dropped input is an output too: the test reads the forward's mask from it."""
+    dropped = F.dropout(x, P, training=True)
+    return F.gelu(dropped @ w1) @ w2, dropped
+
+
+def dropout_inputs():
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randn(12, 16, generator=generator).abs() + 0.5, torch.randn(16, 32, generator=generator) / 4,
+            torch.randn(32, 8, generator=generator) / 4]
+
+
+def leaves(tensors):
+    return [t.detach().clone().requires_grad_() for t in tensors]
+
+
+def step(fn, tensors, config=None, seed=None):
+    """(fused function, its leaves, outputs, gradients) of one step, backward through ones."""
+    fused = memfuse.memory_efficient_fusion(fn, config=config)
+    inputs = leaves(tensors)
+    if seed is not None:
+        torch.manual_seed(seed)
+    outputs = fused(*inputs)
+    outputs[0].backward(torch.ones_like(outputs[0]))
+    return fused, inputs, [o.detach() for o in outputs], [t.grad for t in inputs]
+
+
+def test_offloaded_step_matches_eager_and_the_step_that_keeps_them_bitwise():
+    tensors = residual_inputs()
+    fused, inputs, outputs, grads = step(residual_layers, tensors, ALL)
+    offloaded = fused.compiled_for(*inputs).plan.offloaded
+    assert len(offloaded) >= 3                       # the matmul outputs each layer saves
+    _, _, kept_outputs, kept_grads = step(residual_layers, tensors, memfuse.Config(check=True))
+    eager_inputs = leaves(tensors)
+    expected = residual_layers(*eager_inputs)[0]
+    expected.backward(torch.ones_like(expected))
+    assert rel_error(outputs[0], expected.detach()) < 1e-5
+    for actual, wanted in zip(grads, [t.grad for t in eager_inputs]):
+        assert rel_error(actual, wanted) < 1e-5
+    assert torch.equal(outputs[0], kept_outputs[0])
+    assert all(torch.equal(a, b) for a, b in zip(grads, kept_grads))
+
+
+def test_all_offloads_only_what_the_forward_computes_and_does_not_return():
+    """Inputs stay where the caller holds them, a returned value stays on the device for the
+    caller; "all" leaves values under offload_min_bytes on the device."""
+    tensors = dropout_inputs()
+    fused, inputs, _, _ = step(dropout_mlp, tensors, ALL, seed=0)
+    the_plan = fused.compiled_for(*inputs).plan
+    returned = set(the_plan.forward.outputs[:the_plan.num_fwd_outputs])
+    computed = [s.name for s in the_plan.saved if not s.is_input and s.name not in returned]
+    assert computed and list(the_plan.offloaded) == computed
+    big = memfuse.Config(offload_saved="all", offload_min_bytes=10**9)
+    fused, inputs, _, _ = step(dropout_mlp, tensors, big, seed=0)
+    assert fused.compiled_for(*inputs).plan.offloaded == ()
+
+
+def program_lines(fused, inputs) -> tuple:
+    entry = fused.compiled_for(*inputs)
+    function = entry.function
+    return entry.plan, function.forward.source.splitlines(), function.backward.source_unhooked.splitlines()
+
+
+def local(name: str) -> str:
+    """A pattern for the program's local `name` (not `x.mm(` for `mm`, nor `mm_1`)."""
+    return rf"(?<![\w.]){name}(?!\w)"
+
+
+def first_line(lines: list, pattern: str) -> int:
+    return next(k for k, line in enumerate(lines) if re.search(pattern, line))
+
+
+def test_the_forward_copies_each_value_out_after_it_is_made_and_returns_the_host_copy():
+    fused, inputs, _, _ = step(residual_layers, residual_inputs(), ALL)
+    the_plan, forward, _ = program_lines(fused, inputs)
+    returned = re.search(r"return \[(.*)\]", forward[-1]).group(1).split(", ")
+    for name in the_plan.offloaded:
+        made = first_line(forward, rf"^\s*{name} = ")
+        assert re.fullmatch(rf"\s*mf_host_{name} = mf_offload\({name}, device\)", forward[made + 1])
+        assert f"mf_host_{name}" in returned and name not in returned
+        dropped = first_line(forward, rf"^\s*del .*{local(name)}")
+        assert not any(re.search(local(name), line) for line in forward[dropped + 1:-1])
+
+
+def launches(lines: list) -> int:
+    """Lines of a program that launch work: a kernel or an aten matmul."""
+    return sum(bool(re.search(r"memfuse_backward_\d+\(device|\.mm\(|_aten_\d+\(", line)) for line in lines)
+
+
+def test_the_backward_fetches_ahead_of_the_first_reader_not_at_the_start():
+    fused, inputs, _, _ = step(residual_layers, residual_inputs(), ALL)
+    the_plan, _, backward = program_lines(fused, inputs)
+    fetch_ahead = ALL.offload_fetch_ahead
+    issued = []
+    for name in the_plan.offloaded:
+        fetch = first_line(backward, rf"^\s*{name}, mf_{name}_ready = mf_fetch\({name}, device\)")
+        arrive = first_line(backward, rf"^\s*mf_arrive\(mf_{name}_ready, device\)")
+        read = next(k for k in range(fetch + 1, len(backward)) if re.search(local(name), backward[k]))
+        assert fetch < arrive < read, (name, fetch, arrive, read)
+        assert 0 < launches(backward[fetch:arrive]) <= fetch_ahead or launches(backward[:fetch]) == 0
+        issued.append(launches(backward[:fetch]))
+    assert max(issued) > fetch_ahead      # fetches spread over the backward, not all at its start
+
+
+def test_fetch_ahead_zero_fetches_right_before_the_reader():
+    config = memfuse.Config(offload_saved="all", offload_min_bytes=0, offload_fetch_ahead=0)
+    fused, inputs, _, _ = step(residual_layers, residual_inputs(), config)
+    the_plan, _, backward = program_lines(fused, inputs)
+    for name in the_plan.offloaded:
+        fetch = first_line(backward, rf"mf_fetch\({name}, device\)")
+        arrive = first_line(backward, rf"mf_arrive\(mf_{name}_ready")
+        assert fetch < arrive and launches(backward[fetch:arrive]) == 0
+
+
+def test_dropout_masks_are_the_same_with_offloading():
+    tensors = dropout_inputs()
+    _, _, kept, kept_grads = step(dropout_mlp, tensors, memfuse.Config(check=True), seed=11)
+    fused, inputs, offloaded, grads = step(dropout_mlp, tensors, ALL, seed=11)
+    assert fused.compiled_for(*inputs).plan.offloaded
+    assert torch.equal(offloaded[1] == 0, kept[1] == 0) and 0 < (kept[1] == 0).float().mean() < 1
+    assert all(torch.equal(a, b) for a, b in zip(offloaded, kept))
+    assert all(torch.equal(a, b) for a, b in zip(grads, kept_grads))
+
+
+def test_naming_a_value_the_plan_does_not_save_is_a_clear_error():
+    config = memfuse.Config(offload_saved=("no_such_value",), strict=True)
+    with pytest.raises(StrictModeError) as info:
+        step(residual_layers, residual_inputs(), config)
+    assert "offload_saved names 'no_such_value', which the plan does not save" in str(info.value.__cause__)
+
+
+def test_offload_saved_takes_names_or_all():
+    assert memfuse.Config(offload_saved=["mm"]).offload_saved == ("mm",)
+    with pytest.raises(ValueError, match="offload_saved must be"):
+        memfuse.Config(offload_saved="some")
+    with pytest.raises(ValueError, match="offload_fetch_ahead must be"):
+        memfuse.Config(offload_fetch_ahead=-1)
+
+
+def test_one_named_value_is_offloaded_alone():
+    tensors = residual_inputs()
+    fused, inputs, _, _ = step(residual_layers, tensors, ALL)
+    name = fused.compiled_for(*inputs).plan.offloaded[1]
+    fused, inputs, outputs, grads = step(residual_layers, tensors, memfuse.Config(offload_saved=(name,)))
+    the_plan, forward, backward = program_lines(fused, inputs)
+    assert the_plan.offloaded == (name,)
+    assert sum("mf_offload(" in line for line in forward) == 1 and sum("mf_fetch(" in line for line in backward) == 1
+
+
+def test_cuda_graphs_keep_saved_values_on_the_device():
+    fused = memfuse.memory_efficient_fusion(residual_layers, config=ALL, cuda_graphs=True)
+    inputs = leaves(residual_inputs())
+    fused(*inputs)[0].sum().backward()
+    assert fused.compiled_for(*inputs).plan.offloaded == ()
+
+
+def test_torch_compile_graphs_pass_host_tensors_through():
+    """AOTAutograd saves what the forward step returns (`ctx.save_for_backward`) and hands it to
+    the backward step: the host copies travel as they are; the fakes it traced say host."""
+    torch._dynamo.reset()
+    tensors = residual_inputs()
+    options = {"offload_saved": "all", "offload_min_bytes": 0}
+    compiled = torch.compile(residual_layers, backend="memfuse", options=options)
+    inputs, eager_inputs = leaves(tensors), leaves(tensors)
+    with watch() as records:
+        actual = compiled(*inputs)[0]
+    expected = residual_layers(*eager_inputs)[0]
+    actual.backward(torch.ones_like(actual))
+    expected.backward(torch.ones_like(expected))
+    record, = records
+    assert record.plan.offloaded and "mf_offload(" in record.function.forward.source
+    assert rel_error(actual.detach(), expected.detach()) < 1e-5
+    for a, e in zip(inputs, eager_inputs):
+        assert rel_error(a.grad, e.grad) < 1e-5
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("style", ["whole", "backend"])
+def test_a_compile_only_step_offloads_on_fakes(style):
+    torch._dynamo.reset()
+    report = memfuse.check_compiles(residual_layers, *leaves(residual_inputs()), style=style, config=ALL)
+    assert report.graphs and report.backward_covered, report
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_offloading_frees_the_saved_bytes_between_forward_and_backward_on_cuda():
+    """The memory held between the forward and the backward drops by about the offloaded bytes,
+    and the gradients are those of the step that keeps them on the device."""
+    tensors = residual_inputs(rows=8192, width=1024, device="cuda")
+
+    def held(config):
+        fused = memfuse.memory_efficient_fusion(residual_layers, config=config)
+        inputs = leaves(tensors)
+        fused(*inputs)[0].sum().backward()          # compile and warm up outside the measure
+        inputs = leaves(tensors)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        out = fused(*inputs)[0]
+        torch.cuda.synchronize()
+        between = torch.cuda.memory_allocated() - before
+        out.sum().backward()
+        torch.cuda.synchronize()
+        entry = fused.compiled_for(*inputs)
+        offloaded = sum(s.bytes for s in entry.plan.saved if s.name in entry.plan.offloaded)
+        return between, offloaded, [t.grad for t in inputs]
+
+    kept, _, kept_grads = held(memfuse.Config())
+    moved, offloaded_bytes, grads = held(memfuse.Config(offload_saved="all", offload_min_bytes=0))
+    assert offloaded_bytes > 0
+    assert kept - moved >= 0.9 * offloaded_bytes, (kept, moved, offloaded_bytes)
+    assert all(torch.equal(a, b) for a, b in zip(grads, kept_grads))
