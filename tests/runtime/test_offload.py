@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 import memfuse
 from helpers import rel_error
+from memfuse.base.debug import human_bytes
 from memfuse.driver.fallback import StrictModeError
 from memfuse.fronts.backend import watch
 
@@ -248,3 +249,16 @@ def test_offloading_frees_the_saved_bytes_between_forward_and_backward_on_cuda()
     assert offloaded_bytes > 0
     assert kept - moved >= 0.9 * offloaded_bytes, (kept, moved, offloaded_bytes)
     assert all(torch.equal(a, b) for a, b in zip(grads, kept_grads))
+
+
+def test_explain_lists_the_offloaded_values_with_their_bytes(capsys):
+    fused = memfuse.memory_efficient_fusion(residual_layers, config=ALL)
+    report = memfuse.explain(fused, *leaves(residual_inputs()))
+    text = capsys.readouterr().out
+    offloaded = [s for s in report.saved if s.offloaded]
+    assert [s.name for s in offloaded] == list(fused.compiled_for(*leaves(residual_inputs())).plan.offloaded)
+    for s in offloaded:
+        assert re.search(rf"^  {s.name} .* {human_bytes(s.bytes)}  computed, offloaded to host: ",
+                         text, re.MULTILINE), text
+    total = human_bytes(sum(s.bytes for s in offloaded))
+    assert f"offloaded to host memory: {total} in {len(offloaded)} values" in text
