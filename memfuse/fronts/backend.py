@@ -35,7 +35,9 @@ from memfuse.patterns import rewrite_graph
 from memfuse.ir.patterns import trace_modes
 from memfuse.ir.captured import Captured
 from memfuse.ir.targets import InputError
+from memfuse.base import torch_private
 from memfuse.plan import Plan
+from memfuse.runtime import offload
 from memfuse.runtime.function import _draw_seed
 from memfuse.runtime.program import Program
 
@@ -425,6 +427,8 @@ class ForwardStep(torch.nn.Module):
             self.masks.mark(outs, symbol_values, input_marks)
         if self.inference:
             return outs[:self.num_outputs]
+        if self.program.offloaded and torch_private.saved_tensors_hooks(False) is not None:
+            offload.settle(self.device)    # a saved-tensors hook may read the host copies (runtime.offload)
         saved = outs[self.num_outputs:]
         tensors = [v for v, is_int in zip(saved, self.saved_ints) if not is_int]
         ints = [int(v) for v, is_int in zip(saved, self.saved_ints) if is_int]

@@ -13,6 +13,7 @@ from memfuse.base import torch_private
 from memfuse.base.config import Config
 from memfuse.ir.patterns import with_output_hooks
 from memfuse.ir.targets import InputError
+from memfuse.runtime import offload
 from memfuse.runtime.program import Program
 
 
@@ -145,7 +146,10 @@ class _MemfuseFunction(torch.autograd.Function):
         ctx.save_for_backward(*outs[n:])
         # the backward's run: one attribute, not five; which program variant (Program.run_unhooked)
         # as autograd's SavedVariable decides whether to pack through a default hook
-        ctx.call = (compiled, symbol_values, seed, device, _saved_tensors_hooks(False) is None)
+        unhooked = _saved_tensors_hooks(False) is None
+        ctx.call = (compiled, symbol_values, seed, device, unhooked)
+        if compiled.forward.offloaded and not unhooked:     # a hook may read the host copies
+            offload.settle(device)
         if not compiled.backward_proven:     # for a first backward that fails (_first_backward)
             ctx.first_inputs = (inputs, [t._version for t in inputs])
         if compiled.non_differentiable:

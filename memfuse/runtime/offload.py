@@ -80,6 +80,14 @@ def arrive(ready: Optional["torch.cuda.Event"], device: torch.device) -> None:
         torch.cuda.current_stream(device).wait_event(ready)
 
 
+def settle(device: torch.device) -> None:
+    """Wait on the host for the copies out: a saved-tensors hook that packs a host copy may read it
+    on the host (torch's `save_on_cpu` copies it), which the side stream may not have written yet.
+    Without a hook nothing on the host reads them, and the forward returns without waiting."""
+    if device.type == "cuda":
+        side_stream(device).synchronize()
+
+
 def offload_fake(value: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A compile-only program's offload (fake tensors, no streams): a host tensor of its shape."""
     return torch.empty_strided(value.size(), value.stride(), dtype=value.dtype, device="cpu")

@@ -262,3 +262,22 @@ def test_explain_lists_the_offloaded_values_with_their_bytes(capsys):
                          text, re.MULTILINE), text
     total = human_bytes(sum(s.bytes for s in offloaded))
     assert f"offloaded to host memory: {total} in {len(offloaded)} values" in text
+
+
+@pytest.mark.parametrize("front", ["wrap", "backend"])
+def test_the_forward_waits_for_the_copies_out_only_under_a_saved_tensors_hook(front, monkeypatch):
+    """A hook may read the host copies on the host while packing them (save_on_cpu copies them):
+    the forward then waits for its side stream (runtime.offload.settle); without one it does not."""
+    settled = []
+    monkeypatch.setattr(memfuse.runtime.offload, "settle", settled.append)
+    torch._dynamo.reset()
+    options = {"offload_saved": "all", "offload_min_bytes": 0}
+    fused = memfuse.memory_efficient_fusion(residual_layers, config=ALL) if front == "wrap" else \
+        torch.compile(residual_layers, backend="memfuse", options=options)
+    fused(*leaves(residual_inputs()))[0].sum().backward()
+    assert settled == []
+    with torch.autograd.graph.save_on_cpu():
+        out = fused(*leaves(residual_inputs()))[0]
+    assert settled == [torch.device("cpu")]
+    out.sum().backward()
+    torch._dynamo.reset()
