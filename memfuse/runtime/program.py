@@ -88,6 +88,8 @@ class Program:
         # before it is made fails the compile (the call then runs through torch, logged) instead
         # of the program failing in the training loop
         verify_buffer_plan(self.buffers, schedule)
+        # by plan step: where offloaded values are copied out, dropped, fetched and waited for
+        self.offload_steps = OffloadSteps(self, self.buffers)
         self.source, self.run = _ProgramWriter(self, self.device_inputs).write()
         self.source_unhooked, self.run_unhooked = (self.source, self.run) if not saved_inputs else \
             _ProgramWriter(self, self.device_inputs | frozenset(saved_inputs)).write()
@@ -150,7 +152,7 @@ class _ProgramWriter:
         self.namespace.update(OFFLOAD_NAMESPACE)
         if program.config.compile_only:
             self.namespace.update(COMPILE_ONLY_NAMESPACE)
-        self.offloads = _Offloads(program, self.plan)
+        self.offloads = program.offload_steps
 
     @timed("program")
     def write(self) -> tuple:
@@ -462,14 +464,16 @@ class _ProgramWriter:
         return self.bind(value, "arg")
 
 
-class _Offloads:
+class OffloadSteps:
     """Where a program's text copies offloaded values out (a forward: those it returns) and fetches
     them back (a backward: those it takes), by plan step (BufferPlan.steps: ENTRY is step 0).
     A forward copies a value out right after the step that makes it and drops its device tensor
     after its last forward reader; a backward issues a fetch `Config.offload_fetch_ahead` launching
     steps (kernels, aten calls; views and tuple elements launch nothing) before its first reader
     and waits for it right before that reader, never earlier: fetching all at the start would
-    hold every offloaded value at once, the peak offloading removed."""
+    hold every offloaded value at once, the peak offloading removed. What the device holds of an
+    offloaded value (for a peak prediction): a forward's from `made_at` to `drop_at`, a backward's
+    fetched copy from `fetch_at` to its last reader (the buffer plan's free)."""
 
     def __init__(self, program: Program, plan):
         g = program.graph
