@@ -312,13 +312,15 @@ def _offloaded(name: str, the_plan: Plan, captured: Captured, config: Config) ->
     offloadable = [s for s in the_plan.saved if s.name not in why_not]
     if chosen == "all":
         return tuple(s.name for s in offloadable if s.bytes >= config.offload_min_bytes)
+    # names are per graph (a model's graphs each have an `mm`): one a graph does not save, or cannot
+    # offload, is skipped there with a warning, never a reason to run the graph through torch
     saved = [s.name for s in the_plan.saved]
     for value in chosen:
         if value not in saved:
-            raise ValueError(f"memfuse: {name}: offload_saved names {value!r}, which the plan does not save; "
-                             f"saved: {saved}")
-        if value in why_not:
-            raise ValueError(f"memfuse: {name}: saved value {value!r} cannot be offloaded: {why_not[value]}")
+            log.warning("memfuse: %s: offload_saved names %r, which this graph's plan does not save (saved: %s)",
+                        name, value, ", ".join(saved) or "-")
+        elif value in why_not:
+            log.warning("memfuse: %s: saved value %r stays on the device: %s", name, value, why_not[value])
     return tuple(s.name for s in offloadable if s.name in set(chosen))
 
 

@@ -14,7 +14,6 @@ import torch.nn.functional as F
 import memfuse
 from helpers import rel_error
 from memfuse.base.debug import human_bytes
-from memfuse.driver.fallback import StrictModeError
 from memfuse.fronts.backend import watch
 
 ALL = memfuse.Config(offload_saved="all", offload_min_bytes=0, check=True)
@@ -161,11 +160,15 @@ def test_dropout_masks_are_the_same_with_offloading():
     assert all(torch.equal(a, b) for a, b in zip(grads, kept_grads))
 
 
-def test_naming_a_value_the_plan_does_not_save_is_a_clear_error():
-    config = memfuse.Config(offload_saved=("no_such_value",), strict=True)
-    with pytest.raises(StrictModeError) as info:
-        step(residual_layers, residual_inputs(), config)
-    assert "offload_saved names 'no_such_value', which the plan does not save" in str(info.value.__cause__)
+def test_a_name_the_graph_does_not_save_or_cannot_offload_is_skipped_with_a_warning(caplog):
+    """Names are per graph (each of a model's graphs has an `mm`): a graph skips the names it does
+    not save, and those it cannot offload (an input), and still compiles."""
+    tensors = residual_inputs()
+    config = memfuse.Config(offload_saved=("no_such_value", "primals_1", "mm"))
+    fused, inputs, outputs, _ = step(residual_layers, tensors, config)
+    assert fused.compiled_for(*inputs).plan.offloaded == ("mm",)
+    assert "offload_saved names 'no_such_value', which this graph's plan does not save" in caplog.text
+    assert "saved value 'primals_1' stays on the device: an input or a constant" in caplog.text
 
 
 def test_offload_saved_takes_names_or_all():
