@@ -284,3 +284,30 @@ def test_the_forward_waits_for_the_copies_out_only_under_a_saved_tensors_hook(fr
     assert settled == [torch.device("cpu")]
     out.sum().backward()
     torch._dynamo.reset()
+
+
+def test_a_small_llama_under_torch_compile_offloads_bitwise():
+    """A whole decoder (attention's extern calls and their tuple elements, rotary views, the loss
+    head) with every saved value offloaded: the loss and every gradient are the kept run's."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=64, max_position_embeddings=32)
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 64, (2, 8))
+
+    def train_step(options):
+        torch._dynamo.reset()
+        copy = transformers.LlamaForCausalLM(config)
+        copy.load_state_dict(model.state_dict())
+        with watch() as records:
+            loss = torch.compile(copy, backend="memfuse", options=options)(input_ids=ids, labels=ids).loss
+        loss.backward()
+        offloaded = sum(len(r.plan.offloaded) for r in records if r.plan is not None)
+        return loss.detach(), [p.grad for p in copy.parameters()], offloaded
+
+    kept_loss, kept_grads, none = train_step({})
+    loss, grads, offloaded = train_step({"offload_saved": "all", "offload_min_bytes": 0})
+    assert none == 0 and offloaded > 0
+    assert torch.equal(loss, kept_loss) and all(torch.equal(a, b) for a, b in zip(grads, kept_grads))
+    torch._dynamo.reset()
