@@ -34,11 +34,10 @@ def side_stream(device: torch.device) -> "torch.cuda.Stream":
 
 
 def _host_like(value: torch.Tensor, pin: bool) -> torch.Tensor:
-    """An empty host tensor for `value`: in its strides where they are dense (a plain copy, and the
-    backward reads the layout the forward wrote), else contiguous."""
-    if value.is_non_overlapping_and_dense():
-        return torch.empty_strided(value.size(), value.stride(), dtype=value.dtype, pin_memory=pin)
-    return torch.empty(value.size(), dtype=value.dtype, pin_memory=pin)
+    """An empty host tensor for `value`: in its strides where they are dense (empty_like's
+    preserve_format: a plain copy, and the backward reads the layout the forward wrote), else
+    contiguous."""
+    return torch.empty_like(value, device="cpu", pin_memory=pin)
 
 
 def offload(value: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -62,10 +61,7 @@ def fetch(host: torch.Tensor, device: torch.device) -> tuple:
         return host.to(device), None
     side = side_stream(device)
     compute = torch.cuda.current_stream(device)
-    if host.is_non_overlapping_and_dense():
-        fetched = torch.empty_strided(host.size(), host.stride(), dtype=host.dtype, device=device)
-    else:
-        fetched = torch.empty(host.size(), dtype=host.dtype, device=device)
+    fetched = torch.empty_like(host, device=device)     # on the compute stream, in host's strides
     side.wait_stream(compute)
     with torch.cuda.stream(side):
         fetched.copy_(host, non_blocking=True)
@@ -90,8 +86,8 @@ def settle(device: torch.device) -> None:
 
 def offload_fake(value: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A compile-only program's offload (fake tensors, no streams): a host tensor of its shape."""
-    return torch.empty_strided(value.size(), value.stride(), dtype=value.dtype, device="cpu")
+    return torch.empty_like(value, device="cpu")
 
 
 def fetch_fake(host: torch.Tensor, device: torch.device) -> tuple:
-    return torch.empty_strided(host.size(), host.stride(), dtype=host.dtype, device=device), None
+    return torch.empty_like(host, device=device), None

@@ -311,3 +311,88 @@ def test_a_small_llama_under_torch_compile_offloads_bitwise():
     assert none == 0 and offloaded > 0
     assert torch.equal(loss, kept_loss) and all(torch.equal(a, b) for a, b in zip(grads, kept_grads))
     torch._dynamo.reset()
+
+
+class _Log(list):
+    """The stream operations runtime.offload makes, in order, with torch.cuda's calls faked."""
+
+    def fake_cuda(self, monkeypatch):
+        log = self
+
+        class Stream:
+            def __init__(self, device=None):
+                self.name = "side"
+
+            def wait_stream(self, other):
+                log.append(f"{self.name} waits for {other.name}")
+
+            def wait_event(self, event):
+                log.append(f"{self.name} waits for {event.name}")
+
+            def synchronize(self):
+                log.append(f"host waits for {self.name}")
+
+        class Event:
+            def record(self, stream):
+                self.name = f"event on {stream.name}"
+                log.append(f"record {self.name}")
+
+        compute = Stream()
+        compute.name = "compute"
+        current = [compute]
+
+        class StreamContext:
+            def __init__(self, stream):
+                self.stream = stream
+
+            def __enter__(self):
+                current.append(self.stream)
+
+            def __exit__(self, *exc):
+                current.pop()
+
+        monkeypatch.setattr(torch.cuda, "Stream", Stream)
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "stream", StreamContext)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
+        monkeypatch.setattr(memfuse.runtime.offload, "_SIDE_STREAMS", {})
+        return current
+
+
+class _OnDevice(torch.Tensor):
+    """A CPU tensor standing for a CUDA one: its `record_stream` calls are logged."""
+    log: list = []
+
+    def record_stream(self, stream):
+        self.log.append(f"device tensor used by {stream.name}")
+
+
+def test_the_copies_are_ordered_on_the_side_stream_as_the_allocator_needs(monkeypatch):
+    """The stream rules of runtime.offload, with torch.cuda's calls faked (no GPU here): a copy out
+    runs on the side stream after the compute stream's work so far, and marks the device tensor as
+    used there (the caching allocator keeps its memory until the copy read it); a fetch runs there
+    after the compute stream's work so far (its memory may be freed work's) and records an event
+    the compute stream waits for before the reader."""
+    log = _Log()
+    current = log.fake_cuda(monkeypatch)
+    _OnDevice.log = log
+    pinned = []
+    real_empty_like = torch.empty_like
+    monkeypatch.setattr(torch, "empty_like", lambda t, device, pin_memory: pinned.append((device, pin_memory)) or
+                        real_empty_like(t))
+    cuda = torch.device("cuda", 0)
+    value = torch.Tensor._make_subclass(_OnDevice, torch.randn(4, 3))
+    copied = []     # (the stream a copy was issued on, non_blocking)
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda self, source, non_blocking=False: copied.append(
+        (current[-1].name, non_blocking)) or log.append("copy") or self)
+    memfuse.runtime.offload.offload(value, cuda)
+    assert log == ["side waits for compute", "copy", "device tensor used by side"] and copied == [("side", True)]
+    assert pinned == [("cpu", True)]
+    log.clear(), copied.clear()
+    monkeypatch.setattr(torch, "empty_like", lambda t, device: torch.Tensor._make_subclass(_OnDevice,
+                                                                                           real_empty_like(t)))
+    fetched, ready = memfuse.runtime.offload.fetch(torch.randn(4, 3), cuda)
+    memfuse.runtime.offload.arrive(ready, cuda)
+    memfuse.runtime.offload.settle(cuda)
+    assert log == ["side waits for compute", "copy", "record event on side", "compute waits for event on side",
+                   "host waits for side"] and copied == [("side", True)]
