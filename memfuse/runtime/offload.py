@@ -43,7 +43,7 @@ def _host_like(value: torch.Tensor, pin: bool) -> torch.Tensor:
 def offload(value: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host copy of `value` (made on `device`), started now; the caller drops `value` after its
     last reader."""
-    if device.type != "cuda":
+    if value.device.type != "cuda":     # a CPU program's, or a host scalar beside a CUDA program's
         return value.clone() if value.device.type == "cpu" else value.to("cpu")
     side = side_stream(device)
     host = _host_like(value, pin=True)

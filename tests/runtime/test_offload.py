@@ -363,6 +363,10 @@ class _OnDevice(torch.Tensor):
     """A CPU tensor standing for a CUDA one: its `record_stream` calls are logged."""
     log: list = []
 
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
     def record_stream(self, stream):
         self.log.append(f"device tensor used by {stream.name}")
 
