@@ -92,7 +92,7 @@ class Plan:
     saved: list = field(default_factory=list)        # SavedValue, in forward-output order
     decisions: dict = field(default_factory=dict)    # node name -> (Decision, reason)
     budget: Budget | None = None   # what Config.memory_budget < 1 changed; None at 1.0
-    offloaded: tuple = ()
+    offloaded: tuple = ()          # names of saved values kept in host memory (memfuse.runtime.offload)
 
     @property
     def saved_bytes(self) -> int:

@@ -172,6 +172,18 @@ class Config:
     # their externs' fake implementations, so a training step "runs" at any size in seconds. A
     # compile that fails raises (as in strict mode): there is nothing to fall back for.
     compile_only: bool = field(default_factory=lambda: _env_flag("MEMFUSE_COMPILE_ONLY"))
+    # A debugging and benchmark knob: saved values the forward copies to host memory (pinned, on a
+    # side stream) and the backward fetches back ahead of their first reader (Plan.offloaded,
+    # memfuse.runtime.offload), whatever the planner chose. A tuple of saved-value names (as explain
+    # lists them), or "all": every saved value the forward computes (not an input, not one it
+    # returns) of at least offload_min_bytes. Off under CUDA graphs (a graph replays device memory).
+    offload_saved: Union[tuple, str] = ()
+    # "all" leaves smaller values on the device: a copy each way costs a launch for few bytes.
+    offload_min_bytes: int = 2**20
+    # The backward issues an offloaded value's fetch this many launching steps (kernels, aten calls;
+    # not views) before its first reader, so the copy overlaps them and no earlier: fetching sooner
+    # holds the bytes longer, and fetching everything at the start would restore the forward's peak.
+    offload_fetch_ahead: int = 2
 
     def __post_init__(self):
         for name, what in (("loss_head_chunk_bytes", "bytes (a loss head chunk's logits)"),
@@ -183,6 +195,15 @@ class Config:
                 raise ValueError(f"memfuse: {name} must be a positive whole number of {what}, got {value!r}")
         if self.loss_head_plan not in LOSS_HEAD_PLANS:
             raise ValueError(f"memfuse: loss_head_plan must be one of {LOSS_HEAD_PLANS}, got {self.loss_head_plan!r}")
+        offload = self.offload_saved
+        if isinstance(offload, list):
+            object.__setattr__(self, "offload_saved", tuple(offload))
+        elif offload != "all" and not (isinstance(offload, tuple) and all(isinstance(n, str) for n in offload)):
+            raise ValueError(f"memfuse: offload_saved must be \"all\" or a tuple of saved-value names, got {offload!r}")
+        for name in ("offload_min_bytes", "offload_fetch_ahead"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"memfuse: {name} must be a whole number >= 0, got {value!r}")
         object.__setattr__(self, "memory_budget", parse_memory_budget(self.memory_budget))
 
     @property
@@ -194,7 +215,7 @@ class Config:
 
 # torch.compile(model, backend="memfuse", options={...}): the Config fields an option may set.
 OPTIONS = ("memory_budget", "chunk_loss_head", "loss_head_chunk_rows", "loss_head_chunk_bytes",
-           "loss_head_plan", "check_returned_masks")
+           "loss_head_plan", "check_returned_masks", "offload_saved", "offload_min_bytes", "offload_fetch_ahead")
 
 
 def config_with_options(config: Config, options: dict | None) -> Config:

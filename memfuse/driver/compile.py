@@ -35,7 +35,7 @@ from memfuse.base.progress import ProgressLine
 from memfuse.capture import capture, lower_graph
 from memfuse.ir.captured import Captured, Retrace
 from memfuse.driver.fallback import STRICT, EagerCall, StrictModeError, compile_failed
-from memfuse.ir.graph import Graph, Symbol, verify
+from memfuse.ir.graph import Graph, Op, Symbol, verify
 from memfuse.patterns.attention import MaskDecision, OutputMasks, returned_masks
 from memfuse.patterns import rewrite_graph
 from memfuse.plan import MemoryBudgetError, Plan, plan
@@ -145,6 +145,7 @@ def _compile_program(source: Source, config: Config) -> Compiled:
         captured, output_masks, traced = _capture_with_patterns(source, config)   # capture, patterns
         line.stage("plan")
         the_plan = plan(captured, config.memory_budget)                     # plan
+        the_plan.offloaded = _offloaded(source.name, the_plan, captured, config)   # offload
         _check(source.name, the_plan, captured, config)                     # verify, strict mode, aten count
         line.stage("schedule")
         schedules = _schedules(the_plan, config)                            # schedule
@@ -288,6 +289,43 @@ def _check(name: str, the_plan: Plan, captured: Captured, config: Config) -> Non
         recompile_log.info("memfuse: %s: leading sizes join the compile key: %s", name, captured.specialized)
 
 
+def _offloaded(name: str, the_plan: Plan, captured: Captured, config: Config) -> tuple:
+    """The saved values kept in host memory (Plan.offloaded): the planner's choice, or those
+    Config.offload_saved names (a debugging and benchmark knob: "all" is every offloadable value of
+    at least offload_min_bytes). Offloadable: a tensor the forward computes and does not return
+    (an input stays where its caller holds it; a returned one stays on the device for the caller).
+    None under CUDA graphs (Config.seed_from_memory): a graph replays device memory on one stream."""
+    chosen = config.offload_saved or the_plan.offloaded
+    if not chosen or the_plan.backward is None:
+        return ()
+    if config.seed_from_memory:
+        log.info("memfuse: %s: saved values stay on the device under CUDA graphs: offloading is off", name)
+        return ()
+    returned = set(the_plan.forward.outputs[:the_plan.num_fwd_outputs])
+    why_not = {}
+    for s in the_plan.saved:
+        node = captured.joint[s.name]
+        if s.is_input or node.op in (Op.CONSTANT, Op.SYMBOL):
+            why_not[s.name] = "an input or a constant: it is not the forward's to move"
+        elif node.value.dtype is None:
+            why_not[s.name] = "not a tensor"
+        elif s.name in returned:
+            why_not[s.name] = "the forward returns it: it stays on the device for the caller"
+    offloadable = [s for s in the_plan.saved if s.name not in why_not]
+    if chosen == "all":
+        return tuple(s.name for s in offloadable if s.bytes >= config.offload_min_bytes)
+    # names are per graph (a model's graphs each have an `mm`): one a graph does not save, or cannot
+    # offload, is skipped there with a warning, never a reason to run the graph through torch
+    saved = [s.name for s in the_plan.saved]
+    for value in chosen:
+        if value not in saved:
+            log.warning("memfuse: %s: offload_saved names %r, which this graph's plan does not save (saved: %s)",
+                        name, value, ", ".join(saved) or "-")
+        elif value in why_not:
+            log.warning("memfuse: %s: saved value %r stays on the device: %s", name, value, why_not[value])
+    return tuple(s.name for s in offloadable if s.name in set(chosen))
+
+
 def _sides(the_plan: Plan) -> list:
     """[(kind, graph)]: the forward, and the backward where there is one."""
     return [("forward", the_plan.forward)] + ([("backward", the_plan.backward)] if the_plan.backward is not None else [])
@@ -317,8 +355,9 @@ def _runtime(source: Source, the_plan: Plan, captured: Captured, schedules: dict
                                 contiguous=list(source.contiguous))
     symbols = list(captured.symbols)
     backward = schedules.get("backward")
-    return Programs(Program(schedules["forward"], symbols, config),
-                    None if backward is None else Program(backward, symbols, config, returns_gradients=True))
+    return Programs(Program(schedules["forward"], symbols, config, offloaded=the_plan.offloaded),
+                    None if backward is None else Program(backward, symbols, config, returns_gradients=True,
+                                                          offloaded=the_plan.offloaded))
 
 
 def _compiled(source: Source, compiled: Compiled, seconds: float) -> None:

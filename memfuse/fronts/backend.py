@@ -35,7 +35,9 @@ from memfuse.patterns import rewrite_graph
 from memfuse.ir.patterns import trace_modes
 from memfuse.ir.captured import Captured
 from memfuse.ir.targets import InputError
+from memfuse.base import torch_private
 from memfuse.plan import MemoryBudgetError, Plan
+from memfuse.runtime import offload
 from memfuse.runtime.function import _draw_seed
 from memfuse.runtime.program import Program
 
@@ -289,7 +291,7 @@ class _Compilers:
         self.first_runs.joint = (joint, num_fwd_outputs)
         forward, backward = compiled.function
         captured, the_plan = self._compiled(compiled)
-        fakes = _Fakes(detect_fake_mode([n.meta.get("val") for n in placeholders]), captured, device)
+        fakes = _Fakes(detect_fake_mode([n.meta.get("val") for n in placeholders]), captured, device, the_plan.offloaded)
         saved = [s.name for s in the_plan.saved]
         saved_ints = [captured.joint[n].value.dtype is None for n in saved]
         forward_step = ForwardStep(forward, captured, the_plan.num_fwd_outputs, saved_ints, device,
@@ -427,6 +429,8 @@ class ForwardStep(torch.nn.Module):
             self.masks.mark(outs, symbol_values, input_marks)
         if self.inference:
             return outs[:self.num_outputs]
+        if self.program.offloaded and torch_private.saved_tensors_hooks(False) is not None:
+            offload.settle(self.device)    # a saved-tensors hook may read the host copies (runtime.offload)
         saved = outs[self.num_outputs:]
         tensors = [v for v, is_int in zip(saved, self.saved_ints) if not is_int]
         ints = [int(v) for v, is_int in zip(saved, self.saved_ints) if is_int]
@@ -552,14 +556,16 @@ def _val(fx_out):
 class _Fakes:
     """Fake tensors for values AOTAutograd has no fx node for: saved IR values and the context."""
 
-    def __init__(self, mode, captured: Captured, device: torch.device):
+    def __init__(self, mode, captured: Captured, device: torch.device, offloaded: tuple = ()):
         self.mode = mode
         self.captured = captured
         self.device = device
+        self.offloaded = frozenset(offloaded)   # saved values the forward hands over in host memory
         self.made: dict = {}
 
     def value(self, name: str):
-        """An IR value's (symbolic) shape and dtype, contiguous; one fake per value."""
+        """An IR value's (symbolic) shape and dtype, contiguous, on the program's device or, offloaded
+        (Plan.offloaded), on the host; one fake per value."""
         if name not in self.made:
             value = self.captured.joint[name].value
             sizes = []
@@ -568,7 +574,8 @@ class _Fakes:
                 sizes.append(int(expr) if expr.is_number else self.mode.shape_env.create_symintnode(
                     expr, hint=int(expr.subs(self.captured.hints))))
             with self.mode:
-                self.made[name] = torch.empty(sizes, dtype=value.dtype, device=self.device)
+                device = torch.device("cpu") if name in self.offloaded else self.device
+                self.made[name] = torch.empty(sizes, dtype=value.dtype, device=device)
         return self.made[name]
 
     def context(self, saved_ints: list):

@@ -61,6 +61,7 @@ class SavedRow:
     is_input: bool
     reason: str
     argument: Optional[str] = None     # the user's argument name, for inputs
+    offloaded: bool = False            # kept in host memory until the backward (Plan.offloaded)
 
 
 @dataclass(frozen=True)
@@ -224,7 +225,8 @@ def build_report(entry, name: str) -> Report:
     joint, hints = captured.joint, captured.hints
     arguments = dict(zip(joint.inputs[:captured.num_primals], entry.input_names))
     saved = [SavedRow(s.name, joint[s.name].value.kind.value, _example_shape(joint[s.name].value.shape, hints),
-                      joint[s.name].value.dtype, s.bytes, s.is_input, s.reason, arguments.get(s.name))
+                      joint[s.name].value.dtype, s.bytes, s.is_input, s.reason, arguments.get(s.name),
+                      s.name in the_plan.offloaded)
              for s in the_plan.saved]
     decisions = [DecisionRow(n, joint[n].op.value, d, reason) for n, (d, reason) in the_plan.decisions.items()]
     kernels, externs, not_fused, paddings, placed = [], [], [], [], []
@@ -346,10 +348,15 @@ def _saved_lines(r: Report) -> list:
     lines = ["", f"saved for backward ({len(r.saved)} values)"]
     width = max([len(s.name) for s in r.saved] + [4])
     for s in r.saved:
-        what = f"input {s.argument!r}" if s.is_input and s.argument else "input" if s.is_input else "computed"
+        what = f"input {s.argument!r}" if s.is_input and s.argument else "input" if s.is_input else \
+            "computed, offloaded to host" if s.offloaded else "computed"
         lines.append(f"  {s.name:<{width}}  {s.kind:<6} {_dtype(s.dtype):<8} {str(list(s.shape)):<14} "
                      f"{human_bytes(s.bytes):>9}  {what}: {s.reason}")
     lines.append(f"  beyond the inputs: {human_bytes(r.saved_bytes)} planned")
+    offloaded = [s for s in r.saved if s.offloaded]
+    if offloaded:
+        lines.append(f"  offloaded to host memory: {human_bytes(sum(s.bytes for s in offloaded))} in {len(offloaded)} "
+                     f"values ({', '.join(s.name for s in offloaded)}), fetched back ahead of their first backward reader")
     if r.budget is not None:      # a byte budget's: the target, the peaks, a line per moved value
         lines += [f"  {line}" for line in str(r.budget).splitlines()]
     if r.memfuse_saved is not None:

@@ -13,6 +13,7 @@ from memfuse.base import torch_private
 from memfuse.base.config import Config
 from memfuse.ir.patterns import with_output_hooks
 from memfuse.ir.targets import InputError
+from memfuse.runtime import offload
 from memfuse.runtime.program import Program
 
 
@@ -35,13 +36,15 @@ class CompiledFunction:
         self.symbol_values = eval(f"lambda inputs: ({reads}{',' if len(self.symbol_sources) == 1 else ''})")
         primals = plan.forward.inputs[:len(contiguous)]
         self.forward = Program(build_schedule(plan.forward, "forward"), self.symbol_order, config,
-                               {name for name, known in zip(primals, contiguous) if known}, plan.forward.inputs)
+                               {name for name, known in zip(primals, contiguous) if known}, plan.forward.inputs,
+                               offloaded=plan.offloaded)
         self.backward = None
         if plan.backward is not None:    # inputs: what the forward saved, [the seed], the tangents
             inputs = plan.backward.inputs
             saved = len(inputs) - len(self.differentiable) - self.has_seed
             self.backward = Program(build_schedule(plan.backward, "backward"), self.symbol_order, config,
-                                    device_inputs=inputs[saved:], saved_inputs=inputs[:saved], returns_gradients=True)
+                                    device_inputs=inputs[saved:], saved_inputs=inputs[:saved], returns_gradients=True,
+                                    offloaded=plan.offloaded)
         # (*tensor inputs) -> the forward's outputs: what a repeated call runs (api._Front)
         self.apply = self.forward_only if self.backward is None else functools.partial(_function_apply, self)
         # what the caller's outputs need after a run (memfuse.ir.patterns.OutputHook: the chunked loss
@@ -143,7 +146,10 @@ class _MemfuseFunction(torch.autograd.Function):
         ctx.save_for_backward(*outs[n:])
         # the backward's run: one attribute, not five; which program variant (Program.run_unhooked)
         # as autograd's SavedVariable decides whether to pack through a default hook
-        ctx.call = (compiled, symbol_values, seed, device, _saved_tensors_hooks(False) is None)
+        unhooked = _saved_tensors_hooks(False) is None
+        ctx.call = (compiled, symbol_values, seed, device, unhooked)
+        if compiled.forward.offloaded and not unhooked:     # a hook may read the host copies
+            offload.settle(device)
         if not compiled.backward_proven:     # for a first backward that fails (_first_backward)
             ctx.first_inputs = (inputs, [t._version for t in inputs])
         if compiled.non_differentiable:

@@ -26,6 +26,7 @@ from memfuse.ir.views import VIEW_TARGETS, Layout, contiguous, view_layout
 from memfuse.runtime.aten_groups import AtenGroup
 from memfuse.runtime.externs import substitute
 from memfuse.runtime.launchers import KernelLaunch, SkippedLaunch
+from memfuse.runtime import offload
 from memfuse.schedule.steps import ExternStep, KernelGroup, Schedule
 
 
@@ -65,11 +66,16 @@ class Program:
     place; without one autograd hands back the very tensors the forward saved, on the device:
     `run_unhooked` takes them as raw pointers too (`source_unhooked`). `returns_gradients`: a
     backward's outputs, which may be views made by strides; a forward returns torch's own views
-    (autograd and AOTAutograd track what a returned view aliases)."""
+    (autograd and AOTAutograd track what a returned view aliases).
+    `offloaded`: saved values kept in host memory (Plan.offloaded, runtime.offload): a forward
+    copies those it returns out after the step that makes them, a backward fetches those it takes
+    ahead of their first reader."""
 
     def __init__(self, schedule: Schedule, symbols: list, config: Config, contiguous_inputs=frozenset(),
-                 device_inputs=frozenset(), saved_inputs=frozenset(), returns_gradients: bool = False):
+                 device_inputs=frozenset(), saved_inputs=frozenset(), returns_gradients: bool = False,
+                 offloaded=frozenset()):
         self.graph = schedule.graph
+        self.offloaded = frozenset(offloaded)
         self.returns_gradients = returns_gradients
         self.schedule = schedule
         self.symbols = symbols
@@ -82,6 +88,8 @@ class Program:
         # before it is made fails the compile (the call then runs through torch, logged) instead
         # of the program failing in the training loop
         verify_buffer_plan(self.buffers, schedule)
+        # by plan step: where offloaded values are copied out, dropped, fetched and waited for
+        self.offload_steps = OffloadSteps(self, self.buffers)
         self.source, self.run = _ProgramWriter(self, self.device_inputs).write()
         self.source_unhooked, self.run_unhooked = (self.source, self.run) if not saved_inputs else \
             _ProgramWriter(self, self.device_inputs | frozenset(saved_inputs)).write()
@@ -141,8 +149,10 @@ class _ProgramWriter:
         # local -> (Layout, None or the local flag it holds under): what views of it are made from
         self.layouts: dict = {v: (contiguous(self.graph[v].value.shape), None) for v in program.contiguous_inputs}
         self.extern_calls = 0
+        self.namespace.update(OFFLOAD_NAMESPACE)
         if program.config.compile_only:
             self.namespace.update(COMPILE_ONLY_NAMESPACE)
+        self.offloads = program.offload_steps
 
     @timed("program")
     def write(self) -> tuple:
@@ -162,16 +172,19 @@ class _ProgramWriter:
                 self.out(f"{name} = {cast}({self.expr(node.attr.expr)})")
         self.frees(0)
         for k, (step, prepared) in enumerate(zip(self.program.schedule.steps, self.program.steps), 1):
+            self.fetches(k)
             if isinstance(prepared, KernelLaunch):
                 self.kernel(step, prepared, k)
             elif isinstance(prepared, AtenGroup):
                 self.aten_group(step, prepared)
             else:
                 self.extern(step.name)
+            self.copies_out(k)
             self.frees(k)
         if self.extern_calls:
             self.out(f"mf_STATS['extern_calls'] += {self.extern_calls}")
-        outputs = ", ".join(o if o is not None else "None" for o in g.outputs)
+        host = self.offloads.host
+        outputs = ", ".join(host.get(o, o) if o is not None else "None" for o in g.outputs)
         self.out(f"return [{outputs}]")
         source = self.out.text()
         name = f"<memfuse program {id(self.program):x}>"
@@ -220,6 +233,27 @@ class _ProgramWriter:
                 copies = {self.contiguous.get(f.buffer, f.buffer), self.unit_stride.get(f.buffer, f.buffer)}
                 copies |= {local for (value, _), local in self.in_layouts.items() if value == f.buffer}
                 names += [f.buffer] + sorted(copies - {f.buffer})
+        if names:
+            self.out(f"del {', '.join(names)}")
+
+    def fetches(self, step: int) -> None:
+        """Before step `step`: the fetches of offloaded inputs it issues (Config.offload_fetch_ahead
+        launching steps before their first reader), then the waits for those it reads first."""
+        for name in self.offloads.fetch_at.get(step, ()):
+            self.out(f"{name}, mf_{name}_ready = mf_fetch({name}, device)   # read at step {self.offloads.first_read[name]}")
+        for name in self.offloads.wait_at.get(step, ()):
+            self.out(f"mf_arrive(mf_{name}_ready, device); del mf_{name}_ready")
+
+    def copies_out(self, step: int) -> None:
+        """After step `step`: host copies of the offloaded values it made, and the device tensors of
+        those it read last in the forward dropped, with the copies made of them for kernels."""
+        for name in self.offloads.made_at.get(step, ()):
+            self.out(f"{self.offloads.host[name]} = mf_offload({name}, device)")
+        names = []
+        for name in self.offloads.drop_at.get(step, ()):
+            copies = {self.contiguous.get(name, name), self.unit_stride.get(name, name)}
+            copies |= {local for (value, _), local in self.in_layouts.items() if value == name}
+            names += [name] + sorted(copies - {name})
         if names:
             self.out(f"del {', '.join(names)}")
 
@@ -430,6 +464,57 @@ class _ProgramWriter:
         return self.bind(value, "arg")
 
 
+class OffloadSteps:
+    """Where a program's text copies offloaded values out (a forward: those it returns) and fetches
+    them back (a backward: those it takes), by plan step (BufferPlan.steps: ENTRY is step 0).
+    A forward copies a value out right after the step that makes it and drops its device tensor
+    after its last forward reader; a backward issues a fetch `Config.offload_fetch_ahead` launching
+    steps (kernels, aten calls; views and tuple elements launch nothing) before its first reader
+    and waits for it right before that reader, never earlier: fetching all at the start would
+    hold every offloaded value at once, the peak offloading removed. What the device holds of an
+    offloaded value (for a peak prediction): a forward's from `made_at` to `drop_at`, a backward's
+    fetched copy from `fetch_at` to its last reader (the buffer plan's free)."""
+
+    def __init__(self, program: Program, plan):
+        g = program.graph
+        self.made_at: dict = {}      # step -> values it makes that are copied out after it
+        self.drop_at: dict = {}      # step -> values whose device tensor goes after it
+        self.host: dict = {}         # value -> the local of its host copy (what the forward returns)
+        self.fetch_at: dict = {}     # step -> values whose fetch is issued before it
+        self.wait_at: dict = {}      # step -> values the compute stream waits for before it
+        self.first_read: dict = {}   # value -> the step that reads its fetched copy first
+        outputs, inputs = set(g.outputs), set(g.inputs)
+        reads = [set(step.reads) for step in plan.steps]
+        for name in sorted(program.offloaded):
+            readers = [k for k, names in enumerate(reads) if name in names]
+            if name in outputs and name not in inputs:
+                made = [k for k, step in enumerate(plan.steps) if name in step.made]
+                if not made:
+                    raise NotImplementedError(f"memfuse: offloaded value {name} is made by no step of the forward "
+                                              f"(a constant or an input): nothing to copy out")
+                self.made_at.setdefault(made[0], []).append(name)
+                self.drop_at.setdefault(max([made[0], *readers]), []).append(name)
+                self.host[name] = f"mf_host_{name}"
+            elif name in inputs and readers:
+                first = readers[0]
+                self.first_read[name] = first
+                self.wait_at.setdefault(first, []).append(name)
+                self.fetch_at.setdefault(self._issue_step(program, first), []).append(name)
+
+    @staticmethod
+    def _issue_step(program: Program, first: int) -> int:
+        """The plan step before which a fetch read first at `first` is issued."""
+        g, ahead, step = program.graph, program.config.offload_fetch_ahead, first
+        while step > 1 and ahead > 0:
+            step -= 1
+            prepared = program.steps[step - 1]
+            node = g.nodes.get(getattr(prepared, "name", None))
+            launches = not isinstance(prepared, ExternStep) or node is not None and (
+                node.op is Op.CAST or node.op is Op.EXTERN and node.attr.target not in VIEW_TARGETS)
+            ahead -= launches
+        return step
+
+
 MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.mm.dtype, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
 
 # aten calls a program makes as the tensor's own method: the same kernel, without the Python
@@ -517,4 +602,8 @@ def _dispatched_allocator(device: torch.device) -> Callable:
 # through the dispatcher, where FakeTensorMode makes fakes; inductor's allocator and reinterpret
 # (torch_private) are C++ calls past it that would allocate real memory or lose the fake.
 COMPILE_ONLY_NAMESPACE = {"mf_allocators": {}, "mf_allocator": _dispatched_allocator,
-                          "mf_reinterpret": torch_private.as_strided_at}
+                          "mf_reinterpret": torch_private.as_strided_at,
+                          "mf_offload": offload.offload_fake, "mf_fetch": offload.fetch_fake}
+
+# the calls a program's text makes for offloaded values (runtime.offload)
+OFFLOAD_NAMESPACE = {"mf_offload": offload.offload, "mf_fetch": offload.fetch, "mf_arrive": offload.arrive}
