@@ -8,18 +8,10 @@ import pytest
 import torch
 
 import memfuse
-from tests.clients.harness import fuse
+from tests.clients.harness import fuse, tiny_llama
 
 transformers = pytest.importorskip("transformers")
 accelerate = pytest.importorskip("accelerate")
-
-
-def llama():
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                      use_cache=False)
-    return transformers.LlamaForCausalLM(config)
 
 
 def dataset():
@@ -39,7 +31,7 @@ def run_trainer(model, output_dir) -> tuple:
 
 
 def test_trainer_trains_a_wrapped_model_with_default_arguments(tmp_path):
-    plain = llama()
+    plain = tiny_llama()
     fused = memfuse.memory_efficient_fusion(copy.deepcopy(plain))
     _, expected_losses, expected_eval = run_trainer(plain, tmp_path / "eager")
     before = memfuse.stats()
@@ -52,7 +44,7 @@ def test_trainer_trains_a_wrapped_model_with_default_arguments(tmp_path):
     assert trainer.model.config.vocab_size == 64            # model.config through the wrapper
 
     trainer.save_model(str(tmp_path / "weights"))           # Trainer writes the state dict: the plain keys
-    reloaded = llama()
+    reloaded = tiny_llama()
     missing = reloaded.load_state_dict(_safetensors(tmp_path / "weights"), strict=False)
     assert not missing.unexpected_keys and set(missing.missing_keys) <= {"lm_head.weight"}   # tied
     trainer.model.save_pretrained(str(tmp_path / "pretrained"))   # the original's: weights and config
@@ -70,7 +62,7 @@ def _safetensors(directory):
 def test_accelerate_prepares_a_fused_model(style):
     """`Accelerator(dynamo_plugin=...)` takes only accelerate's own backends; a model fused before
     `prepare` is its equivalent."""
-    plain = llama()
+    plain = tiny_llama()
     model = fuse(copy.deepcopy(plain), style, layers=None)
     accelerator = accelerate.Accelerator(cpu=True)
     batch = dataset()[0]["input_ids"][None]
