@@ -79,3 +79,26 @@ def test_accelerate_prepares_a_fused_model(style):
             losses.append(loss.item())
         results.append(losses)
     torch.testing.assert_close(results[1], results[0], rtol=1e-4, atol=1e-5)
+
+
+def test_trainer_saves_a_model_fused_in_place_like_the_original(tmp_path):
+    """`memfuse.fuse_layers` fuses in place (each layer wrapped, the rest through the backend): Trainer
+    holds the PreTrainedModel itself, so `save_model()` writes its configuration beside the weights
+    and `from_pretrained` loads them back; training matches eager's."""
+    torch._dynamo.reset()
+    plain = tiny_llama()
+    model = copy.deepcopy(plain)
+    memfuse.fuse_layers(model, model.model.layers)
+    _, expected_losses, expected_eval = run_trainer(plain, tmp_path / "eager")
+    before = memfuse.stats()
+    trainer, losses, eval_loss = run_trainer(model, tmp_path / "fused")
+    assert memfuse.stats()["loss_heads_chunked"] > before["loss_heads_chunked"]
+    torch.testing.assert_close(losses, expected_losses, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(eval_loss, expected_eval, rtol=1e-4, atol=1e-5)
+
+    trainer.save_model(str(tmp_path / "saved"))
+    assert (tmp_path / "saved" / "config.json").exists()
+    loaded = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "saved"))
+    assert loaded.config.vocab_size == 64 and loaded.config.num_hidden_layers == 2
+    for name, p in loaded.named_parameters():
+        torch.testing.assert_close(p, model.get_parameter(name), msg=name)
