@@ -2,7 +2,8 @@
 # make bench: side-by-side benchmark of the seed's blocks; make bench-models: of whole HuggingFace
 # models; make bench-budget: memory budgets of those models beside torch.compile's; make
 # bench-loss-head: the loss head alone beside torch.compile, its auto-chunker and Liger-Kernel; make
-# bench-zoo: the model zoo (30+ families) in eager, torch.compile and memfuse, families in parallel.
+# bench-zoo: the model zoo (30+ families) in eager, torch.compile and memfuse, families in parallel; make
+# bench-trainer: HuggingFace Trainer fine-tuning a 1B-class Llama with memfuse beside torch.compile.
 # Without a GPU they are small smoke runs through the interpreter, and say so.
 PYTHON ?= python3
 VENV   ?= .venv
@@ -20,7 +21,7 @@ endif
 BENCH_PY := $(or $(BENCH_PY),$(VENV)/bin/python)
 BENCH_SETUP = $(if $(filter $(VENV)/bin/python,$(BENCH_PY)),$(VENV)/.installed)
 
-.PHONY: test test-all bench bench-models bench-zoo bench-budget bench-loss-head install clean
+.PHONY: test test-all bench bench-models bench-zoo bench-trainer bench-budget bench-loss-head install clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +52,10 @@ bench-models: $(BENCH_SETUP)
 # ARGS: e.g. --families t5,swin --jobs 8 (a family whose JSON is in --out is skipped: --force reruns it)
 bench-zoo: $(BENCH_SETUP)
 	$(BENCH_PY) -m benchmarks.zoo $(ARGS)
+
+# ARGS: e.g. --modes torch_compile,memfuse,memfuse_layers --steps 50 (each mode in a fresh process)
+bench-trainer: $(BENCH_SETUP)
+	$(BENCH_PY) -m benchmarks.trainer $(ARGS)
 
 # ARGS: e.g. --models gpt2 --budgets 1.0,0.5 --modes memfuse_backend
 bench-budget: $(BENCH_SETUP)
