@@ -81,18 +81,25 @@ def test_accelerate_prepares_a_fused_model(style):
     torch.testing.assert_close(results[1], results[0], rtol=1e-4, atol=1e-5)
 
 
-def test_trainer_saves_a_model_fused_in_place_like_the_original(tmp_path):
-    """`memfuse.fuse_layers` fuses in place (each layer wrapped, the rest through the backend): Trainer
-    holds the PreTrainedModel itself, so `save_model()` writes its configuration beside the weights
-    and `from_pretrained` loads them back; training matches eager's."""
+IN_PLACE = {"layers": lambda model: memfuse.fuse_layers(model, model.model.layers),
+            "backend": lambda model: model.compile(backend="memfuse")}
+
+
+@pytest.mark.parametrize("style", list(IN_PLACE))
+def test_trainer_saves_a_model_fused_in_place_like_the_original(style, tmp_path):
+    """A model fused in place (`memfuse.fuse_layers`: each layer wrapped, the rest through the
+    backend; or `model.compile(backend="memfuse")`) is still the PreTrainedModel Trainer was given,
+    so `save_model()` writes its configuration beside the weights and `from_pretrained` loads them
+    back; training matches eager's with Trainer's default arguments."""
     torch._dynamo.reset()
     plain = tiny_llama()
     model = copy.deepcopy(plain)
-    memfuse.fuse_layers(model, model.model.layers)
+    IN_PLACE[style](model)
     _, expected_losses, expected_eval = run_trainer(plain, tmp_path / "eager")
     before = memfuse.stats()
     trainer, losses, eval_loss = run_trainer(model, tmp_path / "fused")
-    assert memfuse.stats()["loss_heads_chunked"] > before["loss_heads_chunked"]
+    assert memfuse.stats()["loss_heads_chunked"] > before["loss_heads_chunked"]   # the head, fused
+    assert memfuse.stats()["graph_fallbacks"] == before["graph_fallbacks"]
     torch.testing.assert_close(losses, expected_losses, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(eval_loss, expected_eval, rtol=1e-4, atol=1e-5)
 
