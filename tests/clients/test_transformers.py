@@ -81,14 +81,16 @@ def test_accelerate_prepares_a_fused_model(style):
     torch.testing.assert_close(results[1], results[0], rtol=1e-4, atol=1e-5)
 
 
-IN_PLACE = {"layers": lambda model: memfuse.fuse_layers(model, model.model.layers),
+IN_PLACE = {"whole": lambda model: memfuse.memory_efficient_fusion(model, in_place=True),
+            "layers": lambda model: memfuse.fuse_layers(model, model.model.layers),
             "backend": lambda model: model.compile(backend="memfuse")}
 
 
 @pytest.mark.parametrize("style", list(IN_PLACE))
 def test_trainer_saves_a_model_fused_in_place_like_the_original(style, tmp_path):
-    """A model fused in place (`memfuse.fuse_layers`: each layer wrapped, the rest through the
-    backend; or `model.compile(backend="memfuse")`) is still the PreTrainedModel Trainer was given,
+    """A model fused in place (`memory_efficient_fusion(model, in_place=True)`; `memfuse.fuse_layers`:
+    each layer wrapped, the rest through the backend; `model.compile(backend="memfuse")`) is still
+    the PreTrainedModel Trainer was given,
     so `save_model()` writes its configuration beside the weights and `from_pretrained` loads them
     back; training matches eager's with Trainer's default arguments."""
     torch._dynamo.reset()
