@@ -9,6 +9,8 @@ Modes (each in a fresh process, so one mode's compile caches and allocator leave
   memfuse          Trainer(model=memfuse.memory_efficient_fusion(model))
   memfuse_backend  Trainer(model=torch.compile(model, backend="memfuse")) (TrainingArguments'
                    torch_compile_backend takes only accelerate's DynamoBackend names)
+  memfuse_in_place Trainer(model=memfuse.memory_efficient_fusion(model, in_place=True)): the whole
+                   model fused, Trainer holding the model itself (save_model writes its config)
   memfuse_layers   Trainer(model=memfuse.fuse_layers(model, model.model.layers)): each layer fused,
                    the rest (embeddings, final norm, head and loss) through the backend, in place
 
@@ -39,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-MODES = ("eager", "torch_compile", "memfuse", "memfuse_backend", "memfuse_layers")
+MODES = ("eager", "torch_compile", "memfuse", "memfuse_backend", "memfuse_in_place", "memfuse_layers")
 WARMUP_STEPS = 5
 RESULTS = Path(__file__).parent / "results"
 
@@ -133,6 +135,8 @@ def run_mode(mode: str, steps: int, tiny: bool, seq: int, batch: int) -> dict:
         model = memfuse.memory_efficient_fusion(model)
     elif mode == "memfuse_backend":
         model = torch.compile(model, backend="memfuse")
+    elif mode == "memfuse_in_place":
+        memfuse.memory_efficient_fusion(model, in_place=True)
     elif mode == "memfuse_layers":
         memfuse.fuse_layers(model, model.model.layers)
     ids = torch.randint(0, config.vocab_size, (batch * steps, seq), generator=torch.Generator().manual_seed(1))
