@@ -4,7 +4,8 @@
 # bench-loss-head: the loss head alone beside torch.compile, its auto-chunker, Liger-Kernel, Cut
 # Cross-Entropy and F.linear_cross_entropy (torch >= 2.13); make bench-zoo: the model zoo (30+
 # families) in eager, torch.compile and memfuse, families in parallel; make bench-memory: the
-# longest sequence and largest batch that train one step, per mode.
+# longest sequence and largest batch that train one step, per mode; make bench-trainer: HuggingFace
+# Trainer fine-tuning a 1B-class Llama with memfuse beside torch.compile.
 # Without a GPU they are small smoke runs through the interpreter, and say so.
 PYTHON ?= python3
 VENV   ?= .venv
@@ -22,7 +23,7 @@ endif
 BENCH_PY := $(or $(BENCH_PY),$(VENV)/bin/python)
 BENCH_SETUP = $(if $(filter $(VENV)/bin/python,$(BENCH_PY)),$(VENV)/.installed)
 
-.PHONY: test test-all bench bench-models bench-zoo bench-memory bench-budget bench-loss-head install clean
+.PHONY: test test-all bench bench-models bench-zoo bench-memory bench-trainer bench-budget bench-loss-head install clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -58,6 +59,10 @@ bench-zoo: $(BENCH_SETUP)
 # (a model x search x mode whose JSON is complete in --out is skipped: --force searches again)
 bench-memory: $(BENCH_SETUP)
 	$(BENCH_PY) -m benchmarks.memory $(ARGS)
+
+# ARGS: e.g. --modes torch_compile,memfuse,memfuse_layers --steps 50 (each mode in a fresh process)
+bench-trainer: $(BENCH_SETUP)
+	$(BENCH_PY) -m benchmarks.trainer $(ARGS)
 
 # ARGS: e.g. --models gpt2 --budgets 1.0,0.5 --modes memfuse_backend
 bench-budget: $(BENCH_SETUP)

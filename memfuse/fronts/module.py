@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.func import functional_call
+from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_leaves
 
 from memfuse.fronts.function import FusedFunction, _CacheEntry, autocast_state
@@ -266,9 +267,9 @@ class _ModuleCall:
         device_type, enabled, dtype = key.autocast
         if enabled:   # the caller switched autocast off around the compiled call: run under it
             with torch.autocast(device_type, dtype=dtype, enabled=True, cache_enabled=False):
-                out = functional_call(self.module, state, args, kwargs)
+                out = _call_module(self.module, state, args, kwargs)
         else:
-            out = functional_call(self.module, state, args, kwargs)
+            out = _call_module(self.module, state, args, kwargs)
         self._check_no_mutation(values)
         if not self.written:
             return out
@@ -293,9 +294,10 @@ class _ModuleCall:
         and Dynamo is free to break the graph inside its forward. Autocast as the call's, outside the compiled
         frames."""
         key, module = self.key, self.module
+        entry = module._call_impl if fused_in_place(module) else module
 
         def call_module(*args, **kwargs):
-            return module(*args, **kwargs)
+            return entry(*args, **kwargs)
         # a function around the module: torch.compile of a module marks the module itself
         # (`_is_torch_compile`), a new attribute that would make the next call walk the tree again
         compiled = through_backend(call_module, config)
@@ -329,6 +331,33 @@ class _ModuleCall:
             self.written = tuple(sorted(set(self.written) | set(mutated)))
             raise Retrace(f"memfuse: {self.__qualname__}.forward writes in place into its "
                           f"{', '.join(repr(names[i]) for i in mutated)}: traced again, writing copies")
+
+
+def fuse_in_place(module: nn.Module, config: Config, *, cuda_graphs: bool = False) -> nn.Module:
+    """`memory_efficient_fusion(module, in_place=True)`: `module` itself, whose calls run a
+    FusedModule of it, set as its `_compiled_call_impl` (what `module(...)` calls first, as
+    `nn.Module.compile` sets it). The module keeps its class, so clients that check it by isinstance
+    (HuggingFace Trainer saving a PreTrainedModel with its configuration) see what they were given.
+    Set in `__dict__`, not as a submodule: no state_dict key, not in `modules()`. A copy (deepcopy,
+    pickle) is the plain module, as after `nn.Module.compile`: nn.Module's __getstate__ leaves
+    `_compiled_call_impl` out."""
+    module.__dict__["_compiled_call_impl"] = FusedModule(module, config, cuda_graphs=cuda_graphs)
+    return module
+
+
+def fused_in_place(module: nn.Module) -> bool:
+    """Whether `module(...)` calls a FusedModule of it (fuse_in_place)."""
+    return isinstance(module.__dict__.get("_compiled_call_impl"), FusedModule)
+
+
+def _call_module(module: nn.Module, state: dict, args: tuple, kwargs: dict):
+    """The module's forward (and its hooks) on `state`'s tensors: functional_call. A module fused in
+    place is reached through its `_call_impl`, as nn.Module.compile's compiled function reaches it:
+    `module(...)` would call the fused call again."""
+    if not fused_in_place(module):
+        return functional_call(module, state, args, kwargs)
+    with _reparametrize_module(module, state, tie_weights=True, strict=False):
+        return module._call_impl(*args, **kwargs)
 
 
 def _argument_names(module: nn.Module, key: CallKey) -> list:

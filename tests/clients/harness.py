@@ -13,6 +13,17 @@ import memfuse
 STYLES = ("whole", "backend", "layers")
 
 
+def tiny_llama() -> nn.Module:
+    """A 2-layer Llama of hidden 32 and vocabulary 64 (seed 0), no key-value cache: the clients'
+    HuggingFace model."""
+    import transformers
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      use_cache=False)
+    return transformers.LlamaForCausalLM(config)
+
+
 def fuse(model: nn.Module, style: str, layers: Callable[[nn.Module], nn.ModuleList]) -> nn.Module:
     """`model` in one memfuse style: the whole model wrapped, torch.compile's backend, or each
     layer of `layers(model)` wrapped (the rest eager)."""

@@ -3,18 +3,14 @@ no gradient."""
 import pytest
 import torch
 
-from tests.clients.harness import STYLES, assert_matches_eager
+from tests.clients.harness import STYLES, assert_matches_eager, tiny_llama
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 
 def lora_llama():
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                      use_cache=False)
-    model = transformers.LlamaForCausalLM(config)
+    model = tiny_llama()
     lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
     model = peft.get_peft_model(model, lora)
     for name, p in model.named_parameters():   # LoRA's B starts at zero: give both factors a gradient

@@ -8,18 +8,10 @@ import pytest
 import torch
 
 import memfuse
-from tests.clients.harness import fuse
+from tests.clients.harness import fuse, tiny_llama
 
 transformers = pytest.importorskip("transformers")
 accelerate = pytest.importorskip("accelerate")
-
-
-def llama():
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                      use_cache=False)
-    return transformers.LlamaForCausalLM(config)
 
 
 def dataset():
@@ -39,7 +31,7 @@ def run_trainer(model, output_dir) -> tuple:
 
 
 def test_trainer_trains_a_wrapped_model_with_default_arguments(tmp_path):
-    plain = llama()
+    plain = tiny_llama()
     fused = memfuse.memory_efficient_fusion(copy.deepcopy(plain))
     _, expected_losses, expected_eval = run_trainer(plain, tmp_path / "eager")
     before = memfuse.stats()
@@ -52,7 +44,7 @@ def test_trainer_trains_a_wrapped_model_with_default_arguments(tmp_path):
     assert trainer.model.config.vocab_size == 64            # model.config through the wrapper
 
     trainer.save_model(str(tmp_path / "weights"))           # Trainer writes the state dict: the plain keys
-    reloaded = llama()
+    reloaded = tiny_llama()
     missing = reloaded.load_state_dict(_safetensors(tmp_path / "weights"), strict=False)
     assert not missing.unexpected_keys and set(missing.missing_keys) <= {"lm_head.weight"}   # tied
     trainer.model.save_pretrained(str(tmp_path / "pretrained"))   # the original's: weights and config
@@ -70,7 +62,7 @@ def _safetensors(directory):
 def test_accelerate_prepares_a_fused_model(style):
     """`Accelerator(dynamo_plugin=...)` takes only accelerate's own backends; a model fused before
     `prepare` is its equivalent."""
-    plain = llama()
+    plain = tiny_llama()
     model = fuse(copy.deepcopy(plain), style, layers=None)
     accelerator = accelerate.Accelerator(cpu=True)
     batch = dataset()[0]["input_ids"][None]
@@ -87,3 +79,35 @@ def test_accelerate_prepares_a_fused_model(style):
             losses.append(loss.item())
         results.append(losses)
     torch.testing.assert_close(results[1], results[0], rtol=1e-4, atol=1e-5)
+
+
+IN_PLACE = {"whole": lambda model: memfuse.memory_efficient_fusion(model, in_place=True),
+            "layers": lambda model: memfuse.fuse_layers(model, model.model.layers),
+            "backend": lambda model: model.compile(backend="memfuse")}
+
+
+@pytest.mark.parametrize("style", list(IN_PLACE))
+def test_trainer_saves_a_model_fused_in_place_like_the_original(style, tmp_path):
+    """A model fused in place (`memory_efficient_fusion(model, in_place=True)`; `memfuse.fuse_layers`:
+    each layer wrapped, the rest through the backend; `model.compile(backend="memfuse")`) is still
+    the PreTrainedModel Trainer was given,
+    so `save_model()` writes its configuration beside the weights and `from_pretrained` loads them
+    back; training matches eager's with Trainer's default arguments."""
+    torch._dynamo.reset()
+    plain = tiny_llama()
+    model = copy.deepcopy(plain)
+    IN_PLACE[style](model)
+    _, expected_losses, expected_eval = run_trainer(plain, tmp_path / "eager")
+    before = memfuse.stats()
+    trainer, losses, eval_loss = run_trainer(model, tmp_path / "fused")
+    assert memfuse.stats()["loss_heads_chunked"] > before["loss_heads_chunked"]   # the head, fused
+    assert memfuse.stats()["graph_fallbacks"] == before["graph_fallbacks"]
+    torch.testing.assert_close(losses, expected_losses, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(eval_loss, expected_eval, rtol=1e-4, atol=1e-5)
+
+    trainer.save_model(str(tmp_path / "saved"))
+    assert (tmp_path / "saved" / "config.json").exists()
+    loaded = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "saved"))
+    assert loaded.config.vocab_size == 64 and loaded.config.num_hidden_layers == 2
+    for name, p in loaded.named_parameters():
+        torch.testing.assert_close(p, model.get_parameter(name), msg=name)
