@@ -10,6 +10,7 @@ here, with its fallback and its test.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Callable, Optional
 
 import torch
@@ -136,3 +137,30 @@ def compiling_flag():
         yield
     finally:
         torch.compiler._is_compiling_flag = before
+
+
+@contextlib.contextmanager
+def scripted_functions_as_python():
+    """A TorchScript function (`@torch.jit.script def f`, a `torch.jit.ScriptFunction`) called in
+    the block runs its Python original, which `torch.jit.script` keeps on it as
+    `_torchdynamo_inline` (what Dynamo inlines in its place); one without an original runs in the
+    TorchScript interpreter as before. Why: the interpreter is no tracer's friend: it asks a
+    symbolic tensor for concrete sizes (`numel()` fails with "Cannot call numel() on tensor with
+    symbolic sizes/strides"; `size(0)` silently specializes the trace on that size), and a function
+    it already optimized on real tensors runs its specialized graph on fake ones. The Python original
+    traces op by op like the rest of the model. Fallback: where torch keeps no original, the
+    block runs as it is."""
+    script_function = torch.jit.ScriptFunction
+    interpreted = script_function.__dict__["__call__"]
+
+    def call_python_original(fn, *args, **kwargs):
+        original = inspect.getattr_static(fn, "_torchdynamo_inline", None)
+        if original is None:
+            return interpreted(fn, *args, **kwargs)
+        return original(*args, **kwargs)
+
+    script_function.__call__ = call_python_original
+    try:
+        yield
+    finally:
+        script_function.__call__ = interpreted

@@ -124,3 +124,20 @@ def test_compiling_flag():
     with torch_private.compiling_flag():
         assert torch.compiler.is_compiling()
     assert not torch.compiler.is_compiling()
+
+
+@torch.jit.script
+def says_where_it_runs(x):
+    if torch.jit.is_scripting():
+        return x + 1
+    return x - 1
+
+
+def test_scripted_functions_as_python():
+    """In the block a TorchScript function runs its Python original (`_torchdynamo_inline`, kept by
+    torch.jit.script); outside it, and after it, the interpreter runs it."""
+    x = torch.zeros(2)
+    assert torch.equal(says_where_it_runs(x), x + 1)
+    with torch_private.scripted_functions_as_python():
+        assert torch.equal(says_where_it_runs(x), x - 1)
+    assert torch.equal(says_where_it_runs(x), x + 1)
