@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import threading
 from typing import Callable, Optional
 
 import torch
@@ -150,17 +151,38 @@ def scripted_functions_as_python():
     it already optimized on real tensors runs its specialized graph on fake ones. The Python original
     traces op by op like the rest of the model. Fallback: where torch keeps no original, the
     block runs as it is."""
-    script_function = torch.jit.ScriptFunction
-    interpreted = script_function.__dict__["__call__"]
-
-    def call_python_original(fn, *args, **kwargs):
-        original = inspect.getattr_static(fn, "_torchdynamo_inline", None)
-        if original is None:
-            return interpreted(fn, *args, **kwargs)
-        return original(*args, **kwargs)
-
-    script_function.__call__ = call_python_original
+    with _SCRIPTED.lock:
+        if _SCRIPTED.tracing == 0:
+            torch.jit.ScriptFunction.__call__ = _call_python_original
+        _SCRIPTED.tracing += 1
+    _SCRIPTED.here.on = getattr(_SCRIPTED.here, "on", 0) + 1
     try:
         yield
     finally:
-        script_function.__call__ = interpreted
+        _SCRIPTED.here.on -= 1
+        with _SCRIPTED.lock:
+            _SCRIPTED.tracing -= 1
+            if _SCRIPTED.tracing == 0:
+                torch.jit.ScriptFunction.__call__ = _SCRIPTED.interpreted
+
+
+class _ScriptedState:
+    """scripted_functions_as_python's state: the class's own `__call__` (the interpreter), how many
+    blocks are open in any thread (the patch is in place while any is), and whether this thread is in
+    one (another thread's TorchScript calls meanwhile run in the interpreter, as outside)."""
+
+    def __init__(self):
+        self.interpreted = torch.jit.ScriptFunction.__dict__["__call__"]
+        self.lock = threading.Lock()
+        self.tracing = 0
+        self.here = threading.local()
+
+
+_SCRIPTED = _ScriptedState()
+
+
+def _call_python_original(fn, *args, **kwargs):
+    original = inspect.getattr_static(fn, "_torchdynamo_inline", None) if getattr(_SCRIPTED.here, "on", 0) else None
+    if original is None:
+        return _SCRIPTED.interpreted(fn, *args, **kwargs)
+    return original(*args, **kwargs)
