@@ -10,6 +10,8 @@ here, with its fallback and its test.
 from __future__ import annotations
 
 import contextlib
+import inspect
+import threading
 from typing import Callable, Optional
 
 import torch
@@ -136,3 +138,51 @@ def compiling_flag():
         yield
     finally:
         torch.compiler._is_compiling_flag = before
+
+
+@contextlib.contextmanager
+def scripted_functions_as_python():
+    """A TorchScript function (`@torch.jit.script def f`, a `torch.jit.ScriptFunction`) called in
+    the block runs its Python original, which `torch.jit.script` keeps on it as
+    `_torchdynamo_inline` (what Dynamo inlines in its place); one without an original runs in the
+    TorchScript interpreter as before. Why: the interpreter is no tracer's friend: it asks a
+    symbolic tensor for concrete sizes (`numel()` fails with "Cannot call numel() on tensor with
+    symbolic sizes/strides"; `size(0)` silently specializes the trace on that size), and a function
+    it already optimized on real tensors runs its specialized graph on fake ones. The Python original
+    traces op by op like the rest of the model. Fallback: where torch keeps no original, the
+    block runs as it is."""
+    with _SCRIPTED.lock:
+        if _SCRIPTED.tracing == 0:
+            torch.jit.ScriptFunction.__call__ = _call_python_original
+        _SCRIPTED.tracing += 1
+    _SCRIPTED.here.on = getattr(_SCRIPTED.here, "on", 0) + 1
+    try:
+        yield
+    finally:
+        _SCRIPTED.here.on -= 1
+        with _SCRIPTED.lock:
+            _SCRIPTED.tracing -= 1
+            if _SCRIPTED.tracing == 0:
+                torch.jit.ScriptFunction.__call__ = _SCRIPTED.interpreted
+
+
+class _ScriptedState:
+    """scripted_functions_as_python's state: the class's own `__call__` (the interpreter), how many
+    blocks are open in any thread (the patch is in place while any is), and whether this thread is in
+    one (another thread's TorchScript calls meanwhile run in the interpreter, as outside)."""
+
+    def __init__(self):
+        self.interpreted = torch.jit.ScriptFunction.__dict__["__call__"]
+        self.lock = threading.Lock()
+        self.tracing = 0
+        self.here = threading.local()
+
+
+_SCRIPTED = _ScriptedState()
+
+
+def _call_python_original(fn, *args, **kwargs):
+    original = inspect.getattr_static(fn, "_torchdynamo_inline", None) if getattr(_SCRIPTED.here, "on", 0) else None
+    if original is None:
+        return _SCRIPTED.interpreted(fn, *args, **kwargs)
+    return original(*args, **kwargs)

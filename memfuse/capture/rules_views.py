@@ -259,11 +259,21 @@ class ViewRules:
         return tuple(parts)
 
     def lower_cat(self, node, value: Value) -> str:
-        """Each part read where its range along `dim` lies, over the parts before it."""
+        """Each part read where its range along `dim` lies, over the parts before it. A part empty
+        along `dim` holds nothing and is left out; where one part is left it is the whole result, a
+        copy in registers like a clone (HuggingFace's partial-rotary code cats the rotated head dims
+        with the rest, none at a rotary factor of 1: without this the rotated values are written
+        to memory and copied again, both ways)."""
         rank = len(value.shape)
         dim = (node.args[1] if len(node.args) > 1 else 0) % rank
+        parts = [(k, part) for k, part in enumerate(node.args[0])
+                 if self.graph[self.env_name(part)].value.shape[dim] != 0]
+        if len(parts) == 1 and parts[0][1].meta["val"].dtype == value.dtype:
+            whole = self.operand(parts[0][1])
+            if fits(self.graph[whole].value, value, Op.VIEW):
+                return self.add(Op.VIEW, [whole], value, name=node.name)
         result, start = self.const(0, value.dtype), sympy.Integer(0)
-        for k, part in enumerate(node.args[0]):
+        for k, part in parts:
             name = self.env_name(part)
             shape = self.graph[name].value.shape
             if len(shape) != rank or part.meta["val"].dtype != value.dtype:
@@ -292,6 +302,8 @@ class ViewRules:
         if step != 1:
             raise NotFusible(f"a slice_scatter with step {step}")
         start = self.index_expr(start or 0, value.shape[dim])
+        if self.graph[name].value.shape[dim] == 0:
+            return base        # nothing scattered (the gradient of a cat's empty part): the base itself
         end = start + self.graph[name].value.shape[dim]
         window = tuple((start, end) if j == dim else None for j in range(rank))
         shift = views.shift(rank, dim, start)

@@ -58,8 +58,10 @@ def compiling():
     """`torch.compiler.is_compiling()` answers True while memfuse traces, as it does under
     torch.compile and torch.export (non-strict export sets the same flag): libraries then take
     their trace-friendly paths. HuggingFace's attention-mask code, for one, otherwise branches on
-    `mask.all()`, a data-dependent value no trace can follow."""
-    with torch_private.compiling_flag():
+    `mask.all()`, a data-dependent value no trace can follow. TorchScript functions the model
+    calls trace as their Python originals, as Dynamo inlines them (`torch_private.
+    scripted_functions_as_python`: the TorchScript interpreter cannot run on symbolic sizes)."""
+    with torch_private.compiling_flag(), torch_private.scripted_functions_as_python():
         yield
 
 

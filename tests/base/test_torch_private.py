@@ -1,6 +1,8 @@
 """memfuse.base.torch_private: each private torch internal memfuse uses for host speed exists, is
 callable and behaves as memfuse assumes on a small tensor. A failure here means torch changed under
 memfuse: fix the entry (or take its public fallback) before anything else."""
+import threading
+
 import pytest
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -124,3 +126,30 @@ def test_compiling_flag():
     with torch_private.compiling_flag():
         assert torch.compiler.is_compiling()
     assert not torch.compiler.is_compiling()
+
+
+@torch.jit.script
+def says_where_it_runs(x):
+    if torch.jit.is_scripting():
+        return x + 1
+    return x - 1
+
+
+def test_scripted_functions_as_python():
+    """In the block a TorchScript function runs its Python original (`_torchdynamo_inline`, kept by
+    torch.jit.script); outside it, and after it, the interpreter runs it."""
+    x = torch.zeros(2)
+    interpreted = torch.jit.ScriptFunction.__dict__["__call__"]
+    assert torch.equal(says_where_it_runs(x), x + 1)
+    with torch_private.scripted_functions_as_python():
+        assert torch.equal(says_where_it_runs(x), x - 1)
+        with torch_private.scripted_functions_as_python():
+            assert torch.equal(says_where_it_runs(x), x - 1)
+        assert torch.equal(says_where_it_runs(x), x - 1)
+        elsewhere = []        # another thread, in no block: the interpreter
+        thread = threading.Thread(target=lambda: elsewhere.append(says_where_it_runs(x)))
+        thread.start()
+        thread.join()
+        assert torch.equal(elsewhere[0], x + 1)
+    assert torch.equal(says_where_it_runs(x), x + 1)
+    assert torch.jit.ScriptFunction.__dict__["__call__"] is interpreted

@@ -99,3 +99,26 @@ def test_an_input_written_in_place_is_refused_with_the_way_out():
 
     with pytest.raises(RuntimeError, match="modifies one of its input tensors in place.*unchanged"):
         capture(bumps, [torch.randn(3, 5, D)], trace_joint=False)
+
+
+@torch.jit.script
+def scaled_by_count(x):
+    """Asks for concrete sizes, which the TorchScript interpreter cannot give on a trace's
+    symbolic tensor: `numel()` raises there, and `size(0)` would specialize the trace on it."""
+    return x * (x.numel() / x.size(0))
+
+
+def scripted_helper(x, w):
+    return (scaled_by_count(torch.tanh(x)) * w,)
+
+
+def test_a_torchscript_helper_traces_as_its_python_original_with_symbolic_sizes():
+    """A model's @torch.jit.script helper (DeBERTa's in transformers 5.17) runs as its Python
+    original while memfuse traces (as Dynamo inlines it): the interpreter would fail with "The
+    following operation failed in the TorchScript interpreter ... Cannot call numel() on tensor
+    with symbolic sizes/strides". The sizes stay symbols: nothing specializes on the call's batch."""
+    x, w = leaves((3, 5, D), (D,))
+    captured = capture(scripted_helper, [x, w], trace_joint=True)
+    verify(captured.joint)
+    assert captured.specialized is None and captured.fallbacks == []
+    assert isinstance(scaled_by_count, torch.jit.ScriptFunction)   # still a TorchScript function after

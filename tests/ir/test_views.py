@@ -678,3 +678,26 @@ def test_a_slice_of_a_pad_is_one_windowed_read(fn, make):
     source = entry.function.forward.source
     assert "mf_aten" not in source and "constant_pad_nd = " not in source, source     # no pad written
     assert source.count("# memfuse_forward_") == 1, source
+
+
+def rotary_with_pass_through(qkv, cos, sin):
+    """HuggingFace's partial-rotary attention (Phi-3, StableLM, GPT-NeoX): the rotated head dims cat
+    with the rest; at a rotary factor of 1 the rest is empty along the cat's dim."""
+    b, t, _ = qkv.shape
+    q = qkv[..., :32].view(b, t, 2, 16).transpose(1, 2)
+    rotated, passed = q[..., :16], q[..., 16:]
+    half = torch.cat([-rotated[..., 8:], rotated[..., :8]], -1)
+    return (torch.cat([rotated * cos + half * sin, passed], -1),)
+
+
+def test_a_cat_with_an_empty_part_is_its_other_part_computed_in_place():
+    """A cat part empty along the cat's dim is left out: the one part left is the result, computed in
+    the kernel that computes it (not written to memory first and copied into the cat), and its
+    gradient's empty slice scatters nothing."""
+    args = [torch.randn(3, 5, 40, requires_grad=True), torch.randn(1, 1, 5, 16), torch.randn(1, 1, 5, 16)]
+    both = run_both(rotary_with_pass_through, args)
+    assert_same(both.fused, both.eager)
+    assert_same(both.fused_grads, both.eager_grads, what="gradient")
+    report = memfuse.explain(rotary_with_pass_through, *args)
+    assert len(report.kernels_of("forward")) == 1, report
+    assert not [row for row in report.not_fused if "cat part" in row.reason], report
