@@ -131,3 +131,36 @@ def test_real_sizes_compile(family, training):
     pixels, labels = torch.randn(32, 3, 224, 224), torch.randint(0, 3, (32,))
     entry = memfuse.memory_efficient_fusion(model).compiled_for(pixel_values=pixels, labels=labels)
     assert not isinstance(entry, EagerCall), entry
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batchnorm_statistics_are_fused_sums(dtype):
+    """BatchNorm's statistics in training: var_mean over N, H and W of [N, C, H, W] (of the input's
+    fp32 upcast under autocast). Two sums of rows in kernels that read the input as it is, each
+    finished over the leading dims; no aten var_mean, and no forward kernel writes an fp32 copy of
+    the activation for it to read. Output and gradients as eager's."""
+    from helpers import compiled, rel_error
+
+    def norm(x, weight):
+        wide = x.float()
+        var, mean = torch.var_mean(wide, dim=(0, 2, 3), correction=0, keepdim=True)
+        return ((wide - mean) * torch.rsqrt(var + 1e-5) * weight.view(1, -1, 1, 1)).to(dtype)
+
+    torch.manual_seed(0)
+    x = (torch.randn(3, 4, 6, 5) * 2 + 1).to(dtype).requires_grad_()
+    weight = torch.randn(4, requires_grad=True)
+    facts = compiled(norm, x, weight)
+    assert not [t for t in facts.externs["forward"] if "var_mean" in t], facts.report
+    graph = facts.report.entry.function.forward.schedule.graph
+    written = [o for k in facts.report.entry.function.forward.schedule.kernels for o in k.outputs
+               if graph[o].value.dtype == torch.float32 and tuple(graph[o].value.shape) == tuple(x.shape)]
+    assert written == [] or dtype == torch.float32, (written, facts.report)
+    fused = memfuse.memory_efficient_fusion(norm)
+    out, ref = fused(x, weight), norm(x, weight)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    assert rel_error(out.float(), ref.float()) <= tolerance
+    grad = torch.randn_like(ref)
+    ours = torch.autograd.grad(out, (x, weight), grad)
+    theirs = torch.autograd.grad(ref, (x, weight), grad)
+    for got, want in zip(ours, theirs):
+        assert rel_error(got.float(), want.float()) <= tolerance
