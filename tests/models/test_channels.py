@@ -133,8 +133,10 @@ def test_real_sizes_compile(family, training):
     assert not isinstance(entry, EagerCall), entry
 
 
+# more terms (N x H) than channels: aten finishes the sums of rows; fewer: a summed strided read
+@pytest.mark.parametrize("shape", [(3, 4, 6, 5), (2, 12, 2, 3)], ids=["aten_finish", "strided_finish"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_batchnorm_statistics_are_fused_sums(dtype):
+def test_batchnorm_statistics_are_fused_sums(dtype, shape):
     """BatchNorm's statistics in training: var_mean over N, H and W of [N, C, H, W] (of the input's
     fp32 upcast under autocast). Two sums of rows in kernels that read the input as it is, each
     finished over the leading dims; no aten var_mean, and no forward kernel writes an fp32 copy of
@@ -147,8 +149,8 @@ def test_batchnorm_statistics_are_fused_sums(dtype):
         return ((wide - mean) * torch.rsqrt(var + 1e-5) * weight.view(1, -1, 1, 1)).to(dtype)
 
     torch.manual_seed(0)
-    x = (torch.randn(3, 4, 6, 5) * 2 + 1).to(dtype).requires_grad_()
-    weight = torch.randn(4, requires_grad=True)
+    x = (torch.randn(shape) * 2 + 1).to(dtype).requires_grad_()
+    weight = torch.randn(shape[1], requires_grad=True)
     facts = compiled(norm, x, weight)
     assert not [t for t in facts.externs["forward"] if "var_mean" in t], facts.report
     graph = facts.report.entry.function.forward.schedule.graph
