@@ -121,8 +121,24 @@ class ReductionRules:
         if node.kwargs.get("dtype") not in (None, value.dtype):
             raise NotFusible("reduction with a dtype argument")
         self.check_reducible(op, axis, source, value)
+        if axis is Kind.ROW and not fits(source, value, op):
+            return self.lower_rows_reshaped(op, x, value, node.name)
         self.check_fits(op, [x], value)
         return self.add(op, [x], value, Reduce(axis), name=node.name)
+
+    def lower_rows_reshaped(self, op: Op, x: str, value: Value, name: str) -> str:
+        """A reduction over D whose result leaves the rows' place ([N, C, L] summed over L without
+        keepdim: a full [N, C] value, not a row of the [N x C, L] rows): each row reduced in the
+        kernel into a row value, then read in the result's shape. Run by aten instead, the sum
+        reads its whole input from memory, which a kernel must write first (GroupNorm's backward
+        over wav2vec2's conv features: fp32 copies of the activation, alive together)."""
+        source = self.graph[x].value
+        kept = tuple(source.shape[:-1]) + (sympy.Integer(1),)
+        rows = self.add(op, [x], place(value.dtype, kept), Reduce(Kind.ROW), name=f"{name}_rows")
+        step = views.reshape(kept, value.shape)
+        if step is None:
+            raise NotFusible(f"a reduction whose result {shape_text(value.shape)} is no reshape of {shape_text(kept)}")
+        return self.strided(name, self.access(rows).then(*step, value.shape), value, f"view{shape_text(value.shape)}")
 
     def lower_any(self, node, value: Value) -> str:
         """any over D or over the leading dims (all arrives decomposed, as not any of not): the

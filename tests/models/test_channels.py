@@ -166,3 +166,34 @@ def test_batchnorm_statistics_are_fused_sums(dtype, shape):
     theirs = torch.autograd.grad(ref, (x, weight), grad)
     for got, want in zip(ours, theirs):
         assert rel_error(got.float(), want.float()) <= tolerance
+
+
+def test_group_norm_backward_sums_rows_in_its_kernel():
+    """wav2vec2's feature encoder: GroupNorm with a group per channel over [N, C, L]. Its backward
+    sums over L into [N, C] (a sum over D whose result leaves the rows' place). Each row is summed
+    in the kernel that computes it, and the [N, C] result read from those row sums: the backward's
+    kernels write nothing the activation's size but the input gradient (aten's sum would read fp32
+    copies of it, each written whole first). Gradients as eager's."""
+    from helpers import compiled, rel_error
+    from memfuse.ir.graph import Kind
+
+    def norm(x, weight, bias):
+        return torch.nn.functional.group_norm(x, x.shape[1], weight, bias).square()
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 6, 20, requires_grad=True)
+    weight, bias = torch.randn(6, requires_grad=True), torch.randn(6, requires_grad=True)
+    facts = compiled(norm, x, weight, bias)
+    backward = facts.report.entry.function.backward.schedule
+    graph = backward.graph
+    whole = [o for k in backward.kernels for o in k.outputs
+             if graph[o].value.kind is Kind.FULL and graph[o].value.d == x.shape[-1]]
+    # the input gradient, and the upstream gradient its kernel reads after the sums; no copy to sum
+    assert len(whole) == 2, (whole, facts.report)
+    fused = memfuse.memory_efficient_fusion(norm)
+    out, ref = fused(x, weight, bias), norm(x, weight, bias)
+    assert rel_error(out, ref) <= 1e-5
+    grad = torch.randn_like(ref)
+    for got, want in zip(torch.autograd.grad(out, (x, weight, bias), grad),
+                         torch.autograd.grad(ref, (x, weight, bias), grad)):
+        assert rel_error(got, want) <= 1e-5
