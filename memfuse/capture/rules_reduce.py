@@ -121,8 +121,24 @@ class ReductionRules:
         if node.kwargs.get("dtype") not in (None, value.dtype):
             raise NotFusible("reduction with a dtype argument")
         self.check_reducible(op, axis, source, value)
+        if axis is Kind.ROW and not fits(source, value, op):
+            return self.lower_rows_reshaped(op, x, value, node.name)
         self.check_fits(op, [x], value)
         return self.add(op, [x], value, Reduce(axis), name=node.name)
+
+    def lower_rows_reshaped(self, op: Op, x: str, value: Value, name: str) -> str:
+        """A reduction over D whose result leaves the rows' place ([N, C, L] summed over L without
+        keepdim: a full [N, C] value, not a row of the [N x C, L] rows): each row reduced in the
+        kernel into a row value, then read in the result's shape. Run by aten instead, the sum
+        reads its whole input from memory, which a kernel must write first (GroupNorm's backward
+        over wav2vec2's conv features: fp32 copies of the activation, alive together)."""
+        source = self.graph[x].value
+        kept = tuple(source.shape[:-1]) + (sympy.Integer(1),)
+        rows = self.add(op, [x], place(value.dtype, kept), Reduce(Kind.ROW), name=f"{name}_rows")
+        step = views.reshape(kept, value.shape)
+        if step is None:
+            raise NotFusible(f"a reduction whose result {shape_text(value.shape)} is no reshape of {shape_text(kept)}")
+        return self.strided(name, self.access(rows).then(*step, value.shape), value, f"view{shape_text(value.shape)}")
 
     def lower_any(self, node, value: Value) -> str:
         """any over D or over the leading dims (all arrives decomposed, as not any of not): the
@@ -231,11 +247,15 @@ class ReductionRules:
         """Two passes over the row in registers: mean, then the sum of squared deviations."""
         x = self.operand(node.args[0])
         source = self.graph[x].value
-        axis = self.reduction_axis(node.args[1] if len(node.args) > 1 else None, source)
-        if axis is not Kind.ROW:
-            raise NotFusible("variance over the leading dims")
+        dims = node.args[1] if len(node.args) > 1 else None
         correction = node.kwargs.get("correction", 1)
         correction = 1 if correction is None else correction
+        subset = self.leading_subset(dims, source)
+        if subset is not None:
+            return self.lower_leading_var_mean(node, x, *subset, correction, val)
+        axis = self.reduction_axis(dims, source)
+        if axis is not Kind.ROW:
+            raise NotFusible("variance over the leading dims")
         var_fake = val[0] if isinstance(val, (tuple, list)) else val
         stat = classify(var_fake)
         full = Value(torch.float32 if source.dtype != torch.float64 else source.dtype, Kind.FULL,
@@ -248,3 +268,36 @@ class ReductionRules:
         var = self.add(Op.MUL, [squares, self.const(1.0 / max(source.d - correction, 0) if source.d > correction
                                                     else float("nan"))], stat, name=f"{node.name}_var")
         return (var, mean) if node.target is aten.var_mean.correction else var
+
+    def lower_leading_var_mean(self, node, x: str, dims: list, with_d: bool, correction, val):
+        """Variance and mean over some leading dims and D (BatchNorm's per-channel statistics of
+        [N, C, H, W]): the mean, then the sum of squared deviations, each a sum of rows in a kernel
+        that reads x as it is (under autocast: the bf16 activation, upcast in registers), finished
+        over the leading dims (`lower_leading_sum`). Aten's var_mean would read x from memory:
+        the fp32 upcast written whole for it, twice the activation's bytes, alive for the call."""
+        source = self.graph[x].value
+        stat = classify(val[0] if isinstance(val, (tuple, list)) else val)
+        if not source.is_floating or not stat.is_floating:
+            raise NotFusible("variance of integers")
+        acc = torch.float64 if torch.float64 in (source.dtype, stat.dtype) else torch.float32
+        wide_stat = Value(acc, stat.kind, stat.shape, stat.m, stat.d)
+        wide = Value(acc, Kind.FULL, source.shape, source.m, source.d)
+        count = sympy.Mul(*[source.shape[j] for j in dims]) * (source.d if with_d else 1)
+        total = self.lower_leading_sum(node, x, dims, with_d, wide_stat, f"{node.name}_sum")
+        mean = self.pointwise(Op.MUL, [total, self.inverse(count)], wide_stat, f"{node.name}_mean")
+        if source.dtype != acc:
+            x = self.add(Op.CAST, [x], wide, Cast(acc), name=f"{node.name}_wide")
+        diff = self.pointwise(Op.SUB, [x, mean], wide, f"{node.name}_diff")
+        square = self.pointwise(Op.MUL, [diff, diff], wide, f"{node.name}_sq")
+        squares = self.lower_leading_sum(node, square, dims, with_d, wide_stat, f"{node.name}_sqsum")
+        divisor = sympy.sympify(count - correction)
+        scale = self.const(float("nan")) if divisor.is_number and divisor <= 0 else self.inverse(divisor)
+        var = self.pointwise(Op.MUL, [squares, scale], wide_stat, f"{node.name}_var")
+        if stat.dtype != acc:
+            var = self.add(Op.CAST, [var], stat, Cast(stat.dtype), name=f"{node.name}_var_{_short(stat.dtype)}")
+            mean = self.add(Op.CAST, [mean], stat, Cast(stat.dtype), name=f"{node.name}_mean_{_short(stat.dtype)}")
+        return (var, mean) if node.target is aten.var_mean.correction else var
+
+
+def _short(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")

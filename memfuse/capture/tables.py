@@ -100,7 +100,8 @@ SPECIAL_ATEN = {
     aten.expand.default: "view; a strided read with stride 0 along the leading dims it repeats",
     aten.mean.default: "row sums * 1/D in the kernel, then aten's mean of the M row results",
     aten.var.correction: "sum -> mean, then the sum of squared deviations (over D)",
-    aten.var_mean.correction: "sum -> mean, then the sum of squared deviations (over D)",
+    aten.var_mean.correction: "sum -> mean, then the sum of squared deviations (over D; over some leading dims "
+                              "and D, each a sum of rows finished over the leading dims: BatchNorm's statistics)",
     aten.permute.default: "view when only size-1 dims move; else a strided read of a tensor in memory "
                           "(columns by a stride when the last dim moves)",
     aten.slice.Tensor: "view when it keeps a whole dim; else a strided read of a tensor in memory",

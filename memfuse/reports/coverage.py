@@ -30,7 +30,7 @@ CONDITIONAL = [   # (when, reason logged): rows of the table above that still fa
     ("max / min / prod over some of the leading dims, or over a size-symbol dim (x.transpose(1, 2)'s last)",
      "outside the [M, D] space (sums and means there are summed strided reads)"),
     ("a reduction over the leading dims of fp64 or integers", "the column partials are fp32"),
-    ("var / var_mean over the leading dims or over every dim", "two passes over M"),
+    ("var / var_mean over all the leading dims (not D), or over every dim", "two passes over M"),
     ("slice_scatter with a step (a strided slice's backward)", "the index (c - start) / step is not affine"),
     ("a reshape that merges dims of a view that moved elements", "the view is written, then aten reshapes "
      "it (no copy)"),

@@ -6,7 +6,7 @@ of another space, the root a STRIDED view reads from memory). A node joins the g
 inputs at its own stage when their spaces agree (merging them), else starts a new one. Every edge
 between groups then runs from a lower stage to a higher one; the steps run in the graph's order
 (the plan's: a backward's recomputations right before their first reader), each after the
-steps it reads. Five rules then place values where they cost least memory:
+steps it reads. Six rules then place values where they cost least memory:
 - a value computed from constants, sizes and the seed alone (a fill, an iota, a dropout draw) is
   computed inside every kernel that reads it, never written (`input_free`);
 - a view read in place (a permute, slice or broadcast of a tensor in memory) that only kernels
@@ -18,7 +18,9 @@ steps it reads. Five rules then place values where they cost least memory:
   read an input in common: one load, and no buffer allocated earlier than before;
 - a pointwise value a later kernel reads from memory is computed again in that kernel when it
   can be rebuilt from values in memory anyway for fewer bytes than it costs to read
-  (`recompute_in_readers`); its owner then writes it only for readers that still load it.
+  (`recompute_in_readers`); its owner then writes it only for readers that still load it;
+- an exact upcast (bf16 -> fp32) a later kernel reads from memory is cast again there from its
+  narrow source, which its kernel writes instead (`write_narrow`).
 A group of [M] values alone never joins one of [D] values alone (it would walk M x D elements),
 and a returned reshape of an aten result (the logits) is the runtime's `.reshape`, not a copy.
 Why two nodes did not share a kernel, and why a node was placed where it is, are recorded for
@@ -36,7 +38,8 @@ from memfuse.ir.graph import EXTERNAL, FUSIBLE, LEAF, MEMORY_VIEWS, Graph, Resha
 from memfuse.ir.ops import TRITON_DTYPES
 from memfuse.schedule.joins import join_column_sums, join_later, join_sharing, steps_read
 from memfuse.schedule.padding import pad_matmuls
-from memfuse.schedule.placement import compute_free_in_readers, input_free, read_by_readers, recompute_in_readers, sink
+from memfuse.schedule.placement import (compute_free_in_readers, input_free, read_by_readers, recompute_in_readers, sink,
+                                        write_narrow)
 from memfuse.schedule.reads import fusion_barrier, node_space, runtime_reshape, stores_padded
 from memfuse.schedule.reinplace import reinplace
 from memfuse.schedule.reshapes import fold_column_casts, reshapes_for_aten, returned_reshapes
@@ -66,6 +69,7 @@ def schedule(graph: Graph, config: Config, kind: str) -> Schedule:
     join_sharing(graph, groups, free, placed)
     steps = _order(graph, groups, externs)
     recompute_in_readers(graph, groups, stage, free, loads, placed)
+    write_narrow(graph, groups, free, loads, placed)
     compute_free_in_readers(graph, groups, free, loads, placed)
     steps, joined = join_later(graph, steps, free | loads, placed)
     steps, summed = join_column_sums(graph, steps, free | loads, placed)

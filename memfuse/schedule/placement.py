@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Optional
 
 from memfuse.ir.graph import FUSIBLE, MEMORY_VIEWS, POINTWISE, RANDOM, Graph, Op, column_padding
+from memfuse.plan import is_exact_upcast
 from memfuse.schedule.reads import (SOURCES, fusion_barrier, is_view, node_space, reads_from_memory, row_bytes,
                                     values_loaded)
 from memfuse.schedule.steps import ExternStep, KernelGroup, Space
@@ -131,6 +132,64 @@ def recompute_in_readers(graph: Graph, groups: list, stage: dict, free: set, loa
                                      f"({cost} B a row for {len(together)} value(s), {len(nodes)} ops) instead of "
                                      f"read from memory ({row_bytes(graph[name].value)} B a row)"))
 
+
+
+def write_narrow(graph: Graph, groups: list, free: set, loads: set, placed: list) -> None:
+    """An exact upcast (bf16 -> fp32) one kernel computes and later kernels read from memory is
+    cast again in each reader from its narrow source, which the owner writes instead: half the
+    bytes written and read, and no fp32 buffer twice the activation's size alive between the
+    kernels (BatchNorm's backward under autocast: the masked bf16 gradient, upcast for its sums
+    over M, read again after them; rebuilding the bf16 value would load more than the fp32 copy).
+    Only where every reader of the upcast is a kernel that reads it in registers (an extern, a
+    returned value or a view's root needs it in memory anyway) and the owner computes the source
+    itself or has it in memory."""
+    users = graph.users()
+    outputs = set(graph.outputs)
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    owner = {n: g for g in groups for n in g.nodes if n not in g.recomputed}
+    computed_in: dict = {}
+    for group in groups:
+        for n in group.nodes:
+            computed_in.setdefault(n, []).append(group)
+    for name, node in graph.nodes.items():
+        home = owner.get(name)
+        if home is None or name in outputs or name in free or name in loads or not is_exact_upcast(node, graph):
+            continue
+        source = node.inputs[0]
+        if source in free or source in loads or fusion_barrier(graph, source) is not None or not (
+                owner.get(source) is home or graph[source].op is Op.INPUT):
+            continue
+        readers = _narrow_readers(graph, name, home, users[name], computed_in, owner)
+        if not readers:
+            continue
+        for group in readers:
+            group.nodes.append(name)
+            group.nodes.sort(key=position.__getitem__)
+            group.recomputed.append(name)
+            group.space = group.space.join(node_space(graph, node, owner))
+        placed.append((name, f"written narrow: {home.name} writes {source} ({graph[source].value.dtype}), and "
+                             f"{', '.join(g.name for g in readers)} cast it again (exact) instead of reading "
+                             f"the {node.value.dtype} upcast from memory"))
+
+
+def _narrow_readers(graph: Graph, name: str, home: KernelGroup, readers: list, computed_in: dict,
+                    owner: dict) -> list:
+    """The kernels other than `home` that read the upcast `name` from memory, each able to cast it
+    itself; [] where some reader needs it in memory (an extern step, a view's root) or a kernel
+    cannot compute it in its space."""
+    node = graph[name]
+    found: list = []
+    for user in readers:
+        kernels = computed_in.get(user)
+        if kernels is None or reads_from_memory(graph, user, name):
+            return []
+        for group in kernels:
+            if group is home or name in group.nodes or group in found:
+                continue
+            if column_padding(graph, node) is not None or not group.space.agrees(node_space(graph, node, owner)):
+                return []
+            found.append(group)
+    return found
 
 
 def _rebuild(graph, name, group, members, owner, stage, free, loads, loaded, users):

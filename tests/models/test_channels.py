@@ -131,3 +131,69 @@ def test_real_sizes_compile(family, training):
     pixels, labels = torch.randn(32, 3, 224, 224), torch.randint(0, 3, (32,))
     entry = memfuse.memory_efficient_fusion(model).compiled_for(pixel_values=pixels, labels=labels)
     assert not isinstance(entry, EagerCall), entry
+
+
+# more terms (N x H) than channels: aten finishes the sums of rows; fewer: a summed strided read
+@pytest.mark.parametrize("shape", [(3, 4, 6, 5), (2, 12, 2, 3)], ids=["aten_finish", "strided_finish"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batchnorm_statistics_are_fused_sums(dtype, shape):
+    """BatchNorm's statistics in training: var_mean over N, H and W of [N, C, H, W] (of the input's
+    fp32 upcast under autocast). Two sums of rows in kernels that read the input as it is, each
+    finished over the leading dims; no aten var_mean, and no forward kernel writes an fp32 copy of
+    the activation for it to read. Output and gradients as eager's."""
+    from helpers import compiled, rel_error
+
+    def norm(x, weight):
+        wide = x.float()
+        var, mean = torch.var_mean(wide, dim=(0, 2, 3), correction=0, keepdim=True)
+        return ((wide - mean) * torch.rsqrt(var + 1e-5) * weight.view(1, -1, 1, 1)).to(dtype)
+
+    torch.manual_seed(0)
+    x = (torch.randn(shape) * 2 + 1).to(dtype).requires_grad_()
+    weight = torch.randn(shape[1], requires_grad=True)
+    facts = compiled(norm, x, weight)
+    assert not [t for t in facts.externs["forward"] if "var_mean" in t], facts.report
+    graph = facts.report.entry.function.forward.schedule.graph
+    written = [o for k in facts.report.entry.function.forward.schedule.kernels for o in k.outputs
+               if graph[o].value.dtype == torch.float32 and tuple(graph[o].value.shape) == tuple(x.shape)]
+    assert written == [] or dtype == torch.float32, (written, facts.report)
+    fused = memfuse.memory_efficient_fusion(norm)
+    out, ref = fused(x, weight), norm(x, weight)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    assert rel_error(out.float(), ref.float()) <= tolerance
+    grad = torch.randn_like(ref)
+    ours = torch.autograd.grad(out, (x, weight), grad)
+    theirs = torch.autograd.grad(ref, (x, weight), grad)
+    for got, want in zip(ours, theirs):
+        assert rel_error(got.float(), want.float()) <= tolerance
+
+
+def test_group_norm_backward_sums_rows_in_its_kernel():
+    """wav2vec2's feature encoder: GroupNorm with a group per channel over [N, C, L]. Its backward
+    sums over L into [N, C] (a sum over D whose result leaves the rows' place). Each row is summed
+    in the kernel that computes it, and the [N, C] result read from those row sums: the backward's
+    kernels write nothing the activation's size but the input gradient (aten's sum would read fp32
+    copies of it, each written whole first). Gradients as eager's."""
+    from helpers import compiled, rel_error
+    from memfuse.ir.graph import Kind
+
+    def norm(x, weight, bias):
+        return torch.nn.functional.group_norm(x, x.shape[1], weight, bias).square()
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 6, 20, requires_grad=True)
+    weight, bias = torch.randn(6, requires_grad=True), torch.randn(6, requires_grad=True)
+    facts = compiled(norm, x, weight, bias)
+    backward = facts.report.entry.function.backward.schedule
+    graph = backward.graph
+    whole = [o for k in backward.kernels for o in k.outputs
+             if graph[o].value.kind is Kind.FULL and graph[o].value.d == x.shape[-1]]
+    # the input gradient, and the upstream gradient its kernel reads after the sums; no copy to sum
+    assert len(whole) == 2, (whole, facts.report)
+    fused = memfuse.memory_efficient_fusion(norm)
+    out, ref = fused(x, weight, bias), norm(x, weight, bias)
+    assert rel_error(out, ref) <= 1e-5
+    grad = torch.randn_like(ref)
+    for got, want in zip(torch.autograd.grad(out, (x, weight, bias), grad),
+                         torch.autograd.grad(ref, (x, weight, bias), grad)):
+        assert rel_error(got, want) <= 1e-5

@@ -618,3 +618,25 @@ def test_a_kernel_reading_a_value_through_a_view_does_not_join_its_producer():
     torch.testing.assert_close(fused(x), clipped_plus_its_first_row(x))
     stats = memfuse.stats()
     assert stats["eager_calls"] == 0 and stats["first_run_fallbacks"] == 0, stats
+
+
+def test_an_upcast_read_after_a_barrier_is_written_narrow():
+    """BatchNorm's backward in bf16 autocast: the masked bf16 gradient is upcast to fp32, its sums
+    over M are taken, and a later kernel reads the upcast again. Rebuilding the bf16 value would
+    load three inputs, so the later kernel reads it from memory; the earlier kernel then writes
+    the bf16 value (2 B an element) and the later one casts it again (exact), never a fp32 copy
+    (4 B an element: a transient twice the size of the activation)."""
+    def fn(a, b, c):
+        masked = torch.where(a > 0, b, c) * c
+        wide = masked.float()
+        return wide * wide.sum(0)
+
+    a, b, c = (torch.randn(24, 16).bfloat16() for _ in range(3))
+    fused = memfuse.memory_efficient_fusion(fn)
+    assert rel_error(fused(a, b, c), fn(a, b, c)) <= 1e-5
+    forward = fused.compiled_for(a, b, c).function.forward.schedule
+    graph = forward.graph
+    first, second = sorted(forward.kernels, key=lambda k: k.stage)
+    assert [graph[o].value.dtype for o in first.outputs] == [torch.bfloat16], first.outputs
+    assert first.outputs[0] in second.inputs and any(graph[n].op is Op.CAST for n in second.recomputed)
+    assert any("written narrow" in reason for _, reason in forward.placed), forward.placed
