@@ -1,0 +1,314 @@
+"""attention_bias: attention written by hand with an additive float bias runs as one attention call.
+
+Several model families write attention as matmuls and a softmax instead of calling
+scaled_dot_product_attention, adding a float bias to the scores: Bloom's ALiBi
+(`baddbmm(alibi, q, k^T, beta=1, alpha=1/sqrt(d))`, then the mask added), T5's relative position
+bias (`q @ k^T + position_bias + mask`, no scale). Traced as written, the [batch x heads, q, kv]
+scores and probabilities are values of the graph, and the backward keeps them. SDPA's
+memory-efficient kernel takes an additive bias and returns its gradient: one attention call reads
+q, k, v and the bias and keeps only its output and a log-sum-exp per row.
+
+While memfuse traces (a capture trace mode, as the loss head's), `BiasedAttentionMode` follows
+each product `q @ k^T` (matmul, bmm, baddbmm of two tensors with the same batch dims) through
+   scale (a number, before any bias) -> bias terms added -> views that keep [q, kv] last
+   -> softmax over the last dim -> casts -> dropout of probability 0
+to a product with v, and returns one `scaled_dot_product_attention(q, k, v, attn_mask=bias,
+scale=scale)` there instead (the terms summed, broadcast to [b, h, q, kv], in q's dtype). AOTAutograd
+traces that call, forward and backward, into the attention op of the device (the efficient
+kernel on CUDA, with the bias's gradient where the bias requires one; the math path on CPU). What
+the product replaced (the scores, the softmax) nothing reads any more, and capture drops it
+(capture.fx_passes.without_unused); where something else reads it (a model returning its attention
+weights), it is still computed: the results are the same, the saving lost.
+
+Conditions, each checked where it can fail (`BiasDecision` says why a product was left as written):
+- the same batch dims for q @ k^T and probs @ v, 3 or 4 dims, [q, kv] last throughout;
+- a scale by numbers only before any bias (a scale after it would scale the bias);
+- each bias term floating and broadcastable to the scores (not broadcasting them);
+- the softmax over the kv dim, in the scores' dtype or float32;
+- dropout of probability 0 (or not training). The attention kernel draws its own dropout mask
+  (its philox seed and offset are outputs the backward reads: one mask for both), but memfuse's
+  rule is that every dropout mask is regenerated from memfuse's seed: a product with dropout > 0
+  stays as written, with that reason;
+- the result's dtype the written product's (q, k, v and the bias cast to it: under autocast the
+  written matmuls run in the autocast dtype too).
+
+Numerics, against the written form: the attention kernel accumulates the scores in float32 and
+adds the bias to them there, where the written form under bf16 autocast rounds the scores to bf16
+(`baddbmm`'s output) before the float32 softmax; the bias itself is rounded to the compute dtype
+either way (baddbmm's autocast casts alibi; SDPA takes q's dtype). So the call's scores are at
+least as exact; the probabilities are rounded to the compute dtype for the product with v in
+both. tests/patterns/test_attention_bias.py bounds the difference against a float64 reference.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
+from torch.overrides import TorchFunctionMode
+
+from memfuse.base.debug import STATS, register_counter
+from memfuse.ir.patterns import register_capture, register_report
+
+# functions and methods that multiply two batches of matrices (a @ b)
+PRODUCTS = {torch.matmul, torch.bmm, torch.Tensor.matmul, torch.Tensor.bmm, torch.Tensor.__matmul__}
+# x + bias (bias + x where the bias comes first)
+ADDS = {torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__, torch.Tensor.__iadd__}
+SCALES = {torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__, torch.Tensor.__imul__}
+DIVIDES = {torch.div, torch.Tensor.div, torch.Tensor.__truediv__, torch.Tensor.__itruediv__}
+VIEWS = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape}
+CASTS = {torch.Tensor.to, torch.Tensor.float, torch.Tensor.type_as, torch.Tensor.half, torch.Tensor.bfloat16}
+BADDBMMS = {torch.baddbmm, torch.Tensor.baddbmm}
+# where each softmax and dropout takes its arguments
+SOFTMAX_PARAMETERS = {F.softmax: ("input", "dim", "_stacklevel", "dtype"), torch.softmax: ("input", "dim", "dtype"),
+                      torch.Tensor.softmax: ("input", "dim", "dtype")}
+DROPOUT_PARAMETERS = {F.dropout: ("input", "p", "training", "inplace"), torch.dropout: ("input", "p", "train")}
+
+
+@dataclass(frozen=True)
+class BiasDecision:
+    """What became of one `q @ k^T ... @ v` (explain prints these)."""
+    name: str
+    taken: bool
+    reason: str
+    recorded: bool = field(default=False, compare=False)   # made while a trace recorded the graph
+
+    def __str__(self) -> str:
+        return f"{self.name}: {'one attention call' if self.taken else 'left as written'}: {self.reason}"
+
+
+@dataclass
+class Scores:
+    """A followed tensor: `scale * (q @ k^T) + sum(terms)` in the shape `shape`, and, once past the
+    softmax, that softmax's probabilities (`probs`)."""
+    query: torch.Tensor                    # [*batch, q, d]
+    key: torch.Tensor                      # [*batch, kv, d]
+    scale: float
+    terms: list = field(default_factory=list)   # bias terms, each expanded to `shape`
+    shape: tuple = ()
+    probs: bool = False                    # past the softmax
+    dropout: float = 0.0
+
+    def step(self, **changes) -> "Scores":
+        return Scores(**{**self.__dict__, "terms": list(self.terms), **changes})
+
+
+class BiasedAttentionMode(TorchFunctionMode):
+    """Follows `q @ k^T` through scale, bias, views, softmax, casts and dropout; a product of the
+    probabilities with v becomes one scaled_dot_product_attention call (the module's docstring)."""
+
+    def __init__(self, decisions: list):
+        super().__init__()
+        self.followed: dict[int, tuple] = {}     # id(tensor) -> (Scores, the tensor: kept alive while followed)
+        self.decisions = decisions
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in PRODUCTS and len(args) == 2 and not kwargs and self._scores(args[0]) is not None \
+                and self._scores(args[0]).probs:
+            return self._attention(func, args)
+        result = func(*args, **kwargs)
+        if isinstance(result, torch.Tensor):
+            followed = self._step(func, args, kwargs, result)
+            if followed is not None:
+                self.followed[id(result)] = (followed, result)
+        return result
+
+    def _scores(self, tensor) -> Optional[Scores]:
+        entry = self.followed.get(id(tensor)) if isinstance(tensor, torch.Tensor) else None
+        return entry[0] if entry is not None and entry[1] is tensor else None
+
+    def _step(self, func, args, kwargs, result: torch.Tensor) -> Optional[Scores]:
+        """What `result` is, where it is a product q @ k^T or a step of a followed one, else None."""
+        if func in PRODUCTS and len(args) == 2 and not kwargs:
+            return _product(args[0], args[1], 1.0, result)
+        if func in BADDBMMS:
+            return _baddbmm(args, kwargs, result)
+        scores = self._scores(args[0]) if args else None
+        if scores is None:
+            if func in ADDS and len(args) == 2 and self._scores(args[1]) is not None and not kwargs:
+                return _added(self._scores(args[1]), args[0], result)      # bias + scores
+            return None
+        if func in VIEWS:
+            return _viewed(scores, result)
+        if func in CASTS:
+            return scores.step(shape=tuple(result.shape)) if scores.probs and result.shape == args[0].shape else None
+        if func in DROPOUT_PARAMETERS:
+            return _dropped(func, scores, args, kwargs)
+        if scores.probs:
+            return None
+        if func in SOFTMAX_PARAMETERS:
+            return _softmax(func, scores, args, kwargs, result)
+        if func in ADDS and len(args) == 2 and (not kwargs or kwargs == {"alpha": 1}):
+            return _added(scores, args[1], result)
+        if func in SCALES | DIVIDES and len(args) == 2 and not kwargs and _number(args[1]) and not scores.terms:
+            factor = float(args[1]) if func in SCALES else 1.0 / float(args[1])
+            return scores.step(scale=scores.scale * factor)
+        return None
+
+    def _attention(self, func, args) -> torch.Tensor:
+        """probs @ v as one attention call where the conditions hold, else as written."""
+        probs, value = args
+        scores = self._scores(probs)
+        written = func(probs, value)
+        recorded = get_proxy_mode() is not None
+        name = f"attention_bias_{sum(d.recorded == recorded for d in self.decisions)}"
+        problem = _problem(scores, probs, value, written)
+        if problem is not None:
+            self.decisions.append(BiasDecision(name, False, problem, recorded))
+            return written
+        out = _sdpa(scores, value, written.dtype).reshape(written.shape)
+        self.decisions.append(BiasDecision(name, True, f"softmax(scale {scores.scale:g} * q @ k^T + "
+                                           f"{len(scores.terms)} bias term(s)) @ v over [q, kv] "
+                                           f"{tuple(probs.shape[-2:])}: scaled_dot_product_attention "
+                                           f"with the bias as its float mask", recorded))
+        return out
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _product(a, b, scale: float, result: torch.Tensor) -> Optional[Scores]:
+    """a @ b as q @ k^T: tensors of 3 or 4 dims with the same batch dims (no broadcast)."""
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() != b.dim() \
+            or a.dim() not in (3, 4) or a.shape[:-2] != b.shape[:-2] or not a.is_floating_point():
+        return None
+    return Scores(a, b.transpose(-1, -2), scale, [], tuple(result.shape))
+
+
+def _baddbmm(args, kwargs, result: torch.Tensor) -> Optional[Scores]:
+    """beta * bias + alpha * (q @ k^T), Bloom's ALiBi: the bias one term."""
+    names = ("input", "batch1", "batch2")
+    given = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
+    beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
+    if set(given) != set(names) or set(kwargs) - {*names, "beta", "alpha"} or not (_number(beta) and _number(alpha)):
+        return None
+    scores = _product(given["batch1"], given["batch2"], float(alpha), result)
+    if scores is None:
+        return None
+    scores.scale = float(alpha)
+    bias = given["input"] if beta == 1 else given["input"] * beta
+    return _added(scores, bias, result) if beta != 0 else scores
+
+
+def _added(scores: Scores, bias, result: torch.Tensor) -> Optional[Scores]:
+    """scores + bias: a floating tensor broadcastable to the scores, not broadcasting them."""
+    if scores.probs or not isinstance(bias, torch.Tensor) or not bias.is_floating_point() \
+            or tuple(result.shape) != scores.shape:
+        return None
+    try:
+        term = bias.expand(scores.shape)
+    except RuntimeError:
+        return None
+    return scores.step(terms=[*scores.terms, term])
+
+
+def _viewed(scores: Scores, result: torch.Tensor) -> Optional[Scores]:
+    """A view that keeps [q, kv] last and changes only the batch dims (3 or 4 of them in all)."""
+    if tuple(result.shape[-2:]) != scores.shape[-2:] or result.dim() not in (3, 4):
+        return None
+    return scores.step(terms=[t.reshape(result.shape) for t in scores.terms], shape=tuple(result.shape))
+
+
+def _softmax(func, scores: Scores, args, kwargs, result: torch.Tensor) -> Optional[Scores]:
+    """softmax over the last dim, in the scores' dtype or float32."""
+    given = dict(zip(SOFTMAX_PARAMETERS[func], args)) | kwargs
+    if given.get("dim") not in (-1, len(scores.shape) - 1) or given.get("dtype") not in (None, torch.float32) \
+            or set(given) - {"input", "dim", "dtype", "_stacklevel"}:
+        return None
+    return scores.step(probs=True, shape=tuple(result.shape))
+
+
+def _dropped(func, scores: Scores, args, kwargs) -> Optional[Scores]:
+    """dropout of the probabilities: its probability, 0 where not training."""
+    if not scores.probs:
+        return None
+    given = dict(zip(DROPOUT_PARAMETERS[func], args)) | kwargs
+    p, training = given.get("p", 0.5), given.get("training", given.get("train", True))
+    return scores.step(dropout=float(p) if training else 0.0)
+
+
+def _problem(scores: Scores, probs: torch.Tensor, value: torch.Tensor, written: torch.Tensor) -> Optional[str]:
+    """Why probs @ v stays as written, or None."""
+    if scores.dropout > 0:
+        return (f"dropout p={scores.dropout:g} on the probabilities: the attention kernel would draw its own "
+                f"mask, and memfuse regenerates every dropout mask from its seed")
+    if value.dim() != probs.dim() or value.shape[:-2] != probs.shape[:-2] or value.shape[-2] != probs.shape[-1]:
+        return f"v {tuple(value.shape)} does not match the probabilities {tuple(probs.shape)} batch for batch"
+    if scores.query.shape[:-2].numel() != probs.shape[:-2].numel():
+        return "q @ k^T and probs @ v have different batch sizes"
+    if not written.is_floating_point() or written.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        return f"the product's dtype {written.dtype} is not one attention computes in"
+    return None
+
+
+def _sdpa(scores: Scores, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The attention call: q, k, v and the summed bias in [b, h, ., .] form, in `dtype`."""
+    batch = scores.shape[:-2] if len(scores.shape) == 4 else (1, *scores.shape[:-2])
+
+    def four(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(*batch, *t.shape[-2:]).to(dtype)
+    bias = None
+    for term in scores.terms:
+        bias = term if bias is None else bias + term
+    if bias is not None:
+        if torch.finfo(bias.dtype).max > torch.finfo(dtype).max:
+            bias = bias.clamp(min=torch.finfo(dtype).min)   # a mask's lowest value stays finite in `dtype`
+        bias = four(bias)
+    with torch.autocast(value.device.type, enabled=False):
+        return F.scaled_dot_product_attention(four(scores.query), four(scores.key), four(value), attn_mask=bias,
+                                              scale=scores.scale)
+
+
+# -- capture's hooks: the mode while AOTAutograd traces; its decisions after -------------------------
+# AOTAutograd runs the traced function more than once; each trace_modes() entry opens one mode. The
+# decisions of the modes since the last rewrite are the graph's (capture runs its rewrite hooks
+# right after its trace).
+_OPEN: list = []
+
+
+class _Trace:
+    def __enter__(self):
+        self.decisions = []
+        self.mode = BiasedAttentionMode(self.decisions)
+        self.mode.__enter__()
+        return self.mode
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+        _OPEN.append(self.decisions)
+
+
+def biased_attention() -> _Trace:
+    """A context: inside it, hand-written biased attention is traced as one attention call."""
+    return _Trace()
+
+
+def _decisions(gm) -> tuple:
+    """(False: the trace itself rewrote the graph, the decisions of the last trace, counted)."""
+    last = next((d for d in reversed(_OPEN) if d), [])
+    _OPEN.clear()
+    decisions = traced_run(last)
+    for decision in decisions:
+        STATS["attention_biases_fused" if decision.taken else "attention_biases_kept"] += 1
+    return False, decisions
+
+
+def traced_run(decisions: list) -> list:
+    """The decisions made while the graph was recorded: AOTAutograd runs the traced function more
+    than once inside one trace (a pass that collects metadata, then the recorded one), deciding
+    alike each time; the recorded run is the one under a proxy mode."""
+    recorded = [d for d in decisions if d.recorded]
+    return recorded or decisions
+
+
+register_capture("attention_bias", trace_mode=biased_attention, rewrite=_decisions)
+register_report("attention_bias", "attention with an additive bias (memfuse.patterns.attention_bias)")
+register_counter("attention_biases_fused", "hand-written attention with an additive bias (softmax(q @ k^T + bias) "
+                                           "@ v) traced as one scaled_dot_product_attention call "
+                                           "(memfuse.patterns.attention_bias)")
+register_counter("attention_biases_kept", "hand-written attention with an additive bias left as written, for the "
+                                          "reason its decision gives (memfuse.patterns.attention_bias)")
