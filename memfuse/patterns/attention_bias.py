@@ -264,22 +264,27 @@ def _sdpa(scores: Scores, value: torch.Tensor, dtype: torch.dtype) -> torch.Tens
 
 
 # -- capture's hooks: the mode while AOTAutograd traces; its decisions after -------------------------
-# AOTAutograd runs the traced function more than once; each trace_modes() entry opens one mode. The
-# decisions of the modes since the last rewrite are the graph's (capture runs its rewrite hooks
-# right after its trace).
-_OPEN: list = []
+# Each trace_modes() entry opens one mode (capture's and the backend's may nest). Capture's rewrite
+# hooks run after the trace, inside the backend's entry or after capture's: the decisions of the
+# modes opened since the outermost one are the graph's, the latest that decided anything.
+_OPEN: list = []        # the decision lists of the modes opened since the outermost
+_DEPTH = [0]
 
 
 class _Trace:
     def __enter__(self):
+        if _DEPTH[0] == 0:
+            _OPEN.clear()          # a trace that failed before its rewrite hook ran leaves nothing behind
+        _DEPTH[0] += 1
         self.decisions = []
+        _OPEN.append(self.decisions)
         self.mode = BiasedAttentionMode(self.decisions)
         self.mode.__enter__()
         return self.mode
 
     def __exit__(self, *exc):
+        _DEPTH[0] -= 1
         self.mode.__exit__(*exc)
-        _OPEN.append(self.decisions)
 
 
 def biased_attention() -> _Trace:
@@ -290,8 +295,9 @@ def biased_attention() -> _Trace:
 def _decisions(gm) -> tuple:
     """(False: the trace itself rewrote the graph, the decisions of the last trace, counted)."""
     last = next((d for d in reversed(_OPEN) if d), [])
-    _OPEN.clear()
     decisions = traced_run(last)
+    for made in _OPEN:
+        made.clear()
     for decision in decisions:
         STATS["attention_biases_fused" if decision.taken else "attention_biases_kept"] += 1
     return False, decisions
