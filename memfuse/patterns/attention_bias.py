@@ -11,9 +11,9 @@ q, k, v and the bias and keeps only its output and a log-sum-exp per row.
 While memfuse traces (a capture trace mode, as the loss head's), `BiasedAttentionMode` follows
 each product `q @ k^T` (matmul, bmm, baddbmm of two tensors with the same batch dims) through
    scale (a number, before any bias) -> bias terms added -> views that keep [q, kv] last
-   -> softmax over the last dim -> casts -> dropout of probability 0
+   -> softmax over the last dim -> casts -> dropout
 to a product with v, and returns one `scaled_dot_product_attention(q, k, v, attn_mask=bias,
-scale=scale)` there instead (the terms summed, broadcast to [b, h, q, kv], in q's dtype). AOTAutograd
+dropout_p=p, scale=scale)` there instead (the terms summed, broadcast to [b, h, q, kv], in q's dtype). AOTAutograd
 traces that call, forward and backward, into the attention op of the device (the efficient
 kernel on CUDA, with the bias's gradient where the bias requires one; the math path on CPU). What
 the product replaced (the scores, the softmax) nothing reads any more, and capture drops it
@@ -25,10 +25,14 @@ Conditions, each checked where it can fail (`BiasDecision` says why a product wa
 - a scale by numbers only before any bias (a scale after it would scale the bias);
 - each bias term floating and broadcastable to the scores (not broadcasting them);
 - the softmax over the kv dim, in the scores' dtype or float32;
-- dropout of probability 0 (or not training). The attention kernel draws its own dropout mask
-  (its philox seed and offset are outputs the backward reads: one mask for both), but memfuse's
-  rule is that every dropout mask is regenerated from memfuse's seed: a product with dropout > 0
-  stays as written, with that reason;
+- dropout: the attention call's own, of the same probability. On CUDA the efficient kernel draws
+  its mask from a philox seed and offset it returns, and its backward reads those (an extern's
+  outputs: memfuse keeps them, never recomputes the call), so forward and backward apply one mask;
+  on CPU the math path's dropout is memfuse's own, regenerated from its seed. The dropout as
+  written is traced too (a random draw the trace keeps though unread) and, where nothing but the
+  product read it, erased after the trace (`unread_dropouts_dropped`). Where something else reads
+  the dropped probabilities (a model returning them), they show a mask of their own: a dropout
+  mask either way, not the one the output used;
 - the result's dtype the written product's (q, k, v and the bias cast to it: under autocast the
   written matmuls run in the autocast dtype too).
 
@@ -45,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+import torch.fx.traceback as fx_traceback
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.overrides import TorchFunctionMode
@@ -61,6 +66,8 @@ DIVIDES = {torch.div, torch.Tensor.div, torch.Tensor.__truediv__, torch.Tensor._
 VIEWS = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape}
 CASTS = {torch.Tensor.to, torch.Tensor.float, torch.Tensor.type_as, torch.Tensor.half, torch.Tensor.bfloat16}
 BADDBMMS = {torch.baddbmm, torch.Tensor.baddbmm}
+# node.meta["custom"] key of the nodes of a followed dropout as written
+WRITTEN_DROPOUT = "memfuse_attention_bias_written_dropout"
 # where each softmax and dropout takes its arguments
 SOFTMAX_PARAMETERS = {F.softmax: ("input", "dim", "_stacklevel", "dtype"), torch.softmax: ("input", "dim", "dtype"),
                       torch.Tensor.softmax: ("input", "dim", "dtype")}
@@ -73,7 +80,7 @@ class BiasDecision:
     name: str
     taken: bool
     reason: str
-    recorded: bool = field(default=False, compare=False)   # made while a trace recorded the graph
+    run: Optional[int] = field(default=None, compare=False)   # id of the proxy mode recording the graph, if any
 
     def __str__(self) -> str:
         return f"{self.name}: {'one attention call' if self.taken else 'left as written'}: {self.reason}"
@@ -109,7 +116,11 @@ class BiasedAttentionMode(TorchFunctionMode):
         if func in PRODUCTS and len(args) == 2 and not kwargs and self._scores(args[0]) is not None \
                 and self._scores(args[0]).probs:
             return self._attention(func, args)
-        result = func(*args, **kwargs)
+        if func in DROPOUT_PARAMETERS and args and self._scores(args[0]) is not None and self._scores(args[0]).probs:
+            with fx_traceback.annotate({WRITTEN_DROPOUT: True}):   # dropped after the trace where unread
+                result = func(*args, **kwargs)
+        else:
+            result = func(*args, **kwargs)
         if isinstance(result, torch.Tensor):
             followed = self._step(func, args, kwargs, result)
             if followed is not None:
@@ -153,17 +164,18 @@ class BiasedAttentionMode(TorchFunctionMode):
         probs, value = args
         scores = self._scores(probs)
         written = func(probs, value)
-        recorded = get_proxy_mode() is not None
-        name = f"attention_bias_{sum(d.recorded == recorded for d in self.decisions)}"
+        proxy = get_proxy_mode()
+        run = None if proxy is None else id(proxy)
+        name = f"attention_bias_{sum(d.run == run for d in self.decisions)}"
         problem = _problem(scores, probs, value, written)
         if problem is not None:
-            self.decisions.append(BiasDecision(name, False, problem, recorded))
+            self.decisions.append(BiasDecision(name, False, problem, run))
             return written
         out = _sdpa(scores, value, written.dtype).reshape(written.shape)
         self.decisions.append(BiasDecision(name, True, f"softmax(scale {scores.scale:g} * q @ k^T + "
                                            f"{len(scores.terms)} bias term(s)) @ v over [q, kv] "
                                            f"{tuple(probs.shape[-2:])}: scaled_dot_product_attention "
-                                           f"with the bias as its float mask", recorded))
+                                           f"with the bias as its float mask", run))
         return out
 
 
@@ -233,9 +245,6 @@ def _dropped(func, scores: Scores, args, kwargs) -> Optional[Scores]:
 
 def _problem(scores: Scores, probs: torch.Tensor, value: torch.Tensor, written: torch.Tensor) -> Optional[str]:
     """Why probs @ v stays as written, or None."""
-    if scores.dropout > 0:
-        return (f"dropout p={scores.dropout:g} on the probabilities: the attention kernel would draw its own "
-                f"mask, and memfuse regenerates every dropout mask from its seed")
     if value.dim() != probs.dim() or value.shape[:-2] != probs.shape[:-2] or value.shape[-2] != probs.shape[-1]:
         return f"v {tuple(value.shape)} does not match the probabilities {tuple(probs.shape)} batch for batch"
     if scores.query.shape[:-2].numel() != probs.shape[:-2].numel():
@@ -260,7 +269,7 @@ def _sdpa(scores: Scores, value: torch.Tensor, dtype: torch.dtype) -> torch.Tens
         bias = four(bias)
     with torch.autocast(value.device.type, enabled=False):
         return F.scaled_dot_product_attention(four(scores.query), four(scores.key), four(value), attn_mask=bias,
-                                              scale=scores.scale)
+                                              dropout_p=scores.dropout, scale=scores.scale)
 
 
 # -- capture's hooks: the mode while AOTAutograd traces; its decisions after -------------------------
@@ -292,23 +301,36 @@ def biased_attention() -> _Trace:
     return _Trace()
 
 
-def _decisions(gm) -> tuple:
-    """(False: the trace itself rewrote the graph, the decisions of the last trace, counted)."""
+def _decisions(gm: torch.fx.GraphModule) -> tuple:
+    """(whether the dropouts as written were dropped, the decisions of the last trace, counted)."""
     last = next((d for d in reversed(_OPEN) if d), [])
     decisions = traced_run(last)
     for made in _OPEN:
         made.clear()
     for decision in decisions:
         STATS["attention_biases_fused" if decision.taken else "attention_biases_kept"] += 1
-    return False, decisions
+    return unread_dropouts_dropped(gm), decisions
+
+
+def unread_dropouts_dropped(gm: torch.fx.GraphModule) -> bool:
+    """Erases the followed dropouts as written (WRITTEN_DROPOUT) that nothing reads: a random draw
+    stays in a trace though unread (capture.fx_passes.without_unused: it advances the generator),
+    and would keep the scores and softmax it reads alive. The attention call draws its own mask.
+    Whether any went (their inputs may be unread now)."""
+    erased = False
+    for node in reversed(list(gm.graph.nodes)):
+        if node.op == "call_function" and not node.users and node.meta.get("custom", {}).get(WRITTEN_DROPOUT):
+            gm.graph.erase_node(node)
+            erased = True
+    return erased
 
 
 def traced_run(decisions: list) -> list:
     """The decisions made while the graph was recorded: AOTAutograd runs the traced function more
     than once inside one trace (a pass that collects metadata, then the recorded one), deciding
-    alike each time; the recorded run is the one under a proxy mode."""
-    recorded = [d for d in decisions if d.recorded]
-    return recorded or decisions
+    alike each time; the recorded run is the last one under a proxy mode."""
+    runs = [d.run for d in decisions if d.run is not None]
+    return [d for d in decisions if d.run == runs[-1]] if runs else decisions
 
 
 register_capture("attention_bias", trace_mode=biased_attention, rewrite=_decisions)
