@@ -309,7 +309,9 @@ def _decisions(gm: torch.fx.GraphModule) -> tuple:
         made.clear()
     for decision in decisions:
         STATS["attention_biases_fused" if decision.taken else "attention_biases_kept"] += 1
-    return unread_dropouts_dropped(gm), decisions
+    if not any(d.taken for d in decisions):
+        return False, decisions
+    return unread_dropouts_dropped(gm) | sizes_read_from_inputs(gm), decisions
 
 
 def unread_dropouts_dropped(gm: torch.fx.GraphModule) -> bool:
@@ -331,6 +333,33 @@ def traced_run(decisions: list) -> list:
     alike each time; the recorded run is the last one under a proxy mode."""
     runs = [d.run for d in decisions if d.run is not None]
     return [d for d in decisions if d.run == runs[-1]] if runs else decisions
+
+
+def sizes_read_from_inputs(gm: torch.fx.GraphModule) -> bool:
+    """Each size the graph reads off a computed value, where an input has that size in some dim,
+    read off the input instead: a size read is a use, and one of the written scores or
+    probabilities (Bloom's `probs.view(b * h, q, -1)` reads its last size) would keep them, and
+    the products and softmax they come from, in the graph. Whether any changed."""
+    sym_size = torch.ops.aten.sym_size.int
+    sources = {}
+    for node in gm.graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        for dim, size in enumerate(val.shape if isinstance(val, torch.Tensor) else ()):
+            if isinstance(size, torch.SymInt):
+                sources.setdefault(size.node.expr, (node, dim))
+    changed = False
+    for node in list(gm.graph.find_nodes(op="call_function", target=sym_size)):
+        val, source = node.meta.get("val"), node.args[0]
+        found = sources.get(val.node.expr) if isinstance(val, torch.SymInt) else None
+        if found is None or source.op == "placeholder":
+            continue
+        with gm.graph.inserting_before(node):
+            read = gm.graph.call_function(sym_size, found)
+        read.meta = dict(node.meta)
+        node.replace_all_uses_with(read)
+        gm.graph.erase_node(node)
+        changed = True
+    return changed
 
 
 register_capture("attention_bias", trace_mode=biased_attention, rewrite=_decisions)
