@@ -193,17 +193,12 @@ def test_hf_tiny_models_eager_attention_runs_as_attention_calls(family):
     torch._dynamo.reset()
     spec = ZOO[family]
     setup = bench.Setup(torch.device("cpu"), tiny=True, settings=bench.TINY_SETTINGS)
-    model = bench.build(spec, spec.tiny, 0.0)
-    model.config._attn_implementation = "eager"
-    for module in model.modules():
-        if hasattr(module, "config"):
-            module.config._attn_implementation = "eager"
+    model = _eager_attention(bench.build(spec, spec.tiny, 0.0))
     weights = {name: value.clone() for name, value in model.state_dict().items()}
     batch = spec.make_batch(spec.tiny, setup.device)
     want = bench.train_step(model, batch, setup).item()
     want_grads = bench.gradients(model)
-    twin = bench.build(spec, spec.tiny, 0.0, weights)
-    twin.config._attn_implementation = "eager"
+    twin = _eager_attention(bench.build(spec, spec.tiny, 0.0, weights))
     fired, _ = _counts()
     loss = bench.train_step(bench.WRAPPERS["memfuse_backend"](twin, spec), batch, setup).item()
     layers = spec.tiny.layers * (3 if family == "t5" else 1)    # T5: encoder self, decoder self and cross
@@ -212,3 +207,13 @@ def test_hf_tiny_models_eager_attention_runs_as_attention_calls(family):
     assert abs(loss - want) <= 1e-5 * abs(want)
     error, worst = bench.grad_error(bench.gradients(twin), want_grads)
     assert error <= 1e-4, worst
+
+
+def _eager_attention(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with every module's config asking for eager attention (T5's encoder and decoder
+    hold copies of the model's config)."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None:
+            config._attn_implementation = "eager"
+    return model
