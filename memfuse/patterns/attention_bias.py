@@ -121,11 +121,22 @@ class BiasedAttentionMode(TorchFunctionMode):
                 result = func(*args, **kwargs)
         else:
             result = func(*args, **kwargs)
-        if isinstance(result, torch.Tensor):
-            followed = self._step(func, args, kwargs, result)
-            if followed is not None:
-                self.followed[id(result)] = (followed, result)
+        followed = self._step(func, args, kwargs, result) if isinstance(result, torch.Tensor) else None
+        if _writes(func, args, kwargs):
+            self._forget(kwargs.get("out", args[0] if args else None))
+        if followed is not None:
+            self.followed[id(result)] = (followed, result)
         return result
+
+    def _forget(self, written) -> None:
+        """A write into `written` (in place, out=): no followed tensor of its storage holds what its
+        Scores says any more (a step this mode follows, `scores += bias`, is followed again after)."""
+        if not isinstance(written, torch.Tensor):
+            return
+        base = written._base if written._base is not None else written
+        for key, (_, tensor) in list(self.followed.items()):
+            if tensor is written or (tensor._base if tensor._base is not None else tensor) is base:
+                del self.followed[key]
 
     def _scores(self, tensor) -> Optional[Scores]:
         entry = self.followed.get(id(tensor)) if isinstance(tensor, torch.Tensor) else None
@@ -177,6 +188,15 @@ class BiasedAttentionMode(TorchFunctionMode):
                                            f"{tuple(probs.shape[-2:])}: scaled_dot_product_attention "
                                            f"with the bias as its float mask", run))
         return out
+
+
+def _writes(func, args, kwargs) -> bool:
+    """Whether a call may write into its first argument or `out`: an in-place method (`x.add_`,
+    `x += y`, `x[i] = y`) or an out= call. Unsure names count as writes: forgetting is safe."""
+    name = getattr(func, "__name__", "")
+    in_place = (name.endswith("_") and not name.endswith("__")) or (name.startswith("__i") and name.endswith("__"))
+    return in_place or name == "__setitem__" or "out" in kwargs or kwargs.get("inplace") is True \
+        or (func is F.dropout and len(args) > 3 and args[3] is True)
 
 
 def _number(value) -> bool:

@@ -217,3 +217,18 @@ def _eager_attention(model: torch.nn.Module) -> torch.nn.Module:
         if config is not None:
             config._attn_implementation = "eager"
     return model
+
+
+def test_scores_written_in_place_are_no_longer_followed():
+    """A write the mode does not follow (masked_fill_, an item set) changes the scores it follows:
+    the product stays as written, and the values are eager's."""
+    def filled_in_place(q, k, v, mask):
+        scores = q @ k.transpose(-1, -2) + mask
+        scores.masked_fill_(mask.expand_as(scores) < 0, -1e4)
+        scores[..., 0] = 0.0
+        return F.softmax(scores, dim=-1) @ v
+
+    fused = memfuse.memory_efficient_fusion(filled_in_place)
+    counts = _counts()
+    _against_eager(fused, filled_in_place, _tensors(7), [_causal()])
+    assert _counts() == counts
