@@ -66,6 +66,7 @@ DIVIDES = {torch.div, torch.Tensor.div, torch.Tensor.__truediv__, torch.Tensor._
 VIEWS = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape}
 CASTS = {torch.Tensor.to, torch.Tensor.float, torch.Tensor.type_as, torch.Tensor.half, torch.Tensor.bfloat16}
 BADDBMMS = {torch.baddbmm, torch.Tensor.baddbmm}
+ATTENTION_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)   # what SDPA computes in
 # node.meta["custom"] key of the nodes of a followed dropout as written
 WRITTEN_DROPOUT = "memfuse_attention_bias_written_dropout"
 # where each softmax and dropout takes its arguments
@@ -221,7 +222,6 @@ def _baddbmm(args, kwargs, result: torch.Tensor) -> Optional[Scores]:
     scores = _product(given["batch1"], given["batch2"], float(alpha), result)
     if scores is None:
         return None
-    scores.scale = float(alpha)
     bias = given["input"] if beta == 1 else given["input"] * beta
     return _added(scores, bias, result) if beta != 0 else scores
 
@@ -269,7 +269,7 @@ def _problem(scores: Scores, probs: torch.Tensor, value: torch.Tensor, written: 
         return f"v {tuple(value.shape)} does not match the probabilities {tuple(probs.shape)} batch for batch"
     if scores.query.shape[:-2].numel() != probs.shape[:-2].numel():
         return "q @ k^T and probs @ v have different batch sizes"
-    if not written.is_floating_point() or written.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+    if written.dtype not in ATTENTION_DTYPES:
         return f"the product's dtype {written.dtype} is not one attention computes in"
     return None
 
