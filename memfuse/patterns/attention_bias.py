@@ -13,11 +13,12 @@ each product `q @ k^T` (matmul, bmm, baddbmm of two tensors with the same batch 
    scale (a number, before any bias) -> bias terms added -> views that keep [q, kv] last
    -> softmax over the last dim -> casts -> dropout
 to a product with v, and returns one `scaled_dot_product_attention(q, k, v, attn_mask=bias,
-dropout_p=p, scale=scale)` there instead (the terms summed, broadcast to [b, h, q, kv], in q's dtype). AOTAutograd
-traces that call, forward and backward, into the attention op of the device (the efficient
+dropout_p=p, scale=scale)` there instead (the terms summed, broadcast to [b, h, q, kv], in the
+product's dtype). AOTAutograd traces that call, forward and backward, into the attention op of the device (the efficient
 kernel on CUDA, with the bias's gradient where the bias requires one; the math path on CPU). What
 the product replaced (the scores, the softmax) nothing reads any more, and capture drops it
-(capture.fx_passes.without_unused); where something else reads it (a model returning its attention
+(capture.fx_passes.without_unused; sizes read off it are read off an input instead,
+`sizes_read_from_inputs`); where something else reads it (a model returning its attention
 weights), it is still computed: the results are the same, the saving lost.
 
 Conditions, each checked where it can fail (`BiasDecision` says why a product was left as written):
@@ -33,6 +34,8 @@ Conditions, each checked where it can fail (`BiasDecision` says why a product wa
   product read it, erased after the trace (`unread_dropouts_dropped`). Where something else reads
   the dropped probabilities (a model returning them), they show a mask of their own: a dropout
   mask either way, not the one the output used;
+- no write into the followed tensors the mode does not follow (`masked_fill_`, `x[i] = y`):
+  a write stops the following;
 - the result's dtype the written product's (q, k, v and the bias cast to it: under autocast the
   written matmuls run in the autocast dtype too).
 
@@ -42,6 +45,9 @@ adds the bias to them there, where the written form under bf16 autocast rounds t
 either way (baddbmm's autocast casts alibi; SDPA takes q's dtype). So the call's scores are at
 least as exact; the probabilities are rounded to the compute dtype for the product with v in
 both. tests/patterns/test_attention_bias.py bounds the difference against a float64 reference.
+The bias's gradient comes out of the kernel in the compute dtype: where the bias is float32 under
+bf16 autocast (T5's learned position bias), eager's gradient of it is float32 and the call's bf16,
+cast up (a relative error of bf16's, ~4e-3).
 """
 from __future__ import annotations
 
