@@ -48,9 +48,9 @@ def test_a_wrapper_target_keeps_the_rules_of_the_op_it_calls():
 
 
 def test_the_patterns_register_their_capture_hooks_and_report_sections():
-    assert {"attention_masks", "custom_backwards"} <= set(HOOKS)
-    assert list(SECTIONS) == ["attention_masks", "custom_backwards", "loss_heads"]
-    assert {"loss_heads_chunked", "attention_masks_dropped"} <= set(memfuse.stats())
+    assert {"attention_masks", "attention_bias", "custom_backwards"} <= set(HOOKS)
+    assert list(SECTIONS) == ["attention_masks", "attention_bias", "custom_backwards", "loss_heads"]
+    assert {"loss_heads_chunked", "attention_masks_dropped", "attention_biases_fused"} <= set(memfuse.stats())
 
 
 def test_a_loss_head_call_travels_by_name():
