@@ -355,6 +355,15 @@ def test_generated_seed_kernel_is_readable(tmp_path):
 
 
 # -- failures: the first run's rules, and a capture that fails ------------------------------------
+def two_steps_match_eager(fused) -> None:
+    """Two steps of bias_dropout without dropout: x + b, and its gradients."""
+    x, b = make()
+    for _ in range(2):
+        out, grads = step(fused, (x, b), torch.ones(x.shape), p=0.0)
+        torch.testing.assert_close(out, (x + b).detach())
+        torch.testing.assert_close(grads, [torch.ones(x.shape), torch.full(b.shape, float(x.shape[0]))])
+
+
 @pytest.mark.parametrize("program", ["forward", "backward"])
 def test_a_warm_up_that_fails_runs_the_call_through_torch(emulated, monkeypatch, program):
     """The warm-up is the programs' first run: its failure retires the compiled entry, and this
@@ -366,12 +375,7 @@ def test_a_warm_up_that_fails_runs_the_call_through_torch(emulated, monkeypatch,
             raise RuntimeError(f"injected: launching {self.kernel.source.name} failed")
         return launch(self, device, rows, aligned, values)
     monkeypatch.setattr(launchers.KernelLaunch, "_launch", failing)
-    fused = memfuse.memory_efficient_fusion(bias_dropout, cuda_graphs=True)
-    x, b = make()
-    for _ in range(2):
-        out, grads = step(fused, (x, b), torch.ones(x.shape), p=0.0)
-        torch.testing.assert_close(out, (x + b).detach())
-        torch.testing.assert_close(grads, [torch.ones(x.shape), torch.full(b.shape, float(x.shape[0]))])
+    two_steps_match_eager(memfuse.memory_efficient_fusion(bias_dropout, cuda_graphs=True))
     stats = memfuse.stats()
     assert stats["first_run_fallbacks"] == 1 and stats["graph_captures"] == 0 and stats["eager_calls"] == 2
 
@@ -380,18 +384,14 @@ def test_a_capture_that_fails_runs_without_graphs_and_says_so(emulated, monkeypa
     def failing_capture(self, body, device):
         raise RuntimeError("operation not permitted when stream is capturing")
     monkeypatch.setattr(graphs.EagerRecorder, "capture", failing_capture)
-    fused = memfuse.memory_efficient_fusion(bias_dropout, cuda_graphs=True)
-    x, b = make()
     with caplog.at_level(logging.WARNING, logger="memfuse"):
-        for _ in range(2):
-            out, grads = step(fused, (x, b), torch.ones(x.shape), p=0.0)
-            torch.testing.assert_close(out, (x + b).detach())
-            torch.testing.assert_close(grads, [torch.ones(x.shape), torch.full(b.shape, float(x.shape[0]))])
+        two_steps_match_eager(memfuse.memory_efficient_fusion(bias_dropout, cuda_graphs=True))
     stats = memfuse.stats()
     assert stats["graph_captures"] == 0 and stats["eager_calls"] == 0 and stats["compiles"] == 1
     [said] = [r.getMessage() for r in caplog.records if "capturing its programs" in r.getMessage()]
     assert "running without graphs" in said and "stream is capturing" in said
 
     strict = memfuse.memory_efficient_fusion(bias_dropout, config=memfuse.Config(strict=True), cuda_graphs=True)
+    x, b = make()
     with pytest.raises(StrictModeError, match="capturing its programs"):
         strict(x, b, p=0.0)
