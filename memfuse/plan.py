@@ -521,7 +521,12 @@ MIN_OFFLOAD_BYTES = 2**20
 
 class MemoryBudgetError(ValueError):
     """A byte budget below the least this step can need: the caller's to change (a larger budget, a
-    smaller batch or sequence), never a reason to run through torch (memfuse.driver.fallback)."""
+    smaller batch or sequence), never a reason to run through torch (memfuse.driver.fallback). The
+    target and that least travel as numbers too (a benchmark records them without reading the text)."""
+
+    def __init__(self, message: str, target_bytes: int | None = None, least_bytes: int | None = None):
+        super().__init__(message)
+        self.target_bytes, self.least_bytes = target_bytes, least_bytes
 
 
 @dataclass(frozen=True)
@@ -686,7 +691,7 @@ def _within_peak(flow, pins, default_cut, target: int, captured, index_bytes, ba
                 f"budget may recompute recomputed and every saved value of at least {human_bytes(MIN_OFFLOAD_BYTES)} "
                 f"offloaded to host memory (memfuse.plan.predicted_peak: the inputs, parameters included, and "
                 f"the larger program's live values). Way out: a budget of at least {human_bytes(least)}, or a "
-                f"smaller batch or sequence")
+                f"smaller batch or sequence", target_bytes=target, least_bytes=least)
         if offload is not None and offload_rate <= recompute_rate:
             unhidden, transfer = candidates[offload]
             than = (f"recomputing the next values would cost {_seconds(recompute_seconds)} for "

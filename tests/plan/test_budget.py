@@ -405,8 +405,9 @@ def test_a_target_below_the_least_is_a_clear_error():
     least = predicted_peak(everything, joint.hints)
     with pytest.raises(MemoryBudgetError, match=rf"memory_budget 5.0 MiB \(5242880 bytes\) is below the least "
                                                 rf"this step can need: a predicted peak of {human_bytes(least)} "
-                                                rf"\({least} bytes\)"):
+                                                rf"\({least} bytes\)") as raised:
         plan(joint, 5 * 2**20)
+    assert (raised.value.target_bytes, raised.value.least_bytes) == (5 * 2**20, least)
     assert plan(joint, least).budget.peak_after == least
 
 
