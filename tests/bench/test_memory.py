@@ -231,3 +231,105 @@ def test_the_chart_reuses_a_size_either_search_tried(tmp_path):
                                  probe=_fake_probe(40, calls))
     assert calls == [(1, 16)]  # checkpoint's only: eager's batch search tried batch 1 x 16
     assert [(p["mode"], p["tokens_per_s"]) for p in points] == [("eager", 16.0), ("checkpoint", 16.0)]
+
+
+# -- issue 52's recipes and byte budgets ------------------------------------------------------------
+def _tiny_llama():
+    import transformers
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(memory.llama_config(memory.TINY, 16)).train()
+
+
+def test_per_layer_is_fuse_layers_and_the_eager_rest_stays_a_mode_of_its_own():
+    """memfuse_per_layer is the recipe users get (memfuse.fuse_layers: the rest compiled through the
+    backend, its loss head chunked); memfuse_per_layer_eager_rest leaves the rest eager."""
+    from memfuse.fronts.module import FusedModule
+    for mode, rest_compiled in (("memfuse_per_layer", True), ("memfuse_per_layer_eager_rest", False)):
+        model = _tiny_llama()
+        wrapped = memory.wrap(model, memory.Mode.parse(mode), cuda=False)
+        assert wrapped is model and all(isinstance(layer, FusedModule) for layer in model.model.layers)
+        assert (model._compiled_call_impl is not None) is rest_compiled, mode
+    assert "memfuse_per_layer_eager_rest" not in memory.MODES
+
+
+class _Mlp(torch.nn.Module):
+    """Three pre-norm MLP layers on a residual stream whose activations outweigh the weights (as
+    tests/plan/test_budget.py's residual_layers): a target under the default peak recomputes."""
+
+    def __init__(self):
+        super().__init__()
+        self.ups = torch.nn.ParameterList(torch.randn(16, 64) / 4 for _ in range(3))
+        self.downs = torch.nn.ParameterList(torch.randn(64, 16) / 4 for _ in range(3))
+
+    def forward(self, x):
+        for up, down in zip(self.ups, self.downs):
+            x = x + torch.nn.functional.gelu(torch.nn.functional.layer_norm(x, x.shape[-1:]) @ up) @ down
+        return x.square().mean()
+
+
+def _summary_of_a_step(memory_budget):
+    import memfuse
+    torch.manual_seed(0)
+    model = _Mlp()
+    wrapped = memfuse.memory_efficient_fusion(model, memory_budget=memory_budget)
+    wrapped(torch.randn(256, 16)).backward()
+    return memory.plan_summary(wrapped, model)
+
+
+def test_plan_summary_records_the_predicted_peak_target_and_what_the_budget_moved():
+    default = _summary_of_a_step(None)
+    assert default["graphs"][0]["target_bytes"] is None and default["recomputed_for_budget"] == 0
+    target = default["predicted_peak_bytes"] - 64 * 1024
+    budgeted = _summary_of_a_step(target)
+    graph, = budgeted["graphs"]
+    assert graph["target_bytes"] == target and graph["default_plan_peak_bytes"] == default["predicted_peak_bytes"]
+    assert budgeted["predicted_peak_bytes"] <= target and budgeted["recomputed_for_budget"] > 0
+    assert memory.plan_summary(_Mlp(), _Mlp()) is None  # nothing fused: no plans
+
+
+def test_a_target_below_the_least_is_recorded_as_such_not_as_an_out_of_memory(monkeypatch):
+    from memfuse.plan import MemoryBudgetError
+    with pytest.raises(MemoryBudgetError) as raised:
+        _summary_of_a_step("1KB")
+    assert raised.value.target_bytes == 1000 and raised.value.least_bytes > 1000
+
+    def train_size(*args):
+        try:
+            raise raised.value
+        except MemoryBudgetError as error:
+            raise RuntimeError("a library wrapped it") from error
+
+    monkeypatch.setattr(memory, "train_size", train_size)
+    failed = memory.run_one(memory.TINY, memory.Mode.parse("memfuse@1KB"), 16, 1, cuda=False, cap_tokens=None)
+    assert failed["fits"] is False and failed["oom"] is False and failed["least_bytes"] == raised.value.least_bytes
+    assert failed["error"] == f"target below the least: {memory._gb(raised.value.least_bytes)} GB"
+    assert "MemoryBudgetError" in failed["detail"] and memory.below_least(ValueError("other")) is None
+
+
+def test_the_byte_budget_table_sets_measured_against_target_and_predicted_against_measured():
+    fitted = {"fits": True, "batch": 1, "seq": 4096, "peak_bytes": 11 * 10**9, "optimizer_state_bytes": 10**9,
+              "plans": {"predicted_peak_bytes": 9 * 10**9, "offloaded": 3, "recomputed_for_budget": 5}}
+    below = {"fits": False, "batch": 1, "seq": 8192, "oom": False, "least_bytes": 14 * 10**9,
+             "error": "target below the least: 14.0 GB"}
+    rows = [{**_row("memfuse@12GB", 4096, 900.0), "probes": [below, fitted]},
+            {**_row("memfuse@0.3", 4096, 900.0), "probes": [fitted]}, {**_row("eager", 4096, 1.0), "probes": []}]
+    text = memory.budget_table(rows)
+    assert "| memfuse@12GB | 1 x 4096 | 12.0 | 9.0 | 11.0 | 1.0 | 0.92 | 0.90 | 3 | 5 |" in text
+    assert "| memfuse@12GB | 1 x 8192 | 12.0 | target below the least: 14.0 GB |" in text
+    assert "memfuse@0.3" not in text and "eager" not in text  # a fraction is no byte target
+    assert memory.target_bytes(memory.Mode.parse("memfuse@1500000000B")) == 1_500_000_000
+    assert "Byte budgets" in memory.report("m", {"seq": rows, "batch": []}, [], tiny=False)
+
+
+def test_memfuse_auto_takes_checkpointings_peak_at_the_chart_size(tmp_path):
+    calls = []
+    resolved = memory.resolve_auto(_run(), 16, tmp_path, probe=_fake_probe(40, calls))
+    assert resolved == memory.Mode("memfuse", "16000000B") and calls == [(1, 16)]  # checkpoint's probe
+    assert memory.resolve_auto(_run(), 16, tmp_path, probe=_fake_probe(40, calls)) == resolved  # kept
+    assert len(calls) == 1
+    assert "needs --chart-seq" in memory.resolve_auto(_run(), None, tmp_path)
+    assert "out of memory" in memory.resolve_auto(_run(), 64, tmp_path, probe=_fake_probe(40, []))
+    chart = [{"mode": "checkpoint", "fits": True, "seq": 16, "peak_bytes": 16 * 10**6, "tokens_per_s": 100.0},
+             {"mode": resolved.name, "fits": True, "seq": 16, "peak_bytes": 15 * 10**6, "tokens_per_s": 150.0}]
+    assert "150 tokens/s, 1.50x checkpointing's 100" in memory.versus_checkpoint(chart)
+    assert memory.versus_checkpoint(chart[:1]) == ""
