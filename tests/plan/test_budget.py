@@ -146,14 +146,15 @@ def matches_eager(fn, fused, tensors) -> None:
         assert rel_error(a.grad, e.grad) < 1e-5
 
 
-def dropout_step(budget, seed=7):
-    """(gradients, dropped input, x.grad) of one seeded dropout_mlp step at `budget`."""
-    fused = memfuse.memory_efficient_fusion(dropout_mlp, memory_budget=budget)
-    inputs = leaves(dropout_inputs())
+def dropout_step(budget, seed=7, fn=dropout_mlp, tensors=None, config=None):
+    """(gradients, last output) of one seeded `fn` step (backward through ones) at `budget` (None:
+    `config`'s): dropout_mlp's last output is its dropped input."""
+    fused = memfuse.memory_efficient_fusion(fn, memory_budget=budget, config=config)
+    inputs = leaves(tensors or dropout_inputs())
     torch.manual_seed(seed)
-    out, dropped = fused(*inputs)
-    out.backward(torch.ones_like(out))
-    return [t.grad for t in inputs], dropped.detach()
+    outputs = fused(*inputs)
+    outputs[0].backward(torch.ones_like(outputs[0]))
+    return [t.grad for t in inputs], outputs[-1].detach()
 
 
 def test_dropout_gradients_at_budget_0_1_equal_those_at_1_0():
@@ -167,6 +168,34 @@ def test_dropout_gradients_at_budget_0_1_equal_those_at_1_0():
     assert torch.equal(dropped, dropped_reference)
     for g, r in zip(grads, reference):
         torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-6)
+
+
+def dropout_residual_layers(x, *weights):
+    """residual_layers with each layer's hidden activations dropped: the masks cross the budget's
+    recomputed matmuls and its offloaded values."""
+    for up, down in zip(weights[::2], weights[1::2]):
+        x = x + F.dropout(F.gelu(F.layer_norm(x, x.shape[-1:]) @ up), P, training=True) @ down
+    return (x,)
+
+
+def test_dropout_is_bitwise_the_same_at_a_byte_target_and_with_every_saved_value_offloaded():
+    """Issue 52: dropout exact at every budget. The same seed gives bitwise the same output and
+    gradients at budget 1.0, at a byte target that recomputes and with every saved value offloaded:
+    the masks are regenerated from the seed, never drawn again."""
+    tensors = wide_residual_inputs(tokens=256)
+    default = memfuse.memory_efficient_fusion(dropout_residual_layers).compiled_for(*leaves(tensors))
+    target = predicted_peak(default.plan, default.captured.hints) - 64 * 1024
+    configs = {"bytes": memfuse.Config(memory_budget=target),
+               "offload": memfuse.Config(offload_saved="all", offload_min_bytes=0)}
+    plans = {name: memfuse.memory_efficient_fusion(dropout_residual_layers, config=config)
+             .compiled_for(*leaves(tensors)).plan for name, config in configs.items()}
+    assert any(m.choice == "recompute" for m in plans["bytes"].budget.moves) and plans["offload"].offloaded
+    reference_grads, reference = dropout_step(1.0, fn=dropout_residual_layers, tensors=tensors)
+    assert not torch.equal(dropout_step(1.0, seed=8, fn=dropout_residual_layers, tensors=tensors)[1], reference)
+    for name, config in configs.items():
+        grads, out = dropout_step(None, fn=dropout_residual_layers, tensors=tensors, config=config)
+        assert torch.equal(out, reference), name
+        assert all(torch.equal(g, r) for g, r in zip(grads, reference_grads)), name
 
 
 def test_dropout_backward_mask_is_the_forwards_at_every_budget():
