@@ -113,7 +113,7 @@ BASES = ("eager", "checkpoint", "checkpoint_offload", "torch_compile", "memfuse"
          "memfuse_per_layer_eager_rest")
 BUDGETED = ("torch_compile", "memfuse")  # the bases that take `@budget`
 MODES = ("eager", "checkpoint", "checkpoint_offload", "torch_compile", "torch_compile@0.1", "memfuse",
-         "memfuse@12GB", "memfuse_per_layer")  # memfuse_per_layer_eager_rest: --modes adds it
+         "memfuse@12GB", "memfuse@auto", "memfuse_per_layer")  # memfuse_per_layer_eager_rest: --modes adds it
 TINY_MODES = tuple(m for m in MODES if not m.startswith("torch_compile"))
 
 
@@ -431,8 +431,10 @@ def run_one(model_spec: Model, mode: Mode, seq: int, batch: int, cuda: bool, cap
                   "error": f"{type(error).__name__}: {error}"}
         below = below_least(error)
         if below is not None:  # the byte budget's own bound at this size, not an out-of-memory
-            failed.update(oom=False, target_bytes=below.target_bytes, least_bytes=below.least_bytes,
-                          detail=f"{type(below).__name__}: {below}", error=f"target below the least: {_gb(below.least_bytes)} GB")
+            least = below.least_bytes
+            failed.update(oom=False, target_bytes=below.target_bytes, least_bytes=least,
+                          detail=f"{type(below).__name__}: {below}",
+                          error=f"target below the least: {least / 1e9:.2f} GB ({least} bytes)")
         return failed
 
 
@@ -789,7 +791,7 @@ def main(argv: list[str] | None = None) -> None:
     for index, mode in enumerate(modes):
         if mode.base == "memfuse" and mode.budget == AUTO:
             resolved = resolve_auto(run, args.chart_seq, args.out)
-            print(f"memfuse@auto: {resolved.name if isinstance(resolved, Mode) else resolved}", flush=True)
+            print(f"memfuse@auto is {resolved.name}" if isinstance(resolved, Mode) else resolved, flush=True)
             if not isinstance(resolved, Mode):
                 continue
             mode = modes[index] = resolved

@@ -302,7 +302,8 @@ def test_a_target_below_the_least_is_recorded_as_such_not_as_an_out_of_memory(mo
     monkeypatch.setattr(memory, "train_size", train_size)
     failed = memory.run_one(memory.TINY, memory.Mode.parse("memfuse@1KB"), 16, 1, cuda=False, cap_tokens=None)
     assert failed["fits"] is False and failed["oom"] is False and failed["least_bytes"] == raised.value.least_bytes
-    assert failed["error"] == f"target below the least: {memory._gb(raised.value.least_bytes)} GB"
+    least = raised.value.least_bytes
+    assert failed["error"] == f"target below the least: {least / 1e9:.2f} GB ({least} bytes)"
     assert "MemoryBudgetError" in failed["detail"] and memory.below_least(ValueError("other")) is None
 
 
