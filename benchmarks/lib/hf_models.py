@@ -252,7 +252,8 @@ WRAPPERS: dict[str, Callable[[nn.Module, Family], Callable]] = {
     "memfuse_whole": lambda model, family: memfuse.memory_efficient_fusion(model),
     # the embeddings, final norm, head and loss stay eager
     "memfuse_per_layer": _each_layer(memfuse.memory_efficient_fusion),
-    # the same layers; the embeddings, final norm, head and loss through the backend
+    # the same layers; the embeddings, final norm, head and loss through the backend: memfuse.fuse_layers'
+    # recipe (issue 52 item 2), as a torch.compile wrapper where fuse_layers compiles the model in place
     "memfuse_per_layer_backend": _fused_layers_then_backend,
     # torchtitan's way under FSDP2: each block compiled, then sharded (`--modes` adds it)
     "torch_compile_per_layer": _each_layer(torch.compile),
