@@ -263,11 +263,12 @@ class ViewRules:
         along `dim` holds nothing and is left out; where one part is left it is the whole result, a
         copy in registers like a clone (HuggingFace's partial-rotary code cats the rotated head dims
         with the rest, none at a rotary factor of 1: without this the rotated values are written
-        to memory and copied again, both ways)."""
+        to memory and copied again, both ways). A 1-d empty part is left out too, as torch.cat
+        does (an empty legacy KV cache of shape [0] before the first keys)."""
         rank = len(value.shape)
         dim = (node.args[1] if len(node.args) > 1 else 0) % rank
         parts = [(k, part) for k, part in enumerate(node.args[0])
-                 if self.graph[self.env_name(part)].value.shape[dim] != 0]
+                 if not _holds_nothing(self.graph[self.env_name(part)].value.shape, rank, dim)]
         if len(parts) == 1 and parts[0][1].meta["val"].dtype == value.dtype:
             whole = self.operand(parts[0][1])
             if fits(self.graph[whole].value, value, Op.VIEW):
@@ -346,3 +347,10 @@ class ViewRules:
         window = tuple((index, index + 1) if j == dim else None for j in range(rank))
         return self.strided(node.name, grad.then(*views.unselect(grad.shape, dim), value.shape), value,
                             f"select_backward(dim={dim})", window, self.const(0, value.dtype))
+
+
+def _holds_nothing(shape: tuple, rank: int, dim: int) -> bool:
+    """A cat part that adds nothing along `dim`: empty there, or torch.cat's legacy 1-d empty tensor."""
+    if len(shape) == 1 and shape[0] == 0:
+        return True
+    return len(shape) == rank and shape[dim] == 0
