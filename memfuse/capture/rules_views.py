@@ -305,6 +305,8 @@ class ViewRules:
         start = self.index_expr(start or 0, value.shape[dim])
         if self.graph[name].value.shape[dim] == 0:
             return base        # nothing scattered (the gradient of a cat's empty part): the base itself
+        if self.covers_base(name, value, start):
+            return name
         end = start + self.graph[name].value.shape[dim]
         window = tuple((start, end) if j == dim else None for j in range(rank))
         shift = views.shift(rank, dim, start)
@@ -314,6 +316,16 @@ class ViewRules:
             return self.pointwise(Op.WHERE, [self.column_window(start, end, value), computed, base], value, node.name)
         return self.strided(node.name, self.access(name).then(*shift, value.shape), value,
                             f"slice_scatter(dim={dim})", window, base)
+
+    def covers_base(self, name: str, value: Value, start) -> bool:
+        """A slice_scatter whose source fills the whole base (from 0, of the base's shape and dtype)
+        writes every element: its result is the source itself. A trace over a symbolic size makes
+        one of each `x[:, ...]`: `slice(x, 0, 0, 2**63 - 1)` stays in the graph (the size is not
+        provably the end; a static size is, and the slice vanishes), and its gradient is this
+        scatter into zeros, which read as a windowed copy would need its source in memory."""
+        source = self.graph[name].value
+        return start == 0 and source.shape == value.shape and source.dtype == value.dtype \
+            and source.kind is value.kind
 
     def lower_constant_pad(self, node, value: Value) -> str:
         """F.pad's constant mode (HuggingFace pads the labels it shifts for a causal LM's loss): the

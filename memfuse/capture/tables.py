@@ -110,8 +110,9 @@ SPECIAL_ATEN = {
     aten.cat.default: "windowed strided reads of the parts in memory, each where its range lies (a slice of the cat "
                       "moves their windows: torch.diff's prepend); along D, a part computed from reads "
                       "(rotate_half's -x2) is computed at its columns",
-    aten.slice_scatter.default: "a windowed strided read of the source over the base (step 1; else an extern); "
-                                "along D, a source computed from reads is computed at its columns",
+    aten.slice_scatter.default: "the source itself where it fills the whole base (a whole-dim slice's gradient); "
+                                "else a windowed strided read of the source over the base (step 1; else an "
+                                "extern); along D, a source computed from reads is computed at its columns",
     aten.any.dim: "sum of the booleans as fp32 > 0, over D or over M",
     aten.select_backward.default: "a windowed strided read of the gradient over zeros",
     aten.constant_pad_nd.default: "a windowed strided read of the source, shifted by each dim's pad, over the "

@@ -17,7 +17,7 @@ from memfuse.schedule import groups as scheduling
 from memfuse.ir.graph import Op
 
 from compare import assert_same, run_both
-from helpers import rel_error
+from helpers import assert_compiles, rel_error
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -701,3 +701,38 @@ def test_a_cat_with_an_empty_part_is_its_other_part_computed_in_place():
     report = memfuse.explain(rotary_with_pass_through, *args)
     assert len(report.kernels_of("forward")) == 1, report
     assert not [row for row in report.not_fused if "cat part" in row.reason], report
+
+
+def repeat_kv(x):
+    """HuggingFace's repeat_kv: x[:, :, None] expanded over a new dim, merged into the heads."""
+    b, h, t, d = x.shape
+    return x[:, :, None].expand(b, h, 2, t, d).reshape(b, 2 * h, t, d)
+
+
+@pytest.mark.parametrize("fn, shapes", [
+    (lambda x, w: (x * w)[:, None].sin(), [(3, 4, 8), (8,)]),
+    (lambda x, w: (repeat_kv(x * w) * 2).sin(), [(2, 2, 4, 8), (8,)]),
+    (lambda x, w: (x * w)[:, None], [(3, 4, 8), (8,)]),          # the gradient is the tangent's view
+    (lambda x, w: (x[:, None] * w, x * 2), [(3, 4, 8), (8,)]),    # ... beside another gradient of x
+], ids=["slice_then_sin", "repeat_kv", "returned", "two_gradients"])
+def test_the_gradient_of_a_slice_of_a_whole_symbolic_dim_is_its_source(fn, shapes):
+    """`x[:, ...]` over a symbolic batch traces as a slice of the whole dim (the size is not provably
+    its end), whose gradient is a slice_scatter of all of it into zeros: that is its source, not a
+    windowed copy whose source a kernel must write to memory first; results as eager's."""
+    args = [torch.randn(s, requires_grad=True) for s in shapes]
+    both = run_both(fn, args)
+    assert_same(both.fused, both.eager)
+    assert_same(both.fused_grads, both.eager_grads, what="gradient")
+    captured = both.captured[0]
+    scatters = captured.aten_graph.graph.find_nodes(op="call_function", target=torch.ops.aten.slice_scatter.default)
+    assert scatters, "the trace scatters each slice's gradient into zeros of the whole dim"
+    windowed = [n.name for n in captured.joint.nodes.values() if n.op is Op.STRIDED and n.attr.window is not None]
+    assert not windowed, windowed
+
+
+def test_the_gradient_of_a_slice_of_the_whole_batch_fuses_into_the_kernel_before_it():
+    """The whole-model trace (symbolic batch) of a decoder's rotary and repeat_kv built this windowed
+    copy per layer, a kernel each, where a trace of static sizes (torch.compile's) has none: here
+    the backward is one kernel, as for the same function without the slice."""
+    x, w = torch.randn(3, 4, 8, requires_grad=True), torch.randn(8, requires_grad=True)
+    assert_compiles(lambda x, w: (x * w)[:, None].sin(), x, w, backward_kernels=1)
