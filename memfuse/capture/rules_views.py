@@ -304,6 +304,10 @@ class ViewRules:
         start = self.index_expr(start or 0, value.shape[dim])
         if self.graph[name].value.shape[dim] == 0:
             return base        # nothing scattered (the gradient of a cat's empty part): the base itself
+        if sympy.simplify(sympy.sympify(self.graph[name].value.shape[dim]) - value.shape[dim]) == 0:
+            # the whole dim scattered (the backward of `x[...]` or `x[:]`, a slice of every index):
+            # the source itself, so a join of parts (rewrite_joins) sees the window inside it
+            return name
         end = start + self.graph[name].value.shape[dim]
         window = tuple((start, end) if j == dim else None for j in range(rank))
         shift = views.shift(rank, dim, start)

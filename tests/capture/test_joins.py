@@ -34,6 +34,14 @@ def narrows(x, w, b, wo):
     return ((q * k).sigmoid() * v @ wo).sum()
 
 
+def multi_query(x, w, b, wo):
+    """Falcon's multi-query cut: every query head, then one key and one value head, each slice
+    taking every index of the leading dims (their backward: slice_scatter over the whole dim)."""
+    qkv = (x @ w + b).view(x.shape[0], x.shape[1], 6, H // 2)
+    q, k, v = qkv[:, :, :4, :], qkv[:, :, 4:5, :], qkv[:, :, 5:, :]
+    return ((q * k).sigmoid() * v).sum() + wo.sum()
+
+
 def overlapping(x, w, b, wo):
     """Two slices that share columns: their gradients add there."""
     qkv = x @ w + b
@@ -52,7 +60,7 @@ def backward_adds(fn) -> int:
     return sum(op == "add" for k in report.kernels_of("backward") for _, op in k.ops)
 
 
-@pytest.mark.parametrize("fn", [selects, slices, narrows])
+@pytest.mark.parametrize("fn", [selects, slices, narrows, multi_query])
 def test_disjoint_parts_join_without_add(fn):
     assert backward_adds(fn) == 0
 
@@ -61,7 +69,16 @@ def test_overlapping_parts_keep_the_add():
     assert backward_adds(overlapping) == 1
 
 
-@pytest.mark.parametrize("fn", [selects, slices, narrows, overlapping])
+def test_a_whole_dim_scattered_is_its_source():
+    """The full leading slices' gradients are the parts themselves: no kernel writes a zero-padded
+    part for the join to read again; one kernel joins the parts."""
+    tensors = [t.requires_grad_() for t in inputs()]
+    joins = [k for k in compiled(multi_query, *tensors).report.kernels_of("backward")
+             if any(op == "strided" for _, op in k.ops) and k.rows == B * T * 6]
+    assert len(joins) == 1, joins
+
+
+@pytest.mark.parametrize("fn", [selects, slices, narrows, multi_query, overlapping])
 def test_gradients_match_eager(fn):
     tensors, grad = [t.requires_grad_() for t in inputs()], torch.tensor(1.0)
     expected, expected_grads = forward_backward(fn, tensors, {}, grad)
