@@ -20,6 +20,7 @@ from memfuse.capture.merge import merge_stored_duplicates, merged_name
 from memfuse.capture.rewrite_columns import ColumnsInRegisters
 from memfuse.capture.rewrite_permutes import PermutesOfComputed
 from memfuse.capture.rewrite_sums import SumsThroughViews
+from memfuse.capture.rewrite_joins import JoinsOfPaddedParts
 from memfuse.capture.rewrite_windows import SlicesOfWindows
 from memfuse.capture.rules_index import IndexRules
 from memfuse.capture.rules_pointwise import PointwiseRules
@@ -47,7 +48,8 @@ def lower_graph(gm: torch.fx.GraphModule, symbols: dict, hints: dict, *, num_pri
     return Lowering(gm, symbols, hints).run(num_primals=num_primals, trace_joint=trace_joint)
 
 
-class Lowering(ViewRules, ColumnsInRegisters, SumsThroughViews, PermutesOfComputed, SlicesOfWindows, PointwiseRules,
+class Lowering(ViewRules, ColumnsInRegisters, SumsThroughViews, PermutesOfComputed, SlicesOfWindows, JoinsOfPaddedParts,
+               PointwiseRules,
                ReductionRules, IndexRules):
     """The state of one lowering (the IR graph being built, the fx -> IR names, the strided reads)
     and its driver; the rules are the mixins', by family."""

@@ -42,6 +42,10 @@ class PointwiseRules:
             raise NotFusible(f"fp64 {op.value}: its helper ({OPS[op].helper}) is accurate to fp32 only")
         if op in COMPARISON:
             args = self.promote(node, args)
+        if op is Op.ADD and alpha == 1:     # gradients of a split value's parts (rewrite_joins)
+            joined = self.joined_sum(args, value, node.name)
+            if joined is not None:
+                return joined
         return self.pointwise(op, args, value, node.name)
 
     def promote(self, node, args: list) -> list:
