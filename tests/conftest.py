@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 _CACHE_DIR = tempfile.mkdtemp(prefix="memfuse-test-cache-")
 os.environ["MEMFUSE_CACHE_DIR"] = _CACHE_DIR          # never write into ~/.cache
 os.environ.setdefault("MEMFUSE_CHECK", "1")           # the IR verifier after every stage
-for _switch in ("MEMFUSE_LOG", "MEMFUSE_DUMP_DIR", "MEMFUSE_STRICT"):
+for _switch in ("MEMFUSE_LOG", "MEMFUSE_DUMP_DIR", "MEMFUSE_STRICT", "MEMFUSE_SYMBOLIC_TOKEN_DIMS"):
     os.environ.pop(_switch, None)                     # tests turn these on themselves
 
 _ROOT = Path(__file__).resolve().parent.parent

@@ -96,10 +96,10 @@ class Config:
     # Turn every extern (aten) fallback into an error naming the op (MEMFUSE_STRICT=1).
     strict: bool = field(default_factory=lambda: _env_flag("MEMFUSE_STRICT"))
     # memory_efficient_fusion: integer inputs' last dims (token ids, labels) traced as size symbols,
-    # so a new sequence length is no new compile (MEMFUSE_SYMBOLIC_TOKEN_DIMS=1). Off by default: a
-    # symbolic token count still keeps the loss head's target scatter and some row reductions over
-    # such dims out of the kernels (docs/usage.md).
-    symbolic_token_dims: bool = field(default_factory=lambda: _env_flag("MEMFUSE_SYMBOLIC_TOKEN_DIMS"))
+    # so a new sequence length is no new compile. MEMFUSE_SYMBOLIC_TOKEN_DIMS=0 turns it off (each
+    # sequence length its own program, the length a compile-time D).
+    symbolic_token_dims: bool = field(default_factory=lambda: os.environ.get("MEMFUSE_SYMBOLIC_TOKEN_DIMS", "1")
+                                      .strip().lower() not in ("0", "false", "no", "off"))
     # Where generated kernels are written, one content-addressed file each.
     cache_dir: Path = field(default_factory=default_cache_dir)
     # Run the IR verifier after every stage (tests turn it on; MEMFUSE_CHECK=1).

@@ -39,6 +39,7 @@ def capture(fn: Callable, args: Sequence[torch.Tensor], *, trace_joint: bool,
     fake_mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
     fakes = [_fake_input(fake_mode, t, static=i < len(static_inputs) and static_inputs[i], symbolic_last=symbolic_last)
              for i, t in enumerate(args)]
+    _equal_sizes_as_one(fakes)
     with compiling(), trace_modes():
         gm = _export(fn, tuple(fakes), trace_joint)
     symbols, hints = _symbol_sources(fakes)
@@ -140,6 +141,23 @@ def _fake_input(mode: FakeTensorMode, t: torch.Tensor, static: bool, symbolic_la
     dims = [DimDynamic.STATIC if static or (i == t.dim() - 1 and not symbolic_last) else DimDynamic.DYNAMIC
             for i in range(t.dim())]
     return mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(dynamic_sizes=dims))
+
+
+def _equal_sizes_as_one(fakes) -> None:
+    """Size symbols of equal value, across all inputs, made one (a replacement, as the trace's own
+    Eq(a, b) makes): the compile key (fronts.function) holds the same equality classes of these
+    sizes, so the program serves only calls where they are equal again. Without it, sizes that only
+    a product relates stay apart: the labels' tokens [b2 * s2] and the logits' rows [b1 * s1] once
+    token dims are symbols (Eq(b1*s1, b2*s2) names no single size), and the loss's pick and target
+    scatter could not share the logits' [M, D] space. Sizes only: the symbols stay DYNAMIC (not
+    duck-shaped), so no stride symbol (duck-shaped by torch) ever takes a size's symbol."""
+    first: dict = {}
+    for fake in fakes:
+        for size in fake.shape:
+            if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
+                same = first.setdefault(size.node.hint, size)
+                if same is not size and not bool(size == same):   # the guard records the replacement
+                    raise AssertionError(f"memfuse: sizes {size} and {same} of one value differ")
 
 
 def _symbol_sources(fakes) -> tuple[dict, dict]:

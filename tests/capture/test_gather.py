@@ -72,7 +72,9 @@ def test_explain_shows_the_pick_in_the_loss_kernel_and_no_vocab_row_saved():
     (loss_kernel,) = [k for k in report.kernels_of("forward") if k.d == VOCAB]
     ops = dict(loss_kernel.ops)
     assert ops["amax"] == "max" and ops["gather_sum"] == "sum" and ops["gather_hit"] == "eq"
-    assert loss_kernel.outputs == ("gather",) and loss_kernel.passes == 2
+    # it writes the per-token loss, ignored targets zeroed: the targets [tokens] are a row of
+    # tokens (integer: their one dim is a size symbol), whose mask joins the loss kernel
+    assert loss_kernel.outputs == ("where_1",) and loss_kernel.passes == 2
     assert "extern gather_check: IndexCheck(0 <= index < 40)" in str(report)
     # of [tokens, vocab], the backward gets the bf16 logits the matmul wrote, nothing in fp32
     wide = [(s.dtype, s.shape) for s in report.saved if not s.is_input and s.bytes >= TOKENS * VOCAB]
@@ -158,3 +160,27 @@ def test_hf_causal_lm_loss_behind_torch_compile_writes_no_vocab_row():
     want_grad, = torch.autograd.grad(want, logits)
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(got_grad, want_grad)
+
+
+def causal_lm_loss(h, w, labels):
+    """A causal LM's loss as HuggingFace writes it: [B, S, V] logits flattened to rows, the labels
+    [B, S] padded, shifted and flattened: the rows only a product of sizes relates to the labels."""
+    logits = (h @ w).float()
+    shifted = F.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()
+    return F.cross_entropy(logits.view(-1, logits.shape[-1]), shifted.view(-1), ignore_index=-100)
+
+
+@pytest.mark.parametrize("symbolic", [True, False], ids=["symbolic_tokens", "static_tokens"])
+def test_labels_of_the_logits_batch_share_its_rows_in_the_loss_kernels(symbolic):
+    """The labels' [B, S] and the hidden states' [B, S] are traced with one symbol per size (duck
+    shaping, as the compile key holds equal sizes equal): the labels' tokens are the logits' rows,
+    and the pick, the target scatter and its scale fuse. With distinct symbols only the product
+    B*S == B'*S' related them, and all three ran through aten."""
+    torch.manual_seed(0)
+    h = torch.randn(2, 5, HIDDEN, requires_grad=True)
+    w = (torch.randn(HIDDEN, VOCAB) * 0.5).requires_grad_()
+    labels = torch.tensor([[3, -100, 39, 0, 17], [1, 2, -100, 4, 5]])
+    config = Config(symbolic_token_dims=symbolic)
+    both = assert_matches_eager(causal_lm_loss, [h, w, labels], config=config)
+    aten = {f[1] for f in both.fallbacks}
+    assert not aten & {"aten.gather.default", "aten.scatter.value", "aten.mul.Tensor"}, both.fallbacks

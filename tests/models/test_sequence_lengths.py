@@ -1,8 +1,9 @@
 """One compile per shape family: a whole HuggingFace model wrapped by memfuse and trained over six
 sequence lengths and three batch sizes compiles once, and each step matches eager (the loss and
 every gradient). The token ids and labels are integer tensors: their last dim, the sequence
-length, is a size symbol of the trace (capture.trace.symbolic_last_dim), not a D, with
-Config(symbolic_token_dims=True) (off by default: docs/usage.md says what it still costs)."""
+length, is a size symbol of the trace (capture.trace.symbolic_last_dim), not a D
+(Config.symbolic_token_dims, on by default). The loss head stays chunked in that one program: the
+labels' tokens are the logits' rows at every length."""
 import dataclasses
 
 import pytest
@@ -26,7 +27,7 @@ def test_a_whole_model_compiles_once_over_sequence_lengths_and_batch_sizes(famil
     size = dataclasses.replace(spec.tiny, seq=max(s for _, s in STEPS))   # the position table's length
     model = bench.build(spec, size, 0.0)
     eager = bench.build(spec, size, 0.0, model.state_dict())
-    fused = memfuse.memory_efficient_fusion(model, config=memfuse.Config(symbolic_token_dims=True))
+    fused = memfuse.memory_efficient_fusion(model)
     for batch, seq in STEPS:
         batch_size = dataclasses.replace(size, batch=batch, seq=seq)
         inputs = bench.make_batch(batch_size, CPU.device)
@@ -38,6 +39,7 @@ def test_a_whole_model_compiles_once_over_sequence_lengths_and_batch_sizes(famil
         assert error <= 1e-4, (batch, seq, where, error)
     stats = memfuse.stats()
     assert (stats["compiles"], stats["recompiles"], stats["eager_calls"]) == (1, 0, 0), stats
+    assert stats["loss_heads_chunked"] == 1, stats      # the one program's, run at every length
 
 
 def test_the_backend_compiles_the_graphs_dynamo_makes_and_no_more():

@@ -181,11 +181,10 @@ def embed_and_norm(table, weight, ids, keep):
 BATCH_AND_SEQUENCE = [(2, 5), (3, 6), (4, 7), (2, 9), (3, 11), (4, 13)]
 
 
-def test_a_new_sequence_length_of_token_ids_is_a_new_symbol_value(monkeypatch):
+def test_a_new_sequence_length_of_token_ids_is_a_new_symbol_value():
     """Integer inputs [B, S] (token ids, 0/1 masks): S is traced as a size symbol and keyed as a
     leading size, not as D: six sequence lengths and three batch sizes make one program, whose
     outputs and gradients match eager's at each."""
-    monkeypatch.setenv("MEMFUSE_SYMBOLIC_TOKEN_DIMS", "1")   # Config.symbolic_token_dims
     fused = memfuse.memory_efficient_fusion(embed_and_norm)
     table, weight = torch.randn(50, D, requires_grad=True), torch.randn(D, requires_grad=True)
     for b, s in BATCH_AND_SEQUENCE:
@@ -202,10 +201,23 @@ def test_a_new_sequence_length_of_token_ids_is_a_new_symbol_value(monkeypatch):
     assert entry.captured.specialized is None
 
 
-def test_equal_sizes_of_token_ids_compile_their_own_program_and_say_why(caplog, monkeypatch):
+def test_symbolic_token_dims_off_makes_a_sequence_length_a_compile_time_d(caplog, monkeypatch):
+    """On by default; MEMFUSE_SYMBOLIC_TOKEN_DIMS=0 (Config.symbolic_token_dims=False) keys an
+    integer input's last dim as a D again: a new sequence length is a new program, and says so."""
+    monkeypatch.setenv("MEMFUSE_SYMBOLIC_TOKEN_DIMS", "0")
+    assert not memfuse.Config().symbolic_token_dims
+    fused = memfuse.memory_efficient_fusion(embed_and_norm)
+    table, weight = torch.randn(50, D), torch.randn(D)
+    with caplog.at_level("INFO", logger="memfuse.recompiles"):
+        for b, s in [(2, 5), (3, 7)]:
+            fused(table, weight, torch.randint(0, 50, (b, s)), torch.ones(b, s, dtype=torch.bool))
+    assert memfuse.stats()["compiles"] == 2
+    assert "D (last dim) 5 -> 7" in caplog.text, caplog.text
+
+
+def test_equal_sizes_of_token_ids_compile_their_own_program_and_say_why(caplog):
     """The rule's minimum: a sequence length equal to the batch size shares its symbol (as equal
     leading sizes do), a program of its own; the recompile log names the argument and its sizes."""
-    monkeypatch.setenv("MEMFUSE_SYMBOLIC_TOKEN_DIMS", "1")   # Config.symbolic_token_dims
     fused = memfuse.memory_efficient_fusion(embed_and_norm)
     table, weight = torch.randn(50, D), torch.randn(D)
     with caplog.at_level("INFO", logger="memfuse.recompiles"):
@@ -216,9 +228,8 @@ def test_equal_sizes_of_token_ids_compile_their_own_program_and_say_why(caplog, 
     assert "argument 'ids' (position 2): size pattern (-2, -3) -> (-2, -2)" in caplog.text, caplog.text
 
 
-def test_explain_names_the_dims_that_are_size_symbols(monkeypatch):
+def test_explain_names_the_dims_that_are_size_symbols():
     """explain() says which dims of which argument a new call may change without a compile."""
-    monkeypatch.setenv("MEMFUSE_SYMBOLIC_TOKEN_DIMS", "1")   # Config.symbolic_token_dims
     table, weight = torch.randn(50, D), torch.randn(D)
     report = memfuse.explain(embed_and_norm, table, weight, torch.randint(0, 50, (2, 5)), torch.ones(2, 5, dtype=torch.int32))
     assert report.symbolic_sizes == [("table", (0,)), ("ids", (0, 1)), ("keep", (0, 1))], report.symbolic_sizes
@@ -229,7 +240,6 @@ def test_a_failed_compile_with_symbolic_token_dims_is_compiled_again_with_them_s
     """Where the program with integer inputs' last dims as symbols fails to compile (a limit of a
     later stage), the call is compiled again with them static, per shape, and says so; it does not
     run through torch. (The first compile is made to fail here.)"""
-    monkeypatch.setenv("MEMFUSE_SYMBOLIC_TOKEN_DIMS", "1")   # Config.symbolic_token_dims
     from memfuse.driver.fallback import EagerCall
     from memfuse.fronts import function
 
