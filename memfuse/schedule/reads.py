@@ -90,8 +90,16 @@ def runtime_reshape(graph: Graph, node) -> bool:
 
 
 def same_size(graph: Graph, node) -> bool:
+    """Whether `node` has as many elements as its input. Sizes equal term for term (every static
+    size, and most symbolic ones) answer without sympy.simplify, which costs milliseconds a call
+    and runs for every view of a graph; simplify decides only products that differ in form."""
     source = graph[node.inputs[0]].value
-    return sympy.simplify(sympy.Mul(*source.shape) - sympy.Mul(*node.value.shape)) == 0
+    before, after = sympy.Mul(*source.shape), sympy.Mul(*node.value.shape)
+    if before == after:
+        return True
+    if before.is_Integer and after.is_Integer:
+        return False
+    return sympy.simplify(before - after) == 0
 
 
 
