@@ -75,7 +75,8 @@ def test_each_module_in_benchmarks_is_a_command_and_the_library_none():
 
 def test_the_makefile_runs_commands():
     named = set(re.findall(r"-m (benchmarks\.\w+)", (ROOT / "Makefile").read_text()))
-    assert named == {"benchmarks.run", "benchmarks.models", "benchmarks.zoo", "benchmarks.budget", "benchmarks.loss_head"}
+    assert named == {"benchmarks.run", "benchmarks.models", "benchmarks.zoo", "benchmarks.budget", "benchmarks.loss_head",
+                     "benchmarks.memory", "benchmarks.trainer"}
     assert all(runs_as_main((ROOT / (name.replace(".", "/") + ".py")).read_text()) for name in named)
 
 
